@@ -1,0 +1,24 @@
+"""looptool: loop existing pretrained decoders for elastic-depth inference.
+
+Python API::
+
+    model = looptool.convert(hf_model, looptool.PrefixLoop(window=(6, 18), budgets=(0, 3, 6, 9, 12)))
+    out = model(input_ids, budget=6)          # .logits, .loss with labels=
+    model.save_pretrained("looped"); model = looptool.load("looped")
+
+Beneath it, the pass API: :func:`looptool.capture.capture` a model into a
+:class:`~looptool.graph.LayerGraph`, run named passes with
+:class:`looptool.passes.PassManager`, inspect node roles, build a :class:`LoopedModel`.
+"""
+
+__version__ = "0.1.0"
+
+from looptool.capture import capture
+from looptool.convert import convert
+from looptool.errors import LooptoolError
+from looptool.graph import LayerGraph
+from looptool.model import LoopedModel
+from looptool.plan import PrefixLoop
+from looptool.serialization import load
+
+__all__ = ["LayerGraph", "LoopedModel", "LooptoolError", "PrefixLoop", "capture", "convert", "load", "__version__"]

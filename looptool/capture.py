@@ -1,0 +1,450 @@
+"""Capture a Hugging Face causal LM as an annotated FX graph.
+
+``torch.export`` (dynamic batch and sequence) produces the graph; the unlifted
+``GraphModule`` holds the *source's own* parameter objects, so nothing is copied. Then every
+node is annotated with its layer and role (:mod:`looptool.graph`). This module is the only
+place that knows about architectures: it finds the decoder-layer list, and identifies each
+layer's residual stream by data flow:
+
+* walking back from the layer's output through the layer's own ``add`` nodes, an add whose
+  one operand is an ancestor of the other adds a *write* (the descendant) to the *stream*
+  (the ancestor); an add of two independent values is a sum of parallel writes (GPT-NeoX);
+* each write is classified by the ops between it and the stream: ``topk`` → MoE, attention
+  (``scaled_dot_product_attention`` / ``softmax``) → attention, otherwise MLP.
+
+Pre-norm (Llama), branch-post-norm (OLMo2, Gemma3), Conv1D (GPT-2), parallel residual
+(GPT-NeoX) and MoE (Mixtral, Qwen-MoE, OLMoE) layers all reduce to this form. A layer that
+does not is refused with a :class:`~looptool.errors.CaptureError` naming what was missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Iterable
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.export import Dim
+
+from looptool.errors import CaptureError
+from looptool.graph import (
+    FORM_PARALLEL,
+    FORM_SEQUENTIAL,
+    ROLE_ATTENTION,
+    ROLE_EMBEDDING,
+    ROLE_FINAL_NORM,
+    ROLE_HEAD,
+    ROLE_INPUT,
+    ROLE_LAYER,
+    ROLE_MLP,
+    ROLE_MOE,
+    ROLE_OUTPUT,
+    ROLE_PARAM,
+    ROLE_PROLOGUE,
+    ROLE_RESIDUAL,
+    ROLE_ROUTER,
+    ROLE_SHAPE,
+    LayerGraph,
+    LayerInfo,
+    SourceInfo,
+    Write,
+    annotate,
+)
+
+log = logging.getLogger(__name__)
+
+_ADD_TARGETS = {torch.ops.aten.add.Tensor, operator.add}
+_ATTENTION_TARGETS = {
+    torch.ops.aten.scaled_dot_product_attention.default,
+    torch.ops.aten._softmax.default,
+    torch.ops.aten.softmax.int,
+}
+_TOPK_TARGETS = {torch.ops.aten.topk.default}
+_INPUT_NAMES = ("input_ids", "attention_mask")
+
+
+def num_layers_of(config) -> int:
+    """Number of decoder layers of a (possibly multimodal) HF config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = getattr(text, "num_hidden_layers", None)
+    if not isinstance(n, int) or n < 1:
+        raise CaptureError(
+            f"the model config ({type(config).__name__}) has no 'num_hidden_layers'; "
+            "looptool needs a decoder-only causal LM."
+        )
+    return n
+
+
+def hidden_size_of(config) -> int:
+    """Hidden (residual stream) width of an HF config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.hidden_size)
+
+
+def find_layers_path(model: nn.Module, num_layers: int) -> str:
+    """Dotted path of the ``ModuleList`` that holds the decoder layers."""
+    candidates = [
+        name
+        for name, mod in model.named_modules()
+        if isinstance(mod, nn.ModuleList) and len(mod) == num_layers and name
+    ]
+    if not candidates:
+        raise CaptureError(
+            f"no ModuleList of {num_layers} decoder layers was found in "
+            f"{type(model).__name__}; looptool supports decoder-only models whose layers "
+            "live in one nn.ModuleList."
+        )
+    return min(candidates, key=lambda n: n.count("."))
+
+
+def _module_path(model: nn.Module, target: nn.Module | None) -> str | None:
+    if target is None:
+        return None
+    return next((name for name, mod in model.named_modules() if mod is target), None)
+
+
+def export_source(model: nn.Module, seq_len: int = 8, batch: int = 2) -> fx.GraphModule:
+    """``torch.export`` the model's full-sequence forward (dynamic batch/sequence), unlifted.
+
+    The returned GraphModule's parameters and buffers are the model's own tensor objects.
+    """
+    device = next(model.parameters()).device
+    input_ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
+    attention_mask = torch.ones(batch, seq_len, dtype=torch.long, device=device)
+    dims = {0: Dim.AUTO, 1: Dim.AUTO}
+    try:
+        ep = torch.export.export(
+            model,
+            (),
+            {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False},
+            dynamic_shapes={"input_ids": dims, "attention_mask": dims, "use_cache": None},
+            strict=False,
+        )
+    except Exception as exc:  # torch.export raises many types; say which model failed
+        raise CaptureError(
+            f"torch.export could not capture {type(model).__name__} "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:300]})."
+        ) from exc
+    return ep.module()
+
+
+def capture(model: nn.Module) -> LayerGraph:
+    """Capture ``model`` (an HF causal LM, on any device including ``meta``) as a LayerGraph.
+
+    The graph is specialised to the model's dtype and device (DESIGN §4). No weight is
+    copied: the LayerGraph's module holds the model's own parameter tensors.
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        raise CaptureError(
+            f"{type(model).__name__} has no Hugging Face 'config'; wrap a transformers "
+            "causal LM (AutoModelForCausalLM) or pass a model directory."
+        )
+    was_training = model.training
+    model.eval()
+    try:
+        exported = export_source(model)
+    finally:
+        model.train(was_training)
+    n_layers = num_layers_of(config)
+    layers_path = find_layers_path(model, n_layers)
+    head_path = _module_path(model, model.get_output_embeddings())
+    module = _clean_module(exported)
+    layers = annotate_graph(module.graph, layers_path, n_layers, head_path)
+    param = next(model.parameters())
+    source = SourceInfo(
+        model_type=getattr(config, "model_type", type(model).__name__),
+        dtype=str(param.dtype),
+        device=str(param.device),
+        attn_implementation=getattr(config, "_attn_implementation", None),
+        num_layers=n_layers,
+        hidden_size=hidden_size_of(config),
+        layers_path=layers_path,
+    )
+    log.info("captured %s: %d layers, %d nodes", source.model_type, n_layers, len(module.graph.nodes))
+    return LayerGraph(module=module, layers=layers, source=source, config=config)
+
+
+def _clean_module(exported: fx.GraphModule) -> fx.GraphModule:
+    """Rebuild the exported graph with plain ``(input_ids, attention_mask) -> logits`` I/O.
+
+    Drops the ``use_cache`` placeholder and the export guard call; parameters stay shared.
+    """
+    old = exported.graph
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out_node = None
+    for node in old.nodes:
+        if node.op == "placeholder":
+            if node.target in _INPUT_NAMES:
+                env[node] = new.placeholder(node.target)
+                env[node].meta = dict(node.meta)
+            continue
+        if node.op == "call_module":  # the export's _guards_fn; nothing else is a module call
+            continue
+        if node.op == "output":
+            out_node = node
+            continue
+        env[node] = new.node_copy(node, lambda n: env[n])
+    leaves = [leaf for leaf in _flatten(out_node.args[0]) if isinstance(leaf, fx.Node)]
+    if len(leaves) != 1:
+        raise CaptureError(
+            f"the exported forward returned {len(leaves)} tensors; expected only the logits "
+            "(looptool calls the model with use_cache=False)."
+        )
+    new.output(env[leaves[0]])
+    _drop_noop_casts(new)
+    new.eliminate_dead_code()
+    gm = fx.GraphModule(exported, new)
+    return gm
+
+
+_CAST_TARGETS = {
+    torch.ops.aten.to.dtype,
+    torch.ops.aten.to.device,
+    torch.ops.aten.to.dtype_layout,
+    torch.ops.aten._to_copy.default,
+}
+
+
+def _drop_noop_casts(graph: fx.Graph) -> None:
+    """Replace ``.to()`` nodes that change nothing by their input.
+
+    ``x.to(float32)`` on an fp32 tensor returns ``x`` itself, so export records later uses
+    of ``x`` (e.g. the residual kept before an RMSNorm) as uses of the cast node. Undoing
+    that alias restores the true data flow (the residual stream) without changing a bit.
+    """
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _CAST_TARGETS:
+            continue
+        src = node.args[0]
+        if not isinstance(src, fx.Node):
+            continue
+        a, b = src.meta.get("val"), node.meta.get("val")
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            continue
+        if node.target is torch.ops.aten._to_copy.default:
+            continue  # an explicit copy: keep it
+        if a.dtype == b.dtype and a.device == b.device and a.layout == b.layout:
+            node.replace_all_uses_with(src)
+
+
+def _flatten(value) -> Iterable:
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _flatten(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _flatten(v)
+    else:
+        yield value
+
+
+def _layer_of(node: fx.Node, layers_path: str) -> int | None:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    prefix = layers_path + "."
+    for path, _ in stack.values():
+        if path.startswith(prefix):
+            head = path[len(prefix):].split(".", 1)[0]
+            if head.isdigit():
+                return int(head)
+    return None
+
+
+def _innermost_path(node: fx.Node) -> str | None:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    return list(stack.values())[-1][0]
+
+
+def _is_ancestor(candidate: fx.Node, node: fx.Node, scope: set[fx.Node]) -> bool:
+    """True if ``candidate`` feeds ``node`` through nodes of ``scope``."""
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        cur = todo.pop()
+        for inp in cur.all_input_nodes:
+            if inp is candidate:
+                return True
+            if inp in scope and inp not in seen:
+                seen.add(inp)
+                todo.append(inp)
+    return False
+
+
+def _branch_nodes(write: fx.Node, stream: fx.Node, scope: set[fx.Node]) -> set[fx.Node]:
+    """Nodes of the layer between the stream value and a write (the branch computation)."""
+    out = {write}
+    todo = [write]
+    while todo:
+        cur = todo.pop()
+        for inp in cur.all_input_nodes:
+            if inp is not stream and inp in scope and inp not in out:
+                out.add(inp)
+                todo.append(inp)
+    return out
+
+
+def _is_layer_add(node: fx.Node, scope: set[fx.Node], layer_module: str) -> bool:
+    return (
+        node in scope
+        and node.op == "call_function"
+        and node.target in _ADD_TARGETS
+        and len(node.args) == 2
+        and all(isinstance(a, fx.Node) for a in node.args)
+        and not node.kwargs.get("alpha")
+        and _innermost_path(node) == layer_module
+    )
+
+
+def _analyse_layer(index: int, nodes: list[fx.Node], layer_module: str) -> tuple[LayerInfo, dict]:
+    scope = set(nodes)
+    escaping = [n for n in nodes if any(u not in scope for u in n.users)]
+    if len(escaping) != 1:
+        names = ", ".join(n.name for n in escaping) or "none"
+        raise CaptureError(
+            f"layer {index} has {len(escaping)} values used outside it ({names}); looptool "
+            "expects one residual-stream output per decoder layer."
+        )
+    output = escaping[0]
+    residual_adds: list[fx.Node] = []
+    pending: list[tuple[fx.Node, fx.Node]] = []  # (write-or-sum node, add node)
+    stream = output
+    while _is_layer_add(stream, scope, layer_module):
+        x, y = stream.args
+        if _is_ancestor(y, x, scope):
+            pending.append((x, stream))
+            residual_adds.append(stream)
+            stream = y
+        elif _is_ancestor(x, y, scope):
+            pending.append((y, stream))
+            residual_adds.append(stream)
+            stream = x
+        else:
+            break
+    if stream in scope or not pending:
+        raise CaptureError(
+            f"layer {index}: no residual stream was found (walking back from output "
+            f"'{output.name}' did not reach the layer input through residual adds); this "
+            "architecture's layer structure is not supported."
+        )
+    layer_input = stream
+    form = FORM_SEQUENTIAL
+    writes: list[tuple[fx.Node, fx.Node, fx.Node]] = []  # (write, add, stream-before)
+    # pending is ordered output → input; stream-before of each add is its ancestor operand.
+    for write_or_sum, add in reversed(pending):
+        base = add.args[0] if add.args[1] is write_or_sum else add.args[1]
+        parts = [(write_or_sum, add)]
+        if _is_layer_add(write_or_sum, scope, layer_module) and not any(
+            _is_ancestor(a, b, scope) for a, b in (write_or_sum.args, write_or_sum.args[::-1])
+        ):
+            form = FORM_PARALLEL
+            residual_adds.append(write_or_sum)
+            parts = [(a, write_or_sum) for a in write_or_sum.args]
+        writes.extend((w, a, base) for w, a in parts)
+    roles: dict[fx.Node, str] = {n: ROLE_LAYER for n in nodes}
+    infos: list[Write] = []
+    for write, add, base in writes:
+        branch = _branch_nodes(write, base, scope) - set(residual_adds)
+        targets = {n.target for n in branch}
+        if targets & _TOPK_TARGETS:
+            kind = ROLE_MOE
+        elif targets & _ATTENTION_TARGETS:
+            kind = ROLE_ATTENTION
+        else:
+            kind = ROLE_MLP
+        for n in branch:
+            roles[n] = kind
+        if kind == ROLE_MOE:
+            topk = [n for n in branch if n.target in _TOPK_TARGETS]
+            for t in topk:
+                for n in _branch_nodes(t, base, scope) & branch:
+                    if _module_is_not_expert(n):
+                        roles[n] = ROLE_ROUTER
+        infos.append(Write(node=write.name, add=add.name, kind=kind))
+    kinds = [w.kind for w in infos]
+    if ROLE_ATTENTION not in kinds or len(set(kinds)) != len(kinds):
+        raise CaptureError(
+            f"layer {index}: expected one attention write and one MLP/MoE write into the "
+            f"residual stream, found {kinds}; this layer structure is not supported."
+        )
+    for add in residual_adds:
+        roles[add] = ROLE_RESIDUAL
+    info = LayerInfo(
+        index=index,
+        nodes=tuple(n.name for n in nodes),
+        input=layer_input.name,
+        output=output.name,
+        writes=tuple(infos),
+        form=form,
+    )
+    return info, roles
+
+
+def _is_shape(node: fx.Node) -> bool:
+    """Symbolic-size arithmetic: its value is a SymInt/int, not a tensor."""
+    val = node.meta.get("val")
+    return val is not None and not isinstance(val, torch.Tensor) and not (
+        isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val)
+    )
+
+
+def _module_is_not_expert(node: fx.Node) -> bool:
+    path = _innermost_path(node) or ""
+    return ".experts" not in path
+
+
+def annotate_graph(
+    graph: fx.Graph, layers_path: str, n_layers: int, head_path: str | None
+) -> tuple[LayerInfo, ...]:
+    """Annotate every node of a captured graph with layer and role; return the layer infos."""
+    by_layer: dict[int, list[fx.Node]] = {i: [] for i in range(n_layers)}
+    for node in graph.nodes:
+        layer = _layer_of(node, layers_path)
+        if layer is not None and node.op == "call_function" and not _is_shape(node):
+            by_layer[layer].append(node)
+    missing = [i for i, ns in by_layer.items() if not ns]
+    if missing:
+        raise CaptureError(
+            f"no graph nodes were attributed to decoder layer(s) {missing[:5]}; the export "
+            "lost the module structure needed to find them."
+        )
+    infos = []
+    layer_roles: dict[fx.Node, tuple[str, int]] = {}
+    for index, nodes in by_layer.items():
+        info, roles = _analyse_layer(index, nodes, f"{layers_path}.{index}")
+        infos.append(info)
+        layer_roles.update({n: (r, index) for n, r in roles.items()})
+    for prev, nxt in zip(infos, infos[1:]):
+        if nxt.input != prev.output:
+            raise CaptureError(
+                f"layer {nxt.index} does not read layer {prev.index}'s output; looptool "
+                "needs the decoder layers to form one residual chain."
+            )
+    seen_layers = False
+    for node in graph.nodes:
+        if node in layer_roles:
+            role, index = layer_roles[node]
+            annotate(node, role, index)
+            seen_layers = True
+        elif node.op == "placeholder":
+            annotate(node, ROLE_INPUT, None)
+        elif node.op == "get_attr":
+            annotate(node, ROLE_PARAM, None)
+        elif node.op == "output":
+            annotate(node, ROLE_OUTPUT, None)
+        elif _is_shape(node):
+            annotate(node, ROLE_SHAPE, None)
+        elif not seen_layers:
+            is_embedding = node.target is torch.ops.aten.embedding.default
+            annotate(node, ROLE_EMBEDDING if is_embedding else ROLE_PROLOGUE, None)
+        else:
+            path = _innermost_path(node)
+            is_head = head_path is not None and path is not None and path.startswith(head_path)
+            annotate(node, ROLE_HEAD if is_head else ROLE_FINAL_NORM, None)
+    return tuple(infos)

@@ -1,0 +1,212 @@
+"""The annotated layer graph that passes read and rewrite.
+
+A :class:`LayerGraph` is the captured FX ``GraphModule`` of a source model (its graph plus
+the source parameters, shared, never copied), a per-layer description of the residual
+structure (:class:`LayerInfo`), the new parameters that passes declared, and, once a
+looping pass ran, one straight-line FX graph per budget (the *budget paths*).
+
+Every node carries ``node.meta["looptool"] = {"layer": int | None, "role": str}``. Passes
+read roles and layer indices, never module names: all per-architecture knowledge stays in
+:mod:`looptool.capture`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from looptool.errors import PassError
+
+META_KEY = "looptool"
+
+# Roles a node can have (DESIGN §3).
+ROLE_INPUT = "input"
+ROLE_PARAM = "param"
+ROLE_EMBEDDING = "embedding"
+ROLE_PROLOGUE = "prologue"  # masks, rotary tables: computed once, read by every layer
+ROLE_ATTENTION = "attention"
+ROLE_MLP = "mlp"
+ROLE_MOE = "moe"
+ROLE_ROUTER = "router"
+ROLE_RESIDUAL = "residual"  # the adds that write a branch into the residual stream
+ROLE_LAYER = "layer"  # other nodes of a layer that belong to no single branch
+ROLE_FINAL_NORM = "final_norm"
+ROLE_HEAD = "head"
+ROLE_OUTPUT = "output"
+ROLE_GATE = "gate"  # nodes added by a looping pass to gate a second-pass write
+ROLE_SHAPE = "shape"  # symbolic-size arithmetic (SymInt values), shared by all layers
+ROLES = frozenset(
+    {
+        ROLE_INPUT, ROLE_PARAM, ROLE_EMBEDDING, ROLE_PROLOGUE, ROLE_ATTENTION, ROLE_MLP,
+        ROLE_MOE, ROLE_ROUTER, ROLE_RESIDUAL, ROLE_LAYER, ROLE_FINAL_NORM, ROLE_HEAD,
+        ROLE_OUTPUT, ROLE_GATE, ROLE_SHAPE,
+    }
+)
+WRITE_KINDS = (ROLE_ATTENTION, ROLE_MLP, ROLE_MOE)
+
+FORM_SEQUENTIAL = "sequential"  # u = h + A(h); v = u + M(u)  (pre-norm or post-norm branch)
+FORM_PARALLEL = "parallel"  # v = h + A(h) + M(h)  (GPT-NeoX, GPT-J)
+
+
+@dataclass(frozen=True)
+class Write:
+    """One branch write into the residual stream: ``add`` consumes ``node`` as its addend."""
+
+    node: str
+    add: str
+    kind: str  # one of WRITE_KINDS
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """Residual structure of one decoder layer, by node name in the captured graph."""
+
+    index: int
+    nodes: tuple[str, ...]
+    input: str
+    output: str
+    writes: tuple[Write, ...]
+    form: str
+
+    def write(self, kind: str) -> Write | None:
+        """The write of the given kind, or None."""
+        return next((w for w in self.writes if w.kind == kind), None)
+
+
+@dataclass(frozen=True)
+class NewParam:
+    """A parameter a pass adds under the ``loop.`` namespace."""
+
+    name: str  # full dotted name, starting with "loop."
+    shape: tuple[int, ...]
+    init: str = "zeros"
+    no_decay: bool = False
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """What the capture was specialised to (DESIGN §4: dtype and device are baked in)."""
+
+    model_type: str
+    dtype: str
+    device: str
+    attn_implementation: str | None
+    num_layers: int
+    hidden_size: int
+    layers_path: str
+    mask_dtype: str = "torch.int64"
+
+
+@dataclass
+class LayerGraph:
+    """A captured model plus its layer annotations, declared new parameters and budget paths.
+
+    Passes treat a LayerGraph as immutable: they return a new one (:meth:`replace`) whose
+    graphs are new objects; the parameter-holding ``module`` is shared, never copied.
+    """
+
+    module: fx.GraphModule
+    layers: tuple[LayerInfo, ...]
+    source: SourceInfo
+    config: Any = None
+    new_params: tuple[NewParam, ...] = ()
+    paths: dict[int, fx.Graph] = field(default_factory=dict)
+    recipe: tuple[tuple[str, dict], ...] = ()
+    plan: Any = None
+
+    @property
+    def graph(self) -> fx.Graph:
+        """The captured source graph (budget paths are built from it)."""
+        return self.module.graph
+
+    def replace(self, **changes: Any) -> "LayerGraph":
+        """A shallow copy with some fields replaced (passes use this to stay pure)."""
+        return dataclasses.replace(self, **changes)
+
+    def node_map(self, graph: fx.Graph | None = None) -> dict[str, fx.Node]:
+        """Name → node for ``graph`` (default: the captured graph)."""
+        return {n.name: n for n in (graph or self.graph).nodes}
+
+
+def annotation(node: fx.Node) -> dict:
+    """The looptool annotation of a node (layer index and role)."""
+    return node.meta.get(META_KEY, {})
+
+
+def annotate(node: fx.Node, role: str, layer: int | None, **extra: Any) -> None:
+    """Set a node's annotation; a fresh dict so copied nodes never share it."""
+    node.meta[META_KEY] = {"role": role, "layer": layer, **extra}
+
+
+def verify_graph(graph: fx.Graph, where: str) -> None:
+    """Lint an FX graph and check that every node carries a valid looptool annotation."""
+    try:
+        graph.lint()
+    except Exception as exc:  # fx raises RuntimeError with the offending node
+        raise PassError(f"{where}: the graph is malformed ({exc}).") from exc
+    for node in graph.nodes:
+        ann = node.meta.get(META_KEY)
+        if ann is None or ann.get("role") not in ROLES:
+            raise PassError(
+                f"{where}: node '{node.name}' ({node.target}) has no valid looptool role "
+                f"annotation; every pass must annotate the nodes it creates."
+            )
+
+
+def verify_layer_graph(lg: LayerGraph, where: str) -> None:
+    """Check a LayerGraph after a pass: graphs lint, roles present, layer info consistent."""
+    verify_graph(lg.graph, f"{where} (captured graph)")
+    names = lg.node_map()
+    for info in lg.layers:
+        for name in (info.input, info.output, *(w.node for w in info.writes)):
+            if name not in names:
+                raise PassError(f"{where}: layer {info.index} refers to missing node '{name}'.")
+    declared = {p.name for p in lg.new_params}
+    for budget, graph in lg.paths.items():
+        verify_graph(graph, f"{where} (budget {budget} path)")
+        for node in graph.nodes:
+            if node.op == "get_attr" and str(node.target).startswith("loop."):
+                if node.target not in declared:
+                    raise PassError(
+                        f"{where}: budget {budget} reads '{node.target}', which no pass declared."
+                    )
+
+
+def dtype_from_str(name: str) -> torch.dtype:
+    """``"torch.float32"`` or ``"float32"`` → ``torch.float32``."""
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def copy_graph(graph: fx.Graph, transform=None) -> fx.Graph:
+    """A new graph with the same nodes (meta shallow-copied, annotations preserved).
+
+    ``transform(node, args, kwargs) -> (args, kwargs)`` may rewrite each node's arguments.
+    """
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        copied = new.node_copy(node, lambda n: env[n])
+        if transform is not None:
+            copied.args, copied.kwargs = transform(node, copied.args, copied.kwargs)
+        env[node] = copied
+    return new
+
+
+def shared_graph_module(owner: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule running ``graph`` whose attributes are ``owner``'s own submodules.
+
+    ``fx.GraphModule`` would otherwise build fresh intermediate modules; re-pointing the
+    top-level children at ``owner``'s makes every path read the very same parameter and
+    buffer objects (one copy of the weights), even after they are re-bound on load.
+    """
+    gm = fx.GraphModule(owner, graph)
+    for name in list(gm._modules):
+        gm._modules[name] = owner._modules[name]
+    return gm

@@ -1,0 +1,211 @@
+"""The runtime looped model: shared parameters plus one FX graph per budget."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+from torch import nn
+from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from looptool.errors import LooptoolError, PassError
+from looptool.graph import (
+    ROLE_HEAD,
+    ROLE_MOE,
+    LayerGraph,
+    NewParam,
+    annotation,
+    dtype_from_str,
+    shared_graph_module,
+)
+from looptool.plan import BudgetCost, LoopPlan, ModelDims, cost_table
+
+log = logging.getLogger(__name__)
+
+
+class LoopedModel(nn.Module):
+    """A looped decoder: the source's parameters (shared, never copied), the new ``loop.*``
+    parameters, and one straight-line FX graph per budget.
+
+    ``model(input_ids, attention_mask=None, labels=None, budget=k)`` returns a Hugging
+    Face ``CausalLMOutputWithPast`` (``.logits``, ``.loss`` when ``labels`` are given,
+    shifted next-token cross-entropy ignoring ``-100`` as HF does).
+    """
+
+    def __init__(self, layer_graph: LayerGraph, tokenizer=None):
+        super().__init__()
+        if not layer_graph.paths or layer_graph.plan is None:
+            raise PassError("the layer graph has no budget paths; run a looping pass before building a LoopedModel.")
+        lg = layer_graph
+        for name, child in lg.module.named_children():
+            self.add_module(name, child)
+        for node in lg.graph.nodes:  # top-level tensor constants of the export, if any
+            if node.op == "get_attr" and "." not in node.target and not hasattr(self, node.target):
+                self.register_buffer(node.target, getattr(lg.module, node.target), persistent=False)
+        param = next(lg.module.parameters())
+        self.loop = _build_new_params(lg.new_params, param.dtype, param.device)
+        self.layer_graph = lg
+        self.config = lg.config
+        self.tokenizer = tokenizer
+        self._paths: dict[int, fx.GraphModule] = {}
+        self._mask_dtype = dtype_from_str(lg.source.mask_dtype)
+
+    # ------------------------------------------------------------------ structure
+    @property
+    def plan(self) -> LoopPlan:
+        """The resolved loop plan."""
+        return self.layer_graph.plan
+
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        """The budget menu, shallowest first."""
+        return tuple(sorted(self.layer_graph.paths))
+
+    @property
+    def default_budget(self) -> int:
+        """The budget used when ``forward`` is called without one: the deepest."""
+        return self.budgets[-1]
+
+    @property
+    def recipe(self) -> tuple[tuple[str, dict], ...]:
+        """The ``(pass name, config)`` steps that built this model, replayed on load."""
+        return self.layer_graph.recipe
+
+    def path(self, budget: int) -> fx.GraphModule:
+        """The GraphModule of one budget; built on first use, sharing this model's tensors."""
+        budget = self.check_budget(budget)
+        if budget not in self._paths:
+            gm = shared_graph_module(self, self.layer_graph.paths[budget])
+            self._paths[budget] = gm
+        return self._paths[budget]
+
+    def check_budget(self, budget: int | None) -> int:
+        """Validate a budget (None → the default) and return it."""
+        if budget is None:
+            return self.default_budget
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget not in self.layer_graph.paths:
+            raise LooptoolError(
+                f"budget {budget!r} is not in this model's budget menu {list(self.budgets)}; "
+                "pick one of those."
+            )
+        return budget
+
+    def no_decay_parameter_names(self) -> set[str]:
+        """Names of parameters that take no weight decay (tagged by the passes)."""
+        return {p.name for p in self.layer_graph.new_params if p.no_decay}
+
+    def new_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The parameters the passes added (``loop.*``)."""
+        for name, p in self.named_parameters():
+            if name.startswith("loop."):
+                yield name, p
+
+    # ------------------------------------------------------------------ compute
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        budget: int | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """Run the budget-``budget`` path; HF-style output with ``logits`` (and ``loss``)."""
+        gm = self.path(budget)
+        if input_ids.dim() != 2:
+            raise LooptoolError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}.")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids, dtype=self._mask_dtype)
+        else:
+            attention_mask = attention_mask.to(self._mask_dtype)
+        logits = gm(input_ids, attention_mask)
+        loss = None
+        if labels is not None:
+            loss = ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1], **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    # ------------------------------------------------------------------ cost model
+    def dims(self) -> ModelDims:
+        """Model dimensions for the cost model (from the graph's parameter use and config)."""
+        return model_dims(self.layer_graph, self)
+
+    def cost_table(self) -> list[BudgetCost]:
+        """Per-budget layer executions, FLOPs/token and KV bytes/token (Accordion Eq. 6)."""
+        return cost_table(self.plan, self.dims())
+
+    def added_parameter_count(self) -> int:
+        """Number of scalars the passes added."""
+        return sum(p.numel() for _, p in self.new_parameters())
+
+    # ------------------------------------------------------------------ persistence
+    def save_pretrained(self, directory: str | Path, *, overwrite: bool = False) -> Path:
+        """Write config.json, looptool.json, model.safetensors and the tokenizer (atomic)."""
+        from looptool.serialization import save
+
+        return save(self, directory, overwrite=overwrite)
+
+
+def _build_new_params(specs: tuple[NewParam, ...], dtype: torch.dtype, device: torch.device) -> nn.Module:
+    root = nn.Module()
+    for spec in specs:
+        parts = spec.name.split(".")
+        if parts[0] != "loop":
+            raise PassError(f"new parameter {spec.name!r} is outside the 'loop.' namespace.")
+        mod = root
+        for part in parts[1:-1]:
+            if part not in mod._modules:
+                mod.add_module(part, nn.Module())
+            mod = mod._modules[part]
+        if spec.init != "zeros":
+            raise PassError(f"unknown init {spec.init!r} for {spec.name}.")
+        mod.register_parameter(parts[-1], nn.Parameter(torch.zeros(spec.shape, dtype=dtype, device=device)))
+    return root
+
+
+def model_dims(lg: LayerGraph, module: nn.Module) -> ModelDims:
+    """FLOPs/token per layer = 2 x the parameters the layer's nodes read (MoE expert
+    tensors scaled by top-k / experts); fixed FLOPs = 2 x the LM head; KV from config."""
+    tensors = dict(module.named_parameters(remove_duplicate=False))
+    tensors.update(dict(module.named_buffers(remove_duplicate=False)))
+    text = lg.config.get_text_config() if hasattr(lg.config, "get_text_config") else lg.config
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    top_k = getattr(text, "num_experts_per_tok", None)
+    nodes = lg.node_map()
+
+    def flops_of(node_names) -> float:
+        total = 0.0
+        seen = set()
+        for name in node_names:
+            node = nodes[name]
+            for inp in node.all_input_nodes:
+                if inp.op != "get_attr" or inp.target in seen:
+                    continue
+                seen.add(inp.target)
+                t = tensors.get(inp.target)
+                if t is None or not t.is_floating_point():
+                    continue
+                n = t.numel()
+                if experts and top_k and annotation(node).get("role") == ROLE_MOE and t.dim() >= 2 and t.shape[0] == experts:
+                    n = n * top_k / experts
+                total += 2.0 * n
+        return total
+
+    layer_flops = tuple(flops_of(info.nodes) for info in lg.layers)
+    head_nodes = [n.name for n in lg.graph.nodes if annotation(n).get("role") == ROLE_HEAD]
+    fixed = flops_of(head_nodes)
+    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head")
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or lg.source.hidden_size // heads
+    itemsize = dtype_from_str(lg.source.dtype).itemsize
+    unique = {id(t): t for t in tensors.values()}
+    param_bytes = sum(t.numel() * t.element_size() for t in unique.values())
+    return ModelDims(
+        num_layers=len(lg.layers),
+        layer_flops=layer_flops,
+        fixed_flops=fixed,
+        kv_bytes_per_layer=2 * kv_heads * head_dim * itemsize,
+        param_bytes=param_bytes,
+    )

@@ -1,0 +1,235 @@
+"""Save and load looped models (DESIGN §3).
+
+A saved model is a directory with ``config.json`` (the source config), ``looptool.json``
+(format version, plan, recipe of applied passes, capture settings, tensor table),
+``model.safetensors`` (each shared tensor once; tied names recorded as aliases) and the
+tokenizer files. Loading rebuilds the source architecture on ``meta``, captures it,
+replays the recipe, retargets the device and binds the stored tensors: no network, no
+weight materialised twice, bit-identical outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from looptool.errors import CheckpointError, LooptoolError
+from looptool.graph import dtype_from_str
+from looptool.model import LoopedModel
+from looptool.plan import plan_from_dict
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+LOOPTOOL_JSON = "looptool.json"
+WEIGHTS = "model.safetensors"
+
+
+def _version() -> str:
+    from looptool import __version__
+
+    return __version__
+
+
+def graph_tensors(model: LoopedModel) -> dict[str, torch.Tensor]:
+    """Every tensor a budget path reads (parameters and buffers, persistent or not), by name."""
+    out = dict(model.named_parameters(remove_duplicate=False))
+    out.update(dict(model.named_buffers(remove_duplicate=False)))
+    return out
+
+
+def _dedupe(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Keep the first name of each tensor object; map the other names to it."""
+    first: dict[int, str] = {}
+    unique: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for name, t in tensors.items():
+        key = id(t)
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+            unique[name] = t
+    return unique, aliases
+
+
+def prepare_output_dir(directory: str | os.PathLike, overwrite: bool) -> tuple[Path, Path]:
+    """Validate the target and return ``(final, temp)`` directories; write into temp and
+    call :func:`commit_output_dir` so a failure never leaves a half-written output."""
+    final = Path(directory)
+    if final.exists() and not overwrite:
+        raise LooptoolError(f"output directory '{final}' already exists; pass --overwrite (overwrite=True) to replace it.")
+    if final.exists() and not final.is_dir():
+        raise LooptoolError(f"output path '{final}' exists and is not a directory; choose another path.")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    return final, temp
+
+
+def commit_output_dir(final: Path, temp: Path) -> None:
+    """Atomically move a finished temp directory into place (replacing an old one)."""
+    if final.exists():
+        old = final.with_name(f".{final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        temp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        temp.rename(final)
+
+
+def save(model: LoopedModel, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """Write ``model`` to ``directory`` (atomically: temp dir, then rename)."""
+    final, temp = prepare_output_dir(directory, overwrite)
+    try:
+        unique, aliases = _dedupe(graph_tensors(model))
+        if any(t.device.type == "meta" for t in unique.values()):
+            raise LooptoolError("this model's weights are on the meta device (not loaded); bind weights before saving.")
+        save_file(
+            {k: t.detach().contiguous() for k, t in unique.items()},
+            str(temp / WEIGHTS),
+            metadata={"format": "pt", "looptool_aliases": json.dumps(aliases)},
+        )
+        model.config.save_pretrained(temp)
+        lg = model.layer_graph
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "looptool_version": _version(),
+            "plan": model.plan.to_dict(),
+            "recipe": [[name, config] for name, config in model.recipe],
+            "source": {
+                "model_type": lg.source.model_type,
+                "dtype": lg.source.dtype,
+                "attn_implementation": lg.source.attn_implementation,
+                "num_layers": lg.source.num_layers,
+            },
+            "tensors": {k: {"shape": list(t.shape), "dtype": str(t.dtype)} for k, t in unique.items()},
+            "aliases": aliases,
+            "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
+        }
+        (temp / LOOPTOOL_JSON).write_text(json.dumps(meta, indent=2))
+        if model.tokenizer is not None:
+            model.tokenizer.save_pretrained(temp)
+        commit_output_dir(final, temp)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return final
+
+
+def read_looptool_json(directory: Path) -> dict:
+    """Parse and version-check ``looptool.json``."""
+    path = directory / LOOPTOOL_JSON
+    if not path.exists():
+        raise CheckpointError(f"'{directory}' has no {LOOPTOOL_JSON}; it is not a looped model saved by looptool.")
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}); re-save the model.") from exc
+    if not isinstance(meta, dict) or "format_version" not in meta:
+        raise CheckpointError(f"{path} has no format_version; re-save the model with looptool.")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has format version {meta['format_version']}, this looptool reads "
+            f"version {FORMAT_VERSION}; use a matching looptool version."
+        )
+    for key in ("plan", "recipe", "source", "tensors"):
+        if key not in meta:
+            raise CheckpointError(f"{path} lacks the '{key}' entry; re-save the model.")
+    return meta
+
+
+def load(directory: str | os.PathLike, *, device: str = "cpu") -> LoopedModel:
+    """Rebuild a saved looped model on ``device`` (bit-identical to the one saved)."""
+    import transformers
+
+    from looptool.capture import capture
+    from looptool.passes import PassManager
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"'{directory}' is not a directory; pass the folder written by save_pretrained or looptool convert.")
+    meta = read_looptool_json(directory)
+    weights = directory / WEIGHTS
+    if not weights.exists():
+        raise CheckpointError(f"'{directory}' has no {WEIGHTS}; the save was incomplete, re-save the model.")
+    plan_from_dict(meta["plan"])  # refuses unknown kinds / versions with a clear message
+    src = meta["source"]
+    dtype = dtype_from_str(src["dtype"])
+    try:
+        config = transformers.AutoConfig.from_pretrained(directory)
+    except Exception as exc:
+        raise CheckpointError(f"config.json in '{directory}' could not be read ({exc}).") from exc
+    kwargs = {"dtype": dtype}
+    if src.get("attn_implementation"):
+        kwargs["attn_implementation"] = src["attn_implementation"]
+    with torch.device("meta"):
+        skeleton = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+    lg = capture(skeleton.eval())
+    lg = PassManager([(name, cfg) for name, cfg in meta["recipe"]])(lg)
+    lg = PassManager([("retarget_device", {"to": device})])(lg)
+    tokenizer = None
+    if any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    model = LoopedModel(lg, tokenizer=tokenizer)
+    bind_weights(model, weights, device=device, trainable=meta.get("trainable"))
+    return model.eval()
+
+
+def bind_weights(model: LoopedModel, path: Path, *, device: str, trainable=None) -> None:
+    """Replace every (meta) tensor of ``model`` with the one stored in ``path``."""
+    expected = graph_tensors(model)
+    try:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            stored_meta = f.metadata() or {}
+            aliases = json.loads(stored_meta.get("looptool_aliases", "{}"))
+            names = set(f.keys())
+            missing = [n for n in expected if n not in names and aliases.get(n) not in names]
+            extra = sorted(names - set(expected))
+            if missing or extra:
+                what = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"
+                raise CheckpointError(f"{path} does not match the model rebuilt from looptool.json ({what}); re-save the model.")
+            loaded = {n: f.get_tensor(n) for n in names}
+    except CheckpointError:
+        raise
+    except Exception as exc:  # safetensors raises its own error types on corrupt files
+        raise CheckpointError(f"{path} could not be read as safetensors ({exc}); the file is corrupt, re-save the model.") from exc
+    trainable = set(trainable) if trainable is not None else None
+    for name, ref in expected.items():
+        t = loaded[aliases.get(name, name)]
+        if tuple(t.shape) != tuple(ref.shape) or t.dtype != ref.dtype:
+            raise CheckpointError(
+                f"tensor '{name}' in {path} has shape {tuple(t.shape)} {t.dtype}, the model "
+                f"expects {tuple(ref.shape)} {ref.dtype}; re-save the model."
+            )
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    objects: dict[str, torch.Tensor] = {}
+    for name in expected:
+        key = aliases.get(name, name)
+        if key not in objects:
+            t = loaded[key]
+            if name in params:
+                grad = trainable is None or name in trainable or key in trainable
+                t = nn.Parameter(t, requires_grad=grad)
+            objects[key] = t
+        _set_tensor(model, name, objects[key], is_param=name in params)
+
+
+def _set_tensor(root: nn.Module, name: str, tensor: torch.Tensor, is_param: bool) -> None:
+    *path, leaf = name.split(".")
+    mod = root
+    for part in path:
+        mod = mod._modules[part]
+    if is_param:
+        mod._parameters[leaf] = tensor
+    else:
+        mod._buffers[leaf] = tensor

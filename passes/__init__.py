@@ -1,0 +1,13 @@
+"""Graph passes (installed as ``looptool.passes``).
+
+A pass is a pure function ``(LayerGraph, config: dict) -> LayerGraph`` registered by name.
+:class:`PassManager` runs a list of ``(name, config)`` steps, verifies the graph and the
+role annotations after each one (naming the pass that broke them), and records the steps
+in ``LayerGraph.recipe`` so a saved model can replay them on load.
+"""
+
+from looptool.passes.manager import PassManager, get_pass, register_pass, registered_passes
+from looptool.passes import prefix_loop as _prefix_loop  # noqa: F401  (registers)
+from looptool.passes import retarget_device as _retarget_device  # noqa: F401  (registers)
+
+__all__ = ["PassManager", "get_pass", "register_pass", "registered_passes"]

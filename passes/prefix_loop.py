@@ -1,0 +1,115 @@
+"""The ``prefix_loop`` pass: fixed-prefix layer looping (Accordion, seed 000).
+
+For every budget ``k`` of a :class:`~looptool.plan.PrefixLoop` it builds one straight-line
+FX graph from the captured graph in which each layer of the prefix ``S_k`` (Eq. 1) runs a
+second time right after its first pass, reading the first pass's output, reusing the same
+parameter nodes (weights, norms, MoE router), and writing each branch into the residual
+stream through a per-channel gate (Eq. 5)::
+
+    u2 = v  + tanh(g_A) * A(N_A(v))          # sequential layers (pre- or post-norm branch)
+    v2 = u2 + tanh(g_M) * M(N_M(u2))
+    v2 = v  + tanh(g_A) * A(v) + tanh(g_M) * M(v)   # parallel-residual layers (GPT-NeoX)
+
+For branch-post-norm layers (OLMo2, Gemma3) the gated write is the *normed* branch output,
+the value the layer adds to its residual. Gates are zero-initialised, one per write kind
+per window layer, shared by all budgets, and take no weight decay, so each second pass is
+exactly the identity at conversion.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from looptool.errors import PassError
+from looptool.graph import ROLE_GATE, LayerGraph, LayerInfo, NewParam, annotate, annotation
+from looptool.passes.manager import register_pass
+from looptool.plan import PrefixLoop
+
+_aten = torch.ops.aten
+
+
+def gate_name(layer: int, kind: str) -> str:
+    """Parameter name of the second-pass gate of ``kind`` writes in ``layer``."""
+    return f"loop.prefix.{layer}.{kind}_gate"
+
+
+@register_pass("prefix_loop")
+def prefix_loop(lg: LayerGraph, config: dict) -> LayerGraph:
+    """Build one budget path per budget of the PrefixLoop plan in ``config``."""
+    if lg.paths:
+        raise PassError("prefix_loop: this graph is already looped; apply one looping pass per model.")
+    plan = PrefixLoop.from_dict(config).resolve(len(lg.layers))
+    start, stop = plan.window
+    width = lg.source.hidden_size
+    new_params = tuple(
+        NewParam(gate_name(info.index, w.kind), (width,), init="zeros", no_decay=True)
+        for info in lg.layers[start:stop]
+        for w in info.writes
+    )
+    paths = {k: build_path(lg, plan.repeated_layers(k)) for k in plan.budgets}
+    return lg.replace(new_params=lg.new_params + new_params, paths=paths, plan=plan)
+
+
+def build_path(lg: LayerGraph, repeated: tuple[int, ...]) -> fx.Graph:
+    """The captured graph with each layer in ``repeated`` run twice (second pass gated)."""
+    nodes = lg.node_map()
+    order = {n: i for i, n in enumerate(lg.graph.nodes)}
+    after: dict[fx.Node, LayerInfo] = {}
+    for index in repeated:
+        info = lg.layers[index]
+        last = max((nodes[n] for n in info.nodes), key=order.__getitem__)
+        out = nodes[info.output]
+        layer_nodes = set(info.nodes)
+        early = [u for u in out.users if u.name not in layer_nodes and order[u] < order[last]]
+        if early:
+            raise PassError(
+                f"prefix_loop: layer {index}'s output is read by '{early[0].name}' before the "
+                "layer ends; the captured graph interleaves layers and cannot be looped."
+            )
+        after[last] = info
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in lg.graph.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+        if node in after:
+            info = after[node]
+            env[nodes[info.output]] = _second_pass(graph, env, nodes, info)
+    return graph
+
+
+def _second_pass(
+    graph: fx.Graph, env: dict[fx.Node, fx.Node], nodes: dict[str, fx.Node], info: LayerInfo
+) -> fx.Node:
+    """Emit layer ``info`` again, reading its own first-pass output, writes gated (Eq. 5)."""
+    local: dict[fx.Node, fx.Node] = {nodes[info.input]: env[nodes[info.output]]}
+
+    def lookup(n: fx.Node) -> fx.Node:
+        return local[n] if n in local else env[n]
+
+    gated_writes = {nodes[w.node]: w for w in info.writes}
+    gated_adds = {w.add for w in info.writes}
+    for name in info.nodes:
+        node = nodes[name]
+        gated: dict[fx.Node, fx.Node] = {}
+        if name in gated_adds:
+            for arg in node.args:
+                if arg in gated_writes and gated_writes[arg].add == name:
+                    gated[arg] = _gate(graph, info.index, gated_writes[arg].kind, lookup(arg))
+        copy = graph.node_copy(node, lookup)
+        for original, replacement in gated.items():
+            copy.replace_input_with(lookup(original), replacement)
+        ann = annotation(node)
+        annotate(copy, ann["role"], ann["layer"], repeat=2)
+        local[node] = copy
+    return local[nodes[info.output]]
+
+
+def _gate(graph: fx.Graph, layer: int, kind: str, write: fx.Node) -> fx.Node:
+    """``tanh(g) * write`` with ``g`` the layer's zero-initialised gate (Eq. 5)."""
+    g = graph.get_attr(gate_name(layer, kind))
+    t = graph.call_function(_aten.tanh.default, (g,))
+    out = graph.call_function(_aten.mul.Tensor, (t, write))
+    for n in (g, t, out):
+        annotate(n, ROLE_GATE, layer, repeat=2, kind=kind)
+    return out

@@ -1,0 +1,64 @@
+"""The ``retarget_device`` pass: rewrite device constants baked into captured graphs.
+
+A graph captured on one device (``meta`` when loading, DESIGN §4) holds that device in
+``arange(device=...)``, ``to(device=...)`` and similar arguments. This pass replaces every
+``torch.device`` argument equal to ``from`` by ``to`` in the captured graph and in every
+budget path. It is not recorded in the recipe: the device is where a model runs, not part
+of what it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from looptool.graph import LayerGraph, copy_graph, shared_graph_module
+from looptool.passes.manager import register_pass
+
+
+@register_pass("retarget_device", replayable=False)
+def retarget_device(lg: LayerGraph, config: dict) -> LayerGraph:
+    """``config = {"to": "cpu"}`` (and optionally ``"from"``, default the capture device)."""
+    src = torch.device(config.get("from", lg.source.device))
+    dst = torch.device(config["to"])
+
+    def swap(value):
+        if isinstance(value, torch.device) and value == src:
+            return dst
+        if isinstance(value, (list, tuple)):
+            return type(value)(swap(v) for v in value)
+        return value
+
+    def transform(node, args, kwargs):
+        return swap(tuple(args)), {k: swap(v) for k, v in kwargs.items()}
+
+    graph = _fix_for_device(copy_graph(lg.graph, transform), dst)
+    module = shared_graph_module(lg.module, graph)
+    paths = {k: _fix_for_device(copy_graph(g, transform), dst) for k, g in lg.paths.items()}
+    source = dataclasses.replace(lg.source, device=str(dst))
+    return lg.replace(module=module, paths=paths, source=source)
+
+
+
+def _fix_for_device(graph, device: torch.device):
+    """Undo device-specific choices the source code made at capture time.
+
+    Transformers' MoE dispatch counts tokens per expert with ``histc`` on int32 ids except
+    on CPU, where histc needs a float input (it casts there). A graph captured on ``meta``
+    took the int path; on CPU the ids are cast to float32 first (counts are identical).
+    """
+    if device.type not in ("cpu", "mps"):
+        return graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.histc.default:
+            src = node.args[0]
+            val = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+            if isinstance(val, torch.Tensor) and not val.is_floating_point():
+                with graph.inserting_before(node):
+                    cast = graph.call_function(
+                        torch.ops.aten._to_copy.default, (src,), {"dtype": torch.float32}
+                    )
+                cast.meta = {**node.meta}
+                node.replace_input_with(src, cast)
+    return graph
