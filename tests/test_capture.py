@@ -1,0 +1,101 @@
+"""Capture: torch.export + role annotation, on every supported architecture."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from looptool.capture import capture
+from looptool.errors import CaptureError
+from looptool.graph import FORM_PARALLEL, FORM_SEQUENTIAL, ROLES, annotation
+from looptool.testing import tiny_model
+
+MOE = {"mixtral", "qwen3_moe", "olmoe", "qwen2_moe"}
+
+
+def test_capture_is_exact_and_annotated(arch, input_ids):
+    model = tiny_model(arch)
+    lg = capture(model)
+    with torch.no_grad():
+        ref = model(input_ids=input_ids).logits
+        got = lg.module(input_ids, torch.ones_like(input_ids))
+    assert torch.equal(ref, got)
+    roles = collections.Counter(annotation(n)["role"] for n in lg.graph.nodes)
+    assert set(roles) <= ROLES
+    assert roles["residual"] == 2 * len(lg.layers)  # two adds per layer (parallel: sum + stream)
+    assert roles["head"] >= 1 and roles["embedding"] >= 1
+    assert len(lg.layers) == 4
+    for info in lg.layers:
+        kinds = sorted(w.kind for w in info.writes)
+        assert kinds == sorted(["attention", "moe" if arch in MOE else "mlp"])
+        assert info.form == (FORM_PARALLEL if arch == "gpt_neox" else FORM_SEQUENTIAL)
+    # the layers form one residual chain
+    for prev, nxt in zip(lg.layers, lg.layers[1:]):
+        assert nxt.input == prev.output
+
+
+def test_capture_shares_source_tensors():
+    model = tiny_model("llama")
+    lg = capture(model)
+    source = {p.data_ptr() for p in model.parameters()}
+    assert all(p.data_ptr() in source for p in lg.module.parameters())
+
+
+def test_capture_on_meta_costs_no_weight_memory():
+    config = tiny_model("llama").config
+    with torch.device("meta"):
+        skeleton = transformers.AutoModelForCausalLM.from_config(config)
+    lg = capture(skeleton)
+    assert all(p.device.type == "meta" for p in lg.module.parameters())
+    assert lg.source.device == "meta"
+
+
+def test_dynamic_batch_and_sequence():
+    model = tiny_model("qwen2")
+    lg = capture(model)
+    for shape in [(1, 3), (3, 17)]:
+        ids = torch.randint(0, 256, shape)
+        assert torch.equal(model(input_ids=ids).logits, lg.module(ids, torch.ones_like(ids)))
+
+
+class _NoResidualConfig(transformers.PretrainedConfig):
+    model_type = "no_residual_test"
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.num_hidden_layers = 2
+        self.hidden_size = 16
+
+
+class _NoResidualLM(nn.Module):
+    """A decoder-shaped model whose layers overwrite the stream (no residual add)."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = _NoResidualConfig()
+        self.embed = nn.Embedding(32, 16)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(16, 32)
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False):
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def test_unsupported_residual_structure_is_refused():
+    with pytest.raises(CaptureError, match="layer 0: no residual stream was found"):
+        capture(_NoResidualLM())
+
+
+def test_model_without_config_is_refused():
+    with pytest.raises(CaptureError, match="no Hugging Face 'config'"):
+        capture(nn.Linear(2, 2))

@@ -1,0 +1,97 @@
+"""The looptool CLI through typer's CliRunner: happy paths and every bad-input case."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import looptool
+from looptool.cli import app
+
+runner = CliRunner()
+
+
+def _run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_convert_then_inspect(tiny_dir, tmp_path):
+    out = tmp_path / "looped"
+    res = _run("convert", tiny_dir, "-o", out, "--window", "1:3", "--budgets", "0,1,2")
+    assert res.exit_code == 0, res.output
+    assert {"config.json", "looptool.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+    res = _run("inspect", out)
+    assert res.exit_code == 0, res.output
+    assert "0-1×2" not in res.output and "1×2" in res.output and "1-2×2" in res.output
+    res = _run("inspect", out, "--json")
+    info = json.loads(res.stdout)
+    assert [r["layer_executions"] for r in info["budgets"]] == [4, 5, 6]
+    assert info["params_added"] == 2 * 64 * 2
+    model = looptool.load(out)
+    source = looptool.testing.tiny_model("llama")
+    ids = torch.randint(0, 256, (1, 6))
+    assert torch.equal(source(input_ids=ids).logits, model(ids, budget=2).logits)
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--window", "3:9"], "window 3:9 is not a non-empty range"),
+        (["--window", "2:2"], "window 2:2 is not a non-empty range"),
+        (["--window", "abc"], "must look like START:STOP"),
+        (["--window", "1:3", "--budgets", "0,5"], "budget 5 is outside 0..2"),
+        (["--window", "1:3", "--budgets", "0,1.5"], "not a whole number"),
+        (["--mode", "spiral"], "--mode 'spiral' is not available"),
+        (["--dtype", "int8"], "--dtype 'int8' is not supported"),
+    ],
+)
+def test_convert_bad_options(tiny_dir, tmp_path, extra, message):
+    out = tmp_path / "looped"
+    res = _run("convert", tiny_dir, "-o", out, *extra)
+    assert res.exit_code == 1
+    assert message in res.output
+    assert res.output.count("error:") == 1
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-llama"]  # no temp dirs either
+
+
+def test_convert_missing_source(tmp_path):
+    res = _run("convert", tmp_path / "nope", "-o", tmp_path / "out")
+    assert res.exit_code == 1 and "does not exist" in res.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_unsupported_architecture(tmp_path):
+    import transformers
+
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    transformers.BertModel(cfg).save_pretrained(tmp_path / "bert")
+    res = _run("convert", tmp_path / "bert", "-o", tmp_path / "out")
+    # transformers loads BERT as BertLMHeadModel; its post-LN layers have no clean residual stream
+    assert res.exit_code == 1 and "layer structure is not supported" in res.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_refuses_existing_output(tiny_dir, tmp_path):
+    out = tmp_path / "looped"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    res = _run("convert", tiny_dir, "-o", out)
+    assert res.exit_code == 1 and "already exists; pass --overwrite" in res.output
+    assert (out / "keep.txt").read_text() == "mine"
+    res = _run("convert", tiny_dir, "-o", out, "--overwrite", "--window", "0:2")
+    assert res.exit_code == 0, res.output
+    assert not (out / "keep.txt").exists()
+
+
+def test_inspect_corrupted(tiny_dir, tmp_path):
+    out = tmp_path / "looped"
+    assert _run("convert", tiny_dir, "-o", out).exit_code == 0
+    (out / "looptool.json").write_text("{")
+    res = _run("inspect", out)
+    assert res.exit_code == 1 and "not valid JSON" in res.output
+    res = _run("inspect", tmp_path / "missing")
+    assert res.exit_code == 1 and "not a directory" in res.output

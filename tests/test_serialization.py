@@ -1,0 +1,127 @@
+"""save_pretrained / looptool.load: bit-identical round trips and refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import looptool
+from looptool.errors import CheckpointError, LooptoolError
+from looptool.testing import tiny_model
+
+from conftest import TINY_PLAN
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox", "olmo2", "gemma3_text", "qwen2_moe"])
+def test_round_trip_is_bit_identical_with_trained_gates(arch, tmp_path, input_ids):
+    looped = looptool.convert(tiny_model(arch), TINY_PLAN)
+    with torch.no_grad():
+        for _, p in looped.new_parameters():
+            p.normal_(0, 0.3)
+    want = {k: looped(input_ids, budget=k).logits for k in looped.budgets}
+    looped.save_pretrained(tmp_path / "m")
+    loaded = looptool.load(tmp_path / "m")
+    assert loaded.budgets == looped.budgets and loaded.plan == looped.plan
+    assert loaded.recipe == looped.recipe
+    for k in looped.budgets:
+        assert torch.equal(want[k], loaded(input_ids, budget=k).logits), f"{arch} budget {k}"
+    gates = dict(loaded.new_parameters())
+    assert all(g.abs().sum() > 0 for g in gates.values())
+    assert all(g.requires_grad for g in gates.values())
+
+
+def test_saved_file_holds_each_tensor_once(tmp_path):
+    source = tiny_model("llama")
+    source.config.tie_word_embeddings = True
+    source.tie_weights()
+    looped = looptool.convert(source, TINY_PLAN)
+    looped.save_pretrained(tmp_path / "m")
+    unique = {id(t): t for t in list(looped.parameters()) + list(looped.buffers())}
+    expected = sum(t.numel() * t.element_size() for t in unique.values())
+    with safe_open(str(tmp_path / "m" / "model.safetensors"), "pt") as f:
+        stored = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    assert stored == expected
+    size = (tmp_path / "m" / "model.safetensors").stat().st_size
+    assert expected <= size <= expected + 64 * 1024  # plus the JSON header
+    reloaded = looptool.load(tmp_path / "m")
+    ids = torch.randint(0, 256, (1, 5))
+    assert torch.equal(looped(ids, budget=2).logits, reloaded(ids, budget=2).logits)
+
+
+def test_save_refuses_existing_dir_and_leaves_nothing(tmp_path):
+    _, looped = _converted_llama()
+    target = tmp_path / "m"
+    target.mkdir()
+    with pytest.raises(LooptoolError, match="already exists; pass --overwrite"):
+        looped.save_pretrained(target)
+    assert list(target.iterdir()) == []
+    looped.save_pretrained(target, overwrite=True)
+    assert (target / "looptool.json").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no temp dirs left behind
+
+
+def _converted_llama():
+    from conftest import converted
+
+    return converted("llama")
+
+
+@pytest.fixture
+def saved(tmp_path):
+    _, looped = _converted_llama()
+    return looped.save_pretrained(tmp_path / "m")
+
+
+def test_refuses_wrong_format_version(saved):
+    meta = json.loads((saved / "looptool.json").read_text())
+    meta["format_version"] = 42
+    (saved / "looptool.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="format version 42"):
+        looptool.load(saved)
+
+
+def test_refuses_corrupted_json(saved):
+    (saved / "looptool.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        looptool.load(saved)
+
+
+def test_refuses_missing_and_corrupted_weights(saved):
+    data = (saved / "model.safetensors").read_bytes()
+    (saved / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupt"):
+        looptool.load(saved)
+    (saved / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="has no model.safetensors"):
+        looptool.load(saved)
+
+
+def test_refuses_mismatched_tensors(saved, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(saved / "model.safetensors")
+    name = "loop.prefix.1.attention_gate"
+    tensors[name] = torch.zeros(7)
+    save_file(tensors, saved / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"tensor '{name}'.*shape \\(7,\\)"):
+        looptool.load(saved)
+    del tensors[name]
+    save_file(tensors, saved / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="missing"):
+        looptool.load(saved)
+
+
+def test_refuses_plain_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="no looptool.json"):
+        looptool.load(tmp_path)
+    with pytest.raises(CheckpointError, match="not a directory"):
+        looptool.load(tmp_path / "absent")
+
+
+def test_meta_load_reads_structure_only(saved):
+    model = looptool.load(saved, device="meta")
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert model.budgets == (0, 1, 2)
