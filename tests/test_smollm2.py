@@ -1,0 +1,54 @@
+"""The real SmolLM2-135M (GGUF from PyPI): exact conversion, one copy, save/load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import looptool
+
+pytestmark = [pytest.mark.slow, pytest.mark.smollm2]
+
+
+@pytest.fixture(scope="module")
+def looped(smollm2):
+    plan = looptool.PrefixLoop(window=(8, 20), budgets=(0, 3, 6, 9, 12))
+    return looptool.convert(smollm2.model, plan, tokenizer=smollm2.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def ids(smollm2):
+    return smollm2.tokenizer("The Constitution of the United States establishes three branches", return_tensors="pt").input_ids
+
+
+def test_every_budget_is_bit_exact(smollm2, looped, ids):
+    with torch.no_grad():
+        ref = smollm2.model(input_ids=ids).logits
+        for k in looped.budgets:
+            assert torch.equal(ref, looped(ids, budget=k).logits), f"budget {k}"
+
+
+def test_parameter_bytes_are_source_plus_gates(smollm2, looped):
+    src = {id(p): p for p in smollm2.model.parameters()}
+    src_bytes = sum(p.numel() * 4 for p in src.values())
+    own = sum(p.numel() * 4 for p in looped.parameters())
+    assert own == src_bytes + 2 * 576 * 12 * 4
+    assert looped.added_parameter_count() == 2 * 576 * 12
+
+
+def test_round_trip(smollm2, looped, ids, tmp_path):
+    with torch.no_grad():
+        for _, p in looped.new_parameters():
+            p.normal_(0, 0.05)
+        want = {k: looped(ids, budget=k).logits for k in looped.budgets}
+    looped.save_pretrained(tmp_path / "sm")
+    size = (tmp_path / "sm" / "model.safetensors").stat().st_size
+    own = sum(p.numel() * 4 for p in looped.parameters()) + sum(b.numel() * b.element_size() for b in looped.buffers())
+    assert own <= size <= own + 256 * 1024
+    loaded = looptool.load(tmp_path / "sm")
+    assert loaded.tokenizer is not None
+    with torch.no_grad():
+        for k in looped.budgets:
+            assert torch.equal(want[k], loaded(ids, budget=k).logits), f"budget {k}"
+        for _, p in looped.new_parameters():
+            p.zero_()
