@@ -1,0 +1,49 @@
+"""Runtime overhead of budget paths on SmolLM2-135M (CPU, batch 1).
+
+Forward latency of each budget ÷ budget 0 next to the ideal (L+k)/L, and budget 0 ÷ the
+source model itself (target ≤ 1.03), all interleaved in one run (median of N rounds).
+
+Run: python tests/bench/bench_budgets.py [--tokens 256] [--rounds 7]. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+
+import torch
+
+import looptool
+from looptool.sources import load_source
+from looptool.timing import interleaved
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    src = load_source("smollm2")
+    model = looptool.convert(src.model, looptool.PrefixLoop(window=(8, 20), budgets=(0, 3, 6, 9, 12)))
+    ids = torch.randint(0, src.model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    fns = {"source": lambda: src.model(input_ids=ids)}
+    fns.update({f"budget_{k}": functools.partial(model, ids, budget=k) for k in model.budgets})
+    t = interleaved(fns, repeats=args.rounds, warmup=2)
+    L = len(model.layer_graph.layers)
+    base = t["budget_0"].median
+    rows = {
+        k: {**t[f"budget_{k}"].as_dict(), "ratio_to_budget0": t[f"budget_{k}"].median / base, "ideal": (L + k) / L}
+        for k in model.budgets
+    }
+    print(json.dumps({
+        "bench": "budgets", "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)",
+        "tokens": args.tokens, "batch": 1, "rounds": args.rounds, "threads": torch.get_num_threads(),
+        "machine": platform.machine(), "source": t["source"].as_dict(),
+        "budget0_over_source": base / t["source"].median, "budgets": rows,
+    }))
+
+
+if __name__ == "__main__":
+    main()
