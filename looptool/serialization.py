@@ -185,38 +185,52 @@ def load(directory: str | os.PathLike, *, device: str = "cpu") -> LoopedModel:
     if any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     model = LoopedModel(lg, tokenizer=tokenizer)
-    if torch.device(device).type == "meta":  # structure only (looptool inspect): no weights read
+    if torch.device(device).type == "meta":  # structure only (looptool inspect): header checked, no data read
+        check_weights(model, weights)
         return model.eval()
     bind_weights(model, weights, device=device, trainable=meta.get("trainable"))
     return model.eval()
 
 
+def check_weights(model: LoopedModel, path: Path) -> dict[str, str]:
+    """Check the safetensors header (names, shapes, dtypes) against ``model`` without
+    reading tensor data; returns the alias map (tied name → stored name)."""
+    expected = graph_tensors(model)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            aliases = json.loads((f.metadata() or {}).get("looptool_aliases", "{}"))
+            header = {n: (tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for n in f.keys()}
+    except Exception as exc:  # safetensors raises its own error types on corrupt files
+        raise CheckpointError(f"{path} could not be read as safetensors ({exc}); the file is corrupt, re-save the model.") from exc
+    missing = [n for n in expected if aliases.get(n, n) not in header]
+    extra = sorted(set(header) - {aliases.get(n, n) for n in expected})
+    if missing or extra:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"
+        raise CheckpointError(f"{path} does not match the model rebuilt from looptool.json ({what}); re-save the model.")
+    for name, ref in expected.items():
+        shape, dtype = header[aliases.get(name, name)]
+        want = str(ref.dtype).removeprefix("torch.")
+        if shape != tuple(ref.shape) or _ST_DTYPES.get(dtype, dtype) != want:
+            raise CheckpointError(
+                f"tensor '{name}' in {path} has shape {shape} {dtype}, the model expects "
+                f"{tuple(ref.shape)} {want}; re-save the model."
+            )
+    return aliases
+
+
+_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64", "I32": "int32", "BOOL": "bool", "U8": "uint8", "I8": "int8"}
+
+
 def bind_weights(model: LoopedModel, path: Path, *, device: str, trainable=None) -> None:
     """Replace every (meta) tensor of ``model`` with the one stored in ``path``."""
+    aliases = check_weights(model, path)
     expected = graph_tensors(model)
     try:
         with safe_open(str(path), framework="pt", device=str(device)) as f:
-            stored_meta = f.metadata() or {}
-            aliases = json.loads(stored_meta.get("looptool_aliases", "{}"))
-            names = set(f.keys())
-            missing = [n for n in expected if n not in names and aliases.get(n) not in names]
-            extra = sorted(names - set(expected))
-            if missing or extra:
-                what = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"
-                raise CheckpointError(f"{path} does not match the model rebuilt from looptool.json ({what}); re-save the model.")
-            loaded = {n: f.get_tensor(n) for n in names}
-    except CheckpointError:
-        raise
-    except Exception as exc:  # safetensors raises its own error types on corrupt files
+            loaded = {n: f.get_tensor(n) for n in f.keys()}
+    except Exception as exc:
         raise CheckpointError(f"{path} could not be read as safetensors ({exc}); the file is corrupt, re-save the model.") from exc
     trainable = set(trainable) if trainable is not None else None
-    for name, ref in expected.items():
-        t = loaded[aliases.get(name, name)]
-        if tuple(t.shape) != tuple(ref.shape) or t.dtype != ref.dtype:
-            raise CheckpointError(
-                f"tensor '{name}' in {path} has shape {tuple(t.shape)} {t.dtype}, the model "
-                f"expects {tuple(ref.shape)} {ref.dtype}; re-save the model."
-            )
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     objects: dict[str, torch.Tensor] = {}
     for name in expected:

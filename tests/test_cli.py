@@ -95,3 +95,12 @@ def test_inspect_corrupted(tiny_dir, tmp_path):
     assert res.exit_code == 1 and "not valid JSON" in res.output
     res = _run("inspect", tmp_path / "missing")
     assert res.exit_code == 1 and "not a directory" in res.output
+
+
+def test_inspect_refuses_corrupted_weights(tiny_dir, tmp_path):
+    out = tmp_path / "looped"
+    assert _run("convert", tiny_dir, "-o", out).exit_code == 0
+    data = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(data[:100])
+    res = _run("inspect", out)
+    assert res.exit_code == 1 and "the file is corrupt" in res.output
