@@ -361,11 +361,8 @@ def _analyse_layer(index: int, nodes: list[fx.Node], layer_module: str) -> tuple
         for n in branch:
             roles[n] = kind
         if kind == ROLE_MOE:
-            topk = [n for n in branch if n.target in _TOPK_TARGETS]
-            for t in topk:
-                for n in _branch_nodes(t, base, scope) & branch:
-                    if _module_is_not_expert(n):
-                        roles[n] = ROLE_ROUTER
+            for n in _router_nodes(branch, write, layer_module):
+                roles[n] = ROLE_ROUTER
         infos.append(Write(node=write.name, add=add.name, kind=kind))
     kinds = [w.kind for w in infos]
     if ROLE_ATTENTION not in kinds or len(set(kinds)) != len(kinds):
@@ -394,9 +391,17 @@ def _is_shape(node: fx.Node) -> bool:
     )
 
 
-def _module_is_not_expert(node: fx.Node) -> bool:
-    path = _innermost_path(node) or ""
-    return ".experts" not in path
+def _router_nodes(branch: set[fx.Node], write: fx.Node, layer_module: str) -> set[fx.Node]:
+    """The MoE router: the nodes of the submodule that computes ``topk`` (expert indices and
+    routing weights). Empty when the router is not a submodule of its own (then it cannot
+    be told apart from the experts and route replay is refused)."""
+    out: set[fx.Node] = set()
+    for topk in (n for n in branch if n.target in _TOPK_TARGETS):
+        path = _innermost_path(topk) or ""
+        if not path.startswith(layer_module + ".") or (_innermost_path(write) or "").startswith(path):
+            continue
+        out |= {n for n in branch if (_innermost_path(n) or "") == path or (_innermost_path(n) or "").startswith(path + ".")}
+    return out if write not in out else set()
 
 
 def annotate_graph(

@@ -39,11 +39,12 @@ ROLE_HEAD = "head"
 ROLE_OUTPUT = "output"
 ROLE_GATE = "gate"  # nodes added by a looping pass to gate a second-pass write
 ROLE_SHAPE = "shape"  # symbolic-size arithmetic (SymInt values), shared by all layers
+ROLE_STATE = "state"  # recurrent-state update nodes added by the recurrence pass (ELR Eq. 2)
 ROLES = frozenset(
     {
         ROLE_INPUT, ROLE_PARAM, ROLE_EMBEDDING, ROLE_PROLOGUE, ROLE_ATTENTION, ROLE_MLP,
         ROLE_MOE, ROLE_ROUTER, ROLE_RESIDUAL, ROLE_LAYER, ROLE_FINAL_NORM, ROLE_HEAD,
-        ROLE_OUTPUT, ROLE_GATE, ROLE_SHAPE,
+        ROLE_OUTPUT, ROLE_GATE, ROLE_SHAPE, ROLE_STATE,
     }
 )
 WRITE_KINDS = (ROLE_ATTENTION, ROLE_MLP, ROLE_MOE)
@@ -83,8 +84,9 @@ class NewParam:
 
     name: str  # full dotted name, starting with "loop."
     shape: tuple[int, ...]
-    init: str = "zeros"
+    init: str = "zeros"  # "zeros" or "fill" (every element = value)
     no_decay: bool = False
+    value: float = 0.0
 
 
 @dataclass(frozen=True)

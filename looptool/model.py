@@ -159,9 +159,10 @@ def _build_new_params(specs: tuple[NewParam, ...], dtype: torch.dtype, device: t
             if part not in mod._modules:
                 mod.add_module(part, nn.Module())
             mod = mod._modules[part]
-        if spec.init != "zeros":
+        if spec.init not in ("zeros", "fill"):
             raise PassError(f"unknown init {spec.init!r} for {spec.name}.")
-        mod.register_parameter(parts[-1], nn.Parameter(torch.zeros(spec.shape, dtype=dtype, device=device)))
+        value = spec.value if spec.init == "fill" else 0.0
+        mod.register_parameter(parts[-1], nn.Parameter(torch.full(spec.shape, value, dtype=dtype, device=device)))
     return root
 
 

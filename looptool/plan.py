@@ -74,9 +74,14 @@ class PrefixLoop:
         start = self.window[0]
         return tuple(range(start, start + budget))
 
+    def executed_layers(self, budget: int, num_layers: int) -> tuple[int, ...]:
+        """Layer indices in execution order at ``budget`` (each repeated layer twice in a row)."""
+        repeated = set(self.repeated_layers(budget))
+        return tuple(i for layer in range(num_layers) for i in ((layer, layer) if layer in repeated else (layer,)))
+
     def layer_executions(self, budget: int, num_layers: int) -> int:
         """Decoder-layer executions per token at ``budget``: ``L + k`` (Eq. 1)."""
-        return num_layers + len(self.repeated_layers(budget))
+        return len(self.executed_layers(budget, num_layers))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form, with kind and format version."""
@@ -103,8 +108,106 @@ class PrefixLoop:
             raise PlanError("this plan has unresolved defaults; call plan.resolve(num_layers) first.")
 
 
-LoopPlan = PrefixLoop  # the union grows as schemes land (RecurrentLoop)
-_PLAN_KINDS: dict[str, type] = {PrefixLoop.kind: PrefixLoop}
+UPDATE_RULES = ("adaptive-delta", "delta", "residual", "replace")
+INIT_MODES = ("exact", "paper")
+
+
+@dataclass(frozen=True)
+class RecurrentLoop:
+    """Elastic latent recurrence (ELR, seed 001): input block ``layers[:start]``, recurrent
+    block ``layers[start:stop]`` run ``k`` times, output block ``layers[stop:]`` (Sec. 3.1).
+
+    Budgets are loop counts ``1..max_loops``. ``update`` picks the state update (Eq. 2 and
+    Sec. 6.1); ``reinject`` adds ``h_in`` to the state before every loop; ``conditioning``
+    adds loop-conditioned modulation (Sec. 3.3, Eq. 4) with ``cond_dim`` and low-rank
+    ``rank``; ``route_replay`` reuses loop-1 MoE routes on later loops (Sec. 3.4);
+    ``init="exact"`` preserves the source at every k, ``"paper"`` is the paper's
+    from-scratch initialisation. ``recurrent=None`` is the middle half, the rest split evenly.
+    """
+
+    recurrent: tuple[int, int] | None = None
+    max_loops: int = 4
+    update: str = "adaptive-delta"
+    reinject: bool = True
+    conditioning: bool = False
+    cond_dim: int = 256
+    rank: int = 64
+    route_replay: bool = False
+    init: str = "exact"
+    kind: ClassVar[str] = "recurrent"
+
+    def resolve(self, num_layers: int) -> "RecurrentLoop":
+        """Fill defaults for a model of ``num_layers`` layers and validate; returns a new plan."""
+        part = self.recurrent
+        if part is None:
+            rec = max(1, round(num_layers / 2))
+            start = (num_layers - rec) // 2
+            part = (start, start + rec)
+        start, stop = _int_pair(part, "recurrent")
+        if not 0 <= start < stop <= num_layers:
+            raise PlanError(
+                f"recurrent block {start}:{stop} is not a non-empty range inside the model's "
+                f"{num_layers} layers; use START:STOP with 0 <= START < STOP <= {num_layers}."
+            )
+        if isinstance(self.max_loops, bool) or not isinstance(self.max_loops, int) or self.max_loops < 1:
+            raise PlanError(f"max_loops must be a whole number >= 1, got {self.max_loops!r}.")
+        if self.update not in UPDATE_RULES:
+            raise PlanError(f"update rule {self.update!r} is unknown; use one of {', '.join(UPDATE_RULES)}.")
+        if self.init not in INIT_MODES:
+            raise PlanError(f"init {self.init!r} is unknown; use 'exact' (pretrained source) or 'paper' (from scratch).")
+        for name in ("cond_dim", "rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"{name} must be a whole number >= 1, got {value!r}.")
+        return dataclasses.replace(self, recurrent=(start, stop))
+
+    @property
+    def resolved(self) -> bool:
+        """True once :meth:`resolve` filled every field."""
+        return self.recurrent is not None
+
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        """Loop counts ``1..max_loops``."""
+        return tuple(range(1, self.max_loops + 1))
+
+    def executed_layers(self, budget: int, num_layers: int) -> tuple[int, ...]:
+        """Layer indices in execution order with ``budget`` loops: D_eff(k) of them (Eq. 1)."""
+        if not self.resolved:
+            raise PlanError("this plan has unresolved defaults; call plan.resolve(num_layers) first.")
+        start, stop = self.recurrent
+        return tuple(range(start)) + tuple(range(start, stop)) * budget + tuple(range(stop, num_layers))
+
+    def layer_executions(self, budget: int, num_layers: int) -> int:
+        """``D_eff(k) = L_in + k L_rec + L_out`` (Eq. 1)."""
+        return len(self.executed_layers(budget, num_layers))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form, with kind and format version."""
+        data = {"kind": self.kind, "version": PLAN_FORMAT_VERSION}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            data[f.name] = list(value) if isinstance(value, tuple) else value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RecurrentLoop":
+        """Inverse of :meth:`to_dict`; refuses other kinds and newer versions."""
+        _check_header(data, cls.kind)
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in names}
+        if kwargs.get("recurrent") is not None:
+            kwargs["recurrent"] = tuple(kwargs["recurrent"])
+        return cls(**kwargs)
+
+
+def delta_params(hidden: int) -> int:
+    """Parameters the adaptive-delta gate adds: ``W_beta, b_beta, gamma`` = d^2 + 2d (Sec. 3.1)."""
+    return hidden * hidden + 2 * hidden
+
+
+LoopPlan = PrefixLoop | RecurrentLoop
+_PLAN_KINDS: dict[str, type] = {PrefixLoop.kind: PrefixLoop, RecurrentLoop.kind: RecurrentLoop}
 
 
 def plan_from_dict(data: dict[str, Any]) -> LoopPlan:
@@ -192,6 +295,7 @@ class BudgetCost:
     kv_bytes_per_token: int
     relative_flops: float
     relative_kv: float
+    kv_bytes_per_token_last_loop: int  # one cache slot per attention layer (ELR Sec. 3.4)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -199,14 +303,17 @@ class BudgetCost:
 
 
 def cost_table(plan: LoopPlan, dims: ModelDims) -> list[BudgetCost]:
-    """Cost of every budget of a resolved plan (Accordion Eq. 6:
-    ``C(k) = C_fixed + sum of executed layers``; KV grows as ``(L + k) / L``)."""
+    """Cost of every budget of a resolved plan: ``C(k) = C_fixed + sum of the executed
+    layers' FLOPs`` (Accordion Eq. 6; ELR's D_eff(k), Eq. 1). KV per token under per-loop
+    caching grows with executed layers (``(L + k) / L`` for fixed-prefix looping); under
+    last-loop caching it stays at the source's ``L`` layers."""
     rows = []
     for k in plan.budgets:
-        layers = list(range(dims.num_layers)) + list(plan.repeated_layers(k))
+        layers = plan.executed_layers(k, dims.num_layers)
         flops = dims.fixed_flops + sum(dims.layer_flops[i] for i in layers)
         rows.append((k, len(layers), flops, len(layers) * dims.kv_bytes_per_layer))
     base_flops, base_kv = rows[0][2], rows[0][3]
+    last_loop = dims.num_layers * dims.kv_bytes_per_layer
     return [
-        BudgetCost(k, n, f, kv, f / base_flops, kv / base_kv) for k, n, f, kv in rows
+        BudgetCost(k, n, f, kv, f / base_flops, kv / base_kv, last_loop) for k, n, f, kv in rows
     ]

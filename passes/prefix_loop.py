@@ -22,7 +22,8 @@ import torch
 import torch.fx as fx
 
 from looptool.errors import PassError
-from looptool.graph import ROLE_GATE, LayerGraph, LayerInfo, NewParam, annotate, annotation
+from looptool.graph import ROLE_GATE, LayerGraph, LayerInfo, NewParam, Write, annotate
+from looptool.passes.emit import emit_layers, last_node
 from looptool.passes.manager import register_pass
 from looptool.plan import PrefixLoop
 
@@ -55,61 +56,24 @@ def build_path(lg: LayerGraph, repeated: tuple[int, ...]) -> fx.Graph:
     """The captured graph with each layer in ``repeated`` run twice (second pass gated)."""
     nodes = lg.node_map()
     order = {n: i for i, n in enumerate(lg.graph.nodes)}
-    after: dict[fx.Node, LayerInfo] = {}
-    for index in repeated:
-        info = lg.layers[index]
-        last = max((nodes[n] for n in info.nodes), key=order.__getitem__)
-        out = nodes[info.output]
-        layer_nodes = set(info.nodes)
-        early = [u for u in out.users if u.name not in layer_nodes and order[u] < order[last]]
-        if early:
-            raise PassError(
-                f"prefix_loop: layer {index}'s output is read by '{early[0].name}' before the "
-                "layer ends; the captured graph interleaves layers and cannot be looped."
-            )
-        after[last] = info
+    after = {last_node(lg, [lg.layers[i]], order): lg.layers[i] for i in repeated}
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in lg.graph.nodes:
         env[node] = graph.node_copy(node, lambda n: env[n])
         if node in after:
             info = after[node]
-            env[nodes[info.output]] = _second_pass(graph, env, nodes, info)
+            out = nodes[info.output]
+            second = emit_layers(graph, env, nodes, [info], env[out], tags={"repeat": 2}, write_hook=_gate)
+            env[out] = second[out]
     return graph
 
 
-def _second_pass(
-    graph: fx.Graph, env: dict[fx.Node, fx.Node], nodes: dict[str, fx.Node], info: LayerInfo
-) -> fx.Node:
-    """Emit layer ``info`` again, reading its own first-pass output, writes gated (Eq. 5)."""
-    local: dict[fx.Node, fx.Node] = {nodes[info.input]: env[nodes[info.output]]}
-
-    def lookup(n: fx.Node) -> fx.Node:
-        return local[n] if n in local else env[n]
-
-    gated_writes = {nodes[w.node]: w for w in info.writes}
-    gated_adds = {w.add for w in info.writes}
-    for name in info.nodes:
-        node = nodes[name]
-        gated: dict[fx.Node, fx.Node] = {}
-        if name in gated_adds:
-            for arg in node.args:
-                if arg in gated_writes and gated_writes[arg].add == name:
-                    gated[arg] = _gate(graph, info.index, gated_writes[arg].kind, lookup(arg))
-        copy = graph.node_copy(node, lookup)
-        for original, replacement in gated.items():
-            copy.replace_input_with(lookup(original), replacement)
-        ann = annotation(node)
-        annotate(copy, ann["role"], ann["layer"], repeat=2)
-        local[node] = copy
-    return local[nodes[info.output]]
-
-
-def _gate(graph: fx.Graph, layer: int, kind: str, write: fx.Node) -> fx.Node:
+def _gate(graph: fx.Graph, info: LayerInfo, write: Write, value: fx.Node) -> fx.Node:
     """``tanh(g) * write`` with ``g`` the layer's zero-initialised gate (Eq. 5)."""
-    g = graph.get_attr(gate_name(layer, kind))
+    g = graph.get_attr(gate_name(info.index, write.kind))
     t = graph.call_function(_aten.tanh.default, (g,))
-    out = graph.call_function(_aten.mul.Tensor, (t, write))
+    out = graph.call_function(_aten.mul.Tensor, (t, value))
     for n in (g, t, out):
-        annotate(n, ROLE_GATE, layer, repeat=2, kind=kind)
+        annotate(n, ROLE_GATE, info.index, repeat=2, kind=write.kind)
     return out
