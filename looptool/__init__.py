@@ -18,7 +18,7 @@ from looptool.convert import convert
 from looptool.errors import LooptoolError
 from looptool.graph import LayerGraph
 from looptool.model import LoopedModel
-from looptool.plan import PrefixLoop
+from looptool.plan import PrefixLoop, RecurrentLoop
 from looptool.serialization import load
 
-__all__ = ["LayerGraph", "LoopedModel", "LooptoolError", "PrefixLoop", "capture", "convert", "load", "__version__"]
+__all__ = ["LayerGraph", "LoopedModel", "LooptoolError", "PrefixLoop", "RecurrentLoop", "capture", "convert", "load", "__version__"]

@@ -12,12 +12,12 @@ from looptool.capture import capture, num_layers_of
 from looptool.errors import LooptoolError
 from looptool.model import LoopedModel
 from looptool.passes import PassManager
-from looptool.plan import LoopPlan, PrefixLoop
+from looptool.plan import LoopPlan, PrefixLoop, RecurrentLoop
 from looptool.sources import load_source
 
 log = logging.getLogger(__name__)
 
-_PASS_OF_PLAN = {PrefixLoop: "prefix_loop"}
+_PASS_OF_PLAN = {PrefixLoop: "prefix_loop", RecurrentLoop: "recurrent_loop"}
 
 
 def plan_steps(plan: LoopPlan) -> list[tuple[str, dict]]:

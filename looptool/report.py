@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 from rich.table import Table
 
 from looptool.model import LoopedModel
@@ -9,19 +11,19 @@ from looptool.plan import LoopPlan
 
 
 def execution_path(plan: LoopPlan, budget: int, num_layers: int) -> str:
-    """Compact layer schedule of a budget, e.g. ``0-7, 8-10 x2, 11-29``."""
-    repeated = set(plan.repeated_layers(budget))
-    runs: list[tuple[int, int, bool]] = []
+    """Compact layer schedule of a budget, e.g. ``0-7, 8-10×2, 11-29`` (how many times
+    each run of layers executes)."""
+    counts = collections.Counter(plan.executed_layers(budget, num_layers))
+    runs: list[tuple[int, int, int]] = []
     for i in range(num_layers):
-        twice = i in repeated
-        if runs and runs[-1][2] == twice and runs[-1][1] == i - 1:
-            runs[-1] = (runs[-1][0], i, twice)
+        if runs and runs[-1][2] == counts[i] and runs[-1][1] == i - 1:
+            runs[-1] = (runs[-1][0], i, counts[i])
         else:
-            runs.append((i, i, twice))
+            runs.append((i, i, counts[i]))
     parts = []
-    for a, b, twice in runs:
+    for a, b, n in runs:
         span = f"{a}" if a == b else f"{a}-{b}"
-        parts.append(f"{span}×2" if twice else span)
+        parts.append(f"{span}×{n}" if n > 1 else span)
     return ", ".join(parts)
 
 

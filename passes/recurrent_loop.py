@@ -1,0 +1,184 @@
+"""The ``recurrent_loop`` pass: elastic latent recurrence (ELR, seed 001, Sec. 3.1, 3.4).
+
+Layers ``[start, stop)`` form the recurrent block R, run ``k`` times per budget path; the
+layers before form the input block (``h_in`` is their output) and the layers after the
+output block. Per loop ``i`` (Sec. 3.1, Eq. 2)::
+
+    s~_i = s_{i-1} + h_in                   (input re-injection; s~_i = s_{i-1} with --no-reinject)
+    r_i  = R(s~_i)
+    s_i  = s_{i-1} + e * step_i             step_i by the update rule:
+        adaptive-delta: beta_i * (r_i - s_{i-1}),  beta_i = sigmoid(W_b s~_i + b_b) * softplus(gamma)
+        delta:          alpha * (r_i - s_{i-1})    (alpha per channel, init 0.05, Sec. 6.1)
+        replace:        r_i - s_{i-1}
+        residual:       r_i
+
+``init="exact"`` (a pretrained, non-recurrent source): loop 1 is the source block itself,
+``s_1 = R(h_in)`` — no re-injection (``s_0 = 0``) and a full step (the exit factor
+``pi_1 = 1`` of Sec. 3.3), because the source was trained on exactly that. Loops ``i >= 2``
+re-inject and step with ``e`` = a per-channel *exit gate* initialised to zero (the paper's
+``pi_{i>1} + g_exit = 0`` grafting at the switch), so every budget reproduces the source
+bit for bit until training moves ``e``. ``init="paper"``: ``s_0 = h_in``, every loop as
+above with ``e = 1``, ``W_b = b_b = gamma = 0`` (step 0.5 * softplus(0) ~ 0.35).
+
+Cross-loop route replay (Sec. 3.4): the MoE routers of the recurrent block run on loop 1
+only; later loops read loop 1's expert indices and routing weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from looptool.errors import PassError, PlanError
+from looptool.graph import ROLE_MOE, ROLE_ROUTER, ROLE_STATE, LayerGraph, NewParam, annotate, annotation
+from looptool.passes.emit import emit_layers, last_node
+from looptool.passes.manager import register_pass
+from looptool.plan import RecurrentLoop
+
+_aten = torch.ops.aten
+PREFIX = "loop.recurrent."
+
+
+def recurrent_params(plan: RecurrentLoop, hidden: int) -> tuple[NewParam, ...]:
+    """The parameters the state update adds (shared across loops)."""
+    d = hidden
+    params: list[NewParam] = []
+    if plan.update == "adaptive-delta":  # d^2 + 2d (Sec. 3.1)
+        params += [
+            NewParam(PREFIX + "beta_weight", (d, d)),
+            NewParam(PREFIX + "beta_bias", (d,), no_decay=True),
+            NewParam(PREFIX + "beta_gamma", (d,), no_decay=True),
+        ]
+    elif plan.update == "delta":
+        params.append(NewParam(PREFIX + "delta_rate", (d,), init="fill", value=0.05, no_decay=True))
+    if plan.init == "exact":
+        params.append(NewParam(PREFIX + "exit_gate", (d,), no_decay=True))
+    return tuple(params)
+
+
+@register_pass("recurrent_loop")
+def recurrent_loop(lg: LayerGraph, config: dict) -> LayerGraph:
+    """Build one budget path per loop count ``1..max_loops`` of the RecurrentLoop plan."""
+    if lg.paths:
+        raise PassError("recurrent_loop: this graph is already looped; apply one looping pass per model.")
+    plan = RecurrentLoop.from_dict(config).resolve(len(lg.layers))
+    start, stop = plan.recurrent
+    block = lg.layers[start:stop]
+    if plan.route_replay and not any(w.kind == ROLE_MOE for info in block for w in info.writes):
+        raise PlanError(
+            f"route replay needs MoE layers in the recurrent block, but layers {start}:{stop} of "
+            f"this {lg.source.model_type} model are dense; drop --route-replay."
+        )
+    if plan.conditioning:
+        raise PlanError("loop-conditioned modulation is not available yet; drop --conditioning.")
+    new_params = recurrent_params(plan, lg.source.hidden_size)
+    paths = {k: build_path(lg, plan, k) for k in plan.budgets}
+    return lg.replace(new_params=lg.new_params + new_params, paths=paths, plan=plan)
+
+
+def router_nodes(lg: LayerGraph, layers) -> tuple[frozenset[fx.Node], frozenset[fx.Node]]:
+    """(all router nodes, the router outputs read by the experts) of the given layers."""
+    nodes = lg.node_map()
+    router: set[fx.Node] = set()
+    for info in layers:
+        found = {nodes[n] for n in info.nodes if annotation(nodes[n]).get("role") == ROLE_ROUTER}
+        if any(w.kind == ROLE_MOE for w in info.writes) and not found:
+            raise PassError(
+                f"route replay: the router of MoE layer {info.index} could not be told apart "
+                "from its experts; convert without --route-replay."
+            )
+        router |= found
+    frontier = {n for n in router if any(u not in router for u in n.users)}
+    return frozenset(router), frozenset(frontier)
+
+
+class _State:
+    """Emits the state-update arithmetic of one budget path (params read once per path)."""
+
+    def __init__(self, graph: fx.Graph, plan: RecurrentLoop):
+        self.graph, self.plan = graph, plan
+        self._attrs: dict[str, fx.Node] = {}
+
+    def attr(self, name: str) -> fx.Node:
+        if name not in self._attrs:
+            node = self.graph.get_attr(PREFIX + name)
+            annotate(node, ROLE_STATE, None)
+            self._attrs[name] = node
+        return self._attrs[name]
+
+    def op(self, target, *args, loop: int, name: str | None = None) -> fx.Node:
+        node = self.graph.call_function(target, args)
+        annotate(node, ROLE_STATE, None, loop=loop, **({"name": name} if name else {}))
+        return node
+
+    def update(self, s_prev: fx.Node, r: fx.Node, s_tilde: fx.Node, loop: int) -> fx.Node:
+        """``s_i = s_{i-1} + e * step_i`` (Eq. 2 and the update rules of Sec. 6.1)."""
+        rule = self.plan.update
+        if rule == "residual":
+            step = r
+        else:
+            step = self.op(_aten.sub.Tensor, r, s_prev, loop=loop)
+            if rule == "adaptive-delta":
+                logits = self.op(_aten.linear.default, s_tilde, self.attr("beta_weight"), self.attr("beta_bias"), loop=loop)
+                rate = self.op(_aten.softplus.default, self.attr("beta_gamma"), loop=loop)
+                beta = self.op(_aten.mul.Tensor, self.op(_aten.sigmoid.default, logits, loop=loop), rate, loop=loop, name="beta")
+                step = self.op(_aten.mul.Tensor, beta, step, loop=loop)
+            elif rule == "delta":
+                step = self.op(_aten.mul.Tensor, self.attr("delta_rate"), step, loop=loop)
+        if self.plan.init == "exact":
+            step = self.op(_aten.mul.Tensor, self.attr("exit_gate"), step, loop=loop, name="exit")
+        return self.op(_aten.add.Tensor, s_prev, step, loop=loop, name="state")
+
+
+def build_path(lg: LayerGraph, plan: RecurrentLoop, loops: int) -> fx.Graph:
+    """The captured graph with the recurrent block unrolled ``loops`` times."""
+    start, stop = plan.recurrent
+    block = lg.layers[start:stop]
+    nodes = lg.node_map()
+    order = {n: i for i, n in enumerate(lg.graph.nodes)}
+    last = last_node(lg, block, order)
+    members = {nodes[n] for info in block for n in info.nodes}
+    router, frontier = router_nodes(lg, block) if plan.route_replay else (frozenset(), frozenset())
+    block_out = nodes[block[-1].output]
+    graph = fx.Graph()
+    state = _State(graph, plan)
+    env: dict[fx.Node, fx.Node] = {}
+
+    def lookup(n: fx.Node) -> fx.Node:
+        if n not in env:
+            raise PassError(f"recurrent_loop: node '{n.name}' of the recurrent block is read from outside it.")
+        return env[n]
+
+    for node in lg.graph.nodes:
+        if node in members:
+            if node is last:
+                env[block_out] = _unroll(graph, env, nodes, block, plan, loops, state, router, frontier)
+            continue
+        env[node] = graph.node_copy(node, lookup)
+    return graph
+
+
+def _unroll(graph, env, nodes, block, plan, loops, state, router, frontier) -> fx.Node:
+    h_in = env[nodes[block[0].input]]
+    out = nodes[block[-1].output]
+    s = h_in  # s_0 (paper init); with exact init loop 1 ignores it
+    first: dict[fx.Node, fx.Node] = {}
+    for i in range(1, loops + 1):
+        exact_first = plan.init == "exact" and i == 1
+        if exact_first:
+            s_tilde = h_in  # loop 1 is the source block: z_1 = h_in
+        elif plan.reinject:
+            s_tilde = state.op(_aten.add.Tensor, s, h_in, loop=i, name="reinject")
+        else:
+            s_tilde = s
+        replay = plan.route_replay and i > 1
+        local = emit_layers(
+            graph, env, nodes, block, s_tilde, tags={"loop": i},
+            skip=router if replay else frozenset(),
+            reuse={f: first[f] for f in frontier} if replay else None,
+        )
+        if i == 1:
+            first = local
+        r = local[out]
+        s = r if exact_first else state.update(s, r, s_tilde, loop=i)
+    return s

@@ -1,0 +1,148 @@
+"""The recurrent_loop pass (ELR): exact init, update rules, paper init, route replay."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.fx import Interpreter
+
+import looptool
+from looptool.capture import capture
+from looptool.errors import PlanError
+from looptool.graph import annotation
+from looptool.model import LoopedModel
+from looptool.passes import PassManager
+from looptool.plan import UPDATE_RULES, RecurrentLoop
+from looptool.testing import tiny_model
+
+MOE = {"mixtral", "qwen3_moe", "olmoe", "qwen2_moe"}
+_captured: dict[str, tuple] = {}
+
+
+def captured(arch):
+    if arch not in _captured:
+        source = tiny_model(arch)
+        _captured[arch] = (source, capture(source))
+    return _captured[arch]
+
+
+def looped(arch, **plan) -> LoopedModel:
+    source, lg = captured(arch)
+    plan = RecurrentLoop(**{"recurrent": (1, 3), "max_loops": 3, **plan})
+    return LoopedModel(PassManager([("recurrent_loop", plan.to_dict())])(lg))
+
+
+def test_exact_init_is_bit_exact_for_every_rule(arch, input_ids):
+    source, _ = captured(arch)
+    with torch.no_grad():
+        ref = source(input_ids=input_ids).logits
+    for update in UPDATE_RULES:
+        for reinject in (True, False):
+            for replay in ((False, True) if arch in MOE else (False,)):
+                model = looped(arch, update=update, reinject=reinject, route_replay=replay)
+                with torch.no_grad():
+                    for k in model.budgets:
+                        got = model(input_ids, budget=k).logits
+                        assert torch.equal(ref, got), f"{arch} {update} reinject={reinject} replay={replay} k={k}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox", "qwen3_moe"])
+def test_perturbed_budgets_differ_gradients_flow_round_trip(arch, input_ids, tmp_path):
+    source, _ = captured(arch)
+    model = looped(arch)
+    with torch.no_grad():
+        for _, p in model.new_parameters():
+            p.normal_(0, 0.2)
+        outs = {k: model(input_ids, budget=k).logits for k in model.budgets}
+        ref = source(input_ids=input_ids).logits
+    assert torch.equal(outs[1], ref)  # loop 1 is the source block whatever the new params
+    assert not torch.equal(outs[2], outs[1]) and not torch.equal(outs[3], outs[2])
+    model.zero_grad()
+    model(input_ids, labels=input_ids, budget=3).loss.backward()
+    for name, p in model.new_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    model.save_pretrained(tmp_path / "elr")
+    loaded = looptool.load(tmp_path / "elr")
+    assert loaded.plan == model.plan
+    for k in model.budgets:
+        assert torch.equal(outs[k], loaded(input_ids, budget=k).logits)
+
+
+def test_paper_init_beta_is_half_softplus_zero(input_ids):
+    model = looped("llama", init="paper", max_loops=2)
+    values = []
+
+    class Probe(Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if annotation(n).get("name") == "beta":
+                values.append(out)
+            return out
+
+    with torch.no_grad():
+        Probe(model.path(2)).run(input_ids, torch.ones_like(input_ids))
+    assert len(values) == 2
+    want = 0.5 * math.log(2.0)  # sigmoid(0) * softplus(0) = 0.3466
+    for v in values:
+        assert torch.allclose(v, torch.full_like(v, want))
+    assert abs(want - 0.3466) < 1e-4
+    source, _ = captured("llama")
+    with torch.no_grad():  # the paper's init is not function-preserving: loop 1 sees 2 h_in
+        assert not torch.equal(model(input_ids, budget=1).logits, source(input_ids=input_ids).logits)
+
+
+def test_parameter_counts():
+    d = 64
+    counts = {update: looped("llama", update=update).added_parameter_count() for update in UPDATE_RULES}
+    assert counts == {"adaptive-delta": d * d + 2 * d + d, "delta": 2 * d, "residual": d, "replace": d}
+    assert looped("llama", init="paper").added_parameter_count() == d * d + 2 * d
+
+
+def _topk_count(graph):
+    return sum(1 for n in graph.nodes if n.target is torch.ops.aten.topk.default)
+
+
+def test_route_replay_runs_each_router_once(input_ids):
+    replay = looped("olmoe", route_replay=True, max_loops=4)
+    dynamic = looped("olmoe", route_replay=False, max_loops=4)
+    for k in replay.budgets:
+        assert _topk_count(replay.layer_graph.paths[k]) == 4  # 4 MoE layers, each routed once
+        assert _topk_count(dynamic.layer_graph.paths[k]) == 2 + 2 * k
+    with torch.no_grad():
+        for (_, a), (_, b) in zip(replay.new_parameters(), dynamic.new_parameters()):
+            a.normal_(0, 0.2, generator=torch.Generator().manual_seed(3))
+            b.copy_(a)
+        assert torch.equal(replay(input_ids, budget=1).logits, dynamic(input_ids, budget=1).logits)
+        assert not torch.equal(replay(input_ids, budget=3).logits, dynamic(input_ids, budget=3).logits)
+
+
+def test_cost_model_is_d_eff():
+    model = looped("llama", recurrent=(1, 3), max_loops=4)
+    rows = model.cost_table()
+    assert [r.layer_executions for r in rows] == [4, 6, 8, 10]  # L_in + k L_rec + L_out
+    assert all(r.kv_bytes_per_token_last_loop == rows[0].kv_bytes_per_token for r in rows)
+    assert rows[3].relative_kv == pytest.approx(10 / 4)
+
+
+@pytest.mark.parametrize(
+    "plan,message",
+    [
+        (dict(recurrent=(3, 3)), "not a non-empty range"),
+        (dict(recurrent=(2, 9)), "inside the model's 4 layers"),
+        (dict(max_loops=0), "max_loops must be a whole number >= 1"),
+        (dict(update="momentum"), "update rule 'momentum' is unknown"),
+        (dict(init="random"), "init 'random' is unknown"),
+        (dict(route_replay=True), "route replay needs MoE layers"),
+    ],
+)
+def test_invalid_plans(plan, message):
+    with pytest.raises(PlanError, match=message):
+        looptool.convert(tiny_model("llama"), RecurrentLoop(**plan))
+
+
+def test_default_partition_is_the_middle_half():
+    assert RecurrentLoop().resolve(30).recurrent == (7, 22)
+    assert RecurrentLoop().resolve(24).recurrent == (6, 18)
+    assert RecurrentLoop().resolve(4).budgets == (1, 2, 3, 4)
