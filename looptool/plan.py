@@ -83,6 +83,10 @@ class PrefixLoop:
         """Decoder-layer executions per token at ``budget``: ``L + k`` (Eq. 1)."""
         return len(self.executed_layers(budget, num_layers))
 
+    def extra_flops(self, budget: int, hidden: int) -> float:
+        """Matmul FLOPs per token the plan adds outside the layers (gates are elementwise: 0)."""
+        return 0.0
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form, with kind and format version."""
         return {
@@ -181,6 +185,14 @@ class RecurrentLoop:
     def layer_executions(self, budget: int, num_layers: int) -> int:
         """``D_eff(k) = L_in + k L_rec + L_out`` (Eq. 1)."""
         return len(self.executed_layers(budget, num_layers))
+
+    def extra_flops(self, budget: int, hidden: int) -> float:
+        """Matmul FLOPs per token of the state updates: ``2 d^2`` per adaptive-delta update
+        (loops 2..k under exact init, 1..k under paper init)."""
+        if self.update != "adaptive-delta":
+            return 0.0
+        updates = budget - 1 if self.init == "exact" else budget
+        return 2.0 * hidden * hidden * updates
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form, with kind and format version."""
@@ -283,6 +295,7 @@ class ModelDims:
     fixed_flops: float  # FLOPs per token outside the layers (LM head)
     kv_bytes_per_layer: int  # K and V bytes per token for one attention execution
     param_bytes: int
+    hidden_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -310,7 +323,7 @@ def cost_table(plan: LoopPlan, dims: ModelDims) -> list[BudgetCost]:
     rows = []
     for k in plan.budgets:
         layers = plan.executed_layers(k, dims.num_layers)
-        flops = dims.fixed_flops + sum(dims.layer_flops[i] for i in layers)
+        flops = dims.fixed_flops + sum(dims.layer_flops[i] for i in layers) + plan.extra_flops(k, dims.hidden_size)
         rows.append((k, len(layers), flops, len(layers) * dims.kv_bytes_per_layer))
     base_flops, base_kv = rows[0][2], rows[0][3]
     last_loop = dims.num_layers * dims.kv_bytes_per_layer

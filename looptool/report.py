@@ -57,19 +57,30 @@ def summary(model: LoopedModel) -> dict:
     }
 
 
+def _plan_caption(info: dict) -> str:
+    plan = info["plan"]
+    if plan["kind"] == "prefix":
+        return f"window {plan['window'][0]}:{plan['window'][1]}"
+    extras = [plan["update"], f"init {plan['init']}"]
+    extras += ["re-injection"] if plan["reinject"] else ["no re-injection"]
+    extras += [f"conditioning d={plan['cond_dim']} r={plan['rank']}"] if plan["conditioning"] else []
+    extras += ["route replay"] if plan["route_replay"] else []
+    return f"recurrent {plan['recurrent'][0]}:{plan['recurrent'][1]} ({', '.join(extras)})"
+
+
 def plan_table(info: dict, extra: dict[int, dict[str, str]] | None = None, extra_columns: tuple[str, ...] = ()) -> Table:
     """The per-budget table ``looptool inspect`` and ``demo`` print."""
-    plan = info["plan"]
+    recurrent = info["plan"]["kind"] == "recurrent"
     title = (
         f"{info['model_type']} · {info['num_layers']} layers · d={info['hidden_size']} · "
-        f"window {plan['window'][0]}:{plan['window'][1]} · {info['source_params']:,} + "
-        f"{info['params_added']:,} params"
+        f"{_plan_caption(info)} · {info['source_params']:,} + {info['params_added']:,} params"
     )
     table = Table(title=title, title_justify="left")
-    for col, justify in (("budget", "right"), ("layers", "right"), ("path", "left"),
-                         ("MFLOP/tok", "right"), ("×FLOPs", "right"), ("KV/tok", "right"),
-                         ("×KV", "right")):
-        table.add_column(col, justify=justify, no_wrap=True)
+    columns = [("loops" if recurrent else "budget"), ("D_eff" if recurrent else "layers"), "path",
+               "MFLOP/tok", "×FLOPs", "KV/tok" + (" per-loop" if recurrent else ""), "×KV"]
+    columns += ["KV/tok last-loop"] if recurrent else []
+    for col in columns:
+        table.add_column(col, justify="left" if col == "path" else "right", no_wrap=True)
     for col in extra_columns:
         table.add_column(col, justify="right", no_wrap=True)
     for row in info["budgets"]:
@@ -82,6 +93,7 @@ def plan_table(info: dict, extra: dict[int, dict[str, str]] | None = None, extra
             _human_bytes(row["kv_bytes_per_token"]),
             f"{row['relative_kv']:.3f}",
         ]
+        cells += [_human_bytes(row["kv_bytes_per_token_last_loop"])] if recurrent else []
         cells += [(extra or {}).get(row["budget"], {}).get(c, "") for c in extra_columns]
         table.add_row(*cells)
     return table

@@ -104,3 +104,39 @@ def test_inspect_refuses_corrupted_weights(tiny_dir, tmp_path):
     (out / "model.safetensors").write_bytes(data[:100])
     res = _run("inspect", out)
     assert res.exit_code == 1 and "the file is corrupt" in res.output
+
+
+def test_convert_recurrent_and_inspect(tmp_path):
+    from looptool.testing import tiny_model
+
+    tiny_model("qwen3_moe", num_layers=6).save_pretrained(tmp_path / "moe")
+    out = tmp_path / "elr"
+    res = _run("convert", tmp_path / "moe", "-o", out, "--mode", "recurrent", "--recurrent", "1:5",
+               "--max-loops", "3", "--update", "delta", "--no-reinject", "--route-replay")
+    assert res.exit_code == 0, res.output
+    res = _run("inspect", out, "--json")
+    info = json.loads(res.stdout)
+    assert info["plan"] | {} == info["plan"] and info["plan"]["update"] == "delta"
+    assert info["plan"]["reinject"] is False and info["plan"]["route_replay"] is True
+    assert [r["layer_executions"] for r in info["budgets"]] == [6, 10, 14]  # D_eff(k)
+    assert {r["kv_bytes_per_token_last_loop"] for r in info["budgets"]} == {info["budgets"][0]["kv_bytes_per_token"]}
+    text = _run("inspect", out).output
+    assert "D_eff" in text and "1-4×3" in text
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--mode", "recurrent", "--window", "1:2"], "--window and --budgets apply to --mode prefix"),
+        (["--max-loops", "3"], "--max-loops only apply to --mode recurrent"),
+        (["--mode", "recurrent", "--max-loops", "0"], "max_loops must be a whole number >= 1"),
+        (["--mode", "recurrent", "--recurrent", "2:2"], "recurrent block 2:2 is not a non-empty range"),
+        (["--mode", "recurrent", "--route-replay"], "route replay needs MoE layers"),
+        (["--mode", "recurrent", "--update", "momentum"], "update rule 'momentum' is unknown"),
+    ],
+)
+def test_convert_recurrent_bad_options(tiny_dir, tmp_path, extra, message):
+    out = tmp_path / "elr"
+    res = _run("convert", tiny_dir, "-o", out, *extra)
+    assert res.exit_code == 1 and message in res.output, res.output
+    assert not out.exists()
