@@ -60,3 +60,13 @@ def test_gguf_file_source():
     src = load_source(fetch_smollm2())  # a .gguf path, the same file the smollm2 source uses
     assert src.model.config.model_type == "llama" and src.model.config.num_hidden_layers == 30
     assert src.tokenizer is not None and src.tokenizer("hello").input_ids
+
+
+def test_elr_exact_at_every_loop_count(smollm2, ids):
+    plan = looptool.RecurrentLoop(recurrent=(8, 22), max_loops=4)
+    model = looptool.convert(smollm2.model, plan)
+    with torch.no_grad():
+        ref = smollm2.model(input_ids=ids).logits
+        for k in model.budgets:
+            assert torch.equal(ref, model(ids, budget=k).logits), f"k={k}"
+    assert model.added_parameter_count() == 576 * 576 + 3 * 576
