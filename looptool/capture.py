@@ -62,6 +62,19 @@ _ATTENTION_TARGETS = {
     torch.ops.aten.softmax.int,
 }
 _TOPK_TARGETS = {torch.ops.aten.topk.default}
+_NORM_TARGETS = {
+    torch.ops.aten.rsqrt.default,
+    torch.ops.aten.layer_norm.default,
+    torch.ops.aten.native_layer_norm.default,
+    torch.ops.aten.rms_norm.default,
+}
+_MATMUL_TARGETS = {
+    torch.ops.aten.linear.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.mm.default,
+    torch.ops.aten.matmul.default,
+    torch.ops.aten.bmm.default,
+}
 _INPUT_NAMES = ("input_ids", "attention_mask")
 
 
@@ -363,7 +376,8 @@ def _analyse_layer(index: int, nodes: list[fx.Node], layer_module: str) -> tuple
         if kind == ROLE_MOE:
             for n in _router_nodes(branch, write, layer_module):
                 roles[n] = ROLE_ROUTER
-        infos.append(Write(node=write.name, add=add.name, kind=kind))
+        norm = _branch_norm(branch, base, layer_module)
+        infos.append(Write(node=write.name, add=add.name, kind=kind, norm=norm.name if norm is not None else None))
     kinds = [w.kind for w in infos]
     if ROLE_ATTENTION not in kinds or len(set(kinds)) != len(kinds):
         raise CaptureError(
@@ -389,6 +403,26 @@ def _is_shape(node: fx.Node) -> bool:
     return val is not None and not isinstance(val, torch.Tensor) and not (
         isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val)
     )
+
+
+def _branch_norm(branch: set[fx.Node], stream: fx.Node, layer_module: str) -> fx.Node | None:
+    """The output of the normalisation that a branch applies to the residual stream first
+    (``input_layernorm`` of a pre-norm layer), or None when the branch reads the stream
+    raw (OLMo2-style post-norm). A norm is a direct child module of the layer that reads
+    the stream, normalises (rsqrt / layer_norm) and does no matmul."""
+    readers = [n for n in stream.users if n in branch]
+    paths = {_innermost_path(n) or "" for n in readers}
+    if len(paths) != 1:
+        return None
+    path = paths.pop()
+    if not path.startswith(layer_module + ".") or "." in path[len(layer_module) + 1:]:
+        return None
+    members = {n for n in branch if _innermost_path(n) == path}
+    targets = {n.target for n in members}
+    if not targets & _NORM_TARGETS or targets & _MATMUL_TARGETS:
+        return None
+    outputs = [n for n in members if any(u in branch and u not in members for u in n.users)]
+    return outputs[0] if len(outputs) == 1 else None
 
 
 def _router_nodes(branch: set[fx.Node], write: fx.Node, layer_module: str) -> set[fx.Node]:

@@ -60,6 +60,7 @@ class Write:
     node: str
     add: str
     kind: str  # one of WRITE_KINDS
+    norm: str | None = None  # the branch's normalised input (pre-norm); None if it reads the stream raw
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class NewParam:
 
     name: str  # full dotted name, starting with "loop."
     shape: tuple[int, ...]
-    init: str = "zeros"  # "zeros" or "fill" (every element = value)
+    init: str = "zeros"  # "zeros", "fill" (every element = value) or "normal" (std = value)
     no_decay: bool = False
     value: float = 0.0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -159,11 +160,21 @@ def _build_new_params(specs: tuple[NewParam, ...], dtype: torch.dtype, device: t
             if part not in mod._modules:
                 mod.add_module(part, nn.Module())
             mod = mod._modules[part]
-        if spec.init not in ("zeros", "fill"):
-            raise PassError(f"unknown init {spec.init!r} for {spec.name}.")
-        value = spec.value if spec.init == "fill" else 0.0
-        mod.register_parameter(parts[-1], nn.Parameter(torch.full(spec.shape, value, dtype=dtype, device=device)))
+        mod.register_parameter(parts[-1], nn.Parameter(_initial_value(spec, dtype, device)))
     return root
+
+
+def _initial_value(spec: NewParam, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new parameter's initial value; "normal" draws from a generator seeded by the name,
+    so conversion is deterministic."""
+    if spec.init in ("zeros", "fill"):
+        value = spec.value if spec.init == "fill" else 0.0
+        return torch.full(spec.shape, value, dtype=dtype, device=device)
+    if spec.init == "normal":
+        gen = torch.Generator().manual_seed(zlib.crc32(spec.name.encode()))
+        values = torch.randn(spec.shape, generator=gen, dtype=torch.float32) * spec.value
+        return values.to(dtype=dtype, device=device)
+    raise PassError(f"unknown init {spec.init!r} for {spec.name}.")
 
 
 def model_dims(lg: LayerGraph, module: nn.Module) -> ModelDims:

@@ -18,6 +18,9 @@ from looptool.graph import LayerGraph, LayerInfo, Write, annotate, annotation
 # Called for each write of an emitted layer with (graph, layer info, write, new write node);
 # returns the node the residual add should use instead (e.g. a gated write).
 WriteHook = Callable[[fx.Graph, LayerInfo, Write, fx.Node], fx.Node]
+# Called after copying a write's normalised-input node (Write.norm); returns the node the
+# branch should read instead (e.g. a modulated input).
+NormHook = Callable[[fx.Graph, LayerInfo, Write, fx.Node], fx.Node]
 
 
 def emit_layers(
@@ -29,6 +32,7 @@ def emit_layers(
     *,
     tags: dict,
     write_hook: WriteHook | None = None,
+    norm_hook: NormHook | None = None,
     skip: frozenset[fx.Node] = frozenset(),
     reuse: dict[fx.Node, fx.Node] | None = None,
 ) -> dict[fx.Node, fx.Node]:
@@ -47,6 +51,7 @@ def emit_layers(
     for info in infos:
         writes = {nodes[w.node]: w for w in info.writes}
         adds = {w.add for w in info.writes}
+        norms = {w.norm: w for w in info.writes if w.norm is not None} if norm_hook is not None else {}
         for name in info.nodes:
             node = nodes[name]
             if node in skip or node in local:
@@ -61,7 +66,7 @@ def emit_layers(
                 copy.replace_input_with(lookup(original), replacement)
             ann = annotation(node)
             annotate(copy, ann["role"], ann["layer"], **tags)
-            local[node] = copy
+            local[node] = norm_hook(graph, info, norms[name], copy) if name in norms else copy
     return local
 
 

@@ -31,6 +31,7 @@ import torch.fx as fx
 
 from looptool.errors import PassError, PlanError
 from looptool.graph import ROLE_MOE, ROLE_ROUTER, ROLE_STATE, LayerGraph, NewParam, annotate, annotation
+from looptool.passes.conditioning import Conditioner, conditioned_layers, conditioning_params
 from looptool.passes.emit import emit_layers, last_node
 from looptool.passes.manager import register_pass
 from looptool.plan import RecurrentLoop
@@ -51,7 +52,7 @@ def recurrent_params(plan: RecurrentLoop, hidden: int) -> tuple[NewParam, ...]:
         ]
     elif plan.update == "delta":
         params.append(NewParam(PREFIX + "delta_rate", (d,), init="fill", value=0.05, no_decay=True))
-    if plan.init == "exact":
+    if plan.init == "exact" and not plan.conditioning:  # with conditioning, g_exit(c_i) plays this role
         params.append(NewParam(PREFIX + "exit_gate", (d,), no_decay=True))
     return tuple(params)
 
@@ -69,9 +70,9 @@ def recurrent_loop(lg: LayerGraph, config: dict) -> LayerGraph:
             f"route replay needs MoE layers in the recurrent block, but layers {start}:{stop} of "
             f"this {lg.source.model_type} model are dense; drop --route-replay."
         )
-    if plan.conditioning:
-        raise PlanError("loop-conditioned modulation is not available yet; drop --conditioning.")
     new_params = recurrent_params(plan, lg.source.hidden_size)
+    if plan.conditioning:
+        new_params += conditioning_params(lg, plan, conditioned_layers(lg, start, stop))
     paths = {k: build_path(lg, plan, k) for k in plan.budgets}
     return lg.replace(new_params=lg.new_params + new_params, paths=paths, plan=plan)
 
@@ -111,8 +112,10 @@ class _State:
         annotate(node, ROLE_STATE, None, loop=loop, **({"name": name} if name else {}))
         return node
 
-    def update(self, s_prev: fx.Node, r: fx.Node, s_tilde: fx.Node, loop: int) -> fx.Node:
-        """``s_i = s_{i-1} + e * step_i`` (Eq. 2 and the update rules of Sec. 6.1)."""
+    def update(self, s_prev: fx.Node, r: fx.Node, s_tilde: fx.Node, loop: int, exit: fx.Node | None = None) -> fx.Node:
+        """``s_i = s_{i-1} + e * step_i`` (Eq. 2 and the update rules of Sec. 6.1); ``e`` is
+        ``exit`` (conditioning's ``pi_i + g_exit(c_i)``), else the exit gate under exact
+        init, else 1."""
         rule = self.plan.update
         if rule == "residual":
             step = r
@@ -125,40 +128,60 @@ class _State:
                 step = self.op(_aten.mul.Tensor, beta, step, loop=loop)
             elif rule == "delta":
                 step = self.op(_aten.mul.Tensor, self.attr("delta_rate"), step, loop=loop)
-        if self.plan.init == "exact":
-            step = self.op(_aten.mul.Tensor, self.attr("exit_gate"), step, loop=loop, name="exit")
+        if exit is None and self.plan.init == "exact":
+            exit = self.attr("exit_gate")
+        if exit is not None:
+            step = self.op(_aten.mul.Tensor, exit, step, loop=loop, name="exit")
         return self.op(_aten.add.Tensor, s_prev, step, loop=loop, name="state")
 
 
 def build_path(lg: LayerGraph, plan: RecurrentLoop, loops: int) -> fx.Graph:
-    """The captured graph with the recurrent block unrolled ``loops`` times."""
+    """The captured graph with the recurrent block unrolled ``loops`` times (and, with
+    conditioning, the output block modulated)."""
     start, stop = plan.recurrent
     block = lg.layers[start:stop]
     nodes = lg.node_map()
     order = {n: i for i, n in enumerate(lg.graph.nodes)}
-    last = last_node(lg, block, order)
-    members = {nodes[n] for info in block for n in info.nodes}
-    router, frontier = router_nodes(lg, block) if plan.route_replay else (frozenset(), frozenset())
-    block_out = nodes[block[-1].output]
     graph = fx.Graph()
     state = _State(graph, plan)
+    cond = Conditioner(graph, lg, plan, loops) if plan.conditioning else None
+    router, frontier = router_nodes(lg, block) if plan.route_replay else (frozenset(), frozenset())
     env: dict[fx.Node, fx.Node] = {}
+
+    def rec_block() -> fx.Node:
+        return _unroll(graph, env, nodes, block, plan, loops, state, cond, router, frontier)
+
+    def out_block() -> fx.Node:
+        norm_hook, write_hook = cond.hooks(cond.output_vector())
+        local = emit_layers(graph, env, nodes, lg.layers[stop:], env[nodes[lg.layers[stop].input]],
+                            tags={"loop": "output"}, norm_hook=norm_hook, write_hook=write_hook)
+        return local[nodes[lg.layers[-1].output]]
+
+    blocks = [(block, rec_block)]
+    if cond is not None and stop < len(lg.layers):
+        blocks.append((lg.layers[stop:], out_block))
+    emit_at: dict[fx.Node, tuple] = {}
+    members: set[fx.Node] = set()
+    for infos, emit in blocks:
+        emit_at[last_node(lg, infos, order)] = (nodes[infos[-1].output], emit)
+        members |= {nodes[n] for info in infos for n in info.nodes}
 
     def lookup(n: fx.Node) -> fx.Node:
         if n not in env:
-            raise PassError(f"recurrent_loop: node '{n.name}' of the recurrent block is read from outside it.")
+            raise PassError(f"recurrent_loop: node '{n.name}' of a looped block is read from outside it.")
         return env[n]
 
     for node in lg.graph.nodes:
         if node in members:
-            if node is last:
-                env[block_out] = _unroll(graph, env, nodes, block, plan, loops, state, router, frontier)
+            if node in emit_at:
+                out, emit = emit_at[node]
+                env[out] = emit()
             continue
         env[node] = graph.node_copy(node, lookup)
     return graph
 
 
-def _unroll(graph, env, nodes, block, plan, loops, state, router, frontier) -> fx.Node:
+def _unroll(graph, env, nodes, block, plan, loops, state, cond, router, frontier) -> fx.Node:
     h_in = env[nodes[block[0].input]]
     out = nodes[block[-1].output]
     s = h_in  # s_0 (paper init); with exact init loop 1 ignores it
@@ -171,14 +194,22 @@ def _unroll(graph, env, nodes, block, plan, loops, state, router, frontier) -> f
             s_tilde = state.op(_aten.add.Tensor, s, h_in, loop=i, name="reinject")
         else:
             s_tilde = s
+        c = cond.loop_vector(i) if cond is not None else None
+        z = cond.entry(c, s_tilde, h_in) if cond is not None and i >= 2 else s_tilde
+        norm_hook, write_hook = cond.hooks(c) if cond is not None else (None, None)
         replay = plan.route_replay and i > 1
         local = emit_layers(
-            graph, env, nodes, block, s_tilde, tags={"loop": i},
+            graph, env, nodes, block, z, tags={"loop": i},
+            norm_hook=norm_hook, write_hook=write_hook,
             skip=router if replay else frozenset(),
             reuse={f: first[f] for f in frontier} if replay else None,
         )
         if i == 1:
             first = local
         r = local[out]
-        s = r if exact_first else state.update(s, r, s_tilde, loop=i)
+        if exact_first:
+            s = r
+        else:
+            exit = cond.exit_factor(c, first=i == 1) if cond is not None else None
+            s = state.update(s, r, s_tilde, loop=i, exit=exit)
     return s

@@ -146,3 +146,66 @@ def test_default_partition_is_the_middle_half():
     assert RecurrentLoop().resolve(30).recurrent == (7, 22)
     assert RecurrentLoop().resolve(24).recurrent == (6, 18)
     assert RecurrentLoop().resolve(4).budgets == (1, 2, 3, 4)
+
+
+def test_conditioning_exact_at_init_on_every_architecture(arch, input_ids):
+    source, _ = captured(arch)
+    plan = dict(conditioning=True, cond_dim=32, rank=8, route_replay=arch in MOE)
+    if arch == "olmo2":  # branch post-norm: no normalised branch input to modulate
+        with pytest.raises(PlanError, match="reads the residual stream without a norm"):
+            looped(arch, **plan)
+        return
+    model = looped(arch, **plan)
+    with torch.no_grad():
+        ref = source(input_ids=input_ids).logits
+        for k in model.budgets:
+            assert torch.equal(ref, model(input_ids, budget=k).logits), f"{arch} k={k}"
+
+
+def test_conditioning_learns_and_round_trips(input_ids, tmp_path):
+    from looptool.passes.conditioning import conditioning_param_count
+
+    model = looped("qwen2", conditioning=True, cond_dim=32, rank=8)
+    d, branches = 64, 2 * (2 + 1)  # recurrent layers 1-2 and output layer 3
+    assert model.added_parameter_count() == (d * d + 2 * d) + conditioning_param_count(32, 8, d, branches)
+    model.zero_grad()
+    model(input_ids, labels=input_ids, budget=3).loss.backward()
+    # at init, the heads that can move the function get gradients (zero heads, random c/A/B)
+    grads = {n: p.grad for n, p in model.new_parameters()}
+    assert grads["loop.cond.exit_weight"].abs().sum() > 0
+    assert grads["loop.cond.1.attention.scale_weight"].abs().sum() > 0
+    assert grads["loop.cond.3.mlp.gate_weight"].abs().sum() > 0
+    with torch.no_grad():
+        for _, p in model.new_parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+        outs = {k: model(input_ids, budget=k).logits for k in model.budgets}
+    model.zero_grad()
+    model(input_ids, labels=input_ids, budget=3).loss.backward()
+    for name, p in model.new_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert len({tuple(o.flatten()[:8].tolist()) for o in outs.values()}) == 3
+    model.save_pretrained(tmp_path / "cond")
+    loaded = looptool.load(tmp_path / "cond")
+    for k in model.budgets:
+        assert torch.equal(outs[k], loaded(input_ids, budget=k).logits)
+
+
+def test_conditioning_vectors_do_not_depend_on_tokens():
+    model = looped("llama", conditioning=True, cond_dim=16, rank=4, max_loops=3)
+    for k, graph in model.layer_graph.paths.items():
+        mlps = [n for n in graph.nodes if n.target is torch.ops.aten.silu.default and annotation(n).get("part") == "conditioning"]
+        assert len(mlps) == k + 1  # one c_i per loop plus the output block's
+        for node in mlps:
+            todo, seen = [node], set()
+            while todo:
+                cur = todo.pop()
+                assert cur.op != "placeholder", "c_i must be computed from (i, k) only"
+                for inp in cur.all_input_nodes:
+                    if inp not in seen:
+                        seen.add(inp)
+                        todo.append(inp)
+
+
+def test_conditioning_rank_larger_than_hidden_is_refused():
+    with pytest.raises(PlanError, match="rank 65 exceeds the hidden size 64"):
+        looped("llama", conditioning=True, cond_dim=16, rank=65)
