@@ -70,3 +70,26 @@ def test_elr_exact_at_every_loop_count(smollm2, ids):
         for k in model.budgets:
             assert torch.equal(ref, model(ids, budget=k).logits), f"k={k}"
     assert model.added_parameter_count() == 576 * 576 + 3 * 576
+
+
+def test_elr_every_update_rule_and_conditioning(smollm2, ids):
+    from looptool.capture import capture
+    from looptool.model import LoopedModel
+    from looptool.passes import PassManager
+    from looptool.passes.conditioning import conditioning_param_count
+    from looptool.plan import UPDATE_RULES
+
+    lg = capture(smollm2.model)
+    with torch.no_grad():
+        ref = smollm2.model(input_ids=ids).logits
+    for update in UPDATE_RULES:
+        for conditioning in (False, True):
+            plan = looptool.RecurrentLoop(recurrent=(8, 22), max_loops=3, update=update, conditioning=conditioning)
+            model = LoopedModel(PassManager([("recurrent_loop", plan.to_dict())])(lg))
+            with torch.no_grad():
+                for k in model.budgets:
+                    assert torch.equal(ref, model(ids, budget=k).logits), f"{update} cond={conditioning} k={k}"
+            if update == "adaptive-delta" and conditioning:
+                # recurrent layers 8-21 and output layers 22-29: 2 branches each
+                want = (576 * 576 + 2 * 576) + conditioning_param_count(256, 64, 576, 2 * (14 + 8))
+                assert model.added_parameter_count() == want
