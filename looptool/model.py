@@ -208,7 +208,7 @@ def model_dims(lg: LayerGraph, module: nn.Module) -> ModelDims:
     layer_flops = tuple(flops_of(info.nodes) for info in lg.layers)
     head_nodes = [n.name for n in lg.graph.nodes if annotation(n).get("role") == ROLE_HEAD]
     fixed = flops_of(head_nodes)
-    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head")
+    heads = getattr(text, "num_attention_heads", None) or text.n_head
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or lg.source.hidden_size // heads
     itemsize = dtype_from_str(lg.source.dtype).itemsize

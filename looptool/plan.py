@@ -34,7 +34,7 @@ class PrefixLoop:
     budgets: tuple[int, ...] | None = None
     kind: ClassVar[str] = "prefix"
 
-    def resolve(self, num_layers: int) -> "PrefixLoop":
+    def resolve(self, num_layers: int) -> PrefixLoop:
         """Fill defaults for a model of ``num_layers`` layers and validate; returns a new plan."""
         window = self.window
         if window is None:
@@ -97,7 +97,7 @@ class PrefixLoop:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "PrefixLoop":
+    def from_dict(cls, data: dict[str, Any]) -> PrefixLoop:
         """Inverse of :meth:`to_dict`; refuses other kinds and newer versions."""
         _check_header(data, cls.kind)
         window = data.get("window")
@@ -140,7 +140,7 @@ class RecurrentLoop:
     init: str = "exact"
     kind: ClassVar[str] = "recurrent"
 
-    def resolve(self, num_layers: int) -> "RecurrentLoop":
+    def resolve(self, num_layers: int) -> RecurrentLoop:
         """Fill defaults for a model of ``num_layers`` layers and validate; returns a new plan."""
         part = self.recurrent
         if part is None:
@@ -203,7 +203,7 @@ class RecurrentLoop:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RecurrentLoop":
+    def from_dict(cls, data: dict[str, Any]) -> RecurrentLoop:
         """Inverse of :meth:`to_dict`; refuses other kinds and newer versions."""
         _check_header(data, cls.kind)
         names = {f.name for f in dataclasses.fields(cls)}

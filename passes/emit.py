@@ -84,3 +84,11 @@ def last_node(lg: LayerGraph, infos: Sequence[LayerInfo], order: dict[fx.Node, i
             "ends; the captured graph interleaves layers and cannot be looped."
         )
     return last
+
+
+def resolve_plan(lg: LayerGraph, plan_cls, config: dict, pass_name: str):
+    """The resolved plan of a looping pass; refuses a graph another looping pass already
+    rewrote (one looping scheme per model)."""
+    if lg.paths:
+        raise PassError(f"{pass_name}: this graph is already looped; apply one looping pass per model.")
+    return plan_cls.from_dict(config).resolve(len(lg.layers))

@@ -21,9 +21,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from looptool.errors import PassError
 from looptool.graph import ROLE_GATE, LayerGraph, LayerInfo, NewParam, Write, annotate
-from looptool.passes.emit import emit_layers, last_node
+from looptool.passes.emit import emit_layers, last_node, resolve_plan
 from looptool.passes.manager import register_pass
 from looptool.plan import PrefixLoop
 
@@ -38,9 +37,7 @@ def gate_name(layer: int, kind: str) -> str:
 @register_pass("prefix_loop")
 def prefix_loop(lg: LayerGraph, config: dict) -> LayerGraph:
     """Build one budget path per budget of the PrefixLoop plan in ``config``."""
-    if lg.paths:
-        raise PassError("prefix_loop: this graph is already looped; apply one looping pass per model.")
-    plan = PrefixLoop.from_dict(config).resolve(len(lg.layers))
+    plan = resolve_plan(lg, PrefixLoop, config, "prefix_loop")
     start, stop = plan.window
     width = lg.source.hidden_size
     new_params = tuple(

@@ -32,7 +32,7 @@ import torch.fx as fx
 from looptool.errors import PassError, PlanError
 from looptool.graph import ROLE_MOE, ROLE_ROUTER, ROLE_STATE, LayerGraph, NewParam, annotate, annotation
 from looptool.passes.conditioning import Conditioner, conditioned_layers, conditioning_params
-from looptool.passes.emit import emit_layers, last_node
+from looptool.passes.emit import emit_layers, last_node, resolve_plan
 from looptool.passes.manager import register_pass
 from looptool.plan import RecurrentLoop
 
@@ -60,9 +60,7 @@ def recurrent_params(plan: RecurrentLoop, hidden: int) -> tuple[NewParam, ...]:
 @register_pass("recurrent_loop")
 def recurrent_loop(lg: LayerGraph, config: dict) -> LayerGraph:
     """Build one budget path per loop count ``1..max_loops`` of the RecurrentLoop plan."""
-    if lg.paths:
-        raise PassError("recurrent_loop: this graph is already looped; apply one looping pass per model.")
-    plan = RecurrentLoop.from_dict(config).resolve(len(lg.layers))
+    plan = resolve_plan(lg, RecurrentLoop, config, "recurrent_loop")
     start, stop = plan.recurrent
     block = lg.layers[start:stop]
     if plan.route_replay and not any(w.kind == ROLE_MOE for info in block for w in info.writes):
