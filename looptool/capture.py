@@ -315,7 +315,7 @@ def _is_layer_add(node: fx.Node, scope: set[fx.Node], layer_module: str) -> bool
     )
 
 
-def _analyse_layer(index: int, nodes: list[fx.Node], layer_module: str) -> tuple[LayerInfo, dict]:
+def _analyse_layer(index: int, nodes: list[fx.Node], layer_module: str) -> tuple[LayerInfo, dict, set]:
     scope = set(nodes)
     escaping = [n for n in nodes if any(u not in scope for u in n.users)]
     if len(escaping) != 1:
@@ -361,6 +361,7 @@ def _analyse_layer(index: int, nodes: list[fx.Node], layer_module: str) -> tuple
             parts = [(a, write_or_sum) for a in write_or_sum.args]
         writes.extend((w, a, base) for w, a in parts)
     roles: dict[fx.Node, str] = {n: ROLE_LAYER for n in nodes}
+    router_logits: set[fx.Node] = set()  # the router's logits matmul, for the balance loss
     infos: list[Write] = []
     for write, add, base in writes:
         branch = _branch_nodes(write, base, scope) - set(residual_adds)
@@ -374,8 +375,12 @@ def _analyse_layer(index: int, nodes: list[fx.Node], layer_module: str) -> tuple
         for n in branch:
             roles[n] = kind
         if kind == ROLE_MOE:
-            for n in _router_nodes(branch, write, layer_module):
+            router = _router_nodes(branch, write, layer_module)
+            for n in router:
                 roles[n] = ROLE_ROUTER
+            matmuls = [n for n in nodes if n in router and n.target in _MATMUL_TARGETS]
+            if matmuls:
+                router_logits.add(matmuls[0])
         norm = _branch_norm(branch, base, layer_module)
         infos.append(Write(node=write.name, add=add.name, kind=kind, norm=norm.name if norm is not None else None))
     kinds = [w.kind for w in infos]
@@ -455,10 +460,12 @@ def annotate_graph(
         )
     infos = []
     layer_roles: dict[fx.Node, tuple[str, int]] = {}
+    logits_nodes: set[fx.Node] = set()
     for index, nodes in by_layer.items():
-        info, roles = _analyse_layer(index, nodes, f"{layers_path}.{index}")
+        info, roles, router_logits = _analyse_layer(index, nodes, f"{layers_path}.{index}")
         infos.append(info)
         layer_roles.update({n: (r, index) for n, r in roles.items()})
+        logits_nodes |= router_logits
     for prev, nxt in zip(infos, infos[1:]):
         if nxt.input != prev.output:
             raise CaptureError(
@@ -469,7 +476,7 @@ def annotate_graph(
     for node in graph.nodes:
         if node in layer_roles:
             role, index = layer_roles[node]
-            annotate(node, role, index)
+            annotate(node, role, index, **({"router_logits": True} if node in logits_nodes else {}))
             seen_layers = True
         elif node.op == "placeholder":
             annotate(node, ROLE_INPUT, None)

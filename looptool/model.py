@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from looptool.errors import LooptoolError, PassError
 from looptool.graph import (
@@ -20,6 +20,7 @@ from looptool.graph import (
     LayerGraph,
     NewParam,
     annotation,
+    copy_graph,
     dtype_from_str,
     shared_graph_module,
 )
@@ -76,13 +77,32 @@ class LoopedModel(nn.Module):
         """The ``(pass name, config)`` steps that built this model, replayed on load."""
         return self.layer_graph.recipe
 
-    def path(self, budget: int) -> fx.GraphModule:
-        """The GraphModule of one budget; built on first use, sharing this model's tensors."""
+    def path(self, budget: int, *, router_logits: bool = False) -> fx.GraphModule:
+        """The GraphModule of one budget; built on first use, sharing this model's tensors.
+
+        With ``router_logits=True`` the path also returns every MoE router evaluation's
+        logits (after the LM logits), in execution order, for a load-balancing loss.
+        """
         budget = self.check_budget(budget)
-        if budget not in self._paths:
-            gm = shared_graph_module(self, self.layer_graph.paths[budget])
-            self._paths[budget] = gm
-        return self._paths[budget]
+        key = (budget, router_logits)
+        if key not in self._paths:
+            graph = self.layer_graph.paths[budget]
+            self._paths[key] = shared_graph_module(self, _with_router_outputs(graph) if router_logits else graph)
+        return self._paths[key]
+
+    def router_logits_weights(self, budget: int) -> tuple[int, ...]:
+        """How many loops each router evaluation of ``path(budget, router_logits=True)``
+        stands for: ``k`` for a route-replayed router of the recurrent block (its auxiliary
+        loss is counted once and scaled by ``k``, ELR Sec. 3.4), else 1."""
+        budget = self.check_budget(budget)
+        plan = self.plan
+        replayed = set()
+        if getattr(plan, "route_replay", False):
+            replayed = set(range(*plan.recurrent))
+        return tuple(
+            budget if annotation(n).get("layer") in replayed else 1
+            for n in _router_logit_nodes(self.layer_graph.paths[budget])
+        )
 
     def check_budget(self, budget: int | None) -> int:
         """Validate a budget (None → the default) and return it."""
@@ -112,20 +132,28 @@ class LoopedModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         budget: int | None = None,
+        output_router_logits: bool = False,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        """Run the budget-``budget`` path; HF-style output with ``logits`` (and ``loss``)."""
-        gm = self.path(budget)
+        """Run the budget-``budget`` path; HF-style output with ``logits`` (and ``loss``).
+
+        ``output_router_logits=True`` adds ``router_logits`` (one tensor per router
+        evaluation; weights in :meth:`router_logits_weights`).
+        """
+        gm = self.path(budget, router_logits=output_router_logits)
         if input_ids.dim() != 2:
             raise LooptoolError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}.")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids, dtype=self._mask_dtype)
         else:
             attention_mask = attention_mask.to(self._mask_dtype)
-        logits = gm(input_ids, attention_mask)
+        out = gm(input_ids, attention_mask)
+        logits, router = (out[0], tuple(out[1:])) if output_router_logits else (out, None)
         loss = None
         if labels is not None:
             loss = ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1], **kwargs)
+        if output_router_logits:
+            return MoeCausalLMOutputWithPast(loss=loss, logits=logits, router_logits=router)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     # ------------------------------------------------------------------ cost model
@@ -147,6 +175,18 @@ class LoopedModel(nn.Module):
         from looptool.serialization import save
 
         return save(self, directory, overwrite=overwrite)
+
+
+def _router_logit_nodes(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if annotation(n).get("router_logits")]
+
+
+def _with_router_outputs(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` that returns ``(logits, *router_logits)``."""
+    new = copy_graph(graph)
+    output = next(n for n in new.nodes if n.op == "output")
+    output.args = ((output.args[0], *_router_logit_nodes(new)),)
+    return new
 
 
 def _build_new_params(specs: tuple[NewParam, ...], dtype: torch.dtype, device: torch.device) -> nn.Module:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch.fx as fx
 
 from looptool.errors import PassError
-from looptool.graph import LayerGraph, LayerInfo, Write, annotate, annotation
+from looptool.graph import META_KEY, LayerGraph, LayerInfo, Write, annotation
 
 # Called for each write of an emitted layer with (graph, layer info, write, new write node);
 # returns the node the residual add should use instead (e.g. a gated write).
@@ -64,8 +64,7 @@ def emit_layers(
             copy = graph.node_copy(node, lookup)
             for original, replacement in replaced.items():
                 copy.replace_input_with(lookup(original), replacement)
-            ann = annotation(node)
-            annotate(copy, ann["role"], ann["layer"], **tags)
+            copy.meta[META_KEY] = {**annotation(node), **tags}  # keep extra marks (router_logits)
             local[node] = norm_hook(graph, info, norms[name], copy) if name in norms else copy
     return local
 

@@ -209,3 +209,16 @@ def test_conditioning_vectors_do_not_depend_on_tokens():
 def test_conditioning_rank_larger_than_hidden_is_refused():
     with pytest.raises(PlanError, match="rank 65 exceeds the hidden size 64"):
         looped("llama", conditioning=True, cond_dim=16, rank=65)
+
+
+def test_router_logits_are_exposed_with_replay_weights(input_ids):
+    replay = looped("qwen3_moe", route_replay=True, max_loops=3)
+    dynamic = looped("qwen3_moe", route_replay=False, max_loops=3)
+    out = replay(input_ids, budget=3, output_router_logits=True)
+    assert len(out.router_logits) == 4 and replay.router_logits_weights(3) == (1, 3, 3, 1)
+    assert all(t.shape == (2 * 9, 4) for t in out.router_logits)  # tokens x experts
+    out_d = dynamic(input_ids, budget=3, output_router_logits=True)
+    assert len(out_d.router_logits) == 8 and dynamic.router_logits_weights(3) == (1,) * 8
+    assert torch.equal(out.logits, replay(input_ids, budget=3).logits)
+    # total weight is the same as counting every loop's evaluation (Sec. 3.4)
+    assert sum(replay.router_logits_weights(3)) == sum(dynamic.router_logits_weights(3))
