@@ -399,7 +399,7 @@ def _analyse_layer(index: int, nodes: list[fx.Node], layer_module: str) -> tuple
         writes=tuple(infos),
         form=form,
     )
-    return info, roles
+    return info, roles, router_logits
 
 
 def _is_shape(node: fx.Node) -> bool:
