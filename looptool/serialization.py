@@ -91,39 +91,44 @@ def save(model: LoopedModel, directory: str | os.PathLike, *, overwrite: bool = 
     """Write ``model`` to ``directory`` (atomically: temp dir, then rename)."""
     final, temp = prepare_output_dir(directory, overwrite)
     try:
-        unique, aliases = _dedupe(graph_tensors(model))
-        if any(t.device.type == "meta" for t in unique.values()):
-            raise LooptoolError("this model's weights are on the meta device (not loaded); bind weights before saving.")
-        save_file(
-            {k: t.detach().contiguous() for k, t in unique.items()},
-            str(temp / WEIGHTS),
-            metadata={"format": "pt", "looptool_aliases": json.dumps(aliases)},
-        )
-        model.config.save_pretrained(temp)
-        lg = model.layer_graph
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "looptool_version": _version(),
-            "plan": model.plan.to_dict(),
-            "recipe": [[name, config] for name, config in model.recipe],
-            "source": {
-                "model_type": lg.source.model_type,
-                "dtype": lg.source.dtype,
-                "attn_implementation": lg.source.attn_implementation,
-                "num_layers": lg.source.num_layers,
-            },
-            "tensors": {k: {"shape": list(t.shape), "dtype": str(t.dtype)} for k, t in unique.items()},
-            "aliases": aliases,
-            "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
-        }
-        (temp / LOOPTOOL_JSON).write_text(json.dumps(meta, indent=2))
-        if model.tokenizer is not None:
-            model.tokenizer.save_pretrained(temp)
+        write_model(model, temp)
         commit_output_dir(final, temp)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
     return final
+
+
+def write_model(model: LoopedModel, directory: Path) -> None:
+    """Write the files of a saved looped model into an existing (empty) directory."""
+    unique, aliases = _dedupe(graph_tensors(model))
+    if any(t.device.type == "meta" for t in unique.values()):
+        raise LooptoolError("this model's weights are on the meta device (not loaded); bind weights before saving.")
+    save_file(
+        {k: t.detach().contiguous() for k, t in unique.items()},
+        str(directory / WEIGHTS),
+        metadata={"format": "pt", "looptool_aliases": json.dumps(aliases)},
+    )
+    model.config.save_pretrained(directory)
+    lg = model.layer_graph
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "looptool_version": _version(),
+        "plan": model.plan.to_dict(),
+        "recipe": [[name, config] for name, config in model.recipe],
+        "source": {
+            "model_type": lg.source.model_type,
+            "dtype": lg.source.dtype,
+            "attn_implementation": lg.source.attn_implementation,
+            "num_layers": lg.source.num_layers,
+        },
+        "tensors": {k: {"shape": list(t.shape), "dtype": str(t.dtype)} for k, t in unique.items()},
+        "aliases": aliases,
+        "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
+    }
+    (directory / LOOPTOOL_JSON).write_text(json.dumps(meta, indent=2))
+    if model.tokenizer is not None:
+        model.tokenizer.save_pretrained(directory)
 
 
 def read_looptool_json(directory: Path) -> dict:

@@ -165,11 +165,12 @@ class Conditioner:
 
         def norm_hook(graph: fx.Graph, info: LayerInfo, write: Write, normed: fx.Node) -> fx.Node:
             base = f"{info.index}.{write.kind}."
-            scaled = self._op(_aten.mul.Tensor, self._op(_aten.add.Tensor, self._head(c, base + "scale"), 1.0), normed)
-            x_t = self._op(_aten.add.Tensor, scaled, self._head(c, base + "shift"))
-            down = self._op(_aten.linear.default, x_t, self._attr(base + "down"))
-            gated = self._op(_aten.mul.Tensor, self._head(c, base + "gate"), down)
-            return self._op(_aten.add.Tensor, x_t, self._op(_aten.linear.default, gated, self._attr(base + "up")))
+            scale = self._op(_aten.add.Tensor, self._head(c, base + "scale"), 1.0)
+            x_t = self._op(_aten.addcmul.default, self._head(c, base + "shift"), scale, normed)  # mu + (1+lambda) N
+            # g(c) * (B x~) == (diag(g) B) x~: fold the per-path gate into B once, not per token
+            gate = self._op(_aten.unsqueeze.default, self._head(c, base + "gate"), -1)
+            down = self._op(_aten.linear.default, x_t, self._op(_aten.mul.Tensor, gate, self._attr(base + "down")))
+            return self._op(_aten.add.Tensor, x_t, self._op(_aten.linear.default, down, self._attr(base + "up")))
 
         def write_hook(graph: fx.Graph, info: LayerInfo, write: Write, value: fx.Node) -> fx.Node:
             scale = self._op(_aten.add.Tensor, self._head(c, f"{info.index}.{write.kind}.out_scale"), 1.0)

@@ -1,0 +1,149 @@
+"""Training and evaluation text: files → tokens → fixed-length packed sequences.
+
+Inputs are plain-text files, folders of them (searched recursively), glob patterns, and
+JSONL files whose lines carry a ``text`` field. Documents are tokenised with the model's
+tokenizer, joined with the EOS token and packed into ``seq_len``-token rows; everything is
+deterministic given the seed. The train/validation split is by file.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from looptool.errors import LooptoolError
+
+log = logging.getLogger(__name__)
+
+TEXT_SUFFIXES = {".txt", ".md", ".text", ".rst", ""}
+JSONL_SUFFIXES = {".jsonl", ".ndjson"}
+
+
+class DataError(LooptoolError):
+    """Unusable training or evaluation data."""
+
+
+def find_files(specs: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+    """Expand files, folders (recursively) and glob patterns into a sorted file list."""
+    if isinstance(specs, (str, os.PathLike)):
+        specs = [specs]
+    files: set[Path] = set()
+    for spec in specs:
+        text = str(spec)
+        matches = [Path(p) for p in glob.glob(text, recursive=True)] if glob.has_magic(text) else [Path(text)]
+        if not matches or not all(m.exists() for m in matches):
+            raise DataError(f"data path '{text}' does not exist; pass text files, folders, globs or .jsonl files.")
+        for m in matches:
+            if m.is_dir():
+                files |= {p for p in m.rglob("*") if p.is_file() and not p.name.startswith(".")}
+            else:
+                files.add(m)
+    usable = sorted(p for p in files if p.suffix.lower() in TEXT_SUFFIXES | JSONL_SUFFIXES)
+    if not usable:
+        raise DataError(f"no .txt/.md/.jsonl files found in {', '.join(map(str, specs))}; pass a folder of text files.")
+    return usable
+
+
+def read_documents(path: Path) -> list[str]:
+    """The documents of one file: the whole text, or each JSONL line's ``text`` field."""
+    raw = path.read_bytes()
+    if b"\x00" in raw[:8192]:
+        raise DataError(f"'{path}' looks binary (it contains NUL bytes); pass UTF-8 text or JSONL files.")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"'{path}' is not UTF-8 text ({exc.reason} at byte {exc.start}); convert it to UTF-8.") from None
+    if path.suffix.lower() not in JSONL_SUFFIXES:
+        return [text] if text.strip() else []
+    docs = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"'{path}' line {number} is not valid JSON ({exc.msg}); fix or remove that line.") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise DataError(f"'{path}' line {number} has no string 'text' field; JSONL records need one.")
+        if record["text"].strip():
+            docs.append(record["text"])
+    return docs
+
+
+def split_files(files: Sequence[Path], val_fraction: float, seed: int) -> tuple[list[Path], list[Path]]:
+    """Deterministic split by file: ``round(val_fraction * n)`` files (at least one when the
+    fraction is positive and there are two or more files) go to validation."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"validation fraction {val_fraction} must be in [0, 1).")
+    files = list(files)
+    n_val = round(val_fraction * len(files))
+    if val_fraction > 0 and len(files) > 1:
+        n_val = max(1, n_val)
+    order = list(range(len(files)))
+    random.Random(seed).shuffle(order)
+    val = sorted(files[i] for i in order[:n_val])
+    train = sorted(files[i] for i in order[n_val:])
+    return train, val
+
+
+def tokenize_files(files: Iterable[Path], tokenizer) -> torch.Tensor:
+    """All documents of ``files`` tokenised and joined with EOS, as one 1-D LongTensor."""
+    if tokenizer is None:
+        raise DataError("this model has no tokenizer; pass --tokenizer PATH (a Hugging Face tokenizer folder).")
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for path in files:
+        for doc in read_documents(path):
+            ids.extend(tokenizer(doc, add_special_tokens=False).input_ids)
+            if eos is not None:
+                ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@dataclass
+class PackedTokens:
+    """A token stream cut into ``seq_len`` rows; row order is a seeded permutation."""
+
+    tokens: torch.Tensor
+    seq_len: int
+
+    def __post_init__(self):
+        if self.seq_len < 2:
+            raise DataError(f"--seq-len {self.seq_len} is too short; use at least 2.")
+        if len(self) == 0:
+            raise DataError(
+                f"the data holds {self.tokens.numel()} tokens, fewer than one sequence of "
+                f"{self.seq_len}; add text or lower --seq-len."
+            )
+
+    def __len__(self) -> int:
+        return self.tokens.numel() // self.seq_len
+
+    def row(self, index: int) -> torch.Tensor:
+        """Row ``index`` (unshuffled)."""
+        return self.tokens[index * self.seq_len : (index + 1) * self.seq_len]
+
+    def order(self, epoch: int, seed: int) -> torch.Tensor:
+        """Row order of an epoch (deterministic; the latest epoch's order is cached)."""
+        key = (epoch, seed)
+        if getattr(self, "_order_key", None) != key:
+            self._order = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+            self._order_key = key
+        return self._order
+
+    def batch(self, position: int, batch: int, seed: int) -> torch.Tensor:
+        """The ``batch`` rows starting at global row ``position`` of the seeded stream of
+        epochs; the same ``position`` always gives the same rows (resumable)."""
+        rows = []
+        for p in range(position, position + batch):
+            epoch, i = divmod(p, len(self))
+            rows.append(self.row(int(self.order(epoch, seed)[i])))
+        return torch.stack(rows)

@@ -1,0 +1,325 @@
+"""Mixed-depth training of a looped model (Accordion Eq. 2-3; ELR Sec. 3.2, 3.4, App. A.2-A.3).
+
+One budget per micro-batch from :class:`~looptool.sampling.BudgetSampler` (uniform, with
+the shallowest-budget override), an optional delayed start (ELR Eq. 5: the first ``delay``
+fraction of steps at the shallowest budget; optimizer state and LR schedule carry over),
+next-token loss plus, for MoE, a sequence-level load-balance loss (lambda = 1e-4, counted
+once per route-replayed router and scaled by k), AdamW without weight decay on tensors the
+passes tag, gradient clipping, warmup then constant / cosine / 1-sqrt decay.
+
+Runs as one process or under ``torchrun`` with DDP (gloo on CPU, nccl on GPU). Checkpoints
+are atomic: the output directory is rebuilt in a temp directory and renamed over the old
+one, so a kill at any moment leaves the last good checkpoint; ``resume=True`` continues a
+killed run to the same weights and per-step losses as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from looptool.data import PackedTokens, find_files, tokenize_files
+from looptool.errors import LooptoolError
+from looptool.model import LoopedModel
+from looptool.sampling import BudgetSampler
+from looptool.serialization import LOOPTOOL_JSON, commit_output_dir, load, write_model
+
+log = logging.getLogger(__name__)
+STATE_FILE = "trainer_state.pt"
+ARGS_FILE = "train_args.json"
+LOG_FILE = "train_log.jsonl"
+SCHEDULES = ("constant", "cosine", "sqrt")
+_RESUME_FREE = {"resume", "save_every", "output"}  # may differ between a run and its resume
+
+
+class TrainingError(LooptoolError):
+    """Training cannot go on (bad settings, diverged loss, mismatched resume)."""
+
+
+@dataclass
+class TrainConfig:
+    """Settings of one training run (the CLI's options)."""
+
+    data: list[str]
+    output: str
+    tokens: int = 2_000_000
+    seq_len: int = 512
+    batch: int = 8
+    grad_accum: int = 1
+    lr: float = 3e-5
+    new_lr: float | None = None  # LR of the loop.* parameters (default: lr)
+    weight_decay: float = 0.1
+    override: float = 0.0
+    delay: float = 0.0
+    warmup: float = 0.05
+    schedule: str = "constant"
+    clip: float = 1.0
+    aux_coef: float = 1e-4
+    bf16: bool = False
+    freeze_below_window: bool = False
+    save_every: int = 0
+    seed: int = 0
+    resume: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def check(self) -> None:
+        """Refuse settings that cannot work, one sentence each."""
+        for name in ("tokens", "seq_len", "batch", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise TrainingError(f"--{name.replace('_', '-')} must be at least 1.")
+        if self.lr <= 0 or (self.new_lr is not None and self.new_lr <= 0):
+            raise TrainingError("learning rates must be positive.")
+        if not 0 <= self.override <= 1 or not 0 <= self.delay < 1 or not 0 <= self.warmup < 1:
+            raise TrainingError("--override must be in [0, 1], --delay and --warmup in [0, 1).")
+        if self.schedule not in SCHEDULES:
+            raise TrainingError(f"--schedule {self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}.")
+
+
+def lr_factor(step: int, total: int, warmup_steps: int, schedule: str) -> float:
+    """Linear warmup, then constant, cosine or ``1 - sqrt`` decay to zero."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant" or total <= warmup_steps:
+        return 1.0
+    progress = (step - warmup_steps) / max(1, total - warmup_steps)
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * progress))
+    return 1 - math.sqrt(progress)
+
+
+def balance_loss(router_logits, weights, top_k: int, batch: int, num_routers: int) -> torch.Tensor:
+    """Sequence-level load-balance loss (Accordion Eq. 3's L_seq): per sequence and router
+    evaluation ``E * sum_i f_i P_i`` (f_i: share of the sequence's top-k picks routed to
+    expert i, P_i: its mean router probability), averaged over sequences, weighted by each
+    evaluation's loop count (route replay, ELR Sec. 3.4) and normalised by the number of
+    distinct routers."""
+    total = router_logits[0].new_zeros((), dtype=torch.float32)
+    for logits, w in zip(router_logits, weights, strict=True):
+        probs = logits.float().softmax(-1).view(batch, -1, logits.shape[-1])
+        experts = probs.shape[-1]
+        picks = probs.topk(top_k, dim=-1).indices
+        counts = F.one_hot(picks, experts).sum(dim=2).float().mean(dim=1) / top_k  # [B, E]
+        total = total + w * (experts * (counts * probs.mean(dim=1)).sum(-1)).mean()
+    return total / max(1, num_routers)
+
+
+class Trainer:
+    """Runs a :class:`TrainConfig` on a looped model directory."""
+
+    def __init__(self, model_dir: str | os.PathLike, config: TrainConfig, *, tokenizer=None,
+                 on_step: Callable[[dict], None] | None = None):
+        config.check()
+        self.config = config
+        self.model_dir = Path(model_dir)
+        self.output = Path(config.output)
+        self.on_step = on_step
+        self.rank, self.world = _init_distributed()
+        resuming = config.resume and (self.output / STATE_FILE).exists()
+        if config.resume and not resuming:
+            _recover_interrupted_commit(self.output)
+            resuming = (self.output / STATE_FILE).exists()
+        if not config.resume and self.output.exists():
+            raise TrainingError(f"output directory '{self.output}' exists; add --resume to continue it or choose another.")
+        source = self.output if resuming else self.model_dir
+        if not (source / LOOPTOOL_JSON).exists():
+            raise TrainingError(f"'{source}' is not a looped model directory; run looptool convert first.")
+        self.model: LoopedModel = load(source)
+        if tokenizer is not None:
+            self.model.tokenizer = tokenizer
+        self.model.train()
+        self.resuming = resuming
+        self.data = PackedTokens(tokenize_files(find_files(config.data), self.model.tokenizer), config.seq_len)
+        self.tokens_per_step = config.seq_len * config.batch * config.grad_accum * self.world
+        self.total_steps = max(1, config.tokens // self.tokens_per_step)
+        self.switch_step = round(config.delay * self.total_steps)
+        self.sampler = BudgetSampler(self.model.budgets, config.override, config.grad_accum, self.world, config.seed)
+        self._freeze()
+        self.optimizer = self._optimizer()
+        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model, find_unused_parameters=True) if self.world > 1 else None
+        self.start_step = 0
+        self.records: list[dict] = []
+        if resuming:
+            self._restore()
+
+    # ------------------------------------------------------------------ setup
+    def _freeze(self) -> None:
+        """Optionally freeze every source layer below the looped block (and the embeddings
+        when they are not tied to the trained LM head): backward then stops at the block."""
+        if not self.config.freeze_below_window:
+            return
+        plan = self.model.plan
+        start = plan.window[0] if plan.kind == "prefix" else plan.recurrent[0]
+        prefix = self.model.layer_graph.source.layers_path + "."
+        for name, p in self.model.named_parameters():
+            if name.startswith(prefix) and int(name[len(prefix):].split(".")[0]) < start:
+                p.requires_grad_(False)
+
+    def _optimizer(self) -> torch.optim.AdamW:
+        no_decay = self.model.no_decay_parameter_names()
+        new_lr = self.config.new_lr or self.config.lr
+        groups: dict[tuple[float, float], list] = {}
+        for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            is_new = name.startswith("loop.")
+            # norms and biases (1-D) take no decay either, as is standard
+            decay = 0.0 if (name in no_decay or p.dim() < 2) else self.config.weight_decay
+            groups.setdefault((new_lr if is_new else self.config.lr, decay), []).append(p)
+        param_groups = [{"params": ps, "lr": lr, "initial_lr": lr, "weight_decay": wd} for (lr, wd), ps in groups.items()]
+        return torch.optim.AdamW(param_groups, betas=(0.9, 0.95), eps=1e-8)
+
+    def _restore(self) -> None:
+        state = torch.load(self.output / STATE_FILE, weights_only=False)
+        saved = state["config"]
+        now = dataclasses.asdict(self.config)
+        diff = sorted(k for k in now if k not in _RESUME_FREE and saved.get(k) != now[k])
+        if diff:
+            raise TrainingError(f"--resume needs the same command as the interrupted run; these settings differ: {', '.join(diff)}.")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.start_step = state["step"]
+        torch.set_rng_state(state["torch_rng"])
+        self.records = [r for r in state["records"] if r["step"] < self.start_step]
+        if self.rank == 0:  # drop log lines written after the checkpoint by the killed run
+            (self.output / LOG_FILE).write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        log.info("resumed at step %d", self.start_step)
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> dict:
+        """Train to the end; returns a summary (realised budget statistics, losses)."""
+        model = self.ddp or self.model
+        cfg = self.config
+        moe_top_k = getattr(self.model.config.get_text_config(), "num_experts_per_tok", None)
+        has_router = bool(moe_top_k) and bool(self.model.router_logits_weights(self.model.budgets[-1]))
+        warmup_steps = round(cfg.warmup * self.total_steps)
+        num_routers = len(self.model.router_logits_weights(self.model.budgets[0])) if has_router else 0
+        for step in range(self.start_step, self.total_steps):
+            t0 = time.perf_counter()
+            factor = lr_factor(step, self.total_steps, warmup_steps, cfg.schedule)
+            for group in self.optimizer.param_groups:
+                group["lr"] = group["initial_lr"] * factor
+            budgets, losses, auxes = [], [], []
+            for micro in range(cfg.grad_accum):
+                k = self.sampler.budget(step, micro, self.rank) if step >= self.switch_step else self.sampler.shallowest
+                position = ((step * cfg.grad_accum + micro) * self.world + self.rank) * cfg.batch
+                ids = self.data.batch(position, cfg.batch, cfg.seed)
+                sync = micro == cfg.grad_accum - 1 or self.ddp is None
+                ctx = model.no_sync() if not sync else contextlib.nullcontext()
+                with ctx, torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                    out = model(ids, labels=ids, budget=k, output_router_logits=has_router)
+                    loss = out.loss
+                    aux = None
+                    if has_router:
+                        aux = balance_loss(out.router_logits, self.model.router_logits_weights(k), moe_top_k,
+                                           cfg.batch, num_routers)
+                        loss = loss + cfg.aux_coef * aux
+                    if not torch.isfinite(loss):
+                        raise TrainingError(
+                            f"the loss became {loss.item()} at step {step} (budget {k}); stopping. The last "
+                            f"checkpoint in '{self.output}' is kept; lower --lr or check the data."
+                        )
+                    (loss / cfg.grad_accum).backward()
+                budgets.append(k)
+                losses.append(out.loss.item())
+                auxes.append(aux.item() if aux is not None else None)
+            torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], cfg.clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            record = {
+                "step": step,
+                "budgets": _gather(budgets, self.world),
+                "loss": sum(_gather(losses, self.world), []) if self.world > 1 else losses,
+                "lr": cfg.lr * factor,
+                "tokens": (step + 1) * self.tokens_per_step,
+                "tokens_per_s": self.tokens_per_step / (time.perf_counter() - t0),
+            }
+            if any(a is not None for a in auxes):
+                record["aux"] = auxes
+            self.records.append(record)
+            if self.rank == 0:
+                _append_log(self.output, record)
+            if self.on_step is not None:
+                self.on_step(record)
+            last = step == self.total_steps - 1
+            if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+                self._checkpoint(step + 1)
+        summary = self.summary()
+        if self.world > 1:
+            summary["param_checksums"] = _gather([float(sum(p.double().sum() for p in self.model.parameters()))], self.world)
+        return summary
+
+    def summary(self) -> dict:
+        """Realised budget frequencies next to Eq. 3's expectation."""
+        flat = [k for r in self.records for ks in (r["budgets"] if self.world > 1 else [r["budgets"]]) for k in ks]
+        mixed = [k for r in self.records if r["step"] >= self.switch_step
+                 for ks in (r["budgets"] if self.world > 1 else [r["budgets"]]) for k in ks]
+        out = {"steps": self.total_steps, "tokens_per_step": self.tokens_per_step, "switch_step": self.switch_step,
+               "expected": self.sampler.expected()}
+        if mixed:
+            out["realised"] = {
+                "p_shallowest": sum(k == self.sampler.shallowest for k in mixed) / len(mixed),
+                "mean_budget": sum(mixed) / len(mixed),
+                "micro_batches": len(flat),
+            }
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint(self, step: int) -> None:
+        if self.rank == 0:
+            self.output.parent.mkdir(parents=True, exist_ok=True)
+            temp = self.output.with_name(f".{self.output.name}.ckpt.tmp")
+            shutil.rmtree(temp, ignore_errors=True)
+            temp.mkdir()
+            write_model(self.model, temp)
+            torch.save({
+                "step": step,
+                "optimizer": self.optimizer.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+                "records": self.records,
+                "config": dataclasses.asdict(self.config),
+            }, temp / STATE_FILE)
+            (temp / ARGS_FILE).write_text(json.dumps(dataclasses.asdict(self.config), indent=2))
+            (temp / LOG_FILE).write_text("".join(json.dumps(r) + "\n" for r in self.records))
+            commit_output_dir(self.output, temp)
+        if self.world > 1:
+            dist.barrier()
+
+
+def _recover_interrupted_commit(output: Path) -> None:
+    """A kill between the two renames of a commit leaves only ``.NAME.old``: restore it."""
+    old = output.with_name(f".{output.name}.old")
+    if not output.exists() and old.exists():
+        old.rename(output)
+
+
+def _append_log(output: Path, record: dict) -> None:
+    if output.exists():
+        with open(output / LOG_FILE, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _gather(values: list, world: int):
+    if world == 1:
+        return values
+    out: list = [None] * world
+    dist.all_gather_object(out, values)
+    return out
+
+
+def _init_distributed() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return (dist.get_rank(), dist.get_world_size()) if world > 1 else (0, 1)
