@@ -233,6 +233,149 @@ def demo(
     out.print("[green]every budget is bit-identical to the source model at conversion[/]")
 
 
+def _parse_count(text: str) -> int:
+    """``2M`` → 2_000_000, ``500k`` → 500_000, ``1e6`` → 1_000_000."""
+    mult = {"k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
+    t = text.strip().lower()
+    try:
+        if t and t[-1] in mult:
+            return int(float(t[:-1]) * mult[t[-1]])
+        return int(float(t))
+    except ValueError:
+        raise LooptoolError(f"--tokens {text!r} is not a number; use e.g. 2M, 500k or 100000.") from None
+
+
+@app.command()
+@_friendly
+def train(
+    model_dir: Annotated[Path, typer.Argument(help="A looped model directory (from looptool convert).")],
+    data: Annotated[list[str], typer.Option(help="Training text: files, folders, globs or .jsonl (repeatable).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Output directory: checkpoints and the final model.")],
+    tokens: Annotated[str, typer.Option(help="Training tokens, e.g. 2M.")] = "2M",
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 512,
+    batch: Annotated[int, typer.Option(help="Sequences per micro-batch (per rank).")] = 8,
+    grad_accum: Annotated[int, typer.Option(help="Micro-batches per optimizer step.")] = 1,
+    lr: Annotated[float, typer.Option(help="Peak learning rate of the source weights.")] = 3e-5,
+    new_lr: Annotated[float | None, typer.Option(help="Learning rate of the new loop.* parameters (default: --lr).")] = None,
+    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay (never on gates and other no-decay tensors).")] = 0.1,
+    override: Annotated[float, typer.Option(help="Fraction of micro-batches (or DDP ranks) forced to the shallowest budget.")] = 0.0,
+    delay: Annotated[float, typer.Option(help="Fraction of steps trained at the shallowest budget before mixed depth.")] = 0.0,
+    warmup: Annotated[float, typer.Option(help="Fraction of steps of linear LR warmup.")] = 0.05,
+    schedule: Annotated[str, typer.Option(help="constant | cosine | sqrt (1-sqrt decay).")] = "constant",
+    bf16: Annotated[bool, typer.Option(help="bf16 autocast.")] = False,
+    freeze_below_window: Annotated[bool, typer.Option(help="Freeze layers below the looped block (faster backward).")] = False,
+    save_every: Annotated[int, typer.Option(help="Checkpoint every N optimizer steps (0: only at the end).")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of data order and budget draws.")] = 0,
+    resume: Annotated[bool, typer.Option(help="Continue an interrupted run in OUTPUT.")] = False,
+    tokenizer: Annotated[Path | None, typer.Option(help="Tokenizer folder, for a model saved without one.")] = None,
+) -> None:
+    """Mixed-depth training: one budget per micro-batch, shallowest-budget overrides."""
+    from rich.progress import BarColumn, MofNCompleteColumn, TimeRemainingColumn
+
+    from looptool.train import TrainConfig, Trainer
+
+    tok = None
+    if tokenizer is not None:
+        import transformers
+
+        tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
+    config = TrainConfig(
+        data=list(data), output=str(output), tokens=_parse_count(tokens), seq_len=seq_len, batch=batch,
+        grad_accum=grad_accum, lr=lr, new_lr=new_lr, weight_decay=weight_decay, override=override, delay=delay,
+        warmup=warmup, schedule=schedule, bf16=bf16, freeze_below_window=freeze_below_window,
+        save_every=save_every, seed=seed, resume=resume,
+    )
+    progress = Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+    )
+    with progress:
+        task = progress.add_task("preparing", total=None)
+        trainer = Trainer(model_dir, config, tokenizer=tok)
+        progress.update(task, total=trainer.total_steps, completed=trainer.start_step, description="training")
+
+        def on_step(rec: dict) -> None:
+            losses = rec["loss"]
+            progress.update(task, advance=1, description=(
+                f"step {rec['step'] + 1} loss {sum(losses) / len(losses):.3f} "
+                f"{rec['tokens_per_s']:,.0f} tok/s"))
+
+        trainer.on_step = on_step
+        summary = trainer.run()
+    if trainer.rank == 0:
+        (output / "train_summary.json").write_text(json.dumps(summary, indent=2))
+        exp, real = summary["expected"], summary.get("realised", {})
+        out.print(
+            f"trained {summary['steps']} steps × {summary['tokens_per_step']:,} tokens; "
+            f"p(shallowest) {real.get('p_shallowest', float('nan')):.3f} (Eq. 3: {exp['p_shallowest']:.3f}), "
+            f"mean budget {real.get('mean_budget', float('nan')):.2f} (Eq. 3: {exp['mean_budget']:.2f}); "
+            f"model saved in [bold]{output}[/]"
+        )
+
+
+@app.command(name="eval")
+@_friendly
+def eval_(
+    model_dir: Annotated[Path, typer.Argument(help="A looped model directory.")],
+    data: Annotated[list[str], typer.Option(help="Held-out text: files, folders, globs or .jsonl (repeatable).")],
+    source: Annotated[str | None, typer.Option(help="Also evaluate this source model (directory, .gguf or smollm2).")] = None,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 512,
+    max_tokens: Annotated[str, typer.Option(help="Evaluate at most this many tokens.")] = "64k",
+    batch: Annotated[int, typer.Option(help="Sequences per forward.")] = 4,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Folder for eval.json and frontier.png (default: MODEL_DIR).")] = None,
+) -> None:
+    """Held-out loss, perplexity, gain share and measured cost of every budget."""
+    from rich.table import Table
+
+    from looptool.evaluate import evaluate, plot_frontier
+    from looptool.serialization import load
+    from looptool.sources import load_source
+
+    with _progress() as progress:
+        with _stage(progress, f"loading {model_dir}"):
+            model = load(model_dir)
+        src = None
+        if source is not None:
+            with _stage(progress, f"loading source {source}"):
+                src = load_source(source, say=console.print).model
+        task = progress.add_task("evaluating", total=None)
+        result = evaluate(model, data, seq_len=seq_len, max_tokens=_parse_count(max_tokens), batch=batch, source=src,
+                          on_progress=lambda text: progress.update(task, description=text))
+        progress.update(task, total=1, completed=1, description="[green]✓[/] evaluated")
+    target = output or model_dir
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "eval.json").write_text(json.dumps(result, indent=2))
+    png = plot_frontier(result, target / "frontier.png", title=f"{model_dir.name}: loss vs measured cost")
+    table = Table(title=f"{result['tokens']:,} held-out tokens · {result['sequences']} × {result['seq_len']}", title_justify="left")
+    for col in ("budget", "loss", "ppl", "Δ vs shallowest", "% of endpoint gain", "ms (median)", "×time", "ideal ×layers", "tok/s"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in result["budgets"]:
+        share = r["share_of_endpoint_gain"]
+        table.add_row(str(r["budget"]), f"{r['loss']:.4f}", f"{r['ppl']:.2f}", f"{r['delta_vs_shallowest']:+.4f}",
+                      "" if share is None else f"{100 * share:.0f}%", f"{r['latency']['median_ms']:.0f}",
+                      f"{r['latency_ratio']:.3f}", f"{r['ideal_layer_ratio']:.3f}", f"{r['tokens_per_s']:,.0f}")
+    out.print(table)
+    if result["source_loss"] is not None:
+        out.print(f"source model: loss {result['source_loss']:.4f}, ppl {result['source_ppl']:.2f}")
+    out.print(f"wrote {target / 'eval.json'} and {png}")
+
+
+@app.command()
+@_friendly
+def plot(
+    log_file: Annotated[Path, typer.Argument(help="A train_log.jsonl (or the training output directory).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="PNG to write.")] = Path("train_loss.png"),
+) -> None:
+    """Plot training loss per budget over steps."""
+    from looptool.evaluate import plot_training
+    from looptool.train import LOG_FILE
+
+    path = log_file / LOG_FILE if log_file.is_dir() else log_file
+    if not path.exists():
+        raise LooptoolError(f"'{path}' does not exist; pass a train_log.jsonl or a training output directory.")
+    out.print(f"wrote {plot_training(path, output)}")
+
+
 def _demo_ids(tokenizer, model, tokens: int):
     import torch
 

@@ -58,3 +58,31 @@ def tiny_model(model_type: str, num_layers: int = 4, seed: int = 0) -> torch.nn.
     config = tiny_config(model_type, num_layers)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.eval()
+
+
+def byte_tokenizer():
+    """A real fast tokenizer over the 256 byte-level symbols (ids 0-255, no merges), so tiny
+    models with ``vocab_size=256`` can read and write text. EOS is the byte-level newline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_to_char = {b: c for b, c in enumerate(sorted(alphabet, key=lambda ch: _byte_of(ch)))}
+    vocab = {ch: b for b, ch in byte_to_char.items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=byte_to_char[10], pad_token=byte_to_char[0])
+
+
+def _byte_of(ch: str) -> int:
+    """Inverse of GPT-2's bytes-to-unicode map for one symbol."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(map(chr, cs), bs))[ch]

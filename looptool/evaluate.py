@@ -1,0 +1,144 @@
+"""Per-budget evaluation: held-out loss and perplexity, share of the endpoint gain,
+latency measured side by side, and the quality-against-cost plot."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from looptool.data import PackedTokens, find_files, tokenize_files
+from looptool.model import LoopedModel
+from looptool.timing import interleaved
+
+log = logging.getLogger(__name__)
+
+
+@torch.inference_mode()
+def mean_loss(forward: Callable[[torch.Tensor], torch.Tensor], data: PackedTokens, batch: int) -> float:
+    """Token-weighted mean next-token loss of ``forward(ids) -> loss`` over all rows, in order."""
+    total, count = 0.0, 0
+    for start in range(0, len(data), batch):
+        ids = torch.stack([data.row(i) for i in range(start, min(start + batch, len(data)))])
+        loss = forward(ids)
+        n = ids.numel() - ids.shape[0]  # predicted positions
+        total += float(loss) * n
+        count += n
+    return total / count
+
+
+def evaluate(
+    model: LoopedModel,
+    data: str | Sequence[str],
+    *,
+    seq_len: int = 512,
+    max_tokens: int = 65536,
+    batch: int = 4,
+    source=None,
+    timing_rounds: int = 3,
+    on_progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Evaluate every budget of ``model`` (and ``source``, an HF causal LM, if given)."""
+    tokens = tokenize_files(find_files(data), model.tokenizer)[:max_tokens]
+    packed = PackedTokens(tokens, seq_len)
+    budgets = model.budgets
+    losses: dict[int, float] = {}
+    for k in budgets:
+        if on_progress:
+            on_progress(f"loss at budget {k}")
+        losses[k] = mean_loss(lambda ids, k=k: model(ids, labels=ids, budget=k).loss, packed, batch)
+    source_loss = None
+    if source is not None:
+        if on_progress:
+            on_progress("loss of the source model")
+        source_loss = mean_loss(lambda ids: source(input_ids=ids, labels=ids).loss, packed, batch)
+    if on_progress:
+        on_progress("latency, interleaved")
+    ids = packed.row(0).unsqueeze(0)
+    timings = interleaved({k: functools.partial(model, ids, budget=k) for k in budgets}, repeats=timing_rounds, warmup=1)
+    costs = {c.budget: c for c in model.cost_table()}
+    shallow, deep = budgets[0], budgets[-1]
+    endpoint_gain = losses[shallow] - losses[deep]
+    rows = []
+    for k in budgets:
+        gain = losses[shallow] - losses[k]
+        rows.append({
+            "budget": k,
+            "loss": losses[k],
+            "ppl": math.exp(losses[k]),
+            "delta_vs_shallowest": losses[k] - losses[shallow],
+            # below 1e-4 nats the endpoint gain is noise and its shares mean nothing
+            "share_of_endpoint_gain": gain / endpoint_gain if abs(endpoint_gain) > 1e-4 else None,
+            "latency": timings[k].as_dict(),
+            "latency_ratio": timings[k].median / timings[shallow].median,
+            "ideal_layer_ratio": costs[k].layer_executions / costs[shallow].layer_executions,
+            "ideal_flops_ratio": costs[k].relative_flops,
+            "tokens_per_s": seq_len / timings[k].median,
+        })
+    return {
+        "tokens": packed.tokens.numel(),
+        "sequences": len(packed),
+        "seq_len": seq_len,
+        "source_loss": source_loss,
+        "source_ppl": math.exp(source_loss) if source_loss is not None else None,
+        "budgets": rows,
+    }
+
+
+def plot_frontier(result: dict, path: str | Path, title: str = "") -> Path:
+    """Loss against measured cost (latency ratio), one point per budget; PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["budgets"]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    xs = [r["latency_ratio"] for r in rows]
+    ys = [r["loss"] for r in rows]
+    ax.plot(xs, ys, "o-", label="looped model")
+    for r in rows:
+        ax.annotate(f"k={r['budget']}", (r["latency_ratio"], r["loss"]), textcoords="offset points", xytext=(4, 4))
+    if result.get("source_loss") is not None:
+        ax.axhline(result["source_loss"], color="gray", linestyle="--", label="source model")
+    ax.set_xlabel("measured latency ÷ shallowest budget")
+    ax.set_ylabel("held-out loss (nats/token)")
+    ax.set_title(title or "quality against cost")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_training(log_path: str | Path, path: str | Path) -> Path:
+    """Training loss per budget over steps from a ``train_log.jsonl``; PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[int, list[tuple[int, float]]] = {}
+    for line in Path(log_path).read_text().splitlines():
+        rec = json.loads(line)
+        budgets, losses = rec["budgets"], rec["loss"]
+        if budgets and isinstance(budgets[0], list):  # DDP: one list per rank
+            budgets = [k for ks in budgets for k in ks]
+        for k, loss in zip(budgets, losses, strict=False):
+            series.setdefault(k, []).append((rec["step"], loss))
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for k in sorted(series):
+        pts = series[k]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], ".", alpha=0.5, label=f"budget {k}")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return Path(path)
