@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -268,10 +269,12 @@ def train(
     seed: Annotated[int, typer.Option(help="Seed of data order and budget draws.")] = 0,
     resume: Annotated[bool, typer.Option(help="Continue an interrupted run in OUTPUT.")] = False,
     tokenizer: Annotated[Path | None, typer.Option(help="Tokenizer folder, for a model saved without one.")] = None,
+    budgets: Annotated[str | None, typer.Option(help="Sample only these budgets, e.g. 0 for plain fine-tuning (default: the whole menu).")] = None,
 ) -> None:
     """Mixed-depth training: one budget per micro-batch, shallowest-budget overrides."""
     from rich.progress import BarColumn, MofNCompleteColumn, TimeRemainingColumn
 
+    from looptool.plan import parse_budgets
     from looptool.train import TrainConfig, Trainer
 
     tok = None
@@ -284,10 +287,12 @@ def train(
         grad_accum=grad_accum, lr=lr, new_lr=new_lr, weight_decay=weight_decay, override=override, delay=delay,
         warmup=warmup, schedule=schedule, bf16=bf16, freeze_below_window=freeze_below_window,
         save_every=save_every, seed=seed, resume=resume,
+        budgets=list(parse_budgets(budgets)) if budgets else None,
     )
     progress = Progress(
         SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
         TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+        disable=int(os.environ.get("RANK", "0")) != 0,  # under torchrun only rank 0 reports
     )
     with progress:
         task = progress.add_task("preparing", total=None)
@@ -302,7 +307,9 @@ def train(
 
         trainer.on_step = on_step
         summary = trainer.run()
-    if trainer.rank == 0:
+    is_main = trainer.rank == 0
+    trainer.close()
+    if is_main:
         (output / "train_summary.json").write_text(json.dumps(summary, indent=2))
         exp, real = summary["expected"], summary.get("realised", {})
         out.print(

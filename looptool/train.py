@@ -24,7 +24,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -73,7 +73,7 @@ class TrainConfig:
     save_every: int = 0
     seed: int = 0
     resume: bool = False
-    extra: dict = field(default_factory=dict)
+    budgets: list[int] | None = None  # sample only these budgets (e.g. [0]: plain fine-tuning)
 
     def check(self) -> None:
         """Refuse settings that cannot work, one sentence each."""
@@ -145,7 +145,10 @@ class Trainer:
         self.tokens_per_step = config.seq_len * config.batch * config.grad_accum * self.world
         self.total_steps = max(1, config.tokens // self.tokens_per_step)
         self.switch_step = round(config.delay * self.total_steps)
-        self.sampler = BudgetSampler(self.model.budgets, config.override, config.grad_accum, self.world, config.seed)
+        menu = tuple(config.budgets) if config.budgets else self.model.budgets
+        for k in menu:
+            self.model.check_budget(k)
+        self.sampler = BudgetSampler(menu, config.override, config.grad_accum, self.world, config.seed)
         self._freeze()
         self.optimizer = self._optimizer()
         self.ddp = torch.nn.parallel.DistributedDataParallel(self.model, find_unused_parameters=True) if self.world > 1 else None
@@ -257,8 +260,16 @@ class Trainer:
                 self._checkpoint(step + 1)
         summary = self.summary()
         if self.world > 1:
-            summary["param_checksums"] = _gather([float(sum(p.double().sum() for p in self.model.parameters()))], self.world)
+            with torch.no_grad():
+                checksum = float(sum(p.double().sum() for p in self.model.parameters()))
+            summary["param_checksums"] = _gather([checksum], self.world)
         return summary
+
+    def close(self) -> None:
+        """Leave the process group (DDP) once every rank is done."""
+        if self.world > 1 and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
 
     def summary(self) -> dict:
         """Realised budget frequencies next to Eq. 3's expectation."""

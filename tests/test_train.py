@@ -1,0 +1,185 @@
+"""Mixed-depth training: sampler counts, data errors, resume after kill -9, NaN stop, DDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import looptool
+from looptool.data import DataError, PackedTokens, find_files, read_documents, split_files, tokenize_files
+from looptool.sampling import BudgetSampler
+from looptool.testing import byte_tokenizer, tiny_model
+from looptool.train import TrainConfig, Trainer, TrainingError
+
+SOTU = Path(__file__).resolve().parents[2] / "shared" / "data" / "sotu"
+
+
+# ---------------------------------------------------------------------------- sampler
+def test_override_counts_per_optimizer_step():
+    s = BudgetSampler((0, 3, 6, 9, 12), override=0.25, grad_accum=8, seed=1)
+    positions = []
+    for step in range(20):
+        forced = [m for m in range(8) if s.overridden(step, m)]
+        assert len(forced) == 2  # round(f * G)
+        positions.append(tuple(forced))
+        assert all(s.budget(step, m) == 0 for m in forced)
+    assert len(set(positions)) > 1  # positions rotate
+
+
+def test_override_counts_per_rank_and_rotation():
+    s = BudgetSampler((1, 2, 3, 4), override=0.25, grad_accum=2, world=8, seed=0)
+    seen = set()
+    for step in range(6):
+        for micro in range(2):
+            ranks = [r for r in range(8) if s.overridden(step, micro, r)]
+            assert len(ranks) == 2 and (ranks[1] - ranks[0]) % 8 == 1  # contiguous block
+            seen.add(tuple(ranks))
+            drawn = {s.budget(step, micro, r) for r in range(8) if r not in ranks}
+            assert len(drawn) == 1  # every other rank draws the same budget
+    assert len(seen) > 2
+
+
+def test_realised_frequencies_match_eq3():
+    s = BudgetSampler((1, 2, 3, 4), override=0.1, grad_accum=10, seed=3)
+    draws = [s.budget(step, m) for step in range(2000) for m in range(10)]
+    exp = s.expected()
+    assert exp["p_shallowest"] == pytest.approx(0.25 + 0.75 * 0.1)  # 1/K + (1 - 1/K) f
+    assert exp["mean_budget"] == pytest.approx(0.1 * 1 + 0.9 * 2.5)  # f + (1 - f)(K + 1)/2
+    assert sum(k == 1 for k in draws) / len(draws) == pytest.approx(exp["p_shallowest"], abs=0.015)
+    assert sum(draws) / len(draws) == pytest.approx(exp["mean_budget"], abs=0.03)
+
+
+# ---------------------------------------------------------------------------- data
+def test_data_errors(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        find_files(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no .txt/.md/.jsonl files"):
+        find_files(tmp_path / "empty")
+    (tmp_path / "bin.txt").write_bytes(b"abc\x00def")
+    with pytest.raises(DataError, match="looks binary"):
+        read_documents(tmp_path / "bin.txt")
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"body": "no text"}\n')
+    with pytest.raises(DataError, match="line 2 has no string 'text' field"):
+        read_documents(tmp_path / "bad.jsonl")
+    with pytest.raises(DataError, match="has no tokenizer"):
+        tokenize_files([tmp_path / "bad.jsonl"], None)
+    with pytest.raises(DataError, match="fewer than one sequence"):
+        PackedTokens(torch.arange(10), 64)
+
+
+def test_jsonl_packing_and_split_are_deterministic(tmp_path):
+    for i in range(5):
+        (tmp_path / f"{i}.jsonl").write_text("".join(json.dumps({"text": f"doc {i}-{j} " * 20}) + "\n" for j in range(3)))
+    files = find_files(tmp_path)
+    train, val = split_files(files, 0.2, seed=0)
+    assert len(val) == 1 and not set(train) & set(val)
+    assert split_files(files, 0.2, seed=0) == (train, val)
+    packed = PackedTokens(tokenize_files(train, byte_tokenizer()), 32)
+    assert torch.equal(packed.batch(5, 3, seed=1), packed.batch(5, 3, seed=1))
+    assert not torch.equal(packed.batch(5, 3, seed=1), packed.batch(5, 3, seed=2))
+
+
+# ---------------------------------------------------------------------------- training runs
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("train") / "looped"
+    model = looptool.convert(tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)), tokenizer=byte_tokenizer())
+    model.save_pretrained(path)
+    return path
+
+
+def _cli(model_dir, out, *extra):
+    return [sys.executable, "-m", "looptool", "train", str(model_dir), "--data", str(SOTU / "179*.txt"),
+            "-o", str(out), "--tokens", "12k", "--seq-len", "64", "--batch", "4", "--grad-accum", "2",
+            "--lr", "3e-3", "--new-lr", "3e-2", "--override", "0.5", "--save-every", "1", *extra]
+
+
+def _losses(out: Path) -> list:
+    return [json.loads(line)["loss"] for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_resume_after_kill_matches_uninterrupted_run(model_dir, tmp_path):
+    ref = tmp_path / "ref"
+    subprocess.run(_cli(model_dir, ref), check=True, capture_output=True, timeout=600)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_cli(model_dir, killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline:  # kill -9 once a few checkpoints exist, mid-run
+        log = killed / "train_log.jsonl"
+        if log.exists() and len(log.read_text().splitlines()) >= 7:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(_losses(ref)) == 23
+    res = subprocess.run(_cli(model_dir, killed, "--resume"), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert _losses(killed) == _losses(ref)  # same per-step losses, bit for bit
+    a, b = load_file(ref / "model.safetensors"), load_file(killed / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    model = looptool.load(killed)
+    assert all(p.abs().sum() > 0 for _, p in model.new_parameters())  # gates trained
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+
+
+def test_resume_requires_same_command(model_dir, tmp_path):
+    out = tmp_path / "run"
+    cfg = TrainConfig(data=[str(SOTU / "1790*.txt")], output=str(out), tokens=512, seq_len=64, batch=4, lr=1e-3)
+    Trainer(model_dir, cfg).run()
+    with pytest.raises(TrainingError, match="exists; add --resume"):
+        Trainer(model_dir, cfg)
+    changed = TrainConfig(**{**cfg.__dict__, "lr": 5e-3, "resume": True})
+    with pytest.raises(TrainingError, match="settings differ: lr"):
+        Trainer(model_dir, changed)
+
+
+def test_nan_loss_stops_with_step_and_budget(model_dir, tmp_path):
+    out = tmp_path / "nan"
+    cfg = TrainConfig(data=[str(SOTU / "179*.txt")], output=str(out), tokens=64 * 4 * 6, seq_len=64, batch=4,
+                      lr=1e30, weight_decay=0.0, warmup=0.0, clip=1e30, save_every=1)
+    with pytest.raises(TrainingError, match=r"at step \d+ \(budget \d\); stopping. The last checkpoint"):
+        Trainer(model_dir, cfg).run()
+    assert (out / "trainer_state.pt").exists()
+    looptool.load(out)  # the last good checkpoint still loads
+
+
+def test_freeze_below_window_freezes_only_lower_layers(model_dir, tmp_path):
+    cfg = TrainConfig(data=[str(SOTU / "1790*.txt")], output=str(tmp_path / "f"), tokens=256, seq_len=64, batch=4,
+                      freeze_below_window=True)
+    trainer = Trainer(model_dir, cfg)
+    frozen = {n for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    assert frozen and all(n.startswith("model.layers.0.") for n in frozen)
+
+
+@pytest.mark.slow
+def test_two_process_ddp(model_dir, tmp_path):
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
+           "-m", "looptool", "train", str(model_dir), "--data", str(SOTU / "179*.txt"), "-o", str(out),
+           "--tokens", "4k", "--seq-len", "64", "--batch", "2", "--grad-accum", "2", "--lr", "1e-3",
+           "--new-lr", "1e-2", "--override", "0.5"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((out / "train_summary.json").read_text())
+    a, b = summary["param_checksums"]
+    assert a == b  # ranks stayed in sync
+    records = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert len(records) == summary["steps"] == 4000 // (64 * 2 * 2 * 2)
+    for rec in records:
+        per_rank = rec["budgets"]  # [rank][micro]
+        for micro in range(2):
+            col = [per_rank[r][micro] for r in range(2)]
+            assert col.count(0) >= 1  # round(0.5 * 2) = 1 rank forced to the shallowest budget
+    looptool.load(out)
