@@ -48,7 +48,9 @@ def convert(
     else:
         loaded = load_source(source, dtype=dtype, device=device)
         model, tokenizer = loaded.model, tokenizer or loaded.tokenizer
-    plan = (plan or PrefixLoop()).resolve(num_layers_of(model.config)) if hasattr(model, "config") else plan
+    plan = plan or PrefixLoop()
+    if hasattr(model, "config"):  # validate the plan before the (slower) capture
+        plan = plan.resolve(num_layers_of(model.config))
     lg = capture(model)
     lg = PassManager(plan_steps(plan))(lg)
     return LoopedModel(lg, tokenizer=tokenizer)

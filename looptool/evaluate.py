@@ -90,8 +90,9 @@ def evaluate(
     }
 
 
-def plot_frontier(result: dict, path: str | Path, title: str = "") -> Path:
-    """Loss against measured cost (latency ratio), one point per budget; PNG."""
+def plot_frontier(result: dict, path: str | Path, title: str = "", *, reference_label: str = "source model",
+                  xlabel: str = "measured latency ÷ shallowest budget") -> Path:
+    """Loss against cost (``latency_ratio`` of each row), one point per budget; PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -105,8 +106,8 @@ def plot_frontier(result: dict, path: str | Path, title: str = "") -> Path:
     for r in rows:
         ax.annotate(f"k={r['budget']}", (r["latency_ratio"], r["loss"]), textcoords="offset points", xytext=(4, 4))
     if result.get("source_loss") is not None:
-        ax.axhline(result["source_loss"], color="gray", linestyle="--", label="source model")
-    ax.set_xlabel("measured latency ÷ shallowest budget")
+        ax.axhline(result["source_loss"], color="gray", linestyle="--", label=reference_label)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("held-out loss (nats/token)")
     ax.set_title(title or "quality against cost")
     ax.legend()

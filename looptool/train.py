@@ -133,6 +133,8 @@ class Trainer:
             resuming = (self.output / STATE_FILE).exists()
         if not config.resume and self.output.exists():
             raise TrainingError(f"output directory '{self.output}' exists; add --resume to continue it or choose another.")
+        if self.world > 1:  # every rank has checked the output before rank 0 creates it
+            dist.barrier()
         source = self.output if resuming else self.model_dir
         if not (source / LOOPTOOL_JSON).exists():
             raise TrainingError(f"'{source}' is not a looped model directory; run looptool convert first.")
@@ -156,6 +158,9 @@ class Trainer:
         self.records: list[dict] = []
         if resuming:
             self._restore()
+        elif self.rank == 0:  # the log is written live from step 0; checkpoints replace the folder
+            self.output.mkdir(parents=True, exist_ok=True)
+            (self.output / LOG_FILE).write_text("")
 
     # ------------------------------------------------------------------ setup
     def _freeze(self) -> None:

@@ -88,7 +88,8 @@ def main() -> None:
     (work / "bench_quality.json").write_text(json.dumps(result, indent=2))
     plot_frontier({"budgets": [{"budget": k, "loss": losses[k], "latency_ratio": (L + k) / L} for k in ks],
                    "source_loss": plain_loss}, work / "quality_frontier.png",
-                  title="SmolLM2 window 8:20: val loss vs ideal cost (dashed: plain fine-tune)")
+                  title="SmolLM2, window 8:20, mixed-depth retrofit", reference_label="plain fine-tune",
+                  xlabel="layer executions ÷ budget 0, (L+k)/L")
     print(json.dumps(result))
 
 
