@@ -124,13 +124,12 @@ def plot_training(log_path: str | Path, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from looptool.train import record_budgets
+
     series: dict[int, list[tuple[int, float]]] = {}
     for line in Path(log_path).read_text().splitlines():
         rec = json.loads(line)
-        budgets, losses = rec["budgets"], rec["loss"]
-        if budgets and isinstance(budgets[0], list):  # DDP: one list per rank
-            budgets = [k for ks in budgets for k in ks]
-        for k, loss in zip(budgets, losses, strict=False):
+        for k, loss in zip(record_budgets(rec), rec["loss"], strict=False):
             series.setdefault(k, []).append((rec["step"], loss))
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     for k in sorted(series):

@@ -277,10 +277,9 @@ class Trainer:
             dist.destroy_process_group()
 
     def summary(self) -> dict:
-        """Realised budget frequencies next to Eq. 3's expectation."""
-        flat = [k for r in self.records for ks in (r["budgets"] if self.world > 1 else [r["budgets"]]) for k in ks]
-        mixed = [k for r in self.records if r["step"] >= self.switch_step
-                 for ks in (r["budgets"] if self.world > 1 else [r["budgets"]]) for k in ks]
+        """Realised budget frequencies (mixed-depth steps only) next to Eq. 3's expectation."""
+        flat = [k for r in self.records for k in record_budgets(r)]
+        mixed = [k for r in self.records if r["step"] >= self.switch_step for k in record_budgets(r)]
         out = {"steps": self.total_steps, "tokens_per_step": self.tokens_per_step, "switch_step": self.switch_step,
                "expected": self.sampler.expected()}
         if mixed:
@@ -311,6 +310,12 @@ class Trainer:
             commit_output_dir(self.output, temp)
         if self.world > 1:
             dist.barrier()
+
+
+def record_budgets(record: dict) -> list[int]:
+    """The budgets of one log record, flattened over ranks (DDP logs one list per rank)."""
+    budgets = record["budgets"]
+    return [k for ks in budgets for k in ks] if budgets and isinstance(budgets[0], list) else list(budgets)
 
 
 def _recover_interrupted_commit(output: Path) -> None:
