@@ -51,7 +51,7 @@ def main() -> None:
         looped.save_pretrained(work / "converted")
     val = PackedTokens(tokenize_files(find_files(str(SOTU / "2*.txt")), src.tokenizer)[: args.eval_tokens], args.seq_len)
     with torch.inference_mode():
-        source_loss = mean_loss(lambda ids: src.model(input_ids=ids, labels=ids).loss, val, 4)
+        source_loss = mean_loss(lambda ids, m=src.model: m(input_ids=ids, labels=ids).loss, val, 4)
     del looped, src
     tokens = args.steps * args.seq_len * args.batch
     common = dict(data=[str(SOTU / "1*.txt")], tokens=tokens, seq_len=args.seq_len, batch=args.batch, lr=args.lr,
