@@ -129,6 +129,7 @@ def convert(
 ) -> None:
     """Convert a pretrained decoder into a looped model and save it."""
     import looptool
+    from looptool.serialization import check_output_dir
     from looptool.sources import load_source
 
     plan = _make_plan(
@@ -136,8 +137,7 @@ def convert(
         conditioning=conditioning, cond_dim=cond_dim, rank=rank, route_replay=route_replay, init=init,
     )
     torch_dtype = _dtype(dtype)
-    if output.exists() and not overwrite:
-        raise LooptoolError(f"output directory '{output}' already exists; pass --overwrite to replace it.")
+    check_output_dir(output, overwrite)  # fail before the slow load
     with _progress() as progress:
         with _stage(progress, f"loading {source}"):
             src = load_source(source, dtype=torch_dtype, device=device, say=console.print)

@@ -62,14 +62,21 @@ def _dedupe(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], 
     return unique, aliases
 
 
-def prepare_output_dir(directory: str | os.PathLike, overwrite: bool) -> tuple[Path, Path]:
-    """Validate the target and return ``(final, temp)`` directories; write into temp and
-    call :func:`commit_output_dir` so a failure never leaves a half-written output."""
+def check_output_dir(directory: str | os.PathLike, overwrite: bool) -> Path:
+    """Refuse an existing output unless ``overwrite`` (and never a non-directory); callers
+    run this before slow work so a bad target fails fast."""
     final = Path(directory)
     if final.exists() and not overwrite:
         raise LooptoolError(f"output directory '{final}' already exists; pass --overwrite (overwrite=True) to replace it.")
     if final.exists() and not final.is_dir():
         raise LooptoolError(f"output path '{final}' exists and is not a directory; choose another path.")
+    return final
+
+
+def prepare_output_dir(directory: str | os.PathLike, overwrite: bool) -> tuple[Path, Path]:
+    """Validate the target and return ``(final, temp)`` directories; write into temp and
+    call :func:`commit_output_dir` so a failure never leaves a half-written output."""
+    final = check_output_dir(directory, overwrite)
     final.parent.mkdir(parents=True, exist_ok=True)
     temp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     return final, temp
@@ -204,7 +211,8 @@ def check_weights(model: LoopedModel, path: Path) -> dict[str, str]:
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             aliases = json.loads((f.metadata() or {}).get("looptool_aliases", "{}"))
-            header = {n: (tuple(f.get_slice(n).get_shape()), f.get_slice(n).get_dtype()) for n in f.keys()}
+            slices = {n: f.get_slice(n) for n in f.keys()}
+            header = {n: (tuple(sl.get_shape()), sl.get_dtype()) for n, sl in slices.items()}
     except Exception as exc:  # safetensors raises its own error types on corrupt files
         raise CheckpointError(f"{path} could not be read as safetensors ({exc}); the file is corrupt, re-save the model.") from exc
     missing = [n for n in expected if aliases.get(n, n) not in header]
