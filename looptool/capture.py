@@ -27,6 +27,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.export import Dim
+from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
 
 from looptool.errors import CaptureError
 from looptool.graph import (
@@ -51,6 +53,7 @@ from looptool.graph import (
     SourceInfo,
     Write,
     annotate,
+    annotation,
 )
 
 log = logging.getLogger(__name__)
@@ -127,14 +130,102 @@ def export_source(model: nn.Module, seq_len: int = 8, batch: int = 2) -> fx.Grap
     input_ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
     attention_mask = torch.ones(batch, seq_len, dtype=torch.long, device=device)
     dims = {0: Dim.AUTO, 1: Dim.AUTO}
+    return _export(
+        model,
+        {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False},
+        {"input_ids": dims, "attention_mask": dims, "use_cache": None},
+    )
+
+
+def kv_shape_of(config) -> tuple[int, int]:
+    """``(key/value heads, head dim)`` of one attention layer of an HF config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None) or text.n_head
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or hidden_size_of(config) // heads
+    return int(kv_heads), int(head_dim)
+
+
+def export_decode_step(model: nn.Module, seq_len: int = 3, cache_len: int = 8, batch: int = 2) -> fx.GraphModule:
+    """``torch.export`` one cached step of the model (prefill or decode), unlifted.
+
+    The step is the way transformers' export-with-static-cache wrappers run a model: a
+    ``StaticCache`` whose layers hold caller-owned tensors, written in place with
+    ``index_copy_`` at ``cache_position`` (``T`` consecutive slots), and attention over
+    all ``cache_len`` slots masked by a ``[batch, cache_len]`` attention mask. Inputs:
+    ``input_ids [B, T]``, ``attention_mask [B, S]``, ``position_ids [B, T]``,
+    ``cache_position [T]`` and ``2 * layers`` caches ``[B, kv_heads, S, head_dim]``
+    (layer ``i``: keys ``caches_{2i}``, values ``caches_{2i+1}``); output: logits.
+    """
+    config = model.config.get_text_config()
+    n_layers = num_layers_of(config)
+    kv_heads, head_dim = kv_shape_of(config)
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    caches = [torch.zeros(batch, kv_heads, cache_len, head_dim, dtype=dtype, device=device) for _ in range(2 * n_layers)]
+    ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
+    inputs = {
+        "input_ids": ids,
+        "attention_mask": torch.ones(batch, cache_len, dtype=torch.long, device=device),
+        "position_ids": torch.arange(seq_len, device=device).expand(batch, seq_len),
+        "cache_position": torch.arange(seq_len, device=device),
+        "caches": caches,
+    }
+    bt = {0: Dim.AUTO, 1: Dim.AUTO}
+    shapes = {
+        "input_ids": bt,
+        "attention_mask": bt,
+        "position_ids": bt,
+        "cache_position": {0: Dim.AUTO},
+        "caches": [{0: Dim.AUTO, 2: Dim.AUTO}] * len(caches),
+    }
+    forward = type(model).forward
+
+    def step(input_ids, attention_mask, position_ids, cache_position, caches):
+        cache = _bind_static_cache(config, caches, cache_position)
+        out = forward(model, input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids, cache=cache, use_cache=True)
+        return out.logits
+
+    model.forward = step  # export traces the step with the model's own parameter names
     try:
-        ep = torch.export.export(
-            model,
-            (),
-            {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False},
-            dynamic_shapes={"input_ids": dims, "attention_mask": dims, "use_cache": None},
-            strict=False,
-        )
+        return _export(model, inputs, shapes)
+    finally:
+        del model.forward
+
+
+class _CallerOwnedLayer(StaticLayer):
+    """A static cache layer over caller-owned tensors that writes the step's keys/values
+    at ``cache_position`` (no in-place position counter, so a layer copied by a looping
+    pass writes the same slots as the original)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, cache_position: torch.Tensor):
+        super().__init__(keys.shape[2])
+        self.keys, self.values, self.positions = keys, values, cache_position
+        self.device = keys.device
+        self.batch_size, self.num_heads = keys.shape[:2]
+        self.k_head_dim, self.v_head_dim = keys.shape[-1], values.shape[-1]
+        self.cumulative_length = cache_position[0]  # the mask's query offset
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.keys.index_copy_(2, self.positions, key_states)
+        self.values.index_copy_(2, self.positions, value_states)
+        return self.keys, self.values
+
+
+def _bind_static_cache(config, caches: list[torch.Tensor], cache_position: torch.Tensor) -> StaticCache:
+    """A transformers ``StaticCache`` whose layers write into ``caches`` (full-length layers
+    throughout: sliding windows are applied by the mask, as the export wrappers do)."""
+    cache = StaticCache(config=config, max_cache_len=caches[0].shape[2])
+    for i in range(len(cache.layers)):
+        cache.layers[i] = _CallerOwnedLayer(caches[2 * i], caches[2 * i + 1], cache_position)
+    return cache
+
+
+def _export(model: nn.Module, kwargs: dict, dynamic_shapes: dict) -> fx.GraphModule:
+    try:
+        ep = torch.export.export(model, (), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as exc:  # torch.export raises many types; say which model failed
         raise CaptureError(
             f"torch.export could not capture {type(model).__name__} "
@@ -143,11 +234,24 @@ def export_source(model: nn.Module, seq_len: int = 8, batch: int = 2) -> fx.Grap
     return ep.module()
 
 
-def capture(model: nn.Module) -> LayerGraph:
+def build_skeleton(config, dtype: torch.dtype, attn_implementation: str | None = None) -> nn.Module:
+    """The source architecture of ``config`` on ``meta`` (no weights), in eval mode."""
+    import transformers
+
+    kwargs: dict = {"dtype": dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config, **kwargs).eval()
+
+
+def capture(model: nn.Module, *, decode: bool = False) -> LayerGraph:
     """Capture ``model`` (an HF causal LM, on any device including ``meta``) as a LayerGraph.
 
     The graph is specialised to the model's dtype and device (DESIGN §4). No weight is
-    copied: the LayerGraph's module holds the model's own parameter tensors.
+    copied: the LayerGraph's module holds the model's own parameter tensors. With
+    ``decode=True`` the graph is one cached step (:func:`export_decode_step`); its cache
+    writes are marked ``kv`` and each cache input says which layer it serves.
     """
     config = getattr(model, "config", None)
     if config is None:
@@ -158,14 +262,16 @@ def capture(model: nn.Module) -> LayerGraph:
     was_training = model.training
     model.eval()
     try:
-        exported = export_source(model)
+        exported = export_decode_step(model) if decode else export_source(model)
     finally:
         model.train(was_training)
     n_layers = num_layers_of(config)
     layers_path = find_layers_path(model, n_layers)
     head_path = _module_path(model, model.get_output_embeddings())
-    module = _clean_module(exported)
+    module = _clean_module(exported, None if decode else _INPUT_NAMES)
     layers = annotate_graph(module.graph, layers_path, n_layers, head_path)
+    if decode:
+        annotate_cache(module.graph, n_layers)
     param = next(model.parameters())
     source = SourceInfo(
         model_type=getattr(config, "model_type", type(model).__name__),
@@ -180,8 +286,9 @@ def capture(model: nn.Module) -> LayerGraph:
     return LayerGraph(module=module, layers=layers, source=source, config=config)
 
 
-def _clean_module(exported: fx.GraphModule) -> fx.GraphModule:
-    """Rebuild the exported graph with plain ``(input_ids, attention_mask) -> logits`` I/O.
+def _clean_module(exported: fx.GraphModule, inputs: tuple[str, ...] | None) -> fx.GraphModule:
+    """Rebuild the exported graph with plain tensor inputs (``inputs``, or all when None)
+    and the logits as its one output.
 
     Drops the ``use_cache`` placeholder and the export guard call; parameters stay shared.
     """
@@ -191,7 +298,7 @@ def _clean_module(exported: fx.GraphModule) -> fx.GraphModule:
     out_node = None
     for node in old.nodes:
         if node.op == "placeholder":
-            if node.target in _INPUT_NAMES:
+            if inputs is None or node.target in inputs:
                 env[node] = new.placeholder(node.target)
                 env[node].meta = dict(node.meta)
             continue
@@ -212,6 +319,34 @@ def _clean_module(exported: fx.GraphModule) -> fx.GraphModule:
     new.eliminate_dead_code()
     gm = fx.GraphModule(exported, new)
     return gm
+
+
+def annotate_cache(graph: fx.Graph, n_layers: int) -> None:
+    """Mark the KV cache of a decode-step graph: each ``caches_*`` input gets
+    ``kv = {"layer", "kind"}`` and its in-place write (``index_copy_``) ``kv = kind``.
+
+    Refuses a graph in which a cache is written more than once, read other than through
+    its write (or for its size), or not written by exactly one decoder layer.
+    """
+    for node in graph.nodes:
+        if node.op != "placeholder" or not str(node.target).startswith("caches_"):
+            continue
+        writes = [u for u in node.users if u.target is torch.ops.aten.index_copy_.default and u.args[0] is node]
+        layers = {annotation(u).get("layer") for u in writes}
+        readers = [u for u in node.users if u not in writes and annotation(u).get("role") != ROLE_SHAPE]
+        if len(writes) != 1 or readers or None in layers:
+            raise CaptureError(
+                f"cached decoding: cache input '{node.target}' is not written exactly once by one "
+                "decoder layer's attention; this architecture's cache layout is not supported."
+            )
+        index = int(str(node.target).split("_")[-1])
+        kind = "k" if index % 2 == 0 else "v"
+        ann = annotation(node)
+        ann["kv"] = {"layer": layers.pop(), "kind": kind}
+        annotation(writes[0])["kv"] = kind
+    marked = sum(1 for n in graph.nodes if n.op == "placeholder" and "kv" in annotation(n))
+    if marked != 2 * n_layers:
+        raise CaptureError(f"cached decoding: found {marked} cache inputs for {n_layers} layers; expected {2 * n_layers}.")
 
 
 _CAST_TARGETS = {

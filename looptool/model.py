@@ -156,6 +156,29 @@ class LoopedModel(nn.Module):
             return MoeCausalLMOutputWithPast(loss=loss, logits=logits, router_logits=router)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        budget: int | None = None,
+        max_new_tokens: int = 32,
+        kv: str = "per-loop",
+        **kwargs,
+    ) -> torch.Tensor:
+        """Generate at ``budget`` with a KV cache (``kv="per-loop"`` or ``"last-loop"``);
+        returns ``[batch, prompt + new]`` token ids like transformers' ``generate``.
+
+        Greedy by default; ``temperature``, ``top_k``, ``top_p``, ``seed``,
+        ``attention_mask`` (left padding), ``eos_token_id`` (default: the config's) and
+        ``pad_token_id`` are passed to :func:`looptool.generation.generate`.
+        """
+        from looptool.generation import generate
+
+        kwargs.setdefault("eos_token_id", getattr(self.config, "eos_token_id", None))
+        out = generate(self, input_ids, budget=budget, max_new_tokens=max_new_tokens, kv=kv, **kwargs)
+        return out.sequences
+
     # ------------------------------------------------------------------ cost model
     def dims(self) -> ModelDims:
         """Model dimensions for the cost model (from the graph's parameter use and config)."""

@@ -168,7 +168,7 @@ def load(directory: str | os.PathLike, *, device: str = "cpu") -> LoopedModel:
     """
     import transformers
 
-    from looptool.capture import capture
+    from looptool.capture import build_skeleton, capture
     from looptool.passes import PassManager
 
     directory = Path(directory)
@@ -185,12 +185,7 @@ def load(directory: str | os.PathLike, *, device: str = "cpu") -> LoopedModel:
         config = transformers.AutoConfig.from_pretrained(directory)
     except Exception as exc:
         raise CheckpointError(f"config.json in '{directory}' could not be read ({exc}).") from exc
-    kwargs = {"dtype": dtype}
-    if src.get("attn_implementation"):
-        kwargs["attn_implementation"] = src["attn_implementation"]
-    with torch.device("meta"):
-        skeleton = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
-    lg = capture(skeleton.eval())
+    lg = capture(build_skeleton(config, dtype, src.get("attn_implementation")))
     lg = PassManager([(name, cfg) for name, cfg in meta["recipe"]])(lg)
     lg = PassManager([("retarget_device", {"to": device})])(lg)
     tokenizer = None

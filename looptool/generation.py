@@ -1,0 +1,241 @@
+"""Text generation at any budget with a KV cache (ELR Sec. 3.4, Accordion Eq. 6).
+
+Cached decoding runs budget paths built from a second capture of the source: one cached
+step (:func:`looptool.capture.export_decode_step`, a static KV cache written in place),
+captured on ``meta`` from the model's config, looped by replaying the model's own recipe,
+routed to cache slots by the ``kv_cache`` pass and bound to the model's parameters (no
+copy). Prefill and every decode step go through the same graph; there is no hand-written
+attention code.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from transformers import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from looptool.capture import build_skeleton, capture
+from looptool.errors import LooptoolError
+from looptool.graph import annotation, dtype_from_str, shared_graph_module
+from looptool.model import LoopedModel
+from looptool.passes import PassManager
+from looptool.passes.kv_cache import KV_POLICIES
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CacheSlot:
+    """One cache input of a cached budget path: keys or values of one attention execution."""
+
+    name: str
+    layer: int
+    kind: str  # "k" or "v"
+    execution: int  # 1 = the layer's own pass; 2 = a repeated layer's second pass / loop 2; ...
+    kv_heads: int
+    head_dim: int
+
+
+@dataclass
+class CachedPath:
+    """A cached budget path: ``module(input_ids, attention_mask, position_ids,
+    cache_position, *caches) -> logits`` and the cache inputs it expects, in order."""
+
+    module: fx.GraphModule
+    slots: tuple[CacheSlot, ...]
+
+
+@dataclass
+class GenerationOutput:
+    """What :func:`generate` returns: the sequences plus what the run cost."""
+
+    sequences: torch.Tensor  # [batch, prompt + new], prompt left-padded as given
+    new_tokens: int  # decoding steps run (tokens per row, including any after EOS)
+    prefill_seconds: float
+    decode_seconds: float
+    kv_bytes: int  # bytes of the cache tensors allocated for this call
+    kv_bytes_per_token: float  # kv_bytes / (batch x cache length)
+    logits: tuple[torch.Tensor, ...] = ()  # per step [batch, vocab], with output_logits=True
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second over prefill and decode (all rows)."""
+        total = self.prefill_seconds + self.decode_seconds
+        return self.sequences.shape[0] * self.new_tokens / total if total > 0 else float("inf")
+
+
+def check_policy(model: LoopedModel, kv: str) -> str:
+    """Validate a KV cache policy for ``model``."""
+    if kv not in KV_POLICIES:
+        raise LooptoolError(f"unknown KV cache policy {kv!r}; use one of {list(KV_POLICIES)}.")
+    if kv == "last-loop":
+        n = len(model.layer_graph.layers)
+        repeats = any(len(set(ex)) != len(ex) for ex in (model.plan.executed_layers(b, n) for b in model.budgets))
+        if not repeats:
+            raise LooptoolError(
+                f"--kv last-loop shares one cache slot between repeated attention executions, but no budget "
+                f"of this model ({list(model.budgets)}) repeats a layer; use --kv per-loop."
+            )
+    return kv
+
+
+def cached_paths(model: LoopedModel, kv: str = "per-loop") -> dict[int, CachedPath]:
+    """The cached budget paths of ``model`` under KV policy ``kv`` (built once per model
+    and policy: a ``meta`` capture of the decode step, the model's recipe replayed, the
+    ``kv_cache`` pass, bound to the model's own tensors)."""
+    kv = check_policy(model, kv)
+    store = model.__dict__.setdefault("_cached_paths", {})
+    if kv not in store:
+        lg = model.layer_graph
+        param = next(model.parameters())
+        skeleton = build_skeleton(lg.config, dtype_from_str(lg.source.dtype), lg.source.attn_implementation)
+        decode = capture(skeleton, decode=True)
+        steps = [*model.recipe, ("kv_cache", {"policy": kv}), ("retarget_device", {"to": str(param.device)})]
+        decode = PassManager(steps)(decode)
+        store[kv] = {b: _bind(model, g) for b, g in decode.paths.items()}
+    return store[kv]
+
+
+def _bind(model: LoopedModel, graph: fx.Graph) -> CachedPath:
+    missing = [n.target for n in graph.nodes if n.op == "get_attr" and not _has_attr(model, n.target)]
+    if missing:
+        raise LooptoolError(f"the cached decode graph reads '{missing[0]}', which the looped model does not hold.")
+    slots = []
+    for node in graph.nodes:
+        kv = annotation(node).get("kv") if node.op == "placeholder" else None
+        if kv:
+            shape = node.meta["val"].shape
+            slots.append(CacheSlot(str(node.target), kv["layer"], kv["kind"], kv.get("execution", 1), int(shape[1]), int(shape[3])))
+    return CachedPath(shared_graph_module(model, graph), tuple(slots))
+
+
+def _has_attr(root: torch.nn.Module, dotted: str) -> bool:
+    obj = root
+    for part in dotted.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def allocate_cache(path: CachedPath, batch: int, length: int, *, dtype: torch.dtype, device) -> list[torch.Tensor]:
+    """Zeroed cache tensors for ``path``: one ``[batch, kv_heads, length, head_dim]`` per slot."""
+    return [torch.zeros(batch, s.kv_heads, length, s.head_dim, dtype=dtype, device=device) for s in path.slots]
+
+
+def kv_bytes_per_token(model: LoopedModel, budget: int, kv: str = "per-loop") -> int:
+    """KV bytes one token occupies at ``budget`` under policy ``kv``, from the cache inputs
+    of the cached path (what :func:`generate` allocates per token)."""
+    path = cached_paths(model, kv)[model.check_budget(budget)]
+    itemsize = next(model.parameters()).element_size()
+    return sum(s.kv_heads * s.head_dim * itemsize for s in path.slots)
+
+
+def _position_ids(mask: torch.Tensor) -> torch.Tensor:
+    """Positions of left-padded rows, as transformers' generate computes them."""
+    pos = mask.long().cumsum(-1) - 1
+    return pos.masked_fill(mask == 0, 1)
+
+
+def _next_token(logits: torch.Tensor, ids: torch.Tensor, warpers: LogitsProcessorList | None, gen) -> torch.Tensor:
+    if warpers is None:  # greedy
+        return logits.argmax(-1)
+    scores = warpers(ids, logits.float())
+    probs = torch.softmax(scores, dim=-1)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: LoopedModel,
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    budget: int | None = None,
+    max_new_tokens: int = 32,
+    kv: str = "per-loop",
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    on_step: Callable[[torch.Tensor], None] | None = None,
+    output_logits: bool = False,
+) -> GenerationOutput:
+    """Generate up to ``max_new_tokens`` tokens per row at ``budget`` with a KV cache.
+
+    ``input_ids [batch, prompt]`` may be left-padded (``attention_mask`` 0 on padding).
+    ``temperature == 0`` is greedy; otherwise tokens are sampled after temperature,
+    top-k and top-p (transformers' warpers) from a generator seeded with ``seed``. Rows
+    stop at ``eos_token_id`` (then emit ``pad_token_id``); the call stops when all rows
+    have stopped. ``on_step(tokens)`` is called with each step's ``[batch]`` new tokens;
+    ``output_logits=True`` keeps each step's next-token logits.
+    """
+    budget = model.check_budget(budget)
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
+        raise LooptoolError(f"the prompt is empty (input_ids shape {tuple(input_ids.shape)}); give at least one token.")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise LooptoolError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}.")
+    if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):
+        raise LooptoolError("sampling settings out of range: temperature >= 0, 0 < top_p <= 1, top_k >= 1.")
+    path = cached_paths(model, kv)[budget]
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    mask_dtype = model._mask_dtype
+    batch, prompt = input_ids.shape
+    length = prompt + max_new_tokens
+    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=device)
+    pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
+    warpers = None
+    if temperature > 0:
+        warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+        if top_k is not None:
+            warpers.append(TopKLogitsWarper(top_k))
+        if top_p is not None and top_p < 1:
+            warpers.append(TopPLogitsWarper(top_p))
+    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+
+    caches = allocate_cache(path, batch, length, dtype=dtype, device=device)
+    kv_bytes = sum(c.numel() * c.element_size() for c in caches)
+    mask = torch.zeros(batch, length, dtype=mask_dtype, device=device)
+    mask[:, :prompt] = 1 if attention_mask is None else attention_mask.to(device=device, dtype=mask_dtype)
+    ids = input_ids.to(device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    position = _position_ids(mask[:, :prompt])
+    t0 = time.perf_counter()
+    logits = path.module(ids, mask, position, torch.arange(prompt, device=device), *caches)
+    prefill = time.perf_counter() - t0
+    steps = 0
+    kept: list[torch.Tensor] = []
+    t1 = time.perf_counter()
+    for step in range(max_new_tokens):
+        if step > 0:
+            slot = prompt + step - 1
+            mask[:, slot] = 1
+            position = position[:, -1:] + 1
+            logits = path.module(ids[:, -1:], mask, position, torch.tensor([slot], device=device), *caches)
+        if output_logits:
+            kept.append(logits[:, -1])
+        token = _next_token(logits[:, -1], ids, warpers, gen)
+        token = torch.where(done, torch.full_like(token, pad), token)
+        ids = torch.cat([ids, token[:, None]], dim=1)
+        steps += 1
+        if on_step is not None:
+            on_step(token)
+        if len(eos):
+            done |= torch.isin(token, eos)
+            if bool(done.all()):
+                break
+    decode = time.perf_counter() - t1
+    return GenerationOutput(ids, steps, prefill, decode, kv_bytes, kv_bytes / (batch * length), tuple(kept))
