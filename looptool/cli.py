@@ -369,6 +369,93 @@ def eval_(
 
 @app.command()
 @_friendly
+def generate(
+    model_dir: Annotated[Path, typer.Argument(help="A looped model directory.")],
+    prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="Prompt text; repeat for a batch (left-padded).")],
+    budget: Annotated[int | None, typer.Option(help="Budget to run (default: the deepest).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 64,
+    kv: Annotated[str, typer.Option(help="KV cache policy: per-loop (exact) or last-loop (one slot per layer).")] = "per-loop",
+    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples.")] = 0.0,
+    top_k: Annotated[int | None, typer.Option(help="Sample from the k most likely tokens.")] = None,
+    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling mass.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
+    stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they are generated (one prompt).")] = False,
+    tokenizer: Annotated[Path | None, typer.Option(help="Tokenizer folder, for a model saved without one.")] = None,
+    device: Annotated[str, typer.Option(help="Device to run on.")] = "cpu",
+) -> None:
+    """Generate text at one budget with a KV cache; report tokens/s and KV bytes per token."""
+    from rich.table import Table
+
+    from looptool.generation import generate as run_generate
+    from looptool.report import human_bytes
+    from looptool.serialization import load
+
+    if stream and len(prompt) != 1:
+        raise LooptoolError("--stream prints one continuation; give a single --prompt.")
+    if any(not p.strip() for p in prompt):
+        raise LooptoolError("a --prompt is empty; give some text to continue.")
+    with _progress() as progress:
+        with _stage(progress, f"loading {model_dir}"):
+            model = load(model_dir, device=device)
+        tok = _tokenizer(model, tokenizer)
+        budget = model.check_budget(budget)
+        with _stage(progress, f"building cached budget paths ({kv})"):
+            from looptool.generation import cached_paths
+
+            cached_paths(model, kv)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    enc = tok(list(prompt), return_tensors="pt", padding=True)
+    streamed: list[int] = []
+
+    def on_step(tokens) -> None:
+        before = tok.decode(streamed, skip_special_tokens=True)
+        streamed.append(int(tokens[0]))
+        sys.stdout.write(tok.decode(streamed, skip_special_tokens=True)[len(before):])
+        sys.stdout.flush()
+
+    if stream:
+        sys.stdout.write(prompt[0])
+    result = run_generate(
+        model, enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device), budget=budget,
+        max_new_tokens=max_new_tokens, kv=kv, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, on_step=on_step if stream else None,
+    )
+    if stream:
+        sys.stdout.write("\n")
+    else:
+        width = enc["input_ids"].shape[1]
+        for text, row in zip(prompt, result.sequences[:, width:]):
+            out.print(text + tok.decode(row, skip_special_tokens=True), highlight=False)
+    steps = max(result.new_tokens - 1, 1)
+    table = Table(title=f"budget {budget} · kv {kv} · batch {len(prompt)}", title_justify="left")
+    for col in ("prompt tok", "new tok", "prefill ms", "decode ms/tok", "tok/s", "KV/tok", "KV allocated"):
+        table.add_column(col, justify="right")
+    table.add_row(
+        str(enc["input_ids"].shape[1]), str(result.new_tokens), f"{result.prefill_seconds * 1e3:.1f}",
+        f"{result.decode_seconds * 1e3 / steps:.1f}", f"{result.tokens_per_second:.1f}",
+        human_bytes(result.kv_bytes_per_token), human_bytes(result.kv_bytes),
+    )
+    console.print(table)
+
+
+def _tokenizer(model, path: Path | None):
+    """The model's tokenizer, or the one at ``path``; a clear error when there is none."""
+    if path is not None:
+        import transformers
+
+        try:
+            return transformers.AutoTokenizer.from_pretrained(path)
+        except Exception as exc:
+            raise LooptoolError(f"no tokenizer could be loaded from '{path}' ({type(exc).__name__}).") from exc
+    if model.tokenizer is None:
+        raise LooptoolError("this model was saved without a tokenizer; pass --tokenizer PATH (a Hugging Face tokenizer folder).")
+    return model.tokenizer
+
+
+@app.command()
+@_friendly
 def plot(
     log_file: Annotated[Path, typer.Argument(help="A train_log.jsonl (or the training output directory).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="PNG to write.")] = Path("train_loss.png"),

@@ -27,7 +27,8 @@ def execution_path(plan: LoopPlan, budget: int, num_layers: int) -> str:
     return ", ".join(parts)
 
 
-def _human_bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """``1536`` → ``"1.5 KiB"``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -77,8 +78,7 @@ def plan_table(info: dict, extra: dict[int, dict[str, str]] | None = None, extra
     )
     table = Table(title=title, title_justify="left")
     columns = [("loops" if recurrent else "budget"), ("D_eff" if recurrent else "layers"), "path",
-               "MFLOP/tok", "×FLOPs", "KV/tok" + (" per-loop" if recurrent else ""), "×KV"]
-    columns += ["KV/tok last-loop"] if recurrent else []
+               "MFLOP/tok", "×FLOPs", "KV/tok per-loop", "×KV", "KV/tok last-loop"]
     for col in columns:
         table.add_column(col, justify="left" if col == "path" else "right", no_wrap=True)
     for col in extra_columns:
@@ -90,10 +90,10 @@ def plan_table(info: dict, extra: dict[int, dict[str, str]] | None = None, extra
             row["path"],
             f"{row['flops_per_token'] / 1e6:,.1f}",
             f"{row['relative_flops']:.3f}",
-            _human_bytes(row["kv_bytes_per_token"]),
+            human_bytes(row["kv_bytes_per_token"]),
             f"{row['relative_kv']:.3f}",
         ]
-        cells += [_human_bytes(row["kv_bytes_per_token_last_loop"])] if recurrent else []
+        cells += [human_bytes(row["kv_bytes_per_token_last_loop"])]
         cells += [(extra or {}).get(row["budget"], {}).get(c, "") for c in extra_columns]
         table.add_row(*cells)
     return table

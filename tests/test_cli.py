@@ -140,3 +140,47 @@ def test_convert_recurrent_bad_options(tiny_dir, tmp_path, extra, message):
     res = _run("convert", tiny_dir, "-o", out, *extra)
     assert res.exit_code == 1 and message in res.output, res.output
     assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def looped_with_tokenizer(tmp_path_factory):
+    from looptool.testing import byte_tokenizer, tiny_model
+
+    path = tmp_path_factory.mktemp("gen") / "looped"
+    model = looptool.convert(tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)), tokenizer=byte_tokenizer())
+    model.save_pretrained(path)
+    return path
+
+
+def test_generate_cli(looped_with_tokenizer):
+    res = _run("generate", looped_with_tokenizer, "--budget", "2", "-p", "The Constitution", "-p", "We", "--max-new-tokens", "5")
+    assert res.exit_code == 0, res.output
+    model = looptool.load(looped_with_tokenizer)
+    tok = model.tokenizer
+    tok.padding_side = "left"
+    enc = tok(["The Constitution", "We"], return_tensors="pt", padding=True)
+    seqs = model.generate(enc["input_ids"], attention_mask=enc["attention_mask"], budget=2, max_new_tokens=5,
+                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    for row in seqs[:, enc["input_ids"].shape[1]:]:
+        assert tok.decode(row, skip_special_tokens=True) in res.stdout
+    assert "KV/tok" in res.output and "tok/s" in res.output
+    streamed = _run("generate", looped_with_tokenizer, "--budget", "1", "-p", "We", "--max-new-tokens", "4", "--stream",
+                    "--kv", "last-loop", "--temperature", "0.8", "--seed", "3")
+    assert streamed.exit_code == 0, streamed.output
+    assert streamed.stdout.startswith("We")
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--budget", "7", "-p", "x"], "not in this model's budget menu"),
+        (["-p", "  "], "empty"),
+        (["-p", "x", "--max-new-tokens", "-1"], "non-negative"),
+        (["-p", "x", "--kv", "sometimes"], "unknown KV cache policy"),
+        (["-p", "x", "-p", "y", "--stream"], "single --prompt"),
+    ],
+)
+def test_generate_cli_bad_input(looped_with_tokenizer, extra, message):
+    res = _run("generate", looped_with_tokenizer, *extra)
+    assert res.exit_code == 1
+    assert message in res.output
