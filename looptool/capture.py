@@ -171,13 +171,15 @@ def export_decode_step(model: nn.Module, seq_len: int = 3, cache_len: int = 8, b
         "cache_position": torch.arange(seq_len, device=device),
         "caches": caches,
     }
-    bt = {0: Dim.AUTO, 1: Dim.AUTO}
+    # Named dims shared by all inputs: one batch, one step length, one cache length (per-input
+    # AUTO dims would give every cache its own symbols, and export time grows with them).
+    b, t, s = Dim("batch"), Dim("step"), Dim("cache_len")
     shapes = {
-        "input_ids": bt,
-        "attention_mask": bt,
-        "position_ids": bt,
-        "cache_position": {0: Dim.AUTO},
-        "caches": [{0: Dim.AUTO, 2: Dim.AUTO}] * len(caches),
+        "input_ids": {0: b, 1: t},
+        "attention_mask": {0: b, 1: s},
+        "position_ids": {0: b, 1: t},
+        "cache_position": {0: t},
+        "caches": [{0: b, 2: s}] * len(caches),
     }
     forward = type(model).forward
 

@@ -28,6 +28,12 @@ def test_every_budget_is_bit_exact(smollm2, looped, ids):
             assert torch.equal(ref, looped(ids, budget=k).logits), f"budget {k}"
 
 
+def test_greedy_generation_matches_source_generate(smollm2, looped, ids):
+    ref = smollm2.model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for k in looped.budgets:
+        assert torch.equal(looped.generate(ids, budget=k, max_new_tokens=8, eos_token_id=None), ref), f"budget {k}"
+
+
 def test_parameter_bytes_are_source_plus_gates(smollm2, looped):
     src = {id(p): p for p in smollm2.model.parameters()}
     src_bytes = sum(p.numel() * 4 for p in src.values())
@@ -93,3 +99,17 @@ def test_elr_every_update_rule_and_conditioning(smollm2, ids):
                 # recurrent layers 8-21 and output layers 22-29: 2 branches each
                 want = (576 * 576 + 2 * 576) + conditioning_param_count(256, 64, 576, 2 * (14 + 8))
                 assert model.added_parameter_count() == want
+
+
+def test_cached_decoding_equals_recompute_after_training_moves_gates(looped, ids):
+    from looptool.generation import generate
+
+    with torch.no_grad():
+        for _, p in looped.new_parameters():
+            p.normal_(0, 0.1, generator=torch.Generator().manual_seed(5))
+    for k in looped.budgets:
+        out = generate(looped, ids, budget=k, max_new_tokens=6, output_logits=True)
+        with torch.no_grad():
+            full = looped(out.sequences, budget=k).logits[:, ids.shape[1] - 1:-1]
+        assert (torch.stack(out.logits, 1) - full).abs().max().item() < 1e-4, k
+        assert torch.equal(out.sequences[:, ids.shape[1]:], full.argmax(-1)), k
