@@ -27,6 +27,7 @@ import logging
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -182,7 +183,8 @@ def export_onnx(
 ) -> ExportReport:
     """Export budget paths of ``model`` (a :class:`looptool.LoopedModel`) to an engine
     directory ``output`` sharing one ``weights.bin``; validates each graph with
-    onnxruntime against the PyTorch path (max abs diff ≤ ``atol``) unless ``validate=False``.
+    onnxruntime against the PyTorch path (max abs diff ≤ ``atol × max(1, max |logits|)``)
+    unless ``validate=False``.
     """
     from looptool.serialization import commit_output_dir, prepare_output_dir
 
@@ -258,12 +260,19 @@ def fused_path(model, budget: int) -> tuple[torch.fx.GraphModule, dict[str, int]
 
 def export_program(gm: torch.fx.GraphModule, vocab_size: int, mask_dtype: torch.dtype):
     """``torch.onnx.export`` (dynamo) of one path with dynamic batch and sequence."""
-    from looptool.backends.onnx_functions import OPSET, translation_table
     from torch.export import Dim
 
     ids = torch.arange(16).reshape(2, 8) % vocab_size
     mask = torch.ones_like(ids, dtype=mask_dtype)
     batch, seq = Dim("batch"), Dim("sequence")
+    with warnings.catch_warnings():  # the exporter warns that both inputs share the axis names
+        warnings.filterwarnings("ignore", message=".*axis name.*", category=UserWarning)
+        return _onnx_export(gm, ids, mask, batch, seq)
+
+
+def _onnx_export(gm, ids, mask, batch, seq):
+    from looptool.backends.onnx_functions import OPSET, translation_table
+
     return torch.onnx.export(
         gm, (ids, mask), dynamo=True, external_data=True, optimize=False, opset_version=OPSET,
         dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}),
@@ -455,7 +464,7 @@ def validation_inputs(model) -> dict[str, torch.Tensor]:
 def validate_engine(model, directory: str | os.PathLike, *, atol: float = DEFAULT_ATOL) -> dict[int, dict[str, float]]:
     """Run every graph of an engine with onnxruntime (through :class:`Runtime`) and the
     PyTorch path on the same inputs; returns max abs diff per budget and input, raising
-    :class:`ExportError` above ``atol``."""
+    :class:`ExportError` above ``atol × max(1, max |logits|)``."""
     from looptool.backends.ort import Runtime
 
     rt = Runtime(directory)
@@ -467,10 +476,14 @@ def validate_engine(model, directory: str | os.PathLike, *, atol: float = DEFAUL
                 ref = model(ids, budget=budget).logits.float().numpy()
             got = rt(ids.numpy(), budget=budget).astype(np.float32)
             diff = float(np.abs(got - ref).max()) if got.shape == ref.shape else float("inf")
-            if not np.isfinite(diff) or diff > atol:
+            # fp32 kernels accumulate in different orders, so the limit scales with the
+            # logits once they exceed 1 (SmolLM2: |logits| ~ 36, diff ~ 2e-4 even with ORT
+            # optimisations off)
+            limit = atol * max(1.0, float(np.abs(ref).max()))
+            if not np.isfinite(diff) or diff > limit:
                 raise ExportError(
                     f"budget {budget}: onnxruntime and PyTorch differ by {diff:.3g} on the {label} input "
-                    f"(limit {atol:g}); the export was discarded, please report this as a bug."
+                    f"(limit {limit:.3g}); the export was discarded, please report this as a bug."
                 )
             diffs[budget][label] = diff
         log.info("budget %d validated: %s", budget, diffs[budget])

@@ -32,6 +32,22 @@ log = logging.getLogger(__name__)
 _NUMPY_DTYPES = {"FLOAT": np.float32, "FLOAT16": np.float16, "DOUBLE": np.float64, "INT64": np.int64,
                  "INT32": np.int32, "BOOL": np.bool_, "UINT8": np.uint8, "INT8": np.int8}
 _GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+_SHARED_ARENA: list[bool] = []  # set once the process-wide CPU arena is registered
+
+
+def _shared_cpu_arena() -> bool:
+    """Register one CPU arena with onnxruntime's environment so that every session's
+    activations come from the same pool (one set of scratch buffers for all budgets)."""
+    import onnxruntime as ort
+
+    if not _SHARED_ARENA:
+        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+        try:
+            ort.create_and_register_allocator(info, None)
+        except Exception as exc:  # noqa: BLE001  (already registered by the host application: use that one)
+            log.debug("shared CPU arena not registered (%s)", exc)
+        _SHARED_ARENA.append(True)
+    return True
 
 
 def default_providers() -> list[str]:
@@ -170,6 +186,8 @@ class Runtime:
             if sess is None:
                 options = ort.SessionOptions()
                 options.add_session_config_entry("session.disable_prepacking", "1")
+                if _shared_cpu_arena():
+                    options.add_session_config_entry("session.use_env_allocators", "1")
                 if self.threads:
                     options.intra_op_num_threads = self.threads
                 for name in self._graph_inits[budget]:
