@@ -125,7 +125,8 @@ class BudgetExport:
 
 @dataclass
 class ExportReport:
-    """Summary of an engine export (sizes in bytes)."""
+    """Summary of an engine export (sizes in bytes; ``graph_bytes`` is every file but
+    weights.bin: graphs, manifest and tokenizer)."""
 
     directory: str
     budgets: list[BudgetExport]
@@ -206,6 +207,8 @@ def export_onnx(
                 graphs[budget] = {"file": result.file, "initializers": names, "fused": result.fused}
         finally:
             store.close()
+        if model.tokenizer is not None:  # so `looptool run` can encode prompts from the engine alone
+            model.tokenizer.save_pretrained(temp)
         _write_manifest(model, temp, store, graphs)
         if validate:
             say("validating with onnxruntime")
@@ -213,7 +216,7 @@ def export_onnx(
             for r in results:
                 r.max_abs_diff = diffs[r.budget]
             _write_manifest(model, temp, store, graphs, diffs)
-        graph_bytes = sum((temp / r.file).stat().st_size for r in results) + (temp / MANIFEST).stat().st_size
+        graph_bytes = sum(p.stat().st_size for p in temp.iterdir() if p.name != WEIGHTS)
         report = ExportReport(
             directory=str(final), budgets=results, weights_bytes=(temp / WEIGHTS).stat().st_size,
             graph_bytes=graph_bytes, parameter_bytes=model.dims().param_bytes, seconds=time.perf_counter() - t0,
@@ -443,6 +446,7 @@ def _write_manifest(model, directory: Path, store: WeightStore, graphs: dict[int
         "weights": {"file": WEIGHTS, "sha256": sha256_file(directory / WEIGHTS), "bytes": store.size, "tensors": store.tensors},
         "parameter_bytes": model.dims().param_bytes,
         "source_config": model.config.to_dict(),
+        "tokenizer": model.tokenizer is not None,
     }
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
 

@@ -231,6 +231,25 @@ class Runtime:
             return torch.from_numpy(logits)
         return logits
 
+    def greedy(self, input_ids, budget: int | None = None, max_new_tokens: int = 16,
+               eos_token_id: int | None = None) -> np.ndarray:
+        """Greedy continuation of one or more equal-length prompts: each step reruns the
+        whole sequence (no KV cache) and appends the arg-max token; rows that produced
+        ``eos_token_id`` keep emitting it. Returns ``[batch, prompt + new]`` token ids."""
+        if max_new_tokens < 0:
+            raise EngineError(f"max_new_tokens must be 0 or more, got {max_new_tokens}.")
+        ids = np.asarray(input_ids.detach().cpu().numpy() if hasattr(input_ids, "detach") else input_ids, dtype=np.int64)
+        done = np.zeros(ids.shape[0], dtype=bool)
+        for _ in range(max_new_tokens):
+            nxt = self(ids, budget=budget)[:, -1].argmax(-1)
+            if eos_token_id is not None:
+                nxt = np.where(done, eos_token_id, nxt)
+                done |= nxt == eos_token_id
+            ids = np.concatenate([ids, nxt[:, None].astype(np.int64)], axis=1)
+            if done.all():
+                break
+        return ids
+
     def close(self) -> None:
         """Drop the sessions and the weight mapping."""
         self._sessions.clear()

@@ -470,6 +470,107 @@ def plot(
     out.print(f"wrote {plot_training(path, output)}")
 
 
+@app.command(name="export")
+@_friendly
+def export_cmd(
+    model_dir: Annotated[Path, typer.Argument(help="A looped model directory.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Engine directory to write.")],
+    backend: Annotated[str, typer.Option(help="Lowering target: onnx (run it with onnxruntime).")] = "onnx",
+    budget: Annotated[str, typer.Option(help="A budget, a comma-separated list, or 'all'.")] = "all",
+    validate: Annotated[bool, typer.Option("--validate/--no-validate", help="Compare every graph with the PyTorch path.")] = True,
+    overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
+) -> None:
+    """Lower budget paths to ONNX engines sharing one weights.bin; validate with onnxruntime."""
+    _export_engines(model_dir, output, backend, budget, validate, overwrite)
+
+
+@app.command(name="run")
+@_friendly
+def run_cmd(
+    engine_dir: Annotated[Path, typer.Argument(help="An engine directory (from looptool export).")],
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text to continue.")],
+    budget: Annotated[int | None, typer.Option(help="Budget to run (default: the deepest exported).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (greedy, full recompute).")] = 32,
+    tokenizer: Annotated[Path | None, typer.Option(help="Tokenizer folder, for an engine exported without one.")] = None,
+) -> None:
+    """Greedy generation with onnxruntime from an exported engine."""
+    _run_engine(engine_dir, prompt, budget, max_new_tokens, tokenizer)
+
+
+def _export_engines(model_dir: Path, output: Path, backend: str, budget: str, validate: bool, overwrite: bool) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn
+    from rich.table import Table
+
+    from looptool.report import human_bytes
+    from looptool.serialization import check_output_dir, load
+
+    if backend != "onnx":
+        raise LooptoolError(f"--backend {backend!r} is not available; use --backend onnx.")
+    check_output_dir(output, overwrite)  # fail before the slow load
+    from looptool.backends.onnx import export_onnx, resolve_budgets
+
+    with _progress() as progress:
+        with _stage(progress, f"loading {model_dir}"):
+            model = load(model_dir)
+        chosen = resolve_budgets(model, budget)
+    bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), console=console)
+    with bar:
+        task = bar.add_task("exporting", total=len(chosen) + int(validate))
+        steps = iter(range(len(chosen) + 1))
+
+        def on_progress(text: str) -> None:
+            if next(steps):
+                bar.advance(task)
+            bar.update(task, description=text)
+
+        report = export_onnx(model, output, chosen, overwrite=overwrite, validate=validate, on_progress=on_progress)
+        bar.update(task, completed=len(chosen) + int(validate), description="[green]✓[/] exported")
+    table = Table(title=f"{output} · onnx · opset 18 + looptool domain", title_justify="left")
+    for col in ("budget", "file", "size", "fused ops", "max |Δ| random", "max |Δ| real", "export s"):
+        table.add_column(col, justify="right")
+    for b in report.budgets:
+        fused = ", ".join(f"{k}×{v}" for k, v in b.fused.items() if v) or "-"
+        diff = b.max_abs_diff
+        table.add_row(str(b.budget), b.file, human_bytes(b.bytes), fused, f"{diff.get('random', float('nan')):.2e}",
+                      f"{diff.get('real', float('nan')):.2e}", f"{b.seconds:.1f}")
+    out.print(table)
+    out.print(
+        f"weights.bin {human_bytes(report.weights_bytes)} + graphs/manifest {human_bytes(report.graph_bytes)} = "
+        f"{human_bytes(report.total_bytes)}; {report.disk_ratio:.3f} × the parameter bytes ({human_bytes(report.parameter_bytes)})"
+    )
+
+
+def _run_engine(engine_dir: Path, prompt: str, budget: int | None, max_new_tokens: int, tokenizer: Path | None) -> None:
+    import time
+
+    import transformers
+
+    from looptool.backends.ort import Runtime
+
+    if not prompt.strip():
+        raise LooptoolError("the --prompt is empty; give some text to continue.")
+    if max_new_tokens < 1:
+        raise LooptoolError("--max-new-tokens must be at least 1.")
+    rt = Runtime(engine_dir)
+    source = tokenizer if tokenizer is not None else (engine_dir if rt.manifest.get("tokenizer") else None)
+    if source is None:
+        raise LooptoolError("this engine was exported without a tokenizer; pass --tokenizer PATH (a Hugging Face tokenizer folder).")
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(source)
+    except Exception as exc:
+        raise LooptoolError(f"no tokenizer could be loaded from '{source}' ({type(exc).__name__}).") from exc
+    ids = tok(prompt, return_tensors="np").input_ids
+    budget = rt.budgets[-1] if budget is None else budget
+    t0 = time.perf_counter()
+    seq = rt.greedy(ids, budget=budget, max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id)
+    seconds = time.perf_counter() - t0
+    new = seq.shape[1] - ids.shape[1]
+    out.print(prompt + tok.decode(seq[0, ids.shape[1]:], skip_special_tokens=True), highlight=False)
+    console.print(f"budget {budget} · onnxruntime {rt.session(budget).get_providers()[0]} · {new} new tokens in "
+                  f"{seconds:.2f} s ({new / seconds:.1f} tok/s, full recompute per token)")
+
+
 def _demo_ids(tokenizer, model, tokens: int):
     import torch
 

@@ -222,3 +222,47 @@ def test_runtime_bad_input_and_lazy_sessions(engines):
         rt(ids, budget=1, attention_mask=np.ones((1, 4)))
     with pytest.raises(EngineError, match="no manifest.json"):
         Runtime(directory.parent)
+
+
+def test_cli_export_and_run(tmp_path):
+    from typer.testing import CliRunner
+
+    from looptool.cli import app
+    from looptool.testing import byte_tokenizer
+
+    runner = CliRunner()
+    model = looped("llama-prefix")
+    model.tokenizer = byte_tokenizer()
+    try:
+        model.save_pretrained(tmp_path / "looped")
+    finally:
+        model.tokenizer = None
+    engines = tmp_path / "engines"
+    res = runner.invoke(app, ["export", str(tmp_path / "looped"), "-o", str(engines), "--backend", "onnx", "--budget", "2"])
+    assert res.exit_code == 0, res.output
+    assert "budget_2.onnx" in res.output and "× the parameter bytes" in res.output and "gated_residual×4" in res.output
+    assert sorted(p.name for p in engines.glob("*.onnx")) == ["budget_2.onnx"]
+    res = runner.invoke(app, ["run", str(engines), "--budget", "2", "--prompt", "Hello", "--max-new-tokens", "4"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith("Hello") and "4 new tokens" in res.output
+    # the engine's greedy tokens are PyTorch's greedy tokens
+    ids = torch.tensor([list(b"Hello")])
+    seq = Runtime(engines).greedy(ids.numpy(), budget=2, max_new_tokens=4)
+    ref = ids
+    with torch.no_grad():
+        for _ in range(4):
+            ref = torch.cat([ref, model(ref, budget=2).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert seq.tolist() == ref.tolist()
+    for args, message in [
+        (["export", str(tmp_path / "looped"), "-o", str(tmp_path / "e2"), "--backend", "tensorrt"], "--backend 'tensorrt'"),
+        (["export", str(tmp_path / "looped"), "-o", str(tmp_path / "e2"), "--budget", "7"], "budget 7 is not in"),
+        (["export", str(tmp_path / "looped"), "-o", str(engines)], "already exists"),
+        (["run", str(engines), "--budget", "0", "--prompt", "x"], "budget 0 is not in"),
+        (["run", str(tmp_path), "--prompt", "x"], "no manifest.json"),
+        (["run", str(engines), "--prompt", " "], "--prompt is empty"),
+    ]:
+        res = runner.invoke(app, args)
+        assert res.exit_code == 1, (args, res.output)
+        assert message in res.output, (args, res.output)
+        assert "Traceback" not in res.output
+    assert not (tmp_path / "e2").exists()

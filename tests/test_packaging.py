@@ -27,6 +27,6 @@ def test_no_generic_top_level_packages(tmp_path):
 def test_console_script_help():
     res = subprocess.run([sys.executable, "-m", "looptool", "--help"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0
-    for command in ("convert", "inspect", "demo", "train", "eval", "plot"):
+    for command in ("convert", "inspect", "demo", "train", "eval", "plot", "export", "run"):
         assert command in res.stdout
     assert looptool.__version__
