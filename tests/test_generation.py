@@ -164,3 +164,21 @@ def test_bad_generation_input():
     flat = looptool.convert(tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0,)))
     with pytest.raises(LooptoolError, match="no budget of this model"):
         generate(flat, prompt, budget=0, kv="last-loop")
+
+
+def test_kv_cache_pass_routes_every_attention_execution():
+    from looptool.errors import PassError
+    from looptool.passes import PassManager
+
+    _, looped = converted("llama")
+    L = len(looped.layer_graph.layers)
+    for kv in ("per-loop", "last-loop"):
+        for budget, path in cached_paths(looped, kv).items():
+            graph = path.module.graph
+            caches = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("caches_")]
+            writes = [n for n in graph.nodes if n.target is torch.ops.aten.index_copy_.default]
+            assert len(writes) == 2 * (L + budget)  # one K and one V write per attention execution
+            assert len(caches) == (2 * (L + budget) if kv == "per-loop" else 2 * L)
+            assert len({w.args[0] for w in writes}) == len(caches)  # every slot written
+    with pytest.raises(PassError, match="decode-step capture"):
+        PassManager([("kv_cache", {"policy": "per-loop"})])(looped.layer_graph)
