@@ -1,8 +1,13 @@
 """Lowerers from budget paths to deployable artifacts (installed as ``looptool.backends``).
 
-ONNX, onnxruntime and TensorRT lowerers land here; each takes one budget path of a
-:class:`looptool.LoopedModel`, writes an artifact referencing one shared weight store, and
-validates it against the PyTorch path.
+Each lowerer takes budget paths of a :class:`looptool.LoopedModel`, writes an artifact
+referencing one shared weight store, and validates it against the PyTorch path:
+
+* :mod:`looptool.backends.onnx` — ONNX engines (``export_onnx``): one graph per budget,
+  fused ops as ``looptool``-domain functions (:mod:`looptool.backends.onnx_functions`),
+  one ``weights.bin``, ``manifest.json``;
+* :mod:`looptool.backends.ort` — ``Runtime``: onnxruntime sessions per budget over one
+  memory-mapped copy of the weights.
 """
 
 __all__: list[str] = []
