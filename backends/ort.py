@@ -186,6 +186,8 @@ class Runtime:
             if sess is None:
                 options = ort.SessionOptions()
                 options.add_session_config_entry("session.disable_prepacking", "1")
+                # idle ORT threads must not spin: they would starve PyTorch or other sessions
+                options.add_session_config_entry("session.intra_op.allow_spinning", "0")
                 if _shared_cpu_arena():
                     options.add_session_config_entry("session.use_env_allocators", "1")
                 if self.threads:

@@ -13,7 +13,7 @@ engine directory. Measured in one run:
 * wall time of the full export (five budgets, fusing, validation included) ÷ one plain
   ``torch.onnx.export`` of the source model.
 
-Run: python tests/bench/bench_ort.py [--tokens 128] [--rounds 5]. Prints one JSON line and
+Run: python tests/bench/bench_ort.py [--tokens 128] [--rounds 5] [--threads N]. Prints one JSON line and
 writes tests/bench/results/bench_ort.json.
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -90,7 +91,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                    help="intra-op threads of both PyTorch and onnxruntime (use 1 on a shared machine)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     src = load_source("smollm2")
     model = looptool.convert(src.model, looptool.PrefixLoop(window=(8, 20), budgets=(0, 3, 6, 9, 12)),
                              tokenizer=src.tokenizer)
@@ -100,7 +104,7 @@ def main() -> None:
         report = export_onnx(model, tmp / "engines", "all")
         engine = tmp / "engines"
 
-        rt = Runtime(engine)
+        rt = Runtime(engine, threads=args.threads)
         ids = torch.randint(0, src.model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
         ids_np = ids.numpy()
         fns = {f"ort_{k}": functools.partial(rt, ids_np, budget=k) for k in model.budgets}
@@ -134,8 +138,8 @@ def main() -> None:
     }
     result = {
         "bench": "ort", "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)", "plan": "prefix 8:20, budgets 0,3,6,9,12",
-        "tokens": args.tokens, "batch": 1, "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {torch.get_num_threads()} threads",
+        "tokens": args.tokens, "batch": 1, "rounds": args.rounds, "threads": args.threads,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "onnxruntime": __import__("onnxruntime").__version__, "torch": torch.__version__,
         "budgets": budgets,
         "disk": {"weights_bytes": report.weights_bytes, "other_bytes": report.graph_bytes, "total_bytes": report.total_bytes,
