@@ -13,9 +13,10 @@ model (:mod:`looptool.backends.onnx_functions`). The exporter's opset conversion
 every function, so after export the nodes of each fused op (grouped by the FX node they
 came from) are outlined again into one function call; the body is checked node by node.
 
-Nothing is constant-folded (``optimize=False``): folding a ``Transpose`` of a weight would
-write a second copy of it. Every externalised initializer is checked to be a model tensor,
-byte for byte, or a small constant. Every export is validated with onnxruntime against the
+The exporter's own optimizer is off (``optimize=False``): it folds ``Transpose``/``Tanh``
+of weights into second copies. Instead the onnxscript optimizer runs with a folding rule
+that never touches a node reading a weight (:func:`simplify`), and every externalised
+initializer is checked to be a model tensor, byte for byte, or a small constant. Every export is validated with onnxruntime against the
 PyTorch path before the directory is committed; a failure leaves nothing behind.
 """
 
@@ -296,12 +297,33 @@ def _export_budget(model, budget: int, directory: Path, store: WeightStore, know
         raise ExportError(f"torch.onnx.export failed on budget {budget} ({type(exc).__name__}: {first}).") from exc
     onnx_model = program.model
     outline_looptool_functions(onnx_model)
+    simplify(onnx_model)
     names = _externalize(onnx_model, directory, store, known, budget)
     _strip_metadata(onnx_model)
     path = directory / budget_file(budget)
     ir.save(onnx_model, path)
     return BudgetExport(budget=budget, file=path.name, bytes=path.stat().st_size,
                         seconds=time.perf_counter() - t0, fused=counts), names
+
+
+def _reads_weights(node) -> bool | None:
+    """Folding rule: never fold a node that reads a weight-sized initializer (the result
+    would be a second copy of the weight); otherwise the optimizer's default rules."""
+    for value in node.inputs:
+        if value is not None and value.is_initializer() and value.const_value is not None and value.const_value.size > 64:
+            return False
+    return None
+
+
+def simplify(onnx_model) -> None:
+    """Fold the exporter's shape arithmetic, simplify and drop dead nodes (about 3x fewer
+    nodes), keeping the looptool functions as calls and every weight as it is stored."""
+    import onnxscript
+
+    # one pass, no ONNX shape inference: on SmolLM2 this halves the graph (877 → 429 KB) and
+    # makes onnxruntime ~7% faster for ~20 s of export time per budget
+    onnxscript.optimizer.optimize_ir(onnx_model, num_iterations=1, onnx_shape_inference=False, inline=False,
+                                     should_fold=_reads_weights)
 
 
 def _strip_metadata(onnx_model) -> None:
