@@ -277,11 +277,7 @@ def train(
     from looptool.plan import parse_budgets
     from looptool.train import TrainConfig, Trainer
 
-    tok = None
-    if tokenizer is not None:
-        import transformers
-
-        tok = transformers.AutoTokenizer.from_pretrained(tokenizer)
+    tok = _load_tokenizer(tokenizer) if tokenizer is not None else None
     config = TrainConfig(
         data=list(data), output=str(output), tokens=_parse_count(tokens), seq_len=seq_len, batch=batch,
         grad_accum=grad_accum, lr=lr, new_lr=new_lr, weight_decay=weight_decay, override=override, delay=delay,
@@ -386,6 +382,7 @@ def generate(
     """Generate text at one budget with a KV cache; report tokens/s and KV bytes per token."""
     from rich.table import Table
 
+    from looptool.generation import cached_paths
     from looptool.generation import generate as run_generate
     from looptool.report import human_bytes
     from looptool.serialization import load
@@ -400,8 +397,6 @@ def generate(
         tok = _tokenizer(model, tokenizer)
         budget = model.check_budget(budget)
         with _stage(progress, f"building cached budget paths ({kv})"):
-            from looptool.generation import cached_paths
-
             cached_paths(model, kv)
     tok.padding_side = "left"
     if tok.pad_token is None:
@@ -440,15 +435,20 @@ def generate(
     console.print(table)
 
 
+def _load_tokenizer(path: Path):
+    """The Hugging Face tokenizer at ``path``, or one clear error."""
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise LooptoolError(f"no tokenizer could be loaded from '{path}' ({type(exc).__name__}).") from exc
+
+
 def _tokenizer(model, path: Path | None):
     """The model's tokenizer, or the one at ``path``; a clear error when there is none."""
     if path is not None:
-        import transformers
-
-        try:
-            return transformers.AutoTokenizer.from_pretrained(path)
-        except Exception as exc:
-            raise LooptoolError(f"no tokenizer could be loaded from '{path}' ({type(exc).__name__}).") from exc
+        return _load_tokenizer(path)
     if model.tokenizer is None:
         raise LooptoolError("this model was saved without a tokenizer; pass --tokenizer PATH (a Hugging Face tokenizer folder).")
     return model.tokenizer
@@ -544,8 +544,6 @@ def _export_engines(model_dir: Path, output: Path, backend: str, budget: str, va
 def _run_engine(engine_dir: Path, prompt: str, budget: int | None, max_new_tokens: int, tokenizer: Path | None) -> None:
     import time
 
-    import transformers
-
     from looptool.backends.ort import Runtime
 
     if not prompt.strip():
@@ -556,10 +554,7 @@ def _run_engine(engine_dir: Path, prompt: str, budget: int | None, max_new_token
     source = tokenizer if tokenizer is not None else (engine_dir if rt.manifest.get("tokenizer") else None)
     if source is None:
         raise LooptoolError("this engine was exported without a tokenizer; pass --tokenizer PATH (a Hugging Face tokenizer folder).")
-    try:
-        tok = transformers.AutoTokenizer.from_pretrained(source)
-    except Exception as exc:
-        raise LooptoolError(f"no tokenizer could be loaded from '{source}' ({type(exc).__name__}).") from exc
+    tok = _load_tokenizer(source)
     ids = tok(prompt, return_tensors="np").input_ids
     budget = rt.budgets[-1] if budget is None else budget
     t0 = time.perf_counter()

@@ -13,6 +13,7 @@ from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
+from looptool.capture import kv_shape_of
 from looptool.errors import LooptoolError, PassError
 from looptool.graph import (
     ROLE_HEAD,
@@ -156,7 +157,6 @@ class LoopedModel(nn.Module):
             return MoeCausalLMOutputWithPast(loss=loss, logits=logits, router_logits=router)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
-    @torch.no_grad()
     def generate(
         self,
         input_ids: torch.Tensor,
@@ -271,9 +271,7 @@ def model_dims(lg: LayerGraph, module: nn.Module) -> ModelDims:
     layer_flops = tuple(flops_of(info.nodes) for info in lg.layers)
     head_nodes = [n.name for n in lg.graph.nodes if annotation(n).get("role") == ROLE_HEAD]
     fixed = flops_of(head_nodes)
-    heads = getattr(text, "num_attention_heads", None) or text.n_head
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or lg.source.hidden_size // heads
+    kv_heads, head_dim = kv_shape_of(lg.config)
     itemsize = dtype_from_str(lg.source.dtype).itemsize
     unique = {id(t): t for t in tensors.values()}
     param_bytes = sum(t.numel() * t.element_size() for t in unique.values())

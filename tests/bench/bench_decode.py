@@ -26,7 +26,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 import looptool
-from looptool.generation import cached_paths, generate
+from looptool.generation import cached_paths, generate, kv_bytes_per_token
 from looptool.sources import load_source
 
 SOTU = Path(__file__).resolve().parents[3] / "shared" / "data" / "sotu"
@@ -98,8 +98,6 @@ def main() -> None:
     L = len(model.layer_graph.layers)
     costs = {c.budget: c for c in model.cost_table()}
     base = med["budget_0"]
-    from looptool.generation import kv_bytes_per_token
-
     rows = []
     for k in model.budgets:
         v = samples[f"budget_{k}"]
