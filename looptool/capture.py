@@ -6,14 +6,15 @@ node is annotated with its layer and role (:mod:`looptool.graph`). This module i
 place that knows about architectures: it finds the decoder-layer list, and identifies each
 layer's residual stream by data flow:
 
-* walking back from the layer's output through the layer's own ``add`` nodes, an add whose
-  one operand is an ancestor of the other adds a *write* (the descendant) to the *stream*
-  (the ancestor); an add of two independent values is a sum of parallel writes (GPT-NeoX);
+* walking back from the layer's output through the layer's own ``add`` nodes: each sum is
+  flattened into its addends (any association and operand order), the addend that is an
+  ancestor of all the others is the *stream*, and the others are *writes* into it; one
+  write per sum is a sequential layer (Llama), two are parallel writes (GPT-NeoX, Cohere);
 * each write is classified by the ops between it and the stream: ``topk`` → MoE, attention
   (``scaled_dot_product_attention`` / ``softmax``) → attention, otherwise MLP.
 
 Pre-norm (Llama), branch-post-norm (OLMo2, Gemma3), Conv1D (GPT-2), parallel residual
-(GPT-NeoX) and MoE (Mixtral, Qwen-MoE, OLMoE) layers all reduce to this form. A layer that
+(GPT-NeoX, Cohere) and MoE (Mixtral, Qwen-MoE, OLMoE) layers all reduce to this form. A layer that
 does not is refused with a :class:`~looptool.errors.CaptureError` naming what was missing.
 """
 
@@ -250,7 +251,7 @@ def build_skeleton(config, dtype: torch.dtype, attn_implementation: str | None =
 def capture(model: nn.Module, *, decode: bool = False) -> LayerGraph:
     """Capture ``model`` (an HF causal LM, on any device including ``meta``) as a LayerGraph.
 
-    The graph is specialised to the model's dtype and device (DESIGN §4). No weight is
+    The graph is specialised to the model's dtype and device (export bakes both in). No weight is
     copied: the LayerGraph's module holds the model's own parameter tensors. With
     ``decode=True`` the graph is one cached step (:func:`export_decode_step`); its cache
     writes are marked ``kv`` and each cache input says which layer it serves.
@@ -452,6 +453,29 @@ def _is_layer_add(node: fx.Node, scope: set[fx.Node], layer_module: str) -> bool
     )
 
 
+def _sum_tree(
+    root: fx.Node, scope: set[fx.Node], layer_module: str
+) -> tuple[list[tuple[fx.Node, fx.Node]], list[fx.Node]]:
+    """Flatten the sum rooted at ``root``: ``(leaf, add that reads it)`` for every addend and
+    the adds of the tree. An operand that is itself a layer add read only by this sum is
+    expanded, so ``a + b + c`` is three addends in any association and operand order
+    (``(h + A) + M``, Cohere; ``(M + A) + h``, GPT-NeoX; ``h + (A + M)``); an add read
+    elsewhere too (the stream a later branch reads) stays a leaf."""
+    leaves: list[tuple[fx.Node, fx.Node]] = []
+    tree = [root]
+
+    def visit(add: fx.Node) -> None:
+        for arg in add.args:
+            if _is_layer_add(arg, scope, layer_module) and len(arg.users) == 1:
+                tree.append(arg)
+                visit(arg)
+            else:
+                leaves.append((arg, add))
+
+    visit(root)
+    return leaves, tree
+
+
 def _analyse_layer(index: int, nodes: list[fx.Node], layer_module: str) -> tuple[LayerInfo, dict, set]:
     scope = set(nodes)
     escaping = [n for n in nodes if any(u not in scope for u in n.users)]
@@ -463,39 +487,27 @@ def _analyse_layer(index: int, nodes: list[fx.Node], layer_module: str) -> tuple
         )
     output = escaping[0]
     residual_adds: list[fx.Node] = []
-    pending: list[tuple[fx.Node, fx.Node]] = []  # (write-or-sum node, add node)
+    steps: list[tuple[list[tuple[fx.Node, fx.Node]], fx.Node]] = []  # ([(write, add)], stream-before)
     stream = output
     while _is_layer_add(stream, scope, layer_module):
-        x, y = stream.args
-        if _is_ancestor(y, x, scope):
-            pending.append((x, stream))
-            residual_adds.append(stream)
-            stream = y
-        elif _is_ancestor(x, y, scope):
-            pending.append((y, stream))
-            residual_adds.append(stream)
-            stream = x
-        else:
+        leaves, tree = _sum_tree(stream, scope, layer_module)
+        values = [leaf for leaf, _ in leaves]
+        bases = [v for v in values if all(o is v or _is_ancestor(v, o, scope) for o in values)]
+        if len(bases) != 1:
             break
-    if stream in scope or not pending:
+        steps.append(([(leaf, add) for leaf, add in leaves if leaf is not bases[0]], bases[0]))
+        residual_adds.extend(tree)
+        stream = bases[0]
+    if stream in scope or not steps:
         raise CaptureError(
             f"layer {index}: no residual stream was found (walking back from output "
             f"'{output.name}' did not reach the layer input through residual adds); this "
             "architecture's layer structure is not supported."
         )
     layer_input = stream
-    form = FORM_SEQUENTIAL
+    form = FORM_PARALLEL if any(len(parts) > 1 for parts, _ in steps) else FORM_SEQUENTIAL
     writes: list[tuple[fx.Node, fx.Node, fx.Node]] = []  # (write, add, stream-before)
-    # pending is ordered output → input; stream-before of each add is its ancestor operand.
-    for write_or_sum, add in reversed(pending):
-        base = add.args[0] if add.args[1] is write_or_sum else add.args[1]
-        parts = [(write_or_sum, add)]
-        if _is_layer_add(write_or_sum, scope, layer_module) and not any(
-            _is_ancestor(a, b, scope) for a, b in (write_or_sum.args, write_or_sum.args[::-1])
-        ):
-            form = FORM_PARALLEL
-            residual_adds.append(write_or_sum)
-            parts = [(a, write_or_sum) for a in write_or_sum.args]
+    for parts, base in reversed(steps):  # steps run output → input
         writes.extend((w, a, base) for w, a in parts)
     roles: dict[fx.Node, str] = {n: ROLE_LAYER for n in nodes}
     router_logits: set[fx.Node] = set()  # the router's logits matmul, for the balance loss

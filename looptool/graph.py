@@ -23,7 +23,7 @@ from looptool.errors import PassError
 
 META_KEY = "looptool"
 
-# Roles a node can have (DESIGN §3).
+# Roles a node can have.
 ROLE_INPUT = "input"
 ROLE_PARAM = "param"
 ROLE_EMBEDDING = "embedding"
@@ -92,7 +92,7 @@ class NewParam:
 
 @dataclass(frozen=True)
 class SourceInfo:
-    """What the capture was specialised to (DESIGN §4: dtype and device are baked in)."""
+    """What the capture was specialised to (torch.export bakes dtype and device into the graph)."""
 
     model_type: str
     dtype: str

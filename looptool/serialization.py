@@ -1,4 +1,4 @@
-"""Save and load looped models (DESIGN §3).
+"""Save and load looped models.
 
 A saved model is a directory with ``config.json`` (the source config), ``looptool.json``
 (format version, plan, recipe of applied passes, capture settings, tensor table),

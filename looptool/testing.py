@@ -28,6 +28,9 @@ TINY_CONFIGS: dict[str, dict] = {
         vocab_size=256, hidden_size=64, num_attention_heads=4, intermediate_size=128,
         use_parallel_residual=True,
     ),
+    "cohere": dict(  # parallel residual summed as h + A(x) + M(x); token ids inside the vocabulary
+        _COMMON, intermediate_size=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    ),
     "olmo2": dict(_COMMON, intermediate_size=128),
     "mixtral": dict(_COMMON, num_local_experts=4, **_MOE),
     "qwen3_moe": dict(

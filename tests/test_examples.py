@@ -14,9 +14,12 @@ SLOW = {"smollm2_convert.py"}
 
 @pytest.mark.parametrize(
     "script",
-    [pytest.param(p, id=p.name, marks=[pytest.mark.slow] if p.name in SLOW else []) for p in EXAMPLES],
+    [pytest.param(p, id=p.name, marks=[pytest.mark.slow, pytest.mark.smollm2] if p.name in SLOW else [])
+     for p in EXAMPLES],
 )
-def test_example_runs(script, tmp_path):
+def test_example_runs(script, tmp_path, request):
+    if script.name in SLOW:
+        request.getfixturevalue("smollm2_gguf")  # fetched (or skipped offline) before the script runs
     res = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "out")],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,

@@ -60,10 +60,10 @@ def test_round_trip(smollm2, looped, ids, tmp_path):
             p.zero_()
 
 
-def test_gguf_file_source():
-    from looptool.sources import fetch_smollm2, load_source
+def test_gguf_file_source(smollm2_gguf):
+    from looptool.sources import load_source
 
-    src = load_source(fetch_smollm2())  # a .gguf path, the same file the smollm2 source uses
+    src = load_source(smollm2_gguf)  # a .gguf path, the same file the smollm2 source uses
     assert src.model.config.model_type == "llama" and src.model.config.num_hidden_layers == 30
     assert src.tokenizer is not None and src.tokenizer("hello").input_ids
 

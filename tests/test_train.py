@@ -20,7 +20,7 @@ from looptool.sampling import BudgetSampler
 from looptool.testing import byte_tokenizer, tiny_model
 from looptool.train import TrainConfig, Trainer, TrainingError
 
-SOTU = Path(__file__).resolve().parents[2] / "shared" / "data" / "sotu"
+SOTU = Path(__file__).resolve().parent / "data" / "sotu"  # in-repo subset (tests/data/sotu/README.md)
 
 
 # ---------------------------------------------------------------------------- sampler

@@ -5,8 +5,8 @@ depth on ``a+b=c`` lines (two random 5-digit numbers), against (b) the same sour
 fine-tuned plainly on the same tokens with the same optimizer and (c) the untrained
 source. Evaluated on held-out problems by greedy exact match of the sum, generated with
 looptool's cached decoding at every budget (per-loop KV). Reports accuracy with its
-binomial standard error per budget. This is the DESIGN §4 addition probe, rerun through
-looptool's trainer and generator.
+binomial standard error per budget. It reruns, through looptool's trainer and generator, an earlier
+throwaway probe of the same task (README, "Results").
 
 Run: python tests/bench/bench_addition.py [--steps 200] [--test 300] [--out DIR].
 Prints one JSON line and writes bench_addition.json into the output directory.

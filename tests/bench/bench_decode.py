@@ -29,7 +29,7 @@ import looptool
 from looptool.generation import cached_paths, generate, kv_bytes_per_token
 from looptool.sources import load_source
 
-SOTU = Path(__file__).resolve().parents[3] / "shared" / "data" / "sotu"
+SOTU = Path(__file__).resolve().parents[1] / "data" / "sotu"  # the in-repo subset
 
 
 class _Stamps(BaseStreamer):

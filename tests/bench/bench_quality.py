@@ -1,10 +1,11 @@
 """Quality benchmark: does depth pay after a short retrofit? (about 45 min on 2 cores)
 
 SmolLM2-135M, fixed-prefix looping (window 8:20, budgets 0,3,6,9,12), trained with mixed
-depth on the SOTU training split (addresses 1790-1999), against (b) the same source
+depth on ``--data`` (default: the training split of the in-repo SOTU subset,
+addresses before 2000), against (b) the same source
 fine-tuned plainly on the same tokens with the same optimizer (budget 0 only: the source
 graph, no gates in play), and the untrained source. All evaluated on the first
-``--eval-tokens`` tokens of the validation split (2000-2021). Also reports training
+``--eval-tokens`` tokens of ``--val-data`` (default: the subset's addresses from 2000 on). Also reports training
 throughput of mixed-depth ÷ plain training measured in this run, next to the expected
 ratio from the mean depth.
 
@@ -28,7 +29,7 @@ from looptool.evaluate import mean_loss, plot_frontier
 from looptool.sources import load_source
 from looptool.train import TrainConfig, Trainer
 
-SOTU = Path(__file__).resolve().parents[3] / "shared" / "data" / "sotu"
+SOTU = Path(__file__).resolve().parents[1] / "data" / "sotu"  # the in-repo subset; --data for more
 
 
 def main() -> None:
@@ -41,6 +42,8 @@ def main() -> None:
     ap.add_argument("--override", type=float, default=0.0)
     ap.add_argument("--eval-tokens", type=int, default=8192)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--data", default=str(SOTU / "1*.txt"), help="training text (files, folders, globs)")
+    ap.add_argument("--val-data", default=str(SOTU / "2*.txt"), help="validation text")
     args = ap.parse_args()
     work = Path(args.out or tempfile.mkdtemp(prefix="bench_quality_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -49,12 +52,12 @@ def main() -> None:
     looped = looptool.convert(src.model, plan, tokenizer=src.tokenizer)
     if not (work / "converted").exists():
         looped.save_pretrained(work / "converted")
-    val = PackedTokens(tokenize_files(find_files(str(SOTU / "2*.txt")), src.tokenizer)[: args.eval_tokens], args.seq_len)
+    val = PackedTokens(tokenize_files(find_files(args.val_data), src.tokenizer)[: args.eval_tokens], args.seq_len)
     with torch.inference_mode():
         source_loss = mean_loss(lambda ids, m=src.model: m(input_ids=ids, labels=ids).loss, val, 4)
     del looped, src
     tokens = args.steps * args.seq_len * args.batch
-    common = dict(data=[str(SOTU / "1*.txt")], tokens=tokens, seq_len=args.seq_len, batch=args.batch, lr=args.lr,
+    common = dict(data=[args.data], tokens=tokens, seq_len=args.seq_len, batch=args.batch, lr=args.lr,
                   new_lr=args.new_lr, warmup=0.05, freeze_below_window=True, seed=0)
     runs = {}
     for name, extra in (("mixed", {"override": args.override}), ("plain", {"budgets": [0]})):
