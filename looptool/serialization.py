@@ -229,6 +229,9 @@ def check_weights(model: LoopedModel, path: Path) -> dict[str, str]:
 _ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64", "I32": "int32", "BOOL": "bool", "U8": "uint8", "I8": "int8"}
 
 
+_ALIGN = 64  # bytes: what torch's CPU allocator guarantees
+
+
 def bind_weights(model: LoopedModel, path: Path, *, device: str, trainable=None) -> None:
     """Replace every (meta) tensor of ``model`` with the one stored in ``path``."""
     aliases = check_weights(model, path)
@@ -244,7 +247,12 @@ def bind_weights(model: LoopedModel, path: Path, *, device: str, trainable=None)
     for name in expected:
         key = aliases.get(name, name)
         if key not in objects:
-            t = loaded[key]
+            t = loaded.pop(key)
+            if t.data_ptr() % _ALIGN:
+                # safetensors may hand back views into one read buffer at any 8-byte offset;
+                # CPU GEMMs take other code paths (other rounding) on such data, so give each
+                # tensor its own aligned storage: outputs then equal the saved model's bit for bit
+                t = t.clone()
             if name in params:
                 grad = trainable is None or name in trainable or key in trainable
                 t = nn.Parameter(t, requires_grad=grad)
