@@ -25,6 +25,7 @@ from looptool.graph import (
     dtype_from_str,
     shared_graph_module,
 )
+from looptool.passes.checkpoint import checkpoint_regions
 from looptool.plan import BudgetCost, LoopPlan, ModelDims, cost_table
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,8 @@ class LoopedModel(nn.Module):
         self.layer_graph = lg
         self.config = lg.config
         self.tokenizer = tokenizer
-        self._paths: dict[int, fx.GraphModule] = {}
+        self._paths: dict[tuple, fx.GraphModule] = {}
+        self.activation_checkpointing = False
         self._mask_dtype = dtype_from_str(lg.source.mask_dtype)
 
     # ------------------------------------------------------------------ structure
@@ -85,11 +87,24 @@ class LoopedModel(nn.Module):
         logits (after the LM logits), in execution order, for a load-balancing loss.
         """
         budget = self.check_budget(budget)
-        key = (budget, router_logits)
+        key = (budget, router_logits, self.activation_checkpointing)
         if key not in self._paths:
             graph = self.layer_graph.paths[budget]
-            self._paths[key] = shared_graph_module(self, _with_router_outputs(graph) if router_logits else graph)
+            if router_logits:
+                graph = _with_router_outputs(graph)
+            if self.activation_checkpointing:
+                graph = checkpoint_regions(graph)
+            self._paths[key] = shared_graph_module(self, graph)
         return self._paths[key]
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Recompute each layer application's activations in backward (one checkpointed
+        region per execution of a layer, so memory stops growing with depth); exact."""
+        self.activation_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        """Keep every activation for backward again (the default)."""
+        self.activation_checkpointing = False
 
     def router_logits_weights(self, budget: int) -> tuple[int, ...]:
         """How many loops each router evaluation of ``path(budget, router_logits=True)``
