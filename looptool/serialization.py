@@ -161,7 +161,9 @@ def read_looptool_json(directory: Path) -> dict:
 
 
 def load(directory: str | os.PathLike, *, device: str = "cpu") -> LoopedModel:
-    """Rebuild a saved looped model on ``device`` (bit-identical to the one saved).
+    """Rebuild a saved looped model on ``device`` (bit-identical to the one saved); the
+    weights are read straight onto the device in their saved dtype (``"auto"``: cuda when
+    available).
 
     ``device="meta"`` rebuilds the structure only (plan, graphs, shapes) without reading
     weights, which is what ``looptool inspect`` needs.
@@ -171,6 +173,9 @@ def load(directory: str | os.PathLike, *, device: str = "cpu") -> LoopedModel:
     from looptool.capture import build_skeleton, capture
     from looptool.passes import PassManager
 
+    from looptool.devices import check_dtype, resolve_device
+
+    device = str(resolve_device(device))
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"'{directory}' is not a directory; pass the folder written by save_pretrained or looptool convert.")
@@ -181,6 +186,7 @@ def load(directory: str | os.PathLike, *, device: str = "cpu") -> LoopedModel:
     plan_from_dict(meta["plan"])  # refuses unknown kinds / versions with a clear message
     src = meta["source"]
     dtype = dtype_from_str(src["dtype"])
+    check_dtype(torch.device(device), dtype)  # e.g. a bf16 checkpoint on a GPU without bf16
     try:
         config = transformers.AutoConfig.from_pretrained(directory)
     except Exception as exc:

@@ -45,11 +45,18 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: 
         for r in range(warmup + repeats):
             order = names[r % len(names):] + names[: r % len(names)]
             for name in order:
+                _sync()
                 t0 = time.perf_counter()
                 fns[name]()
+                _sync()  # CUDA runs asynchronously: time the work, not the launch
                 dt = time.perf_counter() - t0
                 if r >= warmup:
                     samples[name].append(dt)
             if on_round is not None:
                 on_round()
     return {n: Timing(tuple(s)) for n, s in samples.items()}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

@@ -32,17 +32,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from looptool.data import PackedTokens, find_files, tokenize_files
+from looptool.devices import check_dtype, resolve_device
 from looptool.errors import LooptoolError
+from looptool.graph import dtype_from_str
 from looptool.model import LoopedModel
 from looptool.sampling import BudgetSampler
-from looptool.serialization import LOOPTOOL_JSON, commit_output_dir, load, write_model
+from looptool.serialization import LOOPTOOL_JSON, commit_output_dir, load, read_looptool_json, write_model
 
 log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.pt"
 ARGS_FILE = "train_args.json"
 LOG_FILE = "train_log.jsonl"
 SCHEDULES = ("constant", "cosine", "sqrt")
-_RESUME_FREE = {"resume", "save_every", "output"}  # may differ between a run and its resume
+# may differ between a run and its resume (checkpointing is exact; the device is where it runs)
+_RESUME_FREE = {"resume", "save_every", "output", "device", "checkpoint"}
 
 
 class TrainingError(LooptoolError):
@@ -74,6 +77,9 @@ class TrainConfig:
     seed: int = 0
     resume: bool = False
     budgets: list[int] | None = None  # sample only these budgets (e.g. [0]: plain fine-tuning)
+    device: str | None = None  # cpu, cuda, cuda:N; None: cuda when available
+    checkpoint: bool = False  # activation checkpointing per layer application (exact)
+    compile: bool = False  # torch.compile each budget path on first use
 
     def check(self) -> None:
         """Refuse settings that cannot work, one sentence each."""
@@ -138,7 +144,22 @@ class Trainer:
         source = self.output if resuming else self.model_dir
         if not (source / LOOPTOOL_JSON).exists():
             raise TrainingError(f"'{source}' is not a looped model directory; run looptool convert first.")
-        self.model: LoopedModel = load(source)
+        self.device = resolve_device(config.device)
+        dtype = dtype_from_str(read_looptool_json(source)["source"]["dtype"])
+        check_dtype(self.device, dtype)
+        if dtype == torch.float16:
+            raise TrainingError(
+                "training float16 weights needs loss scaling, which looptool does not do; convert the source "
+                "with --dtype bfloat16 or float32 (and add --bf16 for bf16 autocast)."
+            )
+        if dtype == torch.bfloat16:
+            log.warning("training bfloat16 weights directly: AdamW updates them in bf16 (no fp32 master copy); "
+                        "for fp32 master weights convert with --dtype float32 and train with --bf16.")
+        self.model: LoopedModel = load(source, device=str(self.device))  # straight onto the device
+        if config.checkpoint:
+            self.model.gradient_checkpointing_enable()
+        if config.compile:
+            self.model.compile()
         if tokenizer is not None:
             self.model.tokenizer = tokenizer
         self.model.train()
@@ -153,7 +174,9 @@ class Trainer:
         self.sampler = BudgetSampler(menu, config.override, config.grad_accum, self.world, config.seed)
         self._freeze()
         self.optimizer = self._optimizer()
-        self.ddp = torch.nn.parallel.DistributedDataParallel(self.model, find_unused_parameters=True) if self.world > 1 else None
+        ddp_devices = [self.device.index] if self.device.type == "cuda" else None
+        self.ddp = (torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ddp_devices, find_unused_parameters=True)
+                    if self.world > 1 else None)
         self.start_step = 0
         self.records: list[dict] = []
         if resuming:
@@ -190,15 +213,18 @@ class Trainer:
         return torch.optim.AdamW(param_groups, betas=(0.9, 0.95), eps=1e-8)
 
     def _restore(self) -> None:
-        state = torch.load(self.output / STATE_FILE, weights_only=False)
+        state = torch.load(self.output / STATE_FILE, weights_only=False, map_location=self.device)
         saved = state["config"]
         now = dataclasses.asdict(self.config)
-        diff = sorted(k for k in now if k not in _RESUME_FREE and saved.get(k) != now[k])
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # runs saved before a field existed
+        diff = sorted(k for k in now if k not in _RESUME_FREE and saved.get(k, defaults.get(k)) != now[k])
         if diff:
             raise TrainingError(f"--resume needs the same command as the interrupted run; these settings differ: {', '.join(diff)}.")
         self.optimizer.load_state_dict(state["optimizer"])
         self.start_step = state["step"]
-        torch.set_rng_state(state["torch_rng"])
+        torch.set_rng_state(state["torch_rng"].cpu())
+        if self.device.type == "cuda" and state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"].cpu(), self.device)
         self.records = [r for r in state["records"] if r["step"] < self.start_step]
         if self.rank == 0:  # drop log lines written after the checkpoint by the killed run
             (self.output / LOG_FILE).write_text("".join(json.dumps(r) + "\n" for r in self.records))
@@ -222,10 +248,10 @@ class Trainer:
             for micro in range(cfg.grad_accum):
                 k = self.sampler.budget(step, micro, self.rank) if step >= self.switch_step else self.sampler.shallowest
                 position = ((step * cfg.grad_accum + micro) * self.world + self.rank) * cfg.batch
-                ids = self.data.batch(position, cfg.batch, cfg.seed)
+                ids = self.data.batch(position, cfg.batch, cfg.seed).to(self.device, non_blocking=True)
                 sync = micro == cfg.grad_accum - 1 or self.ddp is None
                 ctx = model.no_sync() if not sync else contextlib.nullcontext()
-                with ctx, torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                with ctx, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
                     out = model(ids, labels=ids, budget=k, output_router_logits=has_router)
                     loss = out.loss
                     aux = None
@@ -302,6 +328,7 @@ class Trainer:
                 "step": step,
                 "optimizer": self.optimizer.state_dict(),
                 "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
                 "records": self.records,
                 "config": dataclasses.asdict(self.config),
             }, temp / STATE_FILE)
@@ -343,4 +370,6 @@ def _init_distributed() -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return (dist.get_rank(), dist.get_world_size()) if world > 1 else (0, 1)
