@@ -25,7 +25,7 @@ from looptool.graph import (
     dtype_from_str,
     shared_graph_module,
 )
-from looptool.passes.checkpoint import checkpoint_regions
+from looptool.passes.checkpoint import bind_regions, checkpoint_regions
 from looptool.plan import BudgetCost, LoopPlan, ModelDims, cost_table
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,8 @@ class LoopedModel(nn.Module):
         self._paths: dict[tuple, fx.GraphModule] = {}
         self.activation_checkpointing = False
         self.compile_options: dict | None = None  # set by compile(): paths are torch.compile'd
+        # each layer application runs as a call of its source layer module (FSDP2 hooks fire)
+        self.shard_layers = False
         self._mask_dtype = dtype_from_str(lg.source.mask_dtype)
 
     # ------------------------------------------------------------------ structure
@@ -88,14 +90,15 @@ class LoopedModel(nn.Module):
         logits (after the LM logits), in execution order, for a load-balancing loss.
         """
         budget = self.check_budget(budget)
-        key = (budget, router_logits, self.activation_checkpointing)
+        key = (budget, router_logits, self.activation_checkpointing, self.shard_layers)
         if key not in self._paths:
             graph = self.layer_graph.paths[budget]
             if router_logits:
                 graph = _with_router_outputs(graph)
-            if self.activation_checkpointing:
-                graph = checkpoint_regions(graph)
-            gm = shared_graph_module(self, graph)
+            if self.activation_checkpointing or self.shard_layers:
+                layers_path = self.layer_graph.source.layers_path if self.shard_layers else None
+                graph = checkpoint_regions(graph, checkpoint=self.activation_checkpointing, layers_path=layers_path)
+            gm = bind_regions(shared_graph_module(self, graph), self)
             self._paths[key] = gm if self.compile_options is None else _Compiled(gm, self.compile_options, budget)
         return self._paths[key]
 
@@ -115,13 +118,21 @@ class LoopedModel(nn.Module):
         if device is None or torch.device(device) == current:
             return self
         from looptool.devices import resolve_device
-        from looptool.passes import PassManager
 
         target = resolve_device(device)
         super().to(target, non_blocking=non_blocking)
-        self.layer_graph = PassManager([("retarget_device", {"to": str(target), "from": str(current)})])(self.layer_graph)
-        self._paths.clear()
-        self.__dict__.pop("_cached_paths", None)  # cached decoding paths are rebuilt for the new device
+        return self.retarget(target)
+
+    def retarget(self, device: torch.device | str) -> "LoopedModel":
+        """Point the budget paths at ``device`` (the graphs bake their device in) without
+        moving any tensor: for callers that moved the parameters themselves (FSDP2)."""
+        from looptool.passes import PassManager
+
+        current, target = self._device(), torch.device(device)
+        if target != current:
+            self.layer_graph = PassManager([("retarget_device", {"to": str(target), "from": str(current)})])(self.layer_graph)
+            self._paths.clear()
+            self.__dict__.pop("_cached_paths", None)  # cached decoding paths are rebuilt for the new device
         return self
 
     def cuda(self, device: int | torch.device | None = None) -> "LoopedModel":

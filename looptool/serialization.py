@@ -106,9 +106,18 @@ def save(model: LoopedModel, directory: str | os.PathLike, *, overwrite: bool = 
     return final
 
 
-def write_model(model: LoopedModel, directory: Path) -> None:
-    """Write the files of a saved looped model into an existing (empty) directory."""
+def write_model(model: LoopedModel, directory: Path | None, *, materialize=None) -> None:
+    """Write the files of a saved looped model into an existing (empty) directory.
+
+    ``materialize(tensor) -> tensor`` turns each distinct tensor into the one to store (e.g.
+    gathering a sharded parameter; called in the same order on every rank, so it may be a
+    collective); ``directory=None`` only materialises (the ranks that do not write).
+    """
     unique, aliases = _dedupe(graph_tensors(model))
+    if materialize is not None:
+        unique = {k: materialize(t) for k, t in unique.items()}
+    if directory is None:
+        return
     if any(t.device.type == "meta" for t in unique.values()):
         raise LooptoolError("this model's weights are on the meta device (not loaded); bind weights before saving.")
     save_file(

@@ -44,6 +44,7 @@ STATE_FILE = "trainer_state.pt"
 ARGS_FILE = "train_args.json"
 LOG_FILE = "train_log.jsonl"
 SCHEDULES = ("constant", "cosine", "sqrt")
+STRATEGIES = ("ddp", "fsdp")
 # may differ between a run and its resume (checkpointing is exact; the device is where it runs)
 _RESUME_FREE = {"resume", "save_every", "output", "device", "checkpoint"}
 
@@ -80,6 +81,7 @@ class TrainConfig:
     device: str | None = None  # cpu, cuda, cuda:N; None: cuda when available
     checkpoint: bool = False  # activation checkpointing per layer application (exact)
     compile: bool = False  # torch.compile each budget path on first use
+    strategy: str = "ddp"  # ddp | fsdp (FSDP2 under torchrun: one shard unit per source layer)
 
     def check(self) -> None:
         """Refuse settings that cannot work, one sentence each."""
@@ -90,6 +92,8 @@ class TrainConfig:
             raise TrainingError("learning rates must be positive.")
         if not 0 <= self.override <= 1 or not 0 <= self.delay < 1 or not 0 <= self.warmup < 1:
             raise TrainingError("--override must be in [0, 1], --delay and --warmup in [0, 1).")
+        if self.strategy not in STRATEGIES:
+            raise TrainingError(f"--strategy {self.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}.")
         if self.schedule not in SCHEDULES:
             raise TrainingError(f"--schedule {self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}.")
 
@@ -133,6 +137,10 @@ class Trainer:
         self.output = Path(config.output)
         self.on_step = on_step
         self.rank, self.world = _init_distributed()
+        if config.strategy == "fsdp" and self.world == 1:
+            raise TrainingError("--strategy fsdp shards the model across processes; launch with "
+                                "torchrun --nproc-per-node N (N ≥ 2), or drop --strategy fsdp.")
+        self.fsdp = config.strategy == "fsdp"
         resuming = config.resume and (self.output / STATE_FILE).exists()
         if config.resume and not resuming:
             _recover_interrupted_commit(self.output)
@@ -155,7 +163,8 @@ class Trainer:
         if dtype == torch.bfloat16:
             log.warning("training bfloat16 weights directly: AdamW updates them in bf16 (no fp32 master copy); "
                         "for fp32 master weights convert with --dtype float32 and train with --bf16.")
-        self.model: LoopedModel = load(source, device=str(self.device))  # straight onto the device
+        # straight onto the device; under FSDP onto the CPU, and each layer moves as it is sharded
+        self.model: LoopedModel = load(source, device="cpu" if self.fsdp else str(self.device))
         if config.checkpoint:
             self.model.gradient_checkpointing_enable()
         if config.compile:
@@ -171,12 +180,16 @@ class Trainer:
         menu = tuple(config.budgets) if config.budgets else self.model.budgets
         for k in menu:
             self.model.check_budget(k)
-        self.sampler = BudgetSampler(menu, config.override, config.grad_accum, self.world, config.seed)
+        # Under FSDP every rank must run the same layer applications (their all-gathers are
+        # collectives), so all ranks draw alike and overrides rotate over accumulation micro-batches.
+        self.sampler = BudgetSampler(menu, config.override, config.grad_accum, 1 if self.fsdp else self.world, config.seed)
         self._freeze()
+        if self.fsdp:
+            self._shard()
         self.optimizer = self._optimizer()
         ddp_devices = [self.device.index] if self.device.type == "cuda" else None
         self.ddp = (torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ddp_devices, find_unused_parameters=True)
-                    if self.world > 1 else None)
+                    if self.world > 1 and not self.fsdp else None)
         self.start_step = 0
         self.records: list[dict] = []
         if resuming:
@@ -197,6 +210,21 @@ class Trainer:
         for name, p in self.model.named_parameters():
             if name.startswith(prefix) and int(name[len(prefix):].split(".")[0]) < start:
                 p.requires_grad_(False)
+
+    def _shard(self) -> None:
+        """FSDP2: one shard unit per *source* decoder layer (every application of a layer in
+        every budget gathers that one unit: the budget paths call the layer module for each
+        application), then the root (embeddings, head, final norm, loop.* parameters)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        prefix = self.model.layer_graph.source.layers_path
+        for index in range(len(self.model.layer_graph.layers)):
+            fully_shard(self.model.get_submodule(f"{prefix}.{index}"), mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.model.shard_layers = True
+        self.model.retarget(self.device)  # fully_shard moved the shards to the mesh's device
 
     def _optimizer(self) -> torch.optim.AdamW:
         no_decay = self.model.no_decay_parameter_names()
@@ -220,7 +248,13 @@ class Trainer:
         diff = sorted(k for k in now if k not in _RESUME_FREE and saved.get(k, defaults.get(k)) != now[k])
         if diff:
             raise TrainingError(f"--resume needs the same command as the interrupted run; these settings differ: {', '.join(diff)}.")
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.start_step = state["step"]
         torch.set_rng_state(state["torch_rng"].cpu())
         if self.device.type == "cuda" and state.get("cuda_rng") is not None:
@@ -246,11 +280,14 @@ class Trainer:
                 group["lr"] = group["initial_lr"] * factor
             budgets, losses, auxes = [], [], []
             for micro in range(cfg.grad_accum):
-                k = self.sampler.budget(step, micro, self.rank) if step >= self.switch_step else self.sampler.shallowest
+                rank = 0 if self.fsdp else self.rank
+                k = self.sampler.budget(step, micro, rank) if step >= self.switch_step else self.sampler.shallowest
                 position = ((step * cfg.grad_accum + micro) * self.world + self.rank) * cfg.batch
                 ids = self.data.batch(position, cfg.batch, cfg.seed).to(self.device, non_blocking=True)
                 sync = micro == cfg.grad_accum - 1 or self.ddp is None
                 ctx = model.no_sync() if not sync else contextlib.nullcontext()
+                if self.fsdp:  # reduce-scatter gradients only on the last micro-batch
+                    self.model.set_requires_gradient_sync(micro == cfg.grad_accum - 1)
                 with ctx, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
                     out = model(ids, labels=ids, budget=k, output_router_logits=has_router)
                     loss = out.loss
@@ -292,7 +329,7 @@ class Trainer:
         summary = self.summary()
         if self.world > 1:
             with torch.no_grad():
-                checksum = float(sum(p.double().sum() for p in self.model.parameters()))
+                checksum = float(sum(_full(p).double().sum() for p in self.model.parameters()))
             summary["param_checksums"] = _gather([checksum], self.world)
         return summary
 
@@ -318,15 +355,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, step: int) -> None:
+        optimizer_state = self._optimizer_state()  # collective under FSDP: every rank takes part
+        temp = self.output.with_name(f".{self.output.name}.ckpt.tmp")
         if self.rank == 0:
             self.output.parent.mkdir(parents=True, exist_ok=True)
-            temp = self.output.with_name(f".{self.output.name}.ckpt.tmp")
             shutil.rmtree(temp, ignore_errors=True)
             temp.mkdir()
-            write_model(self.model, temp)
+        # FSDP: every rank gathers each sharded tensor in the same order; rank 0 writes
+        write_model(self.model, temp if self.rank == 0 else None, materialize=_full if self.fsdp else None)
+        if self.rank == 0:
             torch.save({
                 "step": step,
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": optimizer_state,
                 "torch_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
                 "records": self.records,
@@ -337,6 +377,22 @@ class Trainer:
             commit_output_dir(self.output, temp)
         if self.world > 1:
             dist.barrier()
+
+    def _optimizer_state(self) -> dict:
+        """The optimizer state to save: as is, or under FSDP the full (unsharded) state
+        gathered to every rank, which a resume with any sharding can load."""
+        if not self.fsdp:
+            return self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's full value: a sharded (DTensor) parameter is all-gathered (collective)."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if full is not None else tensor
 
 
 def record_budgets(record: dict) -> list[int]:

@@ -16,6 +16,7 @@ changes how a path trains, not what it computes.
 
 from __future__ import annotations
 
+import copy
 import operator
 
 import torch
@@ -23,25 +24,54 @@ import torch.fx as fx
 import torch.utils.checkpoint
 
 from looptool.errors import PassError
-from looptool.graph import META_KEY, ROLE_LAYER, LayerGraph, annotation
+from looptool.graph import META_KEY, ROLE_LAYER, LayerGraph, annotation, shared_graph_module
 from looptool.passes.kv_cache import execution_of
 from looptool.passes.manager import register_pass
 
 
 class Region:
-    """One outlined layer application: calls its body under non-reentrant checkpointing
-    while autograd records (and plainly otherwise). FX calls it as a function target."""
+    """One outlined layer application, called by FX as a function target.
 
-    def __init__(self, body: fx.GraphModule, name: str, layer: int, execution: int):
-        self.body = body
+    ``checkpoint``: run the body under non-reentrant ``torch.utils.checkpoint`` while
+    autograd records. ``module_path``: run the body *as a call of that source layer module*
+    (its instance ``forward`` swapped for the body for the duration), so the module's hooks
+    fire for every application — FSDP2 all-gathers the layer before each application and
+    reduce-scatters its gradients after each application's backward. Bodies that read the
+    layer's parameters resolve them at call time, after those hooks ran.
+    """
+
+    def __init__(self, graph: fx.Graph, name: str, layer: int, execution: int, *, checkpoint: bool = True,
+                 module_path: str | None = None):
+        self.graph = graph
         self.layer = layer
         self.execution = execution
+        self.checkpoint = checkpoint
+        self.module_path = module_path
+        self.body: fx.GraphModule | None = None
+        self.module: torch.nn.Module | None = None
         self.__name__ = self.__qualname__ = name
 
+    def bind(self, owner: torch.nn.Module) -> Region:
+        """A copy of this region whose body reads ``owner``'s tensors (one per built path)."""
+        bound = copy.copy(self)
+        bound.body = shared_graph_module(owner, self.graph)
+        bound.module = owner.get_submodule(self.module_path) if self.module_path else None
+        return bound
+
     def __call__(self, *args):
-        if torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True)
-        return self.body(*args)
+        if self.body is None:
+            raise PassError(f"region {self.__name__} was called before being bound to a model (Region.bind).")
+        run = self._checkpointed if self.checkpoint and torch.is_grad_enabled() else self.body
+        if self.module is None:
+            return run(*args)
+        self.module.__dict__["forward"] = run  # shadows the class forward for this one call
+        try:
+            return self.module(*args)
+        finally:
+            del self.module.__dict__["forward"]
+
+    def _checkpointed(self, *args):
+        return torch.utils.checkpoint.checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True)
 
     def __repr__(self) -> str:
         return f"Region(layer={self.layer}, execution={self.execution})"
@@ -102,11 +132,22 @@ def regions_of(graph: fx.Graph) -> list[list[fx.Node]]:
     return regions
 
 
-def checkpoint_regions(graph: fx.Graph) -> fx.Graph:
-    """A copy of one budget path in which every layer application is one ``Region`` call."""
+def checkpoint_regions(graph: fx.Graph, *, checkpoint: bool = True, layers_path: str | None = None) -> fx.Graph:
+    """A copy of one budget path in which every layer application is one ``Region`` call.
+
+    With ``layers_path`` (the captured source's decoder-layer list, e.g. ``model.layers``)
+    each region reads its layer's parameters itself and runs as a call of that layer module
+    (see :class:`Region`); otherwise parameters enter as inputs. Regions must be bound
+    (:func:`bind_regions`) before the graph runs.
+    """
     regions = regions_of(graph)
     owner = {n: i for i, region in enumerate(regions) for n in region}
     last_of = {region[-1]: i for i, region in enumerate(regions)}
+
+    def own_param(node: fx.Node, layer: int) -> bool:
+        return layers_path is not None and node.op == "get_attr" and str(node.target).startswith(f"{layers_path}.{layer}.")
+
+    pulled: set[fx.Node] = set()
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
@@ -115,12 +156,15 @@ def checkpoint_regions(graph: fx.Graph) -> fx.Graph:
         if node in last_of:
             region = regions[last_of[node]]
             members = set(region)
-            inputs = list(dict.fromkeys(i for n in region for i in n.all_input_nodes if i not in members))
-            outputs = [n for n in region if any(u not in members for u in n.users)]
-            body = _body(region, inputs, outputs)
             key = application_of(region[0])
+            reads = list(dict.fromkeys(i for n in region for i in n.all_input_nodes if i not in members))
+            params = [i for i in reads if own_param(i, key[0])]
+            pulled.update(params)
+            inputs = [i for i in reads if i not in params]
+            outputs = [n for n in region if any(u not in members for u in n.users)]
             ann = annotation(region[0])
-            fn = Region(body, f"layer{key[0]}_x{key[1]}", *key)
+            fn = Region(_body(params + region, inputs, outputs), f"layer{key[0]}_x{key[1]}", *key,
+                        checkpoint=checkpoint, module_path=f"{layers_path}.{key[0]}" if layers_path else None)
             call = new.call_function(fn, tuple(env[i] for i in inputs))
             call.meta[META_KEY] = {"role": ROLE_LAYER, "layer": key[0], "region": key[1],
                                    **{k: ann[k] for k in ("repeat", "loop") if k in ann}}
@@ -130,11 +174,27 @@ def checkpoint_regions(graph: fx.Graph) -> fx.Graph:
                 env[out] = item
             continue
         env[node] = new.node_copy(node, lambda n: env[n])
+    for node in pulled:  # read inside the regions only: drop the outer read
+        copy_ = env[node]
+        if not copy_.users:
+            new.erase_node(copy_)
     return new
 
 
-def _body(region: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.GraphModule:
-    """The region's nodes as a GraphModule of its inputs returning a tuple of its outputs."""
+def bind_regions(gm: fx.GraphModule, owner: torch.nn.Module) -> fx.GraphModule:
+    """Bind every ``Region`` call of ``gm``'s graph to ``owner`` (in place); returns ``gm``."""
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, Region):
+            node.target = node.target.bind(owner)
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
+
+
+def _body(region: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.Graph:
+    """The region's nodes as a graph of its inputs returning a tuple of its outputs."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for i, node in enumerate(inputs):
@@ -143,4 +203,4 @@ def _body(region: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) 
     for node in region:
         env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(tuple(env[n] for n in outputs))
-    return fx.GraphModule(torch.nn.Module(), graph)
+    return graph

@@ -1,0 +1,96 @@
+"""FSDP2 training (--strategy fsdp) with two processes on the CPU (gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import looptool
+from looptool.testing import byte_tokenizer, tiny_model
+
+SOTU = Path(__file__).resolve().parent / "data" / "sotu"
+pytestmark = pytest.mark.slow
+ARGS = ["--data", str(SOTU / "179*.txt"), "--tokens", "4k", "--seq-len", "64", "--grad-accum", "2",
+        "--lr", "1e-3", "--new-lr", "1e-2", "--override", "0.5", "--seed", "3", "--device", "cpu"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("fsdp") / "looped"
+    model = looptool.convert(tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)), tokenizer=byte_tokenizer())
+    model.save_pretrained(path)
+    return path
+
+
+def _fsdp(model_dir, out, port, *extra):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+            "-m", "looptool", "train", str(model_dir), "-o", str(out), "--batch", "2", "--strategy", "fsdp",
+            *ARGS, *extra]
+
+
+def _weights(path: Path) -> dict:
+    return load_file(path / "model.safetensors")
+
+
+def test_fsdp_equals_one_process_on_the_same_rows(model_dir, tmp_path):
+    """Two FSDP ranks with 2 rows each compute what one process computes with the same 4
+    rows per micro-batch and the same budgets: weights agree to fp32 reduction order."""
+    res = subprocess.run(_fsdp(model_dir, tmp_path / "fsdp", 29541), capture_output=True, text=True, timeout=600, env=ENV)
+    assert res.returncode == 0, res.stderr[-3000:]
+    single = tmp_path / "single"
+    res = subprocess.run([sys.executable, "-m", "looptool", "train", str(model_dir), "-o", str(single), "--batch", "4", *ARGS],
+                         capture_output=True, text=True, timeout=600, env=ENV)
+    assert res.returncode == 0, res.stderr[-3000:]
+    logs = [[json.loads(x) for x in (p / "train_log.jsonl").read_text().splitlines()] for p in (tmp_path / "fsdp", single)]
+    assert [r["budgets"][0] for r in logs[0]] == [r["budgets"] for r in logs[1]]  # same draw on every rank
+    assert all(r["budgets"][0] == r["budgets"][1] for r in logs[0])
+    assert any(2 in r["budgets"] for r in logs[1])  # the looped layers were trained
+    a, b = _weights(tmp_path / "fsdp"), _weights(single)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=2e-6, msg=k)
+    assert any(a[k].abs().sum() > 0 for k in a if k.startswith("loop."))
+    model = looptool.load(tmp_path / "fsdp")  # an ordinary looped model
+    assert type(model).__name__ == "LoopedModel"
+
+
+def test_fsdp_resume_after_kill_is_exact(model_dir, tmp_path):
+    ref = tmp_path / "ref"
+    res = subprocess.run(_fsdp(model_dir, ref, 29543, "--save-every", "1"), capture_output=True, text=True, timeout=600, env=ENV)
+    assert res.returncode == 0, res.stderr[-3000:]
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_fsdp(model_dir, killed, 29545, "--save-every", "1"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        log = killed / "train_log.jsonl"
+        if log.exists() and len(log.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    res = subprocess.run(_fsdp(model_dir, killed, 29547, "--save-every", "1", "--resume"), capture_output=True, text=True,
+                         timeout=600, env=ENV)
+    assert res.returncode == 0, res.stderr[-3000:]
+    losses = [[json.loads(x)["loss"] for x in (p / "train_log.jsonl").read_text().splitlines()] for p in (ref, killed)]
+    assert losses[0] == losses[1]
+    a, b = _weights(ref), _weights(killed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fsdp_needs_torchrun(model_dir, tmp_path):
+    res = subprocess.run([sys.executable, "-m", "looptool", "train", str(model_dir), "-o", str(tmp_path / "x"),
+                          "--strategy", "fsdp", *ARGS], capture_output=True, text=True, timeout=300, env=ENV)
+    assert res.returncode == 1
+    assert "--strategy fsdp shards the model across processes; launch with torchrun" in res.stderr
+    assert not (tmp_path / "x").exists()
