@@ -142,3 +142,13 @@ def test_train_cli_takes_checkpoint(model_dir, tmp_path):
                                    "--tokens", "512", "--seq-len", "64", "--batch", "4", "--checkpoint", "--device", "cpu"])
     assert res.exit_code == 0, res.output
     assert json.loads((out / "train_args.json").read_text())["checkpoint"] is True
+
+
+def test_gpu_check_script_is_valid_bash():
+    """tests/gpu/run.sh is the one command for a GPU machine; keep it parseable (its CPU
+    dry run, GPU_CHECK_DRY=1, exercises the rest: ~100 s, not part of this suite)."""
+    import subprocess
+
+    script = Path(__file__).resolve().parent / "gpu" / "run.sh"
+    res = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr

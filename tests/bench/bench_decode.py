@@ -12,6 +12,8 @@ Reports per budget: decode ms/token min/median/max, ratio to budget 0, the ideal
 transformers generate (target <= 1.1).
 
 Run: python tests/bench/bench_decode.py [--rounds 5] [--new 64] [--prompt 128]. Prints one JSON line.
+GPU check: --device cuda --shape smollm2-random --dtype bfloat16 (random weights, random prompt:
+the same shapes and work, no download) --out FILE.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ import time
 from pathlib import Path
 
 import torch
+from shapes import NAMES, source_model
 from transformers.generation.streamers import BaseStreamer
 
 import looptool
 from looptool.generation import cached_paths, generate, kv_bytes_per_token
-from looptool.sources import load_source
+from looptool.devices import resolve_device
 
 SOTU = Path(__file__).resolve().parents[1] / "data" / "sotu"  # the in-repo subset
 
@@ -57,13 +60,26 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--shape", default="smollm2", choices=NAMES, help="smollm2-random: its shape, random weights (no download)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_decode.json"))
     args = ap.parse_args()
     torch.manual_seed(0)
-    src = load_source("smollm2")
-    plan = looptool.PrefixLoop(window=(8, 20), budgets=(0, 3, 6, 9, 12))
-    model = looptool.convert(src.model, plan, tokenizer=src.tokenizer)
-    text = (SOTU / sorted(p.name for p in SOTU.glob("2*.txt"))[0]).read_text()
-    ids = src.tokenizer(text, return_tensors="pt").input_ids[:, : args.prompt]
+    device = resolve_device(args.device)
+    source, tokenizer = source_model(args.shape, device, getattr(torch, args.dtype))
+    layers = source.config.num_hidden_layers
+    start, stop = round(0.267 * layers), round(0.667 * layers)  # SmolLM2: 8:20
+    m = stop - start
+    plan = looptool.PrefixLoop(window=(start, stop), budgets=tuple(sorted({0, m // 4, m // 2, 3 * m // 4, m})))
+    model = looptool.convert(source, plan, tokenizer=tokenizer)
+    if tokenizer is not None:
+        text = (SOTU / sorted(p.name for p in SOTU.glob("2*.txt"))[0]).read_text()
+        ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.prompt]
+    else:
+        ids = torch.randint(0, source.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    pad = tokenizer.eos_token_id if tokenizer is not None else 0
     t0 = time.perf_counter()
     for kv in ("per-loop", "last-loop"):
         cached_paths(model, kv)
@@ -72,15 +88,15 @@ def main() -> None:
     def looptool_run(budget: int, kv: str):
         def run() -> float:
             stamps: list[float] = []
-            generate(model, ids, budget=budget, max_new_tokens=args.new, kv=kv,
+            generate(model, ids, budget=budget, max_new_tokens=args.new, kv=kv, eos_token_id=None,
                      on_step=lambda _t: stamps.append(time.perf_counter()))
             return _ms_per_token(stamps)
         return run
 
     def hf_run() -> float:
         s = _Stamps()
-        src.model.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, streamer=s,
-                           pad_token_id=src.tokenizer.eos_token_id)
+        source.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, streamer=s,
+                        pad_token_id=pad)
         return _ms_per_token(s.times)
 
     contenders = {"hf_generate": hf_run}
@@ -110,7 +126,7 @@ def main() -> None:
     hf = samples["hf_generate"]
     last = samples[f"budget_{deepest}_last_loop"]
     result = {
-        "bench": "decode", "model": "SmolLM2-135M-Instruct", "batch": 1, "prompt_tokens": ids.shape[1],
+        "bench": "decode", "model": args.shape, "device": str(device), "dtype": args.dtype, "batch": 1, "prompt_tokens": ids.shape[1],
         "new_tokens": args.new, "rounds": args.rounds, "threads": torch.get_num_threads(),
         "cached_path_build_s": build_s, "budgets": rows,
         "hf_generate_ms_per_token": {"min": min(hf), "median": med["hf_generate"], "max": max(hf)},
@@ -118,8 +134,7 @@ def main() -> None:
         "deepest_last_loop_ms_per_token": {"min": min(last), "median": statistics.median(last), "max": max(last)},
         "deepest_last_loop_over_per_loop": statistics.median(last) / med[f"budget_{deepest}"],
     }
-    out = Path(__file__).parent / "results" / "bench_decode.json"
-    out.write_text(json.dumps(result, indent=2))
+    Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result))
 
 

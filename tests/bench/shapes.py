@@ -1,0 +1,37 @@
+"""Source models for the benchmarks: the real SmolLM2-135M, or random-weight models of
+known shapes (no download: what a machine without network, like the GPU test machine, runs;
+throughput and memory do not depend on the weight values)."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from looptool.testing import tiny_model
+
+SHAPES = {
+    "smollm2-random": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                           num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                           max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True),
+    "llama-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                     max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True),
+}
+NAMES = ("smollm2", "tiny", *SHAPES)
+
+
+def source_model(shape: str, device: torch.device, dtype: torch.dtype = torch.float32):
+    """``(model, tokenizer or None)``: the source HF causal LM of ``shape`` on ``device``."""
+    if shape == "smollm2":
+        from looptool.sources import load_source
+
+        src = load_source("smollm2", dtype=dtype, device=str(device))
+        return src.model, src.tokenizer
+    if shape == "tiny":
+        return tiny_model("llama").to(device=device, dtype=dtype), None
+    kwargs = dict(SHAPES[shape])
+    config = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval(), None
