@@ -20,6 +20,7 @@ does not is refused with a :class:`~looptool.errors.CaptureError` naming what wa
 
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
 from collections.abc import Iterable
@@ -183,11 +184,13 @@ def export_decode_step(model: nn.Module, seq_len: int = 3, cache_len: int = 8, b
         "caches": [{0: b, 2: s}] * len(caches),
     }
     forward = type(model).forward
+    # transformers renamed ``past_key_values`` to ``cache`` (5.2x; the old name is deprecated)
+    cache_kw = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
     def step(input_ids, attention_mask, position_ids, cache_position, caches):
         cache = _bind_static_cache(config, caches, cache_position)
         out = forward(model, input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids, cache=cache, use_cache=True)
+                      position_ids=position_ids, use_cache=True, **{cache_kw: cache})
         return out.logits
 
     model.forward = step  # export traces the step with the model's own parameter names

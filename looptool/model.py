@@ -131,6 +131,9 @@ class LoopedModel(nn.Module):
         current, target = self._device(), torch.device(device)
         if target != current:
             self.layer_graph = PassManager([("retarget_device", {"to": str(target), "from": str(current)})])(self.layer_graph)
+            for name, child in self.layer_graph.module.named_children():
+                if isinstance(child, fx.GraphModule):  # higher-order op bodies were retargeted as new objects
+                    self._modules[name] = child
             self._paths.clear()
             self.__dict__.pop("_cached_paths", None)  # cached decoding paths are rebuilt for the new device
         return self

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.fx as fx
 
 from looptool.graph import LayerGraph, copy_graph, shared_graph_module
 from looptool.passes.manager import register_pass
@@ -35,10 +36,25 @@ def retarget_device(lg: LayerGraph, config: dict) -> LayerGraph:
 
     graph = _fix_for_device(copy_graph(lg.graph, transform), dst)
     module = shared_graph_module(lg.module, graph)
+    # Higher-order ops (e.g. a rotary embedding under ``torch.autocast(enabled=False)`` in
+    # some transformers versions) keep their bodies as GraphModule children: retarget those
+    # too, as new objects, so the input LayerGraph's are untouched.
+    for name, child in list(module._modules.items()):
+        if isinstance(child, fx.GraphModule):
+            module._modules[name] = _retarget_body(child, transform, dst)
     paths = {k: _fix_for_device(copy_graph(g, transform), dst) for k, g in lg.paths.items()}
     source = dataclasses.replace(lg.source, device=str(dst))
     return lg.replace(module=module, paths=paths, source=source)
 
+
+
+def _retarget_body(body: fx.GraphModule, transform, device: torch.device) -> fx.GraphModule:
+    """A copy of a higher-order op's body graph (and its nested bodies) on ``device``."""
+    new = fx.GraphModule(body, _fix_for_device(copy_graph(body.graph, transform), device))
+    for name, child in list(new._modules.items()):
+        if isinstance(child, fx.GraphModule):
+            new._modules[name] = _retarget_body(child, transform, device)
+    return new
 
 
 def _fix_for_device(graph, device: torch.device):
