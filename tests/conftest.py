@@ -9,9 +9,11 @@ import pytest
 import torch
 
 import looptool
-from looptool.testing import TINY_MODEL_TYPES, tiny_model
+from looptool.testing import TINY_MODEL_TYPES, byte_tokenizer, tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # looptool never needs the hub; prove it
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # share the cores between the workers, not oversubscribe
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 ROOT = Path(__file__).resolve().parents[1]
 TINY_PLAN = looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2))
 
@@ -57,6 +59,15 @@ def smollm2(smollm2_gguf):
     from looptool.sources import load_source
 
     return load_source("smollm2")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny Llama looped with window 1:3, budgets 0,1,2, saved with a byte tokenizer."""
+    path = tmp_path_factory.mktemp("looped") / "looped"
+    model = looptool.convert(tiny_model("llama"), TINY_PLAN, tokenizer=byte_tokenizer())
+    model.save_pretrained(path)
+    return path
 
 
 @pytest.fixture

@@ -22,14 +22,6 @@ SOTU = Path(__file__).resolve().parent / "data" / "sotu"
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("dev") / "looped"
-    model = looptool.convert(tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)), tokenizer=byte_tokenizer())
-    model.save_pretrained(path)
-    return path
-
-
 def test_auto_device_is_cuda_only_when_available():
     assert resolve_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_device("auto") == resolve_device(None)

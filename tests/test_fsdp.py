@@ -15,21 +15,12 @@ import torch
 from safetensors.torch import load_file
 
 import looptool
-from looptool.testing import byte_tokenizer, tiny_model
 
 SOTU = Path(__file__).resolve().parent / "data" / "sotu"
 pytestmark = pytest.mark.slow
 ARGS = ["--data", str(SOTU / "179*.txt"), "--tokens", "4k", "--seq-len", "64", "--grad-accum", "2",
         "--lr", "1e-3", "--new-lr", "1e-2", "--override", "0.5", "--seed", "3", "--device", "cpu"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("fsdp") / "looped"
-    model = looptool.convert(tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)), tokenizer=byte_tokenizer())
-    model.save_pretrained(path)
-    return path
 
 
 def _fsdp(model_dir, out, port, *extra):

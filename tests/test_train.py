@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 import looptool
 from looptool.data import DataError, PackedTokens, find_files, read_documents, split_files, tokenize_files
 from looptool.sampling import BudgetSampler
-from looptool.testing import byte_tokenizer, tiny_model
+from looptool.testing import byte_tokenizer
 from looptool.train import TrainConfig, Trainer, TrainingError
 
 SOTU = Path(__file__).resolve().parent / "data" / "sotu"  # in-repo subset (tests/data/sotu/README.md)
@@ -90,14 +90,6 @@ def test_jsonl_packing_and_split_are_deterministic(tmp_path):
 
 
 # ---------------------------------------------------------------------------- training runs
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("train") / "looped"
-    model = looptool.convert(tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)), tokenizer=byte_tokenizer())
-    model.save_pretrained(path)
-    return path
-
-
 def _cli(model_dir, out, *extra):
     return [sys.executable, "-m", "looptool", "train", str(model_dir), "--data", str(SOTU / "179*.txt"),
             "-o", str(out), "--tokens", "12k", "--seq-len", "64", "--batch", "4", "--grad-accum", "2",
