@@ -10,8 +10,10 @@ machine noise hits them alike (min / median / max of the per-round tokens/s):
   trainer draws it (:class:`looptool.sampling.BudgetSampler`).
 
 Predictions next to the measurements: budget ``k`` ÷ plain ≈ C(0)/C(k) (Accordion Eq. 6 /
-ELR D_eff, from the model's FLOPs cost table), mixed ÷ plain ≈ C(0)/mean_k C(k) (uniform
-draws). Memory of the deepest prefix budget and of the deepest ELR loop count, with and
+ELR D_eff, from the model's FLOPs cost table), mixed ÷ plain ≈ C(0)/mean C(k) over the
+budgets it drew in that round, paired with plain's tokens/s of the same round (uniform in
+expectation; a round holds only ``--steps`` draws, so the realised mix is what is
+predicted). Memory of the deepest prefix budget and of the deepest ELR loop count, with and
 without ``--checkpoint`` (activation checkpointing per layer application): on CUDA the
 peak of ``torch.cuda.max_memory_allocated`` over one forward+backward, everywhere the
 bytes autograd holds for backward (saved tensors), and the step-time ratio.
@@ -83,22 +85,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def throughput(source, looped, ids, device, bf16: bool, steps: int, rounds: int) -> dict:
-    """tokens/s of plain, every budget and mixed depth, interleaved per round."""
+def throughput(source, looped, ids, device, bf16: bool, steps: int, rounds: int) -> tuple[dict, dict]:
+    """tokens/s of plain, every budget and mixed depth, interleaved per round; and per
+    timed round the budgets mixed depth drew (its prediction uses the realised draws)."""
     tokens = ids.numel() * steps
     step_plain = Stepper(source.parameters(), device, bf16)
     step_looped = Stepper(looped.parameters(), device, bf16)
     sampler = BudgetSampler(looped.budgets, seed=0)
-    draws = iter(range(10**9))
+    draws: list[int] = []
+
+    def mixed_step():
+        k = sampler.drawn(len(draws), 0)  # the trainer's draw for micro-batch i
+        draws.append(k)
+        return step_looped(lambda: looped(ids, labels=ids, budget=k).loss)
+
     contenders = {"plain": lambda: step_plain(lambda: source(input_ids=ids, labels=ids).loss)}
     for k in looped.budgets:
         contenders[f"budget_{k}"] = lambda k=k: step_looped(lambda: looped(ids, labels=ids, budget=k).loss)
-    contenders["mixed"] = lambda: step_looped(
-        lambda: looped(ids, labels=ids, budget=sampler.drawn(next(draws), 0)).loss)
+    contenders["mixed"] = mixed_step
     samples: dict[str, list[float]] = {name: [] for name in contenders}
+    mixed_draws: list[list[int]] = []
     names = list(contenders)
     for r in range(rounds + 1):  # round 0 warms up (and builds each path once)
         for name in names[r % len(names):] + names[: r % len(names)]:
+            first = len(draws)
             _sync(device)
             t0 = time.perf_counter()
             for _ in range(steps):
@@ -106,7 +116,10 @@ def throughput(source, looped, ids, device, bf16: bool, steps: int, rounds: int)
             _sync(device)
             if r:
                 samples[name].append(tokens / (time.perf_counter() - t0))
-    return {n: {"min": min(s), "median": statistics.median(s), "max": max(s)} for n, s in samples.items()}
+                if name == "mixed":
+                    mixed_draws.append(draws[first:])
+    stats = {n: {"min": min(s), "median": statistics.median(s), "max": max(s), "samples": s} for n, s in samples.items()}
+    return stats, {"draws": mixed_draws}
 
 
 def saved_bytes(fn) -> int:
@@ -201,7 +214,7 @@ def main() -> None:
         looped = looptool.convert(source, plan).train()
         table = {c.budget: c for c in looped.cost_table()}
         base = table[looped.budgets[0]].flops_per_token
-        tput = throughput(source, looped, ids, device, args.bf16, args.steps, args.rounds)
+        tput, mixed_info = throughput(source, looped, ids, device, args.bf16, args.steps, args.rounds)
         plain = tput["plain"]["median"]
         rows = {}
         for k in looped.budgets:
@@ -212,12 +225,18 @@ def main() -> None:
             if peak:
                 flops = train_flops_per_token(table[k].flops_per_token, table[k].layer_executions, config.hidden_size, args.seq_len)
                 rows[k]["mfu"] = flops * tput[f"budget_{k}"]["median"] / peak
-        mean_cost = statistics.fmean(table[k].flops_per_token for k in looped.budgets)
-        mixed = tput["mixed"]["median"] / plain
+        # mixed depth: each round's tokens/s ÷ plain's in the same round, against the
+        # prediction from that round's realised draws (a step of budget k costs C(k)/C(0))
+        per_round = []
+        for drawn, m_tps, p_tps in zip(mixed_info["draws"], tput["mixed"]["samples"], tput["plain"]["samples"]):
+            predicted = base / statistics.fmean(table[k].flops_per_token for k in drawn)
+            per_round.append({"draws": drawn, "ratio_to_plain": m_tps / p_tps, "predicted": predicted,
+                              "measured_over_predicted": m_tps / p_tps / predicted})
+        uniform = base / statistics.fmean(table[k].flops_per_token for k in looped.budgets)
         result["schemes"][scheme] = {
             "plan": looped.plan.to_dict(), "plain_tokens_per_s": tput["plain"], "budgets": rows,
-            "mixed": {"tokens_per_s": tput["mixed"], "ratio_to_plain": mixed, "predicted": base / mean_cost,
-                      "measured_over_predicted": mixed / (base / mean_cost)},
+            "mixed": {"tokens_per_s": tput["mixed"], "predicted_uniform": uniform, "rounds": per_round,
+                      "measured_over_predicted": statistics.median(r["measured_over_predicted"] for r in per_round)},
             "memory_deepest": {"budget": looped.budgets[-1],
                                **memory(looped, ids, device, args.bf16, looped.budgets[-1], args.rounds)},
         }
