@@ -147,15 +147,19 @@ class LoopedModel(nn.Module):
         return self.to("cpu")
 
     def half(self) -> "LoopedModel":
+        """``to(torch.float16)``: a no-op in that dtype, refused otherwise."""
         return self.to(dtype=torch.float16)
 
     def bfloat16(self) -> "LoopedModel":
+        """``to(torch.bfloat16)``: a no-op in that dtype, refused otherwise."""
         return self.to(dtype=torch.bfloat16)
 
     def float(self) -> "LoopedModel":
+        """``to(torch.float32)``: a no-op in that dtype, refused otherwise."""
         return self.to(dtype=torch.float32)
 
     def double(self) -> "LoopedModel":
+        """``to(torch.float64)``: a no-op in that dtype, refused otherwise."""
         return self.to(dtype=torch.float64)
 
     def _device(self) -> torch.device:
