@@ -280,8 +280,7 @@ class Trainer:
                 group["lr"] = group["initial_lr"] * factor
             budgets, losses, auxes = [], [], []
             for micro in range(cfg.grad_accum):
-                rank = 0 if self.fsdp else self.rank
-                k = self.sampler.budget(step, micro, rank) if step >= self.switch_step else self.sampler.shallowest
+                k = self.sampler.budget(step, micro, self.rank) if step >= self.switch_step else self.sampler.shallowest
                 position = ((step * cfg.grad_accum + micro) * self.world + self.rank) * cfg.batch
                 ids = self.data.batch(position, cfg.batch, cfg.seed).to(self.device, non_blocking=True)
                 sync = micro == cfg.grad_accum - 1 or self.ddp is None

@@ -10,8 +10,10 @@ outputs, backward recomputes the rest. The recomputation runs the very same ops 
 same order, so losses and gradients equal the uncheckpointed path bit for bit.
 
 Parameters enter a region as inputs (their ``get_attr`` nodes stay outside it), so a layer
-applied twice reads one tensor twice and nothing is copied. Not recorded in the recipe: it
-changes how a path trains, not what it computes.
+applied twice reads one tensor twice and nothing is copied; for FSDP2 the same regions can
+instead read their layer's parameters inside and run as calls of the layer module
+(``layers_path``, see :class:`Region`). Not recorded in the recipe: it changes how a path
+trains, not what it computes.
 """
 
 from __future__ import annotations
