@@ -1,23 +1,28 @@
-"""Lower budget paths to ONNX: one graph per budget, one shared weight store.
+"""Lower budget paths to ONNX: one serving graph per budget and KV policy, one weight store.
 
 An engine directory holds::
 
-    weights.bin        every tensor the graphs read, once (deduplicated by content, aligned)
-    budget_<k>.onnx    one graph per budget; initializers are external data in weights.bin
-    manifest.json      budgets, files with sha256, opset, tensor table, source config, version
+    weights.bin                 every tensor the graphs read, once (deduplicated by content, aligned)
+    budget_<k>.<policy>.onnx    one graph per budget and KV policy; initializers live in weights.bin
+    manifest.json               budgets, policies, files with sha256, cache layouts, tensor table
 
-Each budget path is fused (:mod:`looptool.passes.fuse`), exported with
-``torch.onnx.export(..., dynamo=True)`` and a custom translation table, and its fused ops are
-re-expressed as single nodes of the ``looptool`` domain whose function bodies ship in the
-model (:mod:`looptool.backends.onnx_functions`). The exporter's opset conversion inlines
-every function, so after export the nodes of each fused op (grouped by the FX node they
-came from) are outlined again into one function call; the body is checked node by node.
+Each graph is a budget path in the decode interface of :mod:`looptool.backends.serving`:
+one graph with a dynamic step length serves the prefill and every decode step, reading and
+writing a fixed-capacity KV cache. Graphs are composed from layer functions
+(:mod:`looptool.backends.onnx_layers`): each distinct layer body is exported once with
+``torch.onnx.export(..., dynamo=True)`` and called as an ONNX function, and only the glue
+between layers is traced per graph (a graph that cannot be composed is exported flat). Fused
+ops become single nodes of the ``looptool`` domain whose function bodies ship in the model
+(:mod:`looptool.backends.onnx_functions`); the exporter's opset conversion inlines every
+function, so after export the nodes of each fused op (grouped by the FX node they came
+from) are outlined again into one call; the body is checked node by node.
 
 The exporter's own optimizer is off (``optimize=False``): it folds ``Transpose``/``Tanh``
 of weights into second copies. Instead the onnxscript optimizer runs with a folding rule
 that never touches a node reading a weight (:func:`simplify`), and every externalised
-initializer is checked to be a model tensor, byte for byte, or a small constant. Every export is validated with onnxruntime against the
-PyTorch path before the directory is committed; a failure leaves nothing behind.
+initializer is checked to be a model tensor, byte for byte, or a small constant. Every
+export is validated with onnxruntime against the PyTorch path (cached generation, step by
+step) before the directory is committed; a failure leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -41,11 +46,9 @@ from looptool.errors import LooptoolError
 log = logging.getLogger(__name__)
 
 FORMAT = "looptool-onnx-engine"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: serving graphs with KV caches, one per budget and policy
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.bin"
-INPUT_NAMES = ("input_ids", "attention_mask")
-OUTPUT_NAME = "logits"
 ALIGN = 64  # bytes; every tensor starts on a cache-line (and SIMD) boundary
 ALIGN_LARGE = 4096  # tensors of 1 MiB or more start on a page, so they can be mapped as is
 LARGE = 1 << 20
@@ -63,9 +66,9 @@ class EngineError(LooptoolError):
     """An engine directory is incomplete, tampered with or points outside itself."""
 
 
-def budget_file(budget: int) -> str:
-    """File name of one budget's graph."""
-    return f"budget_{budget}.onnx"
+def budget_file(budget: int, kv: str = "per-loop") -> str:
+    """File name of one budget's graph under KV policy ``kv``."""
+    return f"budget_{budget}.{kv}.onnx"
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -114,13 +117,16 @@ class WeightStore:
 # ---------------------------------------------------------------------------- reports
 @dataclass
 class BudgetExport:
-    """What exporting one budget produced."""
+    """What exporting one budget's graph under one KV policy produced."""
 
     budget: int
+    kv: str
     file: str
     bytes: int
     seconds: float
     fused: dict[str, int]
+    composed: bool = False  # built from layer functions (else traced flat)
+    layer_calls: dict[str, int] = field(default_factory=dict)
     max_abs_diff: dict[str, float] = field(default_factory=dict)
 
 
@@ -135,6 +141,8 @@ class ExportReport:
     graph_bytes: int
     parameter_bytes: int
     seconds: float
+    layer_functions: int = 0  # distinct layer bodies exported
+    layer_seconds: float = 0.0  # time spent exporting them
 
     @property
     def total_bytes(self) -> int:
@@ -148,7 +156,7 @@ class ExportReport:
 
     @property
     def max_abs_diff(self) -> float:
-        """Worst ORT-vs-PyTorch difference over every budget and input."""
+        """Worst ORT-vs-PyTorch difference over every graph and input."""
         return max((d for b in self.budgets for d in b.max_abs_diff.values()), default=float("nan"))
 
     def as_dict(self) -> dict:
@@ -173,39 +181,72 @@ def resolve_budgets(model, budgets: int | str | Iterable[int] | None) -> tuple[i
     return tuple(sorted({model.check_budget(int(b)) for b in budgets}))
 
 
+def resolve_policies(model, kv: str | Iterable[str]) -> tuple[str, ...]:
+    """KV policies to export: one, a comma-separated list, or ``all`` (every policy the
+    model supports: last-loop only where some budget repeats a layer)."""
+    from looptool.generation import check_policy
+    from looptool.passes.kv_cache import KV_POLICIES
+
+    if kv == "all":
+        chosen = [p for p in KV_POLICIES if p == "per-loop" or _repeats_layers(model)]
+    else:
+        chosen = [p.strip() for p in kv.split(",")] if isinstance(kv, str) else list(kv)
+    if not chosen:
+        raise ExportError("no KV policy given; pass --kv per-loop, last-loop or all.")
+    return tuple(check_policy(model, p) for p in dict.fromkeys(chosen))
+
+
+def _repeats_layers(model) -> bool:
+    n = len(model.layer_graph.layers)
+    return any(len(set(ex)) != len(ex) for ex in (model.plan.executed_layers(b, n) for b in model.budgets))
+
+
 def export_onnx(
     model,
     output: str | os.PathLike,
     budgets: int | str | Iterable[int] | None = "all",
     *,
+    kv: str | Iterable[str] = "per-loop",
+    compose: bool = True,
     overwrite: bool = False,
     validate: bool = True,
     atol: float = DEFAULT_ATOL,
     on_progress: Callable[[str], None] | None = None,
 ) -> ExportReport:
     """Export budget paths of ``model`` (a :class:`looptool.LoopedModel`) to an engine
-    directory ``output`` sharing one ``weights.bin``; validates each graph with
-    onnxruntime against the PyTorch path (max abs diff ≤ ``atol × max(1, max |logits|)``)
-    unless ``validate=False``.
+    directory ``output`` sharing one ``weights.bin``: one serving graph per budget and KV
+    policy (``kv``: ``per-loop``, ``last-loop``, a comma-separated list or ``all``).
+
+    ``compose=True`` builds the graphs from layer functions, each distinct layer body
+    exported once (falls back to a flat export per graph where that fails). Unless
+    ``validate=False`` every graph is run with onnxruntime, prefill then step-by-step
+    decoding, against the PyTorch cached path (max abs diff ≤ ``atol × max(1, max
+    |logits|)``).
     """
+    from looptool.backends.onnx_layers import LayerLibrary
+    from looptool.backends.serving import serving_graph
     from looptool.serialization import commit_output_dir, prepare_output_dir
 
     say = on_progress or (lambda text: None)
     chosen = resolve_budgets(model, budgets)
+    policies = resolve_policies(model, kv)
     _check_exportable(model)
     final, temp = prepare_output_dir(output, overwrite)
     t0 = time.perf_counter()
+    library = LayerLibrary() if compose else None
     try:
         store = WeightStore(temp / WEIGHTS)
         known = _model_tensor_digests(model)
         results: list[BudgetExport] = []
-        graphs: dict[int, dict] = {}
+        graphs: dict[tuple[int, str], dict] = {}
         try:
-            for budget in chosen:
-                say(f"exporting budget {budget}")
-                result, names = _export_budget(model, budget, temp, store, known)
-                results.append(result)
-                graphs[budget] = {"file": result.file, "initializers": names, "fused": result.fused}
+            for policy in policies:
+                for budget in chosen:
+                    say(f"exporting budget {budget} ({policy})")
+                    result, entry = _export_graph(serving_graph(model, budget, policy), budget, policy, temp, store,
+                                                  known, library)
+                    results.append(result)
+                    graphs[budget, policy] = entry
         finally:
             store.close()
         if model.tokenizer is not None:  # so `looptool run` can encode prompts from the engine alone
@@ -215,18 +256,21 @@ def export_onnx(
             say("validating with onnxruntime")
             diffs = validate_engine(model, temp, atol=atol)
             for r in results:
-                r.max_abs_diff = diffs[r.budget]
-            _write_manifest(model, temp, store, graphs, diffs)
+                r.max_abs_diff = diffs[r.budget, r.kv]
+                graphs[r.budget, r.kv]["max_abs_diff"] = r.max_abs_diff
+            _write_manifest(model, temp, store, graphs)
         graph_bytes = sum(p.stat().st_size for p in temp.iterdir() if p.name != WEIGHTS)
+        bodies = list(library.bodies.values()) if library else []
         report = ExportReport(
             directory=str(final), budgets=results, weights_bytes=(temp / WEIGHTS).stat().st_size,
             graph_bytes=graph_bytes, parameter_bytes=model.dims().param_bytes, seconds=time.perf_counter() - t0,
+            layer_functions=sum(b.function is not None for b in bodies), layer_seconds=sum(b.seconds for b in bodies),
         )
         commit_output_dir(final, temp)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
-    log.info("exported %d budgets to %s (%.3f x parameter bytes)", len(results), final, report.disk_ratio)
+    log.info("exported %d graphs to %s (%.3f x parameter bytes)", len(results), final, report.disk_ratio)
     return report
 
 
@@ -252,58 +296,100 @@ def _model_tensor_digests(model) -> dict[str, str]:
     return out
 
 
-def fused_path(model, budget: int) -> tuple[torch.fx.GraphModule, dict[str, int]]:
-    """The budget path with looptool's fused ops swapped in, over the model's tensors."""
-    from looptool.passes.fuse import fuse_graph
-
-    from looptool.graph import shared_graph_module
-
-    graph, counts = fuse_graph(model.layer_graph.paths[budget])
-    return shared_graph_module(model, graph), dict(counts)
-
-
-def export_program(gm: torch.fx.GraphModule, vocab_size: int, mask_dtype: torch.dtype):
-    """``torch.onnx.export`` (dynamo) of one path with dynamic batch and sequence."""
+def serving_example(sg) -> tuple[list[torch.Tensor], tuple]:
+    """Example inputs (batch 2, step 3, capacity 8) and dynamic shapes (named ``batch``,
+    ``step``, ``capacity``) for exporting a serving graph."""
     from torch.export import Dim
 
-    ids = torch.arange(16).reshape(2, 8) % vocab_size
-    mask = torch.ones_like(ids, dtype=mask_dtype)
-    batch, seq = Dim("batch"), Dim("sequence")
-    with warnings.catch_warnings():  # the exporter warns that both inputs share the axis names
-        warnings.filterwarnings("ignore", message=".*axis name.*", category=UserWarning)
-        return _onnx_export(gm, ids, mask, batch, seq)
+    placeholders = [n for n in sg.module.graph.nodes if n.op == "placeholder"]
+    mask_dtype = placeholders[1].meta["val"].dtype
+    batch, step, capacity = 2, 3, 8
+    dtype = getattr(torch, sg.layout.dtype)
+    ids = torch.zeros(batch, step, dtype=torch.long)
+    steps = torch.arange(step)
+    caches = [torch.zeros(batch, p.kv_heads, capacity, p.head_dim, dtype=dtype) for p in sg.layout.pairs for _ in "kv"]
+    args = [ids, torch.ones(batch, capacity, dtype=mask_dtype), steps.expand(batch, step), steps, *caches]
+    b, t, s = Dim("batch"), Dim("step"), Dim("capacity")
+    shapes = ({0: b, 1: t}, {0: b, 1: s}, {0: b, 1: t}, {0: t}, *[{0: b, 2: s}] * len(caches))
+    return args, shapes
 
 
-def _onnx_export(gm, ids, mask, batch, seq):
+def export_program(gm: torch.fx.GraphModule, args, dynamic_shapes, *, input_names=None, output_names=None,
+                   extra_translations: dict | None = None):
+    """``torch.onnx.export`` (dynamo, no exporter optimisation, looptool's translations)."""
     from looptool.backends.onnx_functions import OPSET, translation_table
 
-    return torch.onnx.export(
-        gm, (ids, mask), dynamo=True, external_data=True, optimize=False, opset_version=OPSET,
-        dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}),
-        input_names=list(INPUT_NAMES), output_names=[OUTPUT_NAME],
-        custom_translation_table=translation_table(), verbose=False,
-    )
+    with warnings.catch_warnings():  # the exporter warns that inputs share axis names
+        warnings.filterwarnings("ignore", message=".*axis name.*", category=UserWarning)
+        return torch.onnx.export(
+            gm, tuple(args), dynamo=True, external_data=True, optimize=False, opset_version=OPSET,
+            dynamic_shapes=tuple(dynamic_shapes), input_names=input_names, output_names=output_names,
+            custom_translation_table={**translation_table(), **(extra_translations or {})}, verbose=False,
+        )
 
 
-def _export_budget(model, budget: int, directory: Path, store: WeightStore, known: dict[str, str]):
+def _export_graph(sg, budget: int, policy: str, directory: Path, store: WeightStore, known: dict[str, str], library):
+    """Export one serving graph (composed from layer functions when ``library`` is given),
+    externalise its weights and save it; returns its report and manifest entry."""
     import onnx_ir as ir
 
     t0 = time.perf_counter()
-    gm, counts = fused_path(model, budget)
-    try:
-        program = export_program(gm, model.config.vocab_size, model._mask_dtype)
-    except Exception as exc:
-        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-        raise ExportError(f"torch.onnx.export failed on budget {budget} ({type(exc).__name__}: {first}).") from exc
-    onnx_model = program.model
+    onnx_model, calls = None, {}
+    if library is not None:
+        try:
+            onnx_model, calls = _compose(sg, library)
+        except Exception as exc:  # noqa: BLE001  (any failure of the composed route: trace flat instead)
+            log.warning("budget %d (%s): composing from layer functions failed (%s: %s); exporting it flat",
+                        budget, policy, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+    if onnx_model is None:
+        args, shapes = serving_example(sg)
+        onnx_model = _run_exporter(lambda: export_program(sg.module, args, shapes, input_names=sg.input_names,
+                                                          output_names=sg.output_names), budget).model
     outline_looptool_functions(onnx_model)
     simplify(onnx_model)
     names = _externalize(onnx_model, directory, store, known, budget)
     _strip_metadata(onnx_model)
-    path = directory / budget_file(budget)
+    path = directory / budget_file(budget, policy)
     ir.save(onnx_model, path)
-    return BudgetExport(budget=budget, file=path.name, bytes=path.stat().st_size,
-                        seconds=time.perf_counter() - t0, fused=counts), names
+    result = BudgetExport(budget=budget, kv=policy, file=path.name, bytes=path.stat().st_size,
+                          seconds=time.perf_counter() - t0, fused=sg.fused, composed=bool(calls), layer_calls=calls)
+    entry = {"file": path.name, "initializers": names, "fused": sg.fused, "composed": bool(calls),
+             "layer_calls": calls, "cache": sg.layout.to_dict(), "kv_bytes_per_token": sg.layout.bytes_per_token()}
+    return result, entry
+
+
+def _compose(sg, library) -> tuple[object, dict[str, int]]:
+    """The serving graph exported as glue plus calls of layer functions."""
+    from looptool.backends.onnx_layers import translation
+
+    outer = library.outline(sg)
+    library.record_examples(outer, sg.layout)
+    library.export_functions(lambda module, example, shapes: _body_model(module, example, shapes))
+    args, shapes = serving_example(sg)
+    with library.active():
+        program = export_program(outer, args, shapes, input_names=sg.input_names, output_names=sg.output_names,
+                                 extra_translations=translation())
+    onnx_model = program.model
+    calls = library.compose(onnx_model)
+    return onnx_model, calls
+
+
+def _body_model(module, example, shapes):
+    """One layer body exported and tidied (fused ops outlined, shape arithmetic folded)."""
+    program = export_program(module, example, shapes)
+    model = program.model
+    outline_looptool_functions(model)
+    simplify(model)
+    _strip_metadata(model)
+    return model
+
+
+def _run_exporter(call, budget: int):
+    try:
+        return call()
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise ExportError(f"torch.onnx.export failed on budget {budget} ({type(exc).__name__}: {first}).") from exc
 
 
 def _reads_weights(node) -> bool | None:
@@ -380,10 +466,11 @@ def outline_looptool_functions(onnx_model) -> dict[str, int]:
     for node in onnx_model.graph:
         scope = node.metadata_props.get("namespace", "")
         target = scope.rsplit(": ", 1)[-1]
-        if target.startswith(f"{DOMAIN}.") and target.endswith(".default"):
+        kind = target[len(DOMAIN) + 1:-len(".default")] if target.endswith(".default") else None
+        if target.startswith(f"{DOMAIN}.") and kind in FUNCTIONS:
             key = node.metadata_props.get("pkg.torch.onnx.name_scopes", scope)
             groups.setdefault(key, []).append(node)
-            kinds[key] = target[len(DOMAIN) + 1:-len(".default")]
+            kinds[key] = kind
     counts: dict[str, int] = {}
     used: set[str] = set()
     for key, nodes in groups.items():
@@ -441,27 +528,31 @@ def _outline(graph, nodes: list, function) -> None:
     graph.remove(inlined, safe=True)
 
 
-def _write_manifest(model, directory: Path, store: WeightStore, graphs: dict[int, dict], diffs: dict | None = None) -> None:
+def _write_manifest(model, directory: Path, store: WeightStore, graphs: dict[tuple[int, str], dict]) -> None:
     from looptool.backends.onnx_functions import DOMAIN, DOMAIN_VERSION, OPSET
+    from looptool.backends.serving import INPUTS, LOGITS
 
     from looptool import __version__
 
-    budgets = {}
-    for budget, info in sorted(graphs.items()):
+    budgets: dict[str, dict] = {}
+    for (budget, policy), info in sorted(graphs.items()):
         path = directory / info["file"]
-        budgets[str(budget)] = {
-            "file": info["file"], "sha256": sha256_file(path), "bytes": path.stat().st_size,
-            "initializers": info["initializers"], "fused": info["fused"],
-            **({"max_abs_diff": diffs[budget]} if diffs else {}),
-        }
+        budgets.setdefault(str(budget), {})[policy] = {**info, "sha256": sha256_file(path), "bytes": path.stat().st_size}
+    mask_dtype = str(model._mask_dtype).removeprefix("torch.")
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "looptool_version": __version__,
         "opset": {"": OPSET, DOMAIN: DOMAIN_VERSION},
-        "inputs": {"input_ids": "int64 [batch, sequence]", "attention_mask": f"{str(model._mask_dtype).removeprefix('torch.')} [batch, sequence]"},
-        "output": f"{OUTPUT_NAME} [batch, sequence, vocab]",
-        "mask_dtype": str(model._mask_dtype).removeprefix("torch."),
+        "interface": {
+            "inputs": dict(zip(INPUTS, ("int64 [batch, step]", f"{mask_dtype} [batch, capacity]", "int64 [batch, step]",
+                                        "int64 [step]"))),
+            "caches": "past_key_values.{j}.key / .value [batch, kv_heads, capacity, head_dim] in, present.{j}.key / "
+                      ".value out (same buffers may be bound to both)",
+            "outputs": {LOGITS: "[batch, 1, vocab] (last position)"},
+        },
+        "kv_policies": sorted({policy for _, policy in graphs}),
+        "mask_dtype": mask_dtype,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "plan": model.plan.to_dict(),
         "budgets": budgets,
@@ -474,44 +565,54 @@ def _write_manifest(model, directory: Path, store: WeightStore, graphs: dict[int
 
 
 # ---------------------------------------------------------------------------- validation
-def validation_inputs(model) -> dict[str, torch.Tensor]:
-    """A random batch and a real sentence (tokenised when the model has a tokenizer)."""
+def validation_prompts(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``(input_ids, attention_mask)`` per label: two random rows, the second left-padded,
+    and a real sentence (tokenised when the model has a tokenizer)."""
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    out = {"random": torch.randint(0, vocab, (2, 13), generator=g)}
+    ids = torch.randint(0, vocab, (2, 13), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    out = {"random": (ids, mask)}
     if model.tokenizer is not None:
-        ids = model.tokenizer(VALIDATION_TEXT, return_tensors="pt").input_ids
+        real = model.tokenizer(VALIDATION_TEXT, return_tensors="pt").input_ids
     else:
-        ids = torch.tensor([list(VALIDATION_TEXT.encode())]) % vocab
-    out["real"] = ids
+        real = torch.tensor([list(VALIDATION_TEXT.encode())]) % vocab
+    out["real"] = (real, torch.ones_like(real))
     return out
 
 
-def validate_engine(model, directory: str | os.PathLike, *, atol: float = DEFAULT_ATOL) -> dict[int, dict[str, float]]:
-    """Run every graph of an engine with onnxruntime (through :class:`Runtime`) and the
-    PyTorch path on the same inputs; returns max abs diff per budget and input, raising
-    :class:`ExportError` above ``atol × max(1, max |logits|)``."""
+def validate_engine(model, directory: str | os.PathLike, *, atol: float = DEFAULT_ATOL,
+                    new_tokens: int = 6) -> dict[tuple[int, str], dict[str, float]]:
+    """Generate greedily with every graph of an engine (onnxruntime, :class:`Runtime`) and
+    with the PyTorch cached path on the same prompts; returns the max abs difference of the
+    next-token logits over the prefill and every decode step, per ``(budget, policy)`` and
+    prompt, raising :class:`ExportError` above ``atol × max(1, max |logits|)`` or when the
+    greedy tokens differ."""
     from looptool.backends.ort import Runtime
+    from looptool.generation import generate
 
     rt = Runtime(directory)
-    diffs: dict[int, dict[str, float]] = {}
-    for budget in rt.budgets:
-        diffs[budget] = {}
-        for label, ids in validation_inputs(model).items():
-            with torch.inference_mode():
-                ref = model(ids, budget=budget).logits.float().numpy()
-            got = rt(ids.numpy(), budget=budget).astype(np.float32)
-            diff = float(np.abs(got - ref).max()) if got.shape == ref.shape else float("inf")
-            # fp32 kernels accumulate in different orders, so the limit scales with the
-            # logits once they exceed 1 (SmolLM2: |logits| ~ 36, diff ~ 2e-4 even with ORT
-            # optimisations off)
-            limit = atol * max(1.0, float(np.abs(ref).max()))
-            if not np.isfinite(diff) or diff > limit:
-                raise ExportError(
-                    f"budget {budget}: onnxruntime and PyTorch differ by {diff:.3g} on the {label} input "
-                    f"(limit {limit:.3g}); the export was discarded, please report this as a bug."
-                )
-            diffs[budget][label] = diff
-        log.info("budget %d validated: %s", budget, diffs[budget])
+    diffs: dict[tuple[int, str], dict[str, float]] = {}
+    for policy in rt.kv_policies:
+        for budget in rt.budgets:
+            diffs[budget, policy] = {}
+            for label, (ids, mask) in validation_prompts(model).items():
+                ref = generate(model, ids, attention_mask=mask, budget=budget, kv=policy, max_new_tokens=new_tokens,
+                               output_logits=True)
+                got = rt.generate(ids, attention_mask=mask, budget=budget, kv=policy, max_new_tokens=new_tokens,
+                                  output_logits=True)
+                diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(ref.logits, got.logits))
+                # fp32 kernels accumulate in different orders, so the limit scales with the logits
+                # once they exceed 1 (SmolLM2: |logits| ~ 36, diff ~ 2e-4 even with ORT optimisations off)
+                limit = atol * max(1.0, max(float(t.abs().max()) for t in ref.logits))
+                if not np.isfinite(diff) or diff > limit or not torch.equal(ref.sequences, got.sequences):
+                    raise ExportError(
+                        f"budget {budget} ({policy}): onnxruntime and PyTorch differ by {diff:.3g} on the {label} prompt "
+                        f"(limit {limit:.3g}){'' if torch.equal(ref.sequences, got.sequences) else ' and generate different tokens'}; "
+                        "the export was discarded, please report this as a bug."
+                    )
+                diffs[budget, policy][label] = diff
+            log.info("budget %d (%s) validated: %s", budget, policy, diffs[budget, policy])
     rt.close()
     return diffs

@@ -141,10 +141,32 @@ def kv_bytes_per_token(model: LoopedModel, budget: int, kv: str = "per-loop") ->
     return sum(s.kv_heads * s.head_dim * itemsize for s in path.slots)
 
 
-def _position_ids(mask: torch.Tensor) -> torch.Tensor:
+def position_ids(mask: torch.Tensor) -> torch.Tensor:
     """Positions of left-padded rows, as transformers' generate computes them."""
     pos = mask.long().cumsum(-1) - 1
     return pos.masked_fill(mask == 0, 1)
+
+
+def check_generation_args(input_ids, max_new_tokens, temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """One clear error for an empty prompt or out-of-range generation settings."""
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
+        raise LooptoolError(f"the prompt is empty (input_ids shape {tuple(input_ids.shape)}); give at least one token.")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise LooptoolError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}.")
+    if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):
+        raise LooptoolError("sampling settings out of range: temperature >= 0, 0 < top_p <= 1, top_k >= 1.")
+
+
+def logits_warpers(temperature: float, top_k: int | None, top_p: float | None) -> LogitsProcessorList | None:
+    """transformers' temperature / top-k / top-p warpers, or None for greedy decoding."""
+    if temperature <= 0:
+        return None
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k is not None:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p is not None and top_p < 1:
+        warpers.append(TopPLogitsWarper(top_p))
+    return warpers
 
 
 def _next_token(logits: torch.Tensor, ids: torch.Tensor, warpers: LogitsProcessorList | None, gen) -> torch.Tensor:
@@ -153,6 +175,76 @@ def _next_token(logits: torch.Tensor, ids: torch.Tensor, warpers: LogitsProcesso
     scores = warpers(ids, logits.float())
     probs = torch.softmax(scores, dim=-1)
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def decode_loop(
+    step: Step,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    capacity: int,
+    max_new_tokens: int,
+    mask_dtype: torch.dtype,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    on_step: Callable[[torch.Tensor], None] | None = None,
+    output_logits: bool = False,
+    kv_bytes: int = 0,
+) -> GenerationOutput:
+    """The prefill-then-decode loop shared by every runtime (PyTorch paths, exported engines).
+
+    ``step(ids, attention_mask, position_ids, cache_position)`` runs one cached step and
+    returns the next-token logits ``[batch, vocab]``; the loop owns the
+    ``[batch, capacity]`` mask (updated in place, so a runtime may bind it once), picks
+    tokens (greedy or transformers' warpers), stops rows at EOS and times both phases.
+    """
+    device = input_ids.device
+    batch, prompt = input_ids.shape
+    if prompt + max_new_tokens > capacity:
+        raise LooptoolError(f"the prompt ({prompt} tokens) plus {max_new_tokens} new tokens exceed the cache capacity "
+                            f"of {capacity}; raise the capacity or generate fewer tokens.")
+    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=device)
+    pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
+    warpers = logits_warpers(temperature, top_k, top_p)
+    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    mask = torch.zeros(batch, capacity, dtype=mask_dtype, device=device)
+    mask[:, :prompt] = 1 if attention_mask is None else attention_mask.to(device=device, dtype=mask_dtype)
+    ids = input_ids
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    position = position_ids(mask[:, :prompt])
+    t0 = time.perf_counter()
+    logits = step(ids, mask, position, torch.arange(prompt, device=device))
+    prefill = time.perf_counter() - t0
+    steps = 0
+    kept: list[torch.Tensor] = []
+    t1 = time.perf_counter()
+    for i in range(max_new_tokens):
+        if i > 0:
+            slot = prompt + i - 1
+            mask[:, slot] = 1
+            position = position[:, -1:] + 1
+            logits = step(ids[:, -1:], mask, position, torch.tensor([slot], device=device))
+        if output_logits:
+            kept.append(logits.clone())
+        token = _next_token(logits, ids, warpers, gen)
+        token = torch.where(done, torch.full_like(token, pad), token)
+        ids = torch.cat([ids, token[:, None]], dim=1)
+        steps += 1
+        if on_step is not None:
+            on_step(token)
+        if len(eos):
+            done |= torch.isin(token, eos)
+            if bool(done.all()):
+                break
+    decode = time.perf_counter() - t1
+    return GenerationOutput(ids, steps, prefill, decode, kv_bytes, kv_bytes / (batch * capacity), tuple(kept))
 
 
 @torch.no_grad()
@@ -183,59 +275,19 @@ def generate(
     ``output_logits=True`` keeps each step's next-token logits.
     """
     budget = model.check_budget(budget)
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
-        raise LooptoolError(f"the prompt is empty (input_ids shape {tuple(input_ids.shape)}); give at least one token.")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise LooptoolError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}.")
-    if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):
-        raise LooptoolError("sampling settings out of range: temperature >= 0, 0 < top_p <= 1, top_k >= 1.")
+    check_generation_args(input_ids, max_new_tokens, temperature, top_k, top_p)
     path = cached_paths(model, kv)[budget]
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    mask_dtype = model._mask_dtype
+    param = next(model.parameters())
     batch, prompt = input_ids.shape
-    length = prompt + max_new_tokens
-    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=device)
-    pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
-    warpers = None
-    if temperature > 0:
-        warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
-        if top_k is not None:
-            warpers.append(TopKLogitsWarper(top_k))
-        if top_p is not None and top_p < 1:
-            warpers.append(TopPLogitsWarper(top_p))
-    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    capacity = prompt + max_new_tokens
+    caches = allocate_cache(path, batch, capacity, dtype=param.dtype, device=param.device)
 
-    caches = allocate_cache(path, batch, length, dtype=dtype, device=device)
-    kv_bytes = sum(c.numel() * c.element_size() for c in caches)
-    mask = torch.zeros(batch, length, dtype=mask_dtype, device=device)
-    mask[:, :prompt] = 1 if attention_mask is None else attention_mask.to(device=device, dtype=mask_dtype)
-    ids = input_ids.to(device)
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
-    position = _position_ids(mask[:, :prompt])
-    t0 = time.perf_counter()
-    logits = path.module(ids, mask, position, torch.arange(prompt, device=device), *caches)
-    prefill = time.perf_counter() - t0
-    steps = 0
-    kept: list[torch.Tensor] = []
-    t1 = time.perf_counter()
-    for step in range(max_new_tokens):
-        if step > 0:
-            slot = prompt + step - 1
-            mask[:, slot] = 1
-            position = position[:, -1:] + 1
-            logits = path.module(ids[:, -1:], mask, position, torch.tensor([slot], device=device), *caches)
-        if output_logits:
-            kept.append(logits[:, -1])
-        token = _next_token(logits[:, -1], ids, warpers, gen)
-        token = torch.where(done, torch.full_like(token, pad), token)
-        ids = torch.cat([ids, token[:, None]], dim=1)
-        steps += 1
-        if on_step is not None:
-            on_step(token)
-        if len(eos):
-            done |= torch.isin(token, eos)
-            if bool(done.all()):
-                break
-    decode = time.perf_counter() - t1
-    return GenerationOutput(ids, steps, prefill, decode, kv_bytes, kv_bytes / (batch * length), tuple(kept))
+    def step(ids, mask, position, cache_position):
+        return path.module(ids, mask, position, cache_position, *caches)[:, -1]
+
+    return decode_loop(
+        step, input_ids.to(param.device), attention_mask, capacity=capacity, max_new_tokens=max_new_tokens,
+        mask_dtype=model._mask_dtype, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        eos_token_id=eos_token_id, pad_token_id=pad_token_id, on_step=on_step, output_logits=output_logits,
+        kv_bytes=sum(c.numel() * c.element_size() for c in caches),
+    )

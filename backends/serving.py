@@ -1,0 +1,243 @@
+"""The backend-neutral decode interface of exported engines.
+
+Every backend (onnxruntime now, TensorRT later) serves a budget path as one graph with a
+dynamic step length, so the same graph runs the prefill (``T`` prompt tokens) and each
+decode step (``T = 1``). Its interface follows onnxruntime-genai's names:
+
+inputs
+    ``input_ids [batch, step]`` int64, ``attention_mask [batch, capacity]`` (1 on the
+    cache slots that hold real tokens, including this step's), ``position_ids [batch,
+    step]`` int64, ``cache_position [step]`` int64 (the slots this step writes; genai has no
+    such input, transformers' static-cache exports do), and per cache pair ``j``
+    ``past_key_values.{j}.key`` / ``.value`` ``[batch, kv_heads, capacity, head_dim]``;
+outputs
+    ``logits [batch, 1, vocab]`` (the last position only, like ``logits_to_keep=1``), then
+    ``present.{j}.key`` / ``.value``: the caches with this step's keys and values written at
+    ``cache_position``, same shape as the past ones.
+
+The cache has a fixed capacity chosen by the caller; ``present`` may be bound to the very
+buffer ``past`` was read from (onnxruntime IOBinding), so nothing is copied per token. Pair
+``j`` is the ``j``-th attention execution to write a cache slot, in graph order; the
+:class:`CacheLayout` says which layer and which execution (a repeated layer's second pass,
+loop ``i`` of a recurrent block) it serves.
+
+:func:`serving_graph` builds that graph from the cached budget path
+(:func:`looptool.generation.cached_paths`): the in-place cache writes become functional
+writes whose results are returned, the LM head reads only the last position, and the
+fused ops replace their subgraphs. The arithmetic is the cached path's, op for op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import fx
+
+from looptool.errors import LooptoolError
+from looptool.graph import ROLE_HEAD, annotation, copy_graph
+
+INPUTS = ("input_ids", "attention_mask", "position_ids", "cache_position")
+LOGITS = "logits"
+_aten = torch.ops.aten
+
+
+def past_name(pair: int, kind: str) -> str:
+    """Input name of cache pair ``pair``, ``kind`` ``"k"`` or ``"v"``."""
+    return f"past_key_values.{pair}.{'key' if kind == 'k' else 'value'}"
+
+
+def present_name(pair: int, kind: str) -> str:
+    """Output name of cache pair ``pair``, ``kind`` ``"k"`` or ``"v"``."""
+    return f"present.{pair}.{'key' if kind == 'k' else 'value'}"
+
+
+@dataclass(frozen=True)
+class CachePair:
+    """One key/value cache pair: the cache of one attention execution."""
+
+    layer: int
+    execution: int  # 1: the layer's own pass; 2: a repeated layer's second pass / loop 2; ...
+    kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The cache pairs of one serving graph, in interface order, and their dtype."""
+
+    pairs: tuple[CachePair, ...]
+    dtype: str
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per cache element."""
+        return torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
+
+    def bytes_per_token(self) -> int:
+        """Key and value bytes one token occupies in all pairs, per batch row."""
+        return sum(2 * p.kv_heads * p.head_dim for p in self.pairs) * self.itemsize
+
+    def names(self) -> tuple[list[str], list[str]]:
+        """``(past input names, present output names)`` in interface order (key, value per pair)."""
+        past = [past_name(j, kind) for j in range(len(self.pairs)) for kind in "kv"]
+        present = [present_name(j, kind) for j in range(len(self.pairs)) for kind in "kv"]
+        return past, present
+
+    def to_dict(self) -> dict:
+        """JSON-ready form (stored in engine manifests)."""
+        return {"dtype": self.dtype, "pairs": [asdict(p) for p in self.pairs],
+                "shape": "[batch, kv_heads, capacity, head_dim]"}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CacheLayout:
+        """Inverse of :meth:`to_dict`; raises ``ValueError``/``KeyError``/``TypeError`` on a malformed entry."""
+        pairs = tuple(CachePair(int(p["layer"]), int(p["execution"]), int(p["kv_heads"]), int(p["head_dim"]))
+                      for p in data["pairs"])
+        if data["dtype"] not in ("float32", "float16", "bfloat16") or any(
+                min(p.kv_heads, p.head_dim) < 1 or p.execution < 1 for p in pairs):
+            raise ValueError("cache layout out of range")
+        return cls(pairs, str(data["dtype"]))
+
+
+@dataclass
+class ServingGraph:
+    """A budget path in the decode interface: ``module(*inputs)`` → ``(logits, *presents)``."""
+
+    module: fx.GraphModule
+    layout: CacheLayout
+    input_names: list[str]
+    output_names: list[str]
+    fused: dict[str, int]
+
+
+def serving_graph(model, budget: int, kv: str = "per-loop", *, fuse: bool = True) -> ServingGraph:
+    """The decode-interface graph of ``model`` at ``budget`` under KV policy ``kv``, reading
+    the model's own tensors (nothing is copied)."""
+    from looptool.generation import cached_paths
+    from looptool.graph import shared_graph_module
+    from looptool.passes.fuse import fuse_graph
+
+    path = cached_paths(model, kv)[model.check_budget(budget)]
+    graph, counts = fuse_graph(path.module.graph) if fuse else (copy_graph(path.module.graph), {})
+    order = functional_cache_writes(graph)
+    last_position_head(graph)
+    by_name = {s.name: s for s in path.slots}
+    pairs: list[CachePair] = []
+    names: dict[str, str] = {}
+    index: dict[tuple[int, int], int] = {}
+    for slot_name in order:
+        slot = by_name[slot_name]
+        key = (slot.layer, slot.execution)
+        if key not in index:
+            index[key] = len(pairs)
+            pairs.append(CachePair(slot.layer, slot.execution, slot.kv_heads, slot.head_dim))
+        names[slot_name] = past_name(index[key], slot.kind)
+    if len(names) != 2 * len(pairs):
+        raise LooptoolError(f"budget {budget}: the cached path's cache inputs do not form key/value pairs; please report this as a bug.")
+    _order_inputs(graph, names)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    layout = CacheLayout(tuple(pairs), dtype)
+    past, present = layout.names()
+    _order_outputs(graph, names, past)
+    graph.lint()
+    return ServingGraph(shared_graph_module(model, graph), layout, [*INPUTS, *past], [LOGITS, *present], dict(counts))
+
+
+def functional_cache_writes(graph: fx.Graph) -> list[str]:
+    """Turn every in-place cache write (``index_copy_`` on a cache input) into the functional
+    ``index_copy``; later readers of the cache read the write's result, and the graph returns
+    ``(logits, last write of each cache...)``. Returns the cache input names in the order
+    of their first write."""
+    caches = {n for n in graph.nodes if n.op == "placeholder" and "kv" in annotation(n)}
+    current: dict[fx.Node, fx.Node] = {}
+    order: list[str] = []
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is _aten.index_copy_.default and node.args[0] in caches:
+            base = node.args[0]
+            source = current.get(base, base)
+            with graph.inserting_before(node):
+                new = graph.call_function(_aten.index_copy.default, (source, *node.args[1:]), dict(node.kwargs))
+            new.meta = dict(node.meta)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            if base not in current:
+                order.append(str(base.target))
+            current[base] = new
+            continue
+        if node.op == "output":
+            continue
+        for base, latest in current.items():  # a later read of a written cache reads the write
+            if base in node.all_input_nodes and node is not latest:
+                node.replace_input_with(base, latest)
+    unwritten = sorted(str(c.target) for c in caches if c not in current)
+    if unwritten:
+        raise LooptoolError(f"cache input(s) {unwritten} are never written; this graph is not a cached decode step.")
+    output = graph.output_node()
+    (logits,) = _flatten(output.args[0])
+    output.args = ((logits, *(current[c] for c in sorted(current, key=lambda c: order.index(str(c.target))))),)
+    return order
+
+
+def last_position_head(graph: fx.Graph) -> int:
+    """Make the LM head read only the last position: every hidden state entering a head
+    node from outside the head is sliced to ``[:, -1:]``. Returns how many inputs were sliced."""
+    head = [n for n in graph.nodes if annotation(n).get("role") == ROLE_HEAD]
+    if not head:
+        raise LooptoolError("the graph has no node marked as the LM head; cannot keep only the last position.")
+    members = set(head)
+    sliced = 0
+    for node in head:
+        for inp in node.all_input_nodes:
+            if inp in members or inp.op == "get_attr":
+                continue
+            val = inp.meta.get("val")
+            if not isinstance(val, torch.Tensor) or val.dim() != 3:
+                continue
+            with graph.inserting_after(inp):
+                cut = graph.call_function(_aten.slice.Tensor, (inp, 1, -1, 9223372036854775807))
+            cut.meta = {k: v for k, v in inp.meta.items() if k != "val"}
+            node.replace_input_with(inp, cut)
+            sliced += 1
+    if not sliced:
+        raise LooptoolError("found no hidden-state input of the LM head to slice; please report this as a bug.")
+    return sliced
+
+
+def _order_inputs(graph: fx.Graph, names: dict[str, str]) -> None:
+    """Put the placeholders in interface order: the four step inputs, then the cache pairs
+    by index, key before value (FX placeholder names stay Python identifiers; the interface
+    names are given to the exporter)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    interface = {n: (INPUTS.index(n.target), 0, 0) if n.target in INPUTS else (len(INPUTS), *_pair_order(names[n.target]))
+                 for n in placeholders}
+    first = placeholders[0]
+    for node in sorted(placeholders, key=interface.__getitem__, reverse=True):
+        if node is not first:
+            first.prepend(node)
+        first = node
+
+
+def _pair_order(name: str) -> tuple[int, int]:
+    _, pair, kind = name.split(".")
+    return int(pair), 0 if kind == "key" else 1
+
+
+def _order_outputs(graph: fx.Graph, names: dict[str, str], past: list[str]) -> None:
+    """Return ``(logits, present...)`` with present ``j`` the last write of past ``j``."""
+    output = graph.output_node()
+    logits, *writes = output.args[0]
+    by_past = {}
+    for write in writes:
+        base = write
+        while base.op != "placeholder":
+            base = base.args[0]
+        by_past[names[base.target]] = write
+    output.args = ((logits, *(by_past[name] for name in past)),)
+
+
+def _flatten(value) -> list:
+    if isinstance(value, (tuple, list)):
+        return [x for v in value for x in _flatten(v)]
+    return [value]
+
