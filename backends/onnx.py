@@ -359,18 +359,16 @@ def _export_graph(sg, budget: int, policy: str, directory: Path, store: WeightSt
 
 
 def _compose(sg, library) -> tuple[object, dict[str, int]]:
-    """The serving graph exported as glue plus calls of layer functions."""
-    from looptool.backends.onnx_layers import translation
+    """The serving graph as calls of functions, each distinct body exported once."""
+    from looptool.backends.onnx_functions import OPSET
 
-    outer = library.outline(sg)
-    library.record_examples(outer, sg.layout)
-    library.export_functions(lambda module, example, shapes: _body_model(module, example, shapes))
-    args, shapes = serving_example(sg)
-    with library.active():
-        program = export_program(outer, args, shapes, input_names=sg.input_names, output_names=sg.output_names,
-                                 extra_translations=translation())
-    onnx_model = program.model
-    calls = library.compose(onnx_model)
+    comp = library.partition(sg)
+    library.record_examples(comp, sg.layout)
+    library.export_functions(_body_model)
+    onnx_model = library.assemble(comp, sg, {"": OPSET})
+    calls: dict[str, int] = {}
+    for unit in comp.units:
+        calls[unit.body.name] = calls.get(unit.body.name, 0) + 1
     return onnx_model, calls
 
 

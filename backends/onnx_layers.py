@@ -1,80 +1,60 @@
-"""Compose budget graphs from layer functions: each distinct layer body is exported once.
+"""Compose serving graphs from ONNX functions: each distinct body is exported once.
 
 A budget path is a sequence of the same few layer bodies (a layer's own pass, a repeated
-layer's gated second pass, loop ``i`` of a recurrent block) over different weights. Tracing
-every budget from scratch re-exports each body dozens of times. Instead:
+layer's gated second pass, loop ``i`` of a recurrent block) over different weights, with
+the same prologue (embedding, masks, rotary tables) and epilogue (norm, head) around them.
+Tracing every budget from scratch re-exports each body dozens of times. Instead:
 
-1. every layer application of a serving graph is outlined (the ``checkpoint`` pass's
-   regions, weights entering as inputs); symbolic sizes a region reads from outside are
-   recomputed inside it from tensors, so a body depends on tensors only;
-2. bodies with the same code (op for op, same weight shapes) get one key; the outer graph
-   calls ``looptool::layer_call(inputs, key)`` instead (an opaque op whose fake kernel runs
-   the body, so the exporter sees only the glue: embedding, masks, rotary tables, the ELR
-   state updates, the head);
-3. each distinct body is exported once with ``torch.onnx.export`` and becomes an ONNX
-   function ``looptool.layers::Layer<k>``; each outer graph is exported (seconds) and its
-   ``layer_call`` nodes become calls of those functions.
+1. the serving graph is cut into units: every layer application (the ``checkpoint``
+   pass's regions) and every run of glue between them; weights enter as inputs, and
+   symbolic sizes a unit reads from outside are recomputed inside it from tensors, so a
+   body depends on tensors only;
+2. units with the same code (op for op, same weight shapes) share one body;
+3. each distinct body is exported once with ``torch.onnx.export`` (dynamic batch, step and
+   capacity) and becomes the ONNX function ``looptool.layers::Layer<k>``;
+4. the top-level graph is assembled directly: the interface inputs, the weights as
+   initializers, one function call per unit, the interface outputs. Nothing is traced per
+   budget.
 
-onnxruntime inlines model-local functions when it loads a graph, so the composed graph
-runs (and is optimised) exactly like the flat one; the files stay small. The export of a
-graph falls back to the flat path if composing it fails; validation checks either.
+onnxruntime inlines model-local functions when it loads a graph, so a composed graph runs
+(and is optimised) like a flat one, and the files stay small. Export falls back to tracing
+a graph flat when composing it fails; validation checks either.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import time
-import warnings
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 import torch
 from torch import fx
 
-from looptool.backends.serving import INPUTS, ServingGraph
+from looptool.backends.serving import LOGITS, ServingGraph
 from looptool.errors import LooptoolError
 
 log = logging.getLogger(__name__)
 
 LAYER_DOMAIN = "looptool.layers"
-_TRACE_DOMAIN = "looptool.trace"  # placeholder nodes between the outer export and composing
-# Example sizes for the one eager run that records each body's inputs. Distinct odd values
+# Example sizes for the one eager run that records each body's inputs: distinct odd values
 # that no model dimension is likely to equal, so the body exports keep them symbolic.
 EXAMPLE_BATCH, EXAMPLE_STEP, EXAMPLE_CAPACITY = 11, 7, 19
-_ACTIVE: dict[int, LayerBody] = {}  # bodies reachable by the layer_call op during an export
+_DIM_NAMES = {EXAMPLE_BATCH: "batch", EXAMPLE_STEP: "step", EXAMPLE_CAPACITY: "capacity"}
+_DERIVED = {EXAMPLE_BATCH * EXAMPLE_STEP, EXAMPLE_BATCH * EXAMPLE_CAPACITY, EXAMPLE_STEP * EXAMPLE_CAPACITY,
+            EXAMPLE_BATCH * EXAMPLE_STEP * EXAMPLE_CAPACITY}
 
 
 class ComposeError(LooptoolError):
-    """A graph could not be composed from layer functions (the flat export is used)."""
-
-
-@torch.library.custom_op("looptool::layer_call", mutates_args=())
-def layer_call(inputs: list[torch.Tensor], key: int) -> list[torch.Tensor]:
-    """Run layer body ``key`` (export-time only; see :class:`LayerLibrary`)."""
-    body = _body(key)
-    outputs = body.module(*inputs)
-    if body.example is None:
-        body.example = [t.detach().clone() for t in inputs]
-    return [o.clone() for o in outputs]
-
-
-@layer_call.register_fake
-def _layer_call_fake(inputs, key):
-    return list(_body(key).module(*inputs))
-
-
-def _body(key: int) -> LayerBody:
-    if key not in _ACTIVE:
-        raise ComposeError(f"layer body {key} is not registered (layer_call runs only inside LayerLibrary.active()).")
-    return _ACTIVE[key]
+    """A graph could not be composed from functions (the flat export is used)."""
 
 
 @dataclass
 class LayerBody:
-    """One distinct layer body: an FX graph of tensors (weights are inputs)."""
+    """One distinct body: an FX graph of tensors (weights are inputs)."""
 
     index: int
     graph: fx.Graph
@@ -94,206 +74,277 @@ class LayerBody:
         return f"Layer{self.index}"
 
 
+@dataclass
+class Unit:
+    """One call of a body in a composed graph: the FX nodes it replaces and what it reads."""
+
+    nodes: list[fx.Node]
+    inputs: list[fx.Node]  # placeholders, weights or other units' outputs, in body-input order
+    graph: fx.Graph  # the body graph built from ``nodes`` (before deduplication)
+    outputs: list[fx.Node] = field(default_factory=list)
+    body: LayerBody | None = None
+
+
+@dataclass
+class Composition:
+    """A serving graph as an ordered list of body calls (see :meth:`LayerLibrary.partition`)."""
+
+    graph: fx.Graph
+    module: fx.GraphModule  # the serving graph's module (weights and constants)
+    units: list[Unit]
+
+
 class LayerLibrary:
-    """The distinct layer bodies of a set of serving graphs, each exported once."""
+    """The distinct bodies of a set of serving graphs, each exported once."""
 
     def __init__(self):
         self.bodies: dict[str, LayerBody] = {}
 
-    def outline(self, sg: ServingGraph) -> fx.GraphModule:
-        """The serving graph with every layer application replaced by a ``layer_call``."""
-        from looptool.graph import shared_graph_module
-        from looptool.passes.checkpoint import Region, checkpoint_regions
+    def partition(self, sg: ServingGraph) -> Composition:
+        """Cut ``sg`` into units (layer applications and the glue runs between them) and
+        register their bodies."""
+        from looptool.passes.checkpoint import regions_of
 
-        outer = checkpoint_regions(sg.module.graph, checkpoint=False)
-        for node in list(outer.nodes):
-            if node.op == "call_function" and isinstance(node.target, Region):
-                inputs, body = _tensor_body(outer, node)
-                weights = tuple(i.op == "get_attr" for i in inputs)
-                key = _canonical(body, [i.meta.get("val") for i in inputs], weights)
-                entry = self.bodies.get(key)
-                if entry is None:
-                    entry = self.bodies[key] = LayerBody(len(self.bodies), body, weights)
-                node.target = torch.ops.looptool.layer_call.default
-                node.args = (list(inputs), entry.index)
-        outer.eliminate_dead_code()
-        outer.lint()
-        return shared_graph_module(sg.module, outer)
+        graph = sg.module.graph
+        groups: list[list[fx.Node]] = list(regions_of(graph))
+        in_layer = {n for region in groups for n in region}
+        current: list[fx.Node] | None = None
+        for node in graph.nodes:
+            if node in in_layer:
+                current = None  # a layer application ends a glue run
+                continue
+            if node.op != "call_function" or _is_symbolic(node):
+                continue  # inputs, weights and sizes belong to no unit
+            if current is None:
+                current = []
+                groups.append(current)
+            current.append(node)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        units = []
+        for nodes in groups:
+            nodes.sort(key=order.__getitem__)
+            inputs, body = _unit_graph(nodes, order)
+            units.append(Unit(nodes, inputs, body))
+        wanted = {n for u in units for n in u.inputs} | set(_flatten(graph.output_node().args[0]))
+        kept = []
+        for unit in units:
+            unit.outputs = [n for n in unit.nodes if n in wanted]
+            if not unit.outputs:
+                continue  # e.g. a lone metadata assertion
+            _set_outputs(unit.graph, unit.outputs)
+            weights = tuple(i.op == "get_attr" for i in unit.inputs)
+            key = _canonical(unit.graph, [i.meta.get("val") for i in unit.inputs], weights)
+            if key not in self.bodies:
+                self.bodies[key] = LayerBody(len(self.bodies), unit.graph, weights)
+            unit.body = self.bodies[key]
+            kept.append(unit)
+        return Composition(graph, sg.module, _topological(kept))
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        """Make the bodies callable by ``layer_call`` (the op's fake kernel runs them)."""
-        by_index = {b.index: b for b in self.bodies.values()}
-        clash = set(_ACTIVE) & set(by_index)
-        if clash:
-            raise ComposeError("another layer library is active in this process; compose one export at a time.")
-        _ACTIVE.update(by_index)
-        try:
-            yield
-        finally:
-            for index in by_index:
-                _ACTIVE.pop(index, None)
-
-    def record_examples(self, outer: fx.GraphModule, layout) -> None:
-        """Run ``outer`` once on example inputs so every body it calls records its inputs."""
-        if all(b.example is not None for b in self.bodies.values()):
+    def record_examples(self, comp: Composition, layout) -> None:
+        """Run the units once on example inputs so every body records its inputs."""
+        if all(u.body.example is not None for u in comp.units):
             return
-        with self.active(), torch.no_grad():
-            outer(*example_inputs(outer, layout))
+        placeholders = [n for n in comp.graph.nodes if n.op == "placeholder"]
+        values: dict[fx.Node, torch.Tensor] = dict(zip(placeholders, example_inputs(comp, layout)))
+        with torch.no_grad():
+            for unit in comp.units:
+                args = [values[i] if i in values else _fetch(comp.module, i) for i in unit.inputs]
+                if unit.body.example is None:
+                    unit.body.example = [a.detach().clone() for a in args]
+                values.update(zip(unit.outputs, unit.body.module(*args)))
 
-    def export_functions(self, export) -> None:
+    def export_functions(self, export: Callable) -> None:
         """Export every body not yet exported: ``export(module, example, dynamic_shapes)``
         returns an ``onnx_ir`` model, turned here into an ONNX function."""
         for body in self.bodies.values():
             if body.function is not None:
                 continue
             if body.example is None:
-                raise ComposeError(f"layer body {body.index} has no example inputs; record them first.")
+                raise ComposeError(f"body {body.index} has no example inputs; record them first.")
             t0 = time.perf_counter()
             shapes = [None if w else _dims(t, body) for t, w in zip(body.example, body.weights)]
             model = export(body.module, tuple(body.example), shapes)
             _check_symbolic(model, body)
             body.function, body.functions = _as_function(model, body.name)
             body.seconds = time.perf_counter() - t0
-            log.info("exported layer body %d (%d nodes) in %.1f s", body.index, len(body.function.node), body.seconds)
+            log.info("exported body %d (%d nodes) in %.1f s", body.index, len(body.function.node), body.seconds)
 
-    def compose(self, onnx_model) -> dict[str, int]:
-        """Swap the ``layer_call`` placeholder nodes of an exported outer graph for calls of
-        the layer functions and add the functions; returns calls per function."""
+    def assemble(self, comp: Composition, sg: ServingGraph, opset: dict[str, int]):
+        """The top-level ``onnx_ir`` model of a composition: interface inputs, weights as
+        initializers, one function call per unit, interface outputs."""
         import onnx_ir as ir
 
-        by_index = {b.index: b for b in self.bodies.values()}
-        counts: dict[str, int] = {}
-        used: dict[int, LayerBody] = {}
-        for node in list(onnx_model.graph):
-            if node.domain != _TRACE_DOMAIN:
-                continue
-            body = by_index[node.attributes["key"].value]
-            node.domain, node.op_type = LAYER_DOMAIN, body.name
-            node.attributes.pop("key")
-            used[body.index] = body
-            counts[body.name] = counts.get(body.name, 0) + 1
-        for body in used.values():
+        types = _interface_types(sg)
+        placeholders = [n for n in comp.graph.nodes if n.op == "placeholder"]
+        values: dict[fx.Node, ir.Value] = {}
+        for node, name in zip(placeholders, sg.input_names):
+            values[node] = ir.Value(name=name, type=ir.TensorType(types[name][0]), shape=ir.Shape(types[name][1]))
+        graph_inputs = [values[n] for n in placeholders]
+        initializers: dict[str, ir.Value] = {}
+        nodes = []
+        for unit in comp.units:
+            args = []
+            for i in unit.inputs:
+                if i not in values:
+                    if i.op != "get_attr":
+                        raise ComposeError(f"unit input '{i.name}' is produced by no earlier unit.")
+                    name = str(i.target)
+                    if name not in initializers:
+                        array = _fetch(comp.module, i).detach().cpu().contiguous().numpy()
+                        initializers[name] = ir.Value(name=name, const_value=ir.tensor(array, name=name))
+                    values[i] = initializers[name]
+                args.append(values[i])
+            call = ir.Node(LAYER_DOMAIN, unit.body.name, args, num_outputs=len(unit.outputs),
+                           name=f"call_{unit.outputs[-1].name}")
+            for node, out in zip(unit.outputs, call.outputs):
+                out.name = node.name
+                values[node] = out
+            nodes.append(call)
+        outputs = []
+        for node, name in zip(_flatten(comp.graph.output_node().args[0]), sg.output_names):
+            value = values[node]
+            if value in outputs or value in graph_inputs:
+                raise ComposeError(f"output '{name}' is not a distinct computed value.")
+            value.name, value.type, value.shape = name, ir.TensorType(types[name][0]), ir.Shape(types[name][1])
+            outputs.append(value)
+        graph = ir.Graph(graph_inputs, outputs, nodes=nodes, initializers=list(initializers.values()),
+                         opset_imports={**opset, LAYER_DOMAIN: 1}, name="looptool_serving")
+        model = ir.Model(graph, ir_version=10, producer_name="looptool")
+        for body in {u.body.index: u.body for u in comp.units}.values():
             for proto in [body.function, *body.functions]:
                 fn = ir.serde.deserialize_function(proto)
-                onnx_model.functions.setdefault(fn.identifier(), fn)
+                model.functions.setdefault(fn.identifier(), fn)
                 for domain, version in fn.opset_imports.items():
-                    onnx_model.opset_imports.setdefault(domain, version)
-        if used:
-            onnx_model.opset_imports[LAYER_DOMAIN] = 1
-        return counts
+                    graph.opset_imports.setdefault(domain, version)
+        return model
 
 
-def translation() -> dict:
-    """Custom translation for ``layer_call``: one placeholder node per call, later replaced
-    by a function call (:meth:`LayerLibrary.compose`)."""
-    import onnxscript
-
-    trace = onnxscript.values.Opset(_TRACE_DOMAIN, 1)
-
-    def _layer_call(inputs, key):
-        outputs = len(_body(key).module.graph.output_node().args[0])
-        return getattr(trace, _trace_schema(len(inputs), outputs))(*inputs, key=key)
-
-    return {torch.ops.looptool.layer_call.default: _layer_call}
-
-
-def _trace_schema(inputs: int, outputs: int) -> str:
-    """Register (once) the schema of a placeholder op with this many inputs and outputs."""
-    from onnx import defs
-
-    name = f"Call{inputs}x{outputs}"
-    if not defs.has(name, _TRACE_DOMAIN):
-        tensor_types = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)", "tensor(int64)",
-                        "tensor(int32)", "tensor(bool)"]
-        schema = defs.OpSchema(
-            name, _TRACE_DOMAIN, 1,
-            inputs=[defs.OpSchema.FormalParameter(f"i{i}", f"T{i}") for i in range(inputs)],
-            outputs=[defs.OpSchema.FormalParameter(f"o{i}", f"U{i}") for i in range(outputs)],
-            type_constraints=[(f"T{i}", tensor_types, "") for i in range(inputs)]
-            + [(f"U{i}", tensor_types, "") for i in range(outputs)],
-            attributes=[defs.OpSchema.Attribute("key", defs.OpSchema.AttrType.INT, "layer body")],
-        )
-        defs.register_schema(schema)
-    return name
-
-
-def example_inputs(outer: fx.GraphModule, layout) -> list[torch.Tensor]:
+def example_inputs(comp: Composition, layout) -> list[torch.Tensor]:
     """A prefill step of ``EXAMPLE_STEP`` tokens for ``EXAMPLE_BATCH`` rows into caches of
-    ``EXAMPLE_CAPACITY`` slots, on the graph's device and in the layout's dtype."""
-    device = next((p.device for p in outer.parameters()), torch.device("cpu"))
+    ``EXAMPLE_CAPACITY`` slots, in the layout's dtype."""
     b, t, s = EXAMPLE_BATCH, EXAMPLE_STEP, EXAMPLE_CAPACITY
-    placeholders = [n for n in outer.graph.nodes if n.op == "placeholder"]
-    mask_dtype = placeholders[1].meta["val"].dtype if "val" in placeholders[1].meta else torch.long
-    mask = torch.zeros(b, s, dtype=mask_dtype, device=device)
+    placeholders = [n for n in comp.graph.nodes if n.op == "placeholder"]
+    mask = torch.zeros(b, s, dtype=placeholders[1].meta["val"].dtype)
     mask[:, :t] = 1
-    ids = torch.randint(0, 2, (b, t), generator=torch.Generator().manual_seed(0)).to(device)  # valid in any vocab
+    ids = torch.randint(0, 2, (b, t), generator=torch.Generator().manual_seed(0))  # valid in any vocabulary
     dtype = getattr(torch, layout.dtype)
-    caches = [torch.zeros(b, p.kv_heads, s, p.head_dim, dtype=dtype, device=device)
-              for p in layout.pairs for _ in "kv"]
-    steps = torch.arange(t, device=device)
+    caches = [torch.zeros(b, p.kv_heads, s, p.head_dim, dtype=dtype) for p in layout.pairs for _ in "kv"]
+    steps = torch.arange(t)
     return [ids, mask, steps.expand(b, t), steps, *caches]
 
 
-def _tensor_body(outer: fx.Graph, call: fx.Node) -> tuple[list[fx.Node], fx.Graph]:
-    """``(tensor inputs, body graph)`` of one region call; symbolic sizes the region reads
-    from outside are recomputed in the body from tensors (added as inputs if needed)."""
-    region = call.target
-    args = list(call.args)
-    inputs: list[fx.Node] = [a for a in args if _is_tensor(a)]
-    chains: list[fx.Node] = []
-    for arg in args:
-        if not _is_tensor(arg):
-            _symbolic_chain(arg, chains, inputs)
-    order = {n: i for i, n in enumerate(outer.nodes)}
-    chains.sort(key=order.__getitem__)
+def _interface_types(sg: ServingGraph) -> dict[str, tuple]:
+    """ONNX element type and symbolic shape of every interface input and output."""
+    import onnx_ir as ir
+
+    float_type = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16}[sg.layout.dtype]
+    placeholders = [n for n in sg.module.graph.nodes if n.op == "placeholder"]
+    mask = ir.DataType.from_numpy(np.dtype(str(placeholders[1].meta["val"].dtype).removeprefix("torch.")))
+    vocab = int(sg.module.get_submodule("").config.vocab_size) if hasattr(sg.module, "config") else "vocab"
+    out = {
+        "input_ids": (ir.DataType.INT64, ["batch", "step"]),
+        "attention_mask": (mask, ["batch", "capacity"]),
+        "position_ids": (ir.DataType.INT64, ["batch", "step"]),
+        "cache_position": (ir.DataType.INT64, ["step"]),
+        LOGITS: (float_type, ["batch", 1, vocab]),
+    }
+    past, present = sg.layout.names()
+    for j, pair in enumerate(sg.layout.pairs):
+        for name in (past[2 * j], past[2 * j + 1], present[2 * j], present[2 * j + 1]):
+            out[name] = (float_type, ["batch", pair.kv_heads, "capacity", pair.head_dim])
+    return out
+
+
+def _is_symbolic(node: fx.Node) -> bool:
+    """A size or other Python scalar computed in the graph (recomputed where it is read)."""
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+
+
+def _fetch(module: torch.nn.Module, node: fx.Node) -> torch.Tensor:
+    obj = module
+    for part in str(node.target).split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _flatten(value) -> list:
+    if isinstance(value, (tuple, list)):
+        return [x for v in value for x in _flatten(v)]
+    return [value]
+
+
+def _unit_graph(nodes: list[fx.Node], order: dict) -> tuple[list[fx.Node], fx.Graph]:
+    """``(inputs, body graph without output)`` of one unit: tensors and weights read from
+    outside are inputs; sizes read from outside are recomputed in the body from tensors."""
+    members = set(nodes)
+    inputs: list[fx.Node] = []
+    chain: list[fx.Node] = []
+
+    def need(source: fx.Node) -> None:
+        if source in members or source in chain or source in inputs:
+            return
+        if source.op == "call_function" and _is_symbolic(source):
+            chain.append(source)
+            for s in source.all_input_nodes:
+                need(s)
+        else:
+            inputs.append(source)
+
+    for node in nodes:
+        for source in node.all_input_nodes:
+            need(source)
     body = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for i, node in enumerate(inputs):
         env[node] = body.placeholder(f"in{i}")
         env[node].meta = dict(node.meta)
-    for node in chains:
+    for node in sorted([*nodes, *chain], key=order.__getitem__):
         env[node] = body.node_copy(node, lambda n: env[n])
-    inner = {p: a for p, a in zip((n for n in region.graph.nodes if n.op == "placeholder"), args)}
-    for node in region.graph.nodes:
-        if node.op == "placeholder":
-            env[node] = env[inner[node]]
-        else:
-            env[node] = body.node_copy(node, lambda n: env[n])
     return inputs, body
 
 
-def _is_tensor(node) -> bool:
-    return isinstance(node, fx.Node) and (node.op == "get_attr" or isinstance(node.meta.get("val"), torch.Tensor)
-                                          or node.meta.get("val") is None)
+def _set_outputs(body: fx.Graph, outputs: list[fx.Node]) -> None:
+    by_name = {n.name: n for n in body.nodes}
+    body.output(tuple(by_name[n.name] for n in outputs))
+    body.eliminate_dead_code()
+    body.lint()
 
 
-def _symbolic_chain(node: fx.Node, chain: list[fx.Node], inputs: list[fx.Node]) -> None:
-    """Collect the nodes computing symbolic size ``node`` from tensors (which join ``inputs``)."""
-    if node in chain or node in inputs:
-        return
-    if not isinstance(node, fx.Node) or node.op != "call_function":
-        raise ComposeError(f"a layer reads the symbolic size '{node}' that is not computed from tensors.")
-    chain.append(node)
-    for source in node.all_input_nodes:
-        if _is_tensor(source):
-            if source not in inputs:
-                inputs.append(source)
-        else:
-            _symbolic_chain(source, chain, inputs)
+def _topological(units: list[Unit]) -> list[Unit]:
+    """Units ordered so that each reads only earlier units' outputs (graph order breaks ties)."""
+    producer = {n: u for u in units for n in u.outputs}
+    done: list[Unit] = []
+    state: dict[int, str] = {}
+
+    def visit(unit: Unit) -> None:
+        if state.get(id(unit)) == "done":
+            return
+        if state.get(id(unit)) == "active":
+            raise ComposeError("units depend on each other in a cycle.")
+        state[id(unit)] = "active"
+        for i in unit.inputs:
+            if i in producer:
+                visit(producer[i])
+        state[id(unit)] = "done"
+        done.append(unit)
+
+    for unit in units:
+        visit(unit)
+    return done
 
 
 def _canonical(body: fx.Graph, vals: list, weights: tuple[bool, ...]) -> str:
     """A key equal for bodies with the same code and the same weight shapes."""
     index: dict[fx.Node, int] = {}
     parts: list[str] = []
+    inputs = 0
     for i, node in enumerate(body.nodes):
         index[node] = i
         if node.op == "placeholder":
-            j = len([n for n in index if n.op == "placeholder"]) - 1
-            val = vals[j]
-            shape = tuple(val.shape) if weights[j] and isinstance(val, torch.Tensor) else None
-            parts.append(f"P{weights[j]}{getattr(val, 'dtype', None)}{shape}")
+            val = vals[inputs]
+            shape = tuple(val.shape) if weights[inputs] and isinstance(val, torch.Tensor) else None
+            parts.append(f"P{weights[inputs]}{getattr(val, 'dtype', None)}{shape}")
+            inputs += 1
             continue
         args = fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{index[n]}")
         parts.append(f"{node.op}:{_target_name(node.target)}:{args}")
@@ -311,30 +362,23 @@ def _dims(example: torch.Tensor, body: LayerBody) -> dict:
     """Named dynamic dims of one activation input, recognised by their example sizes."""
     from torch.export import Dim
 
-    names = {EXAMPLE_BATCH: "batch", EXAMPLE_STEP: "step", EXAMPLE_CAPACITY: "capacity"}
-    derived = {EXAMPLE_BATCH * EXAMPLE_STEP, EXAMPLE_BATCH * EXAMPLE_CAPACITY, EXAMPLE_STEP * EXAMPLE_CAPACITY,
-               EXAMPLE_BATCH * EXAMPLE_STEP * EXAMPLE_CAPACITY}
     out = {}
     for d, size in enumerate(example.shape):
-        if size in derived:
-            raise ComposeError(f"layer body {body.index} reads a tensor with a flattened dynamic dimension ({size}); using the flat export.")
-        if size in names:
-            out[d] = _DIMS.setdefault(names[size], Dim(names[size]))
+        if size in _DERIVED:
+            raise ComposeError(f"body {body.index} reads a tensor with a flattened dynamic dimension ({size}).")
+        if size in _DIM_NAMES:
+            out[d] = Dim(_DIM_NAMES[size])
     return out
 
 
-_DIMS: dict = {}  # one Dim object per name, so equal names are one symbol within an export
-
-
 def _check_symbolic(model, body: LayerBody) -> None:
-    """Refuse a body export that specialised a batch, step or capacity dimension."""
-    dynamic = {EXAMPLE_BATCH, EXAMPLE_STEP, EXAMPLE_CAPACITY}
+    """Refuse a body export that fixed a batch, step or capacity dimension."""
     for value, tensor, weight in zip(model.graph.inputs, body.example, body.weights):
         if weight or value.shape is None:
             continue
         for dim, size in zip(value.shape, tensor.shape):
-            if isinstance(dim, int) and size in dynamic:
-                raise ComposeError(f"layer body {body.index} was exported with a fixed size {size}; using the flat export.")
+            if isinstance(dim, int) and size in _DIM_NAMES:
+                raise ComposeError(f"body {body.index} was exported with a fixed size {size}.")
 
 
 def _as_function(model, name: str) -> tuple[onnx.FunctionProto, list[onnx.FunctionProto]]:
@@ -346,15 +390,8 @@ def _as_function(model, name: str) -> tuple[onnx.FunctionProto, list[onnx.Functi
     constants = [onnx.helper.make_node("Constant", [], [init.name], value=init) for init in graph.initializer]
     inputs = [i.name for i in graph.input]
     outputs = [o.name for o in graph.output]
-    if set(outputs) & set(inputs):
-        raise ComposeError(f"layer body {name} returns one of its inputs unchanged; using the flat export.")
+    if len(inputs) != len(model.graph.inputs) or set(outputs) & set(inputs):
+        raise ComposeError(f"body {name} passes an input through unchanged or lost an input.")
     opsets = [onnx.helper.make_opsetid(o.domain, o.version) for o in proto.opset_import]
     function = onnx.helper.make_function(LAYER_DOMAIN, name, inputs, outputs, [*constants, *graph.node], opsets)
     return function, list(proto.functions)
-
-
-def export_quietly(call):
-    """Run an exporter call with its chatty warnings about axis names filtered."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*axis name.*", category=UserWarning)
-        return call()
