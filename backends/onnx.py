@@ -27,6 +27,7 @@ step) before the directory is committed; a failure leaves nothing behind.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -143,6 +144,8 @@ class ExportReport:
     seconds: float
     layer_functions: int = 0  # distinct layer bodies exported
     layer_seconds: float = 0.0  # time spent exporting them
+    validation_seconds: float = 0.0
+    fusions: dict[str, dict[str, int]] = field(default_factory=dict)  # onnxruntime fusions per body
 
     @property
     def total_bytes(self) -> int:
@@ -208,6 +211,7 @@ def export_onnx(
     *,
     kv: str | Iterable[str] = "per-loop",
     compose: bool = True,
+    ort_fusions: bool = False,
     overwrite: bool = False,
     validate: bool = True,
     atol: float = DEFAULT_ATOL,
@@ -218,7 +222,9 @@ def export_onnx(
     policy (``kv``: ``per-loop``, ``last-loop``, a comma-separated list or ``all``).
 
     ``compose=True`` builds the graphs from layer functions, each distinct layer body
-    exported once (falls back to a flat export per graph where that fails). Unless
+    exported once (falls back to a flat export per graph where that fails).
+    ``ort_fusions=True`` rewrites each body with onnxscript's onnxruntime fusions (RMSNorm,
+    skip-RMSNorm, attention as ``com.microsoft`` ops): onnxruntime-only graphs. Unless
     ``validate=False`` every graph is run with onnxruntime, prefill then step-by-step
     decoding, against the PyTorch cached path (max abs diff ≤ ``atol × max(1, max
     |logits|)``).
@@ -233,7 +239,7 @@ def export_onnx(
     _check_exportable(model)
     final, temp = prepare_output_dir(output, overwrite)
     t0 = time.perf_counter()
-    library = LayerLibrary() if compose else None
+    library = LayerLibrary(ort_fusions=ort_fusions) if compose else None
     try:
         store = WeightStore(temp / WEIGHTS)
         known = _model_tensor_digests(model)
@@ -251,20 +257,24 @@ def export_onnx(
             store.close()
         if model.tokenizer is not None:  # so `looptool run` can encode prompts from the engine alone
             model.tokenizer.save_pretrained(temp)
-        _write_manifest(model, temp, store, graphs)
+        functions = library.fusions() if library else {}
+        _write_manifest(model, temp, store, graphs, functions, ort_fusions)
+        t_validate = time.perf_counter()
         if validate:
             say("validating with onnxruntime")
             diffs = validate_engine(model, temp, atol=atol)
             for r in results:
                 r.max_abs_diff = diffs[r.budget, r.kv]
                 graphs[r.budget, r.kv]["max_abs_diff"] = r.max_abs_diff
-            _write_manifest(model, temp, store, graphs)
+            _write_manifest(model, temp, store, graphs, functions, ort_fusions)
+        t_validate = time.perf_counter() - t_validate
         graph_bytes = sum(p.stat().st_size for p in temp.iterdir() if p.name != WEIGHTS)
         bodies = list(library.bodies.values()) if library else []
         report = ExportReport(
             directory=str(final), budgets=results, weights_bytes=(temp / WEIGHTS).stat().st_size,
             graph_bytes=graph_bytes, parameter_bytes=model.dims().param_bytes, seconds=time.perf_counter() - t0,
             layer_functions=sum(b.function is not None for b in bodies), layer_seconds=sum(b.seconds for b in bodies),
+            validation_seconds=t_validate, fusions=functions,
         )
         commit_output_dir(final, temp)
     except BaseException:
@@ -364,7 +374,7 @@ def _compose(sg, library) -> tuple[object, dict[str, int]]:
 
     comp = library.partition(sg)
     library.record_examples(comp, sg.layout)
-    library.export_functions(_body_model)
+    library.export_functions(comp, functools.partial(_body_model, ort_fusions=library.ort_fusions))
     onnx_model = library.assemble(comp, sg, {"": OPSET})
     calls: dict[str, int] = {}
     for unit in comp.units:
@@ -372,14 +382,20 @@ def _compose(sg, library) -> tuple[object, dict[str, int]]:
     return onnx_model, calls
 
 
-def _body_model(module, example, shapes):
-    """One layer body exported and tidied (fused ops outlined, shape arithmetic folded)."""
+def _body_model(module, example, shapes, *, ort_fusions: bool = False):
+    """One body exported and tidied (fused ops outlined, shape arithmetic folded), with
+    onnxruntime's transformer fusions when ``ort_fusions``; returns ``(model, fusion counts)``."""
     program = export_program(module, example, shapes)
     model = program.model
     outline_looptool_functions(model)
     simplify(model)
+    counts: dict[str, int] = {}
+    if ort_fusions:
+        from onnxscript.rewriter.ort_fusions import optimize_for_ort
+
+        model, counts = optimize_for_ort(model)
     _strip_metadata(model)
-    return model
+    return model, {k: v for k, v in counts.items() if v}
 
 
 def _run_exporter(call, budget: int):
@@ -526,7 +542,8 @@ def _outline(graph, nodes: list, function) -> None:
     graph.remove(inlined, safe=True)
 
 
-def _write_manifest(model, directory: Path, store: WeightStore, graphs: dict[tuple[int, str], dict]) -> None:
+def _write_manifest(model, directory: Path, store: WeightStore, graphs: dict[tuple[int, str], dict],
+                    functions: dict[str, dict[str, int]], ort_fusions: bool) -> None:
     from looptool.backends.onnx_functions import DOMAIN, DOMAIN_VERSION, OPSET
     from looptool.backends.serving import INPUTS, LOGITS
 
@@ -550,6 +567,7 @@ def _write_manifest(model, directory: Path, store: WeightStore, graphs: dict[tup
             "outputs": {LOGITS: "[batch, 1, vocab] (last position)"},
         },
         "kv_policies": sorted({policy for _, policy in graphs}),
+        "functions": {"ort_fusions": ort_fusions, "fused_per_body": functions},
         "mask_dtype": mask_dtype,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "plan": model.plan.to_dict(),

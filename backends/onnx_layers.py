@@ -64,6 +64,8 @@ class LayerBody:
     function: onnx.FunctionProto | None = None
     functions: list[onnx.FunctionProto] = field(default_factory=list)  # looptool functions it calls
     seconds: float = 0.0
+    fusions: dict[str, int] = field(default_factory=dict)  # onnxruntime fusions applied to it
+    error: str | None = None  # why its export failed, if it did
 
     def __post_init__(self):
         self.module = fx.GraphModule(torch.nn.Module(), self.graph)
@@ -97,8 +99,13 @@ class Composition:
 class LayerLibrary:
     """The distinct bodies of a set of serving graphs, each exported once."""
 
-    def __init__(self):
+    def __init__(self, *, ort_fusions: bool = False):
         self.bodies: dict[str, LayerBody] = {}
+        self.ort_fusions = ort_fusions
+
+    def fusions(self) -> dict[str, dict[str, int]]:
+        """onnxruntime fusions applied, per exported body."""
+        return {b.name: b.fusions for b in self.bodies.values() if b.function is not None}
 
     def partition(self, sg: ServingGraph) -> Composition:
         """Cut ``sg`` into units (layer applications and the glue runs between them) and
@@ -153,19 +160,26 @@ class LayerLibrary:
                     unit.body.example = [a.detach().clone() for a in args]
                 values.update(zip(unit.outputs, unit.body.module(*args)))
 
-    def export_functions(self, export: Callable) -> None:
-        """Export every body not yet exported: ``export(module, example, dynamic_shapes)``
-        returns an ``onnx_ir`` model, turned here into an ONNX function."""
-        for body in self.bodies.values():
+    def export_functions(self, comp: Composition, export: Callable) -> None:
+        """Export the bodies ``comp`` calls that are not exported yet: ``export(module,
+        example, dynamic_shapes)`` returns ``(onnx_ir model, fusion counts)``; the model
+        becomes an ONNX function. A body that cannot be exported fails every later call fast."""
+        for body in {u.body.index: u.body for u in comp.units}.values():
             if body.function is not None:
                 continue
+            if body.error is not None:
+                raise ComposeError(body.error)
             if body.example is None:
                 raise ComposeError(f"body {body.index} has no example inputs; record them first.")
             t0 = time.perf_counter()
-            shapes = [None if w else _dims(t, body) for t, w in zip(body.example, body.weights)]
-            model = export(body.module, tuple(body.example), shapes)
-            _check_symbolic(model, body)
-            body.function, body.functions = _as_function(model, body.name)
+            try:
+                shapes = [None if w else _dims(t, body) for t, w in zip(body.example, body.weights)]
+                model, body.fusions = export(body.module, tuple(body.example), shapes)
+                _check_symbolic(model, body)
+                body.function, body.functions = _as_function(model, body.name)
+            except Exception as exc:
+                body.error = f"body {body.index}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                raise
             body.seconds = time.perf_counter() - t0
             log.info("exported body %d (%d nodes) in %.1f s", body.index, len(body.function.node), body.seconds)
 

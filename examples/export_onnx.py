@@ -1,22 +1,22 @@
-"""Export every budget of a looped model to ONNX engines sharing one weights.bin, then run
-them with onnxruntime.
+"""Export every budget of a looped model to ONNX serving engines sharing one weights.bin, then
+decode from them with onnxruntime and a KV cache.
 
 Run: python examples/export_onnx.py [OUTPUT_DIR]
 Uses a tiny random Qwen3-MoE (its experts lower through the fused looptool::moe op) with
 fixed-prefix looping, so it runs in seconds; the same calls work for SmolLM2 or any
-converted model (`looptool export ./looped -o ./engines --budget all` on the command line).
+converted model (`looptool export ./looped -o ./engines --kv all` on the command line).
 """
 
 import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 from looptool.backends.onnx import export_onnx
 from looptool.backends.ort import Runtime
 
 import looptool
+from looptool.generation import generate
 from looptool.testing import tiny_model
 
 source = tiny_model("qwen3_moe", num_layers=3)
@@ -26,19 +26,21 @@ with torch.no_grad():  # pretend training moved the zero-initialised gates
         p.fill_(0.3)
 
 out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp()) / "engines"
-report = export_onnx(model, out_dir, "all")  # fuses, exports, validates with onnxruntime, commits atomically
+# both KV policies; each distinct layer body is exported once and the budget graphs call it;
+# every graph is validated against PyTorch (prefill + decode steps) before the directory is committed
+report = export_onnx(model, out_dir, "all", kv="all")
 for b in report.budgets:
-    print(f"budget {b.budget}: {b.file} {b.bytes / 1024:.0f} KiB, fused {b.fused}, "
-          f"max |ORT - PyTorch| {max(b.max_abs_diff.values()):.1e}")
+    print(f"budget {b.budget} ({b.kv}): {b.file} {b.bytes / 1024:.0f} KiB, {sum(b.layer_calls.values())} layer calls, "
+          f"fused {b.fused}, max |ORT - PyTorch| {max(b.max_abs_diff.values()):.1e}")
 print(f"weights.bin {report.weights_bytes / 1024:.0f} KiB for {report.parameter_bytes / 1024:.0f} KiB of parameters; "
-      f"files: {sorted(p.name for p in out_dir.iterdir())}")
+      f"{report.layer_functions} bodies exported in {report.layer_seconds:.1f} s")
 
-rt = Runtime(out_dir)  # one InferenceSession per budget, created on first use, one copy of the weights
-ids = np.array([[1, 2, 3, 4, 5, 6]])
-for k in rt.budgets:
-    logits = rt(ids, budget=k)
-    with torch.no_grad():
-        ref = model(torch.from_numpy(ids), budget=k).logits.numpy()
-    print(f"budget {k}: next token {int(logits[0, -1].argmax())}, max |ORT - PyTorch| {np.abs(logits - ref).max():.1e}")
-    assert np.abs(logits - ref).max() < 1e-4
-print("greedy continuation at the deepest budget:", rt.greedy(ids, max_new_tokens=5)[0, 6:].tolist())
+rt = Runtime(out_dir)  # one InferenceSession per graph, created on first use, one copy of the weights
+ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+for kv in rt.kv_policies:
+    for k in rt.budgets:
+        ours = rt.generate(ids, budget=k, kv=kv, max_new_tokens=8)  # caches bound in place (IOBinding)
+        ref = generate(model, ids, budget=k, kv=kv, max_new_tokens=8)
+        assert torch.equal(ours.sequences, ref.sequences)
+        print(f"budget {k} ({kv}): {ours.sequences[0, 6:].tolist()}, KV {ours.kv_bytes} bytes, "
+              f"prefill {ours.prefill_seconds * 1e3:.1f} ms, decode {ours.decode_seconds * 1e3 / 7:.2f} ms/token")

@@ -403,17 +403,11 @@ def generate(
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N (default: cuda when available, else cpu).")] = "auto",
 ) -> None:
     """Generate text at one budget with a KV cache; report tokens/s and KV bytes per token."""
-    from rich.table import Table
-
     from looptool.generation import cached_paths
     from looptool.generation import generate as run_generate
-    from looptool.report import human_bytes
     from looptool.serialization import load
 
-    if stream and len(prompt) != 1:
-        raise LooptoolError("--stream prints one continuation; give a single --prompt.")
-    if any(not p.strip() for p in prompt):
-        raise LooptoolError("a --prompt is empty; give some text to continue.")
+    _check_prompts(prompt, stream)
     device = str(_device(device))
     with _progress() as progress:
         with _stage(progress, f"loading {model_dir}"):
@@ -422,10 +416,31 @@ def generate(
         budget = model.check_budget(budget)
         with _stage(progress, f"building cached budget paths ({kv})"):
             cached_paths(model, kv)
+    enc = _encode(tok, prompt)
+    result = _stream_generation(tok, prompt, stream, lambda on_step: run_generate(
+        model, enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device), budget=budget,
+        max_new_tokens=max_new_tokens, kv=kv, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, on_step=on_step))
+    _print_generation(tok, prompt, enc, result, stream, f"budget {budget} · kv {kv} · batch {len(prompt)}")
+
+
+def _check_prompts(prompt: list[str], stream: bool) -> None:
+    if stream and len(prompt) != 1:
+        raise LooptoolError("--stream prints one continuation; give a single --prompt.")
+    if any(not p.strip() for p in prompt):
+        raise LooptoolError("a --prompt is empty; give some text to continue.")
+
+
+def _encode(tok, prompt: list[str]):
+    """Left-padded token ids and mask of a batch of prompts."""
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    enc = tok(list(prompt), return_tensors="pt", padding=True)
+    return tok(list(prompt), return_tensors="pt", padding=True)
+
+
+def _stream_generation(tok, prompt: list[str], stream: bool, run):
+    """Call ``run(on_step)``; with ``stream`` print each token of the one prompt as it comes."""
     streamed: list[int] = []
 
     def on_step(tokens) -> None:
@@ -436,19 +451,24 @@ def generate(
 
     if stream:
         sys.stdout.write(prompt[0])
-    result = run_generate(
-        model, enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device), budget=budget,
-        max_new_tokens=max_new_tokens, kv=kv, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, on_step=on_step if stream else None,
-    )
+    result = run(on_step if stream else None)
     if stream:
         sys.stdout.write("\n")
-    else:
+    return result
+
+
+def _print_generation(tok, prompt: list[str], enc, result, stream: bool, title: str) -> None:
+    """The continuations (unless streamed) and a table of what generation cost."""
+    from rich.table import Table
+
+    from looptool.report import human_bytes
+
+    if not stream:
         width = enc["input_ids"].shape[1]
         for text, row in zip(prompt, result.sequences[:, width:]):
             out.print(text + tok.decode(row, skip_special_tokens=True), highlight=False)
     steps = max(result.new_tokens - 1, 1)
-    table = Table(title=f"budget {budget} · kv {kv} · batch {len(prompt)}", title_justify="left")
+    table = Table(title=title, title_justify="left")
     for col in ("prompt tok", "new tok", "prefill ms", "decode ms/tok", "tok/s", "KV/tok", "KV allocated"):
         table.add_column(col, justify="right")
     table.add_row(
@@ -504,28 +524,59 @@ def export_cmd(
     validate: Annotated[bool, typer.Option("--validate/--no-validate", help="Compare every graph with the PyTorch path.")] = True,
     overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
     device: Annotated[str, typer.Option(help="Device to trace on; the onnx backend traces on cpu.")] = "cpu",
+    kv: Annotated[str, typer.Option(help="KV cache policies to export: per-loop, last-loop, per-loop,last-loop or all.")] = "per-loop",
+    compose: Annotated[bool, typer.Option("--compose/--no-compose", help="Build graphs from layer functions (each distinct layer exported once).")] = True,
+    ort_fusions: Annotated[bool, typer.Option("--ort-fusions", help="Apply onnxruntime's transformer fusions (com.microsoft ops; onnxruntime-only graphs).")] = False,
 ) -> None:
-    """Lower budget paths to ONNX engines sharing one weights.bin; validate with onnxruntime."""
+    """Lower budget paths to ONNX serving engines (prefill + KV-cached decode) sharing one weights.bin."""
     if backend == "onnx" and _device(device).type != "cpu":
         raise LooptoolError(f"the onnx backend traces and validates on the CPU; drop --device {device} (onnxruntime picks "
                             "its execution provider when the engine runs).")
-    _export_engines(model_dir, output, backend, budget, validate, overwrite)
+    _export_engines(model_dir, output, backend, budget, validate, overwrite,
+                    dict(kv=kv, compose=compose, ort_fusions=ort_fusions))
 
 
 @app.command(name="run")
 @_friendly
 def run_cmd(
     engine_dir: Annotated[Path, typer.Argument(help="An engine directory (from looptool export).")],
-    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text to continue.")],
+    prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="Prompt text; repeat for a batch (left-padded).")],
     budget: Annotated[int | None, typer.Option(help="Budget to run (default: the deepest exported).")] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate (greedy, full recompute).")] = 32,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 64,
+    kv: Annotated[str, typer.Option(help="KV cache policy (one the engine was exported with).")] = "per-loop",
+    capacity: Annotated[int | None, typer.Option(help="Cache capacity in tokens (default: prompt + new tokens).")] = None,
+    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples.")] = 0.0,
+    top_k: Annotated[int | None, typer.Option(help="Sample from the k most likely tokens.")] = None,
+    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling mass.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
+    stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they are generated (one prompt).")] = False,
+    threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads (default: all cores).")] = None,
     tokenizer: Annotated[Path | None, typer.Option(help="Tokenizer folder, for an engine exported without one.")] = None,
 ) -> None:
-    """Greedy generation with onnxruntime from an exported engine."""
-    _run_engine(engine_dir, prompt, budget, max_new_tokens, tokenizer)
+    """Generate with onnxruntime from an exported engine, with its KV cache (like generate)."""
+    from looptool.backends.ort import Runtime
+
+    _check_prompts(prompt, stream)
+    if capacity is not None and capacity < 1:
+        raise LooptoolError("--capacity must be at least 1.")
+    rt = Runtime(engine_dir, threads=threads)
+    source = tokenizer if tokenizer is not None else (engine_dir if rt.manifest.get("tokenizer") else None)
+    if source is None:
+        raise LooptoolError("this engine was exported without a tokenizer; pass --tokenizer PATH (a Hugging Face tokenizer folder).")
+    tok = _load_tokenizer(source)
+    budget = rt.budgets[-1] if budget is None else budget
+    rt.session(budget, kv)  # bad budget or policy: fail before tokenising
+    enc = _encode(tok, prompt)
+    result = _stream_generation(tok, prompt, stream, lambda on_step: rt.generate(
+        enc["input_ids"], attention_mask=enc["attention_mask"], budget=budget, max_new_tokens=max_new_tokens, kv=kv,
+        capacity=capacity, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, on_step=on_step))
+    provider = rt.session(budget, kv).get_providers()[0].removesuffix("ExecutionProvider")
+    _print_generation(tok, prompt, enc, result, stream, f"budget {budget} · kv {kv} · onnxruntime {provider} · batch {len(prompt)}")
 
 
-def _export_engines(model_dir: Path, output: Path, backend: str, budget: str, validate: bool, overwrite: bool) -> None:
+def _export_engines(model_dir: Path, output: Path, backend: str, budget: str, validate: bool, overwrite: bool,
+                    options: dict) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn
     from rich.table import Table
 
@@ -535,63 +586,46 @@ def _export_engines(model_dir: Path, output: Path, backend: str, budget: str, va
     if backend != "onnx":
         raise LooptoolError(f"--backend {backend!r} is not available; use --backend onnx.")
     check_output_dir(output, overwrite)  # fail before the slow load
-    from looptool.backends.onnx import export_onnx, resolve_budgets
+    from looptool.backends.onnx import export_onnx, resolve_budgets, resolve_policies
 
     with _progress() as progress:
         with _stage(progress, f"loading {model_dir}"):
             model = load(model_dir)
         chosen = resolve_budgets(model, budget)
+        policies = resolve_policies(model, options["kv"])
     bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), console=console)
     with bar:
-        task = bar.add_task("exporting", total=len(chosen) + int(validate))
-        steps = iter(range(len(chosen) + 1))
+        graphs = len(chosen) * len(policies)
+        task = bar.add_task("exporting", total=graphs + int(validate))
+        steps = iter(range(graphs + 1))
 
         def on_progress(text: str) -> None:
             if next(steps):
                 bar.advance(task)
             bar.update(task, description=text)
 
-        report = export_onnx(model, output, chosen, overwrite=overwrite, validate=validate, on_progress=on_progress)
-        bar.update(task, completed=len(chosen) + int(validate), description="[green]✓[/] exported")
-    table = Table(title=f"{output} · onnx · opset 18 + looptool domain", title_justify="left")
-    for col in ("budget", "file", "size", "fused ops", "max |Δ| random", "max |Δ| real", "export s"):
+        report = export_onnx(model, output, chosen, kv=policies, compose=options["compose"],
+                             ort_fusions=options["ort_fusions"], overwrite=overwrite, validate=validate,
+                             on_progress=on_progress)
+        bar.update(task, completed=graphs + int(validate), description="[green]✓[/] exported")
+    table = Table(title=f"{output} · onnx · opset 18 + looptool domain · prefill + KV-cached decode", title_justify="left")
+    for col in ("budget", "kv", "file", "size", "layer calls", "fused ops", "max |Δ| random", "max |Δ| real", "export s"):
         table.add_column(col, justify="right")
     for b in report.budgets:
         fused = ", ".join(f"{k}×{v}" for k, v in b.fused.items() if v) or "-"
+        calls = f"{sum(b.layer_calls.values())} of {len(b.layer_calls)}" if b.composed else "flat"
         diff = b.max_abs_diff
-        table.add_row(str(b.budget), b.file, human_bytes(b.bytes), fused, f"{diff.get('random', float('nan')):.2e}",
-                      f"{diff.get('real', float('nan')):.2e}", f"{b.seconds:.1f}")
+        table.add_row(str(b.budget), b.kv, b.file, human_bytes(b.bytes), calls, fused,
+                      f"{diff.get('random', float('nan')):.2e}", f"{diff.get('real', float('nan')):.2e}", f"{b.seconds:.1f}")
     out.print(table)
+    if report.layer_functions:
+        out.print(f"{report.layer_functions} distinct bodies exported once each ({report.layer_seconds:.1f} s); "
+                  f"validation {report.validation_seconds:.1f} s; total {report.seconds:.1f} s")
     out.print(
         f"weights.bin {human_bytes(report.weights_bytes)} + graphs/manifest {human_bytes(report.graph_bytes)} = "
         f"{human_bytes(report.total_bytes)}; {report.disk_ratio:.3f} × the parameter bytes ({human_bytes(report.parameter_bytes)})"
     )
-
-
-def _run_engine(engine_dir: Path, prompt: str, budget: int | None, max_new_tokens: int, tokenizer: Path | None) -> None:
-    import time
-
-    from looptool.backends.ort import Runtime
-
-    if not prompt.strip():
-        raise LooptoolError("the --prompt is empty; give some text to continue.")
-    if max_new_tokens < 1:
-        raise LooptoolError("--max-new-tokens must be at least 1.")
-    rt = Runtime(engine_dir)
-    source = tokenizer if tokenizer is not None else (engine_dir if rt.manifest.get("tokenizer") else None)
-    if source is None:
-        raise LooptoolError("this engine was exported without a tokenizer; pass --tokenizer PATH (a Hugging Face tokenizer folder).")
-    tok = _load_tokenizer(source)
-    ids = tok(prompt, return_tensors="np").input_ids
-    budget = rt.budgets[-1] if budget is None else budget
-    t0 = time.perf_counter()
-    seq = rt.greedy(ids, budget=budget, max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id)
-    seconds = time.perf_counter() - t0
-    new = seq.shape[1] - ids.shape[1]
-    out.print(prompt + tok.decode(seq[0, ids.shape[1]:], skip_special_tokens=True), highlight=False)
-    console.print(f"budget {budget} · onnxruntime {rt.session(budget).get_providers()[0]} · {new} new tokens in "
-                  f"{seconds:.2f} s ({new / seconds:.1f} tok/s, full recompute per token)")
 
 
 def _demo_ids(tokenizer, model, tokens: int):

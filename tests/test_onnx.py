@@ -1,4 +1,4 @@
-"""ONNX export (one weights.bin, looptool-domain functions) and the onnxruntime Runtime."""
+"""ONNX serving engines (one weights.bin, layer functions, KV-cached decode) and the onnxruntime Runtime."""
 
 from __future__ import annotations
 
@@ -19,16 +19,19 @@ from looptool.backends.onnx import (
     ExportError,
     export_onnx,
     export_program,
+    serving_example,
     sha256_file,
 )
-from looptool.backends.ort import Runtime
+from looptool.backends.onnx_layers import LAYER_DOMAIN
+from looptool.backends.ort import Runtime, _Binding
+from looptool.backends.serving import serving_graph
 
 import looptool
+from looptool.generation import generate
 from looptool.testing import tiny_model
 
 CASES = {
     "llama-prefix": ("llama", looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2))),
-    "gpt_neox-recurrent": ("gpt_neox", looptool.RecurrentLoop(recurrent=(1, 3), max_loops=3)),
     "qwen3_moe-recurrent": ("qwen3_moe", looptool.RecurrentLoop(recurrent=(1, 3), max_loops=2, route_replay=True)),
 }
 _models: dict[str, looptool.LoopedModel] = {}
@@ -49,9 +52,9 @@ def looped(case: str) -> looptool.LoopedModel:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    """Each case exported once, every budget (validated against PyTorch by the export)."""
+    """Each case exported once, every budget and both KV policies (validated by the export)."""
     root = tmp_path_factory.mktemp("engines")
-    return {case: (export_onnx(looped(case), root / case, "all"), root / case) for case in CASES}
+    return {case: (export_onnx(looped(case), root / case, "all", kv="all"), root / case) for case in CASES}
 
 
 def _graph(path: Path) -> onnx.ModelProto:
@@ -59,50 +62,69 @@ def _graph(path: Path) -> onnx.ModelProto:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_every_budget_matches_pytorch(engines, case):
+def test_every_graph_validated_and_composed(engines, case):
     report, directory = engines[case]
     model = looped(case)
-    assert [b.budget for b in report.budgets] == list(model.budgets)
+    assert sorted((b.budget, b.kv) for b in report.budgets) == sorted(itertools.product(model.budgets, ("per-loop", "last-loop")))
     for b in report.budgets:
         assert set(b.max_abs_diff) == {"random", "real"}
         assert max(b.max_abs_diff.values()) <= 1e-4, (case, b.budget, b.max_abs_diff)
+        assert b.file == f"budget_{b.budget}.{b.kv}.onnx"
+        # route replay hands loop 1's [batch x step, k] routing to later loops: a flattened dynamic
+        # axis crosses layer units, which a body export cannot keep symbolic, so those graphs go flat
+        replayed = model.plan.to_dict().get("route_replay") and b.budget > 1
+        assert b.composed != replayed, (case, b.budget, b.kv)
+    # each distinct body exported once for all graphs; budgets share most of them
+    composed = [b for b in report.budgets if b.composed]
+    assert report.layer_functions < sum(sum(b.layer_calls.values()) for b in composed) / 2
     rt = Runtime(directory)
-    g = torch.Generator().manual_seed(9)
-    for shape in [(1, 1), (3, 21)]:  # dynamic batch and sequence, beyond the export example
-        ids = torch.randint(0, model.config.vocab_size, shape, generator=g)
-        for k in model.budgets:
-            with torch.no_grad():
-                ref = model(ids, budget=k).logits
-            got = rt(ids, budget=k)
-            assert isinstance(got, torch.Tensor) and got.shape == ref.shape
-            assert (got - ref).abs().max().item() <= 1e-4, (case, k, shape)
+    assert rt.kv_policies == ("last-loop", "per-loop") and rt.budgets == model.budgets
+    ids = torch.randint(0, model.config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(9))
+    for k in model.budgets:  # next-token logits, beyond the export's example shapes
+        with torch.no_grad():
+            ref = model(ids, budget=k).logits[:, -1]
+        got = rt(ids, budget=k)
+        assert isinstance(got, torch.Tensor) and got.shape == ref.shape
+        assert (got - ref).abs().max().item() <= 1e-4, (case, k)
     deep = [rt(np.arange(5)[None] % 256, budget=k) for k in model.budgets[-2:]]
     assert np.abs(deep[0] - deep[1]).max() > 1e-3  # budgets really are different graphs
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_fused_ops_are_looptool_function_nodes(engines, case):
+def test_graphs_call_layer_functions_with_fused_ops(engines, case):
     report, directory = engines[case]
     arch = CASES[case][0]
     manifest = json.loads((directory / MANIFEST).read_text())
-    deepest = report.budgets[-1]
+    deepest = max((b for b in report.budgets if b.composed and b.kv == "per-loop"), key=lambda b: b.budget)
     graph = _graph(directory / deepest.file)
-    calls = {}
+    top = {}
     for node in graph.graph.node:
-        if node.domain == "looptool":
-            calls[node.op_type] = calls.get(node.op_type, 0) + 1
-    functions = {f.name: f for f in graph.functions}
-    for fn in functions.values():
-        assert fn.domain == "looptool" and len(fn.node) > 0 and all(n.domain in ("", "looptool") for n in fn.node)
+        assert node.domain == LAYER_DOMAIN  # nothing but calls at the top level
+        top[node.op_type] = top.get(node.op_type, 0) + 1
+    assert top == deepest.layer_calls
+    functions = {(f.domain, f.name): f for f in graph.functions}
+    inner: dict[str, int] = {}
+    for name, count in top.items():
+        for node in functions[LAYER_DOMAIN, name].node:
+            if node.domain == "looptool":
+                inner[node.op_type] = inner.get(node.op_type, 0) + count
     expected = {"GatedResidual": deepest.fused["gated_residual"], "AdaptiveDelta": deepest.fused["adaptive_delta"],
                 "Moe": deepest.fused["moe"]}
-    assert calls == {k: v for k, v in expected.items() if v}
-    assert set(functions) == set(calls)
-    assert ("looptool", 1) in {(o.domain, o.version) for o in graph.opset_import}
+    assert inner == {k: v for k, v in expected.items() if v}
+    for kind in inner:
+        fn = functions["looptool", kind]
+        assert len(fn.node) > 0 and all(n.domain == "" for n in fn.node)
+    assert {("looptool", 1), (LAYER_DOMAIN, 1)} <= {(o.domain, o.version) for o in graph.opset_import}
     if arch == "qwen3_moe":
-        assert calls["Moe"] == 4 + 2 * (deepest.budget - 1)
-        assert not any("grouped_mm" in n.op_type for n in graph.graph.node)
-    assert manifest["budgets"][str(deepest.budget)]["fused"] == deepest.fused
+        assert inner["Moe"] == 4 + 2 * (deepest.budget - 1)
+    entry = manifest["budgets"][str(deepest.budget)]["per-loop"]
+    assert entry["fused"] == deepest.fused and entry["layer_calls"] == deepest.layer_calls
+    assert manifest["kv_policies"] == ["last-loop", "per-loop"]
+    names = [i.name for i in graph.graph.input]
+    assert names[:4] == ["input_ids", "attention_mask", "position_ids", "cache_position"]
+    pairs = len(entry["cache"]["pairs"])
+    assert names[4:] == [f"past_key_values.{j}.{kv}" for j in range(pairs) for kv in ("key", "value")]
+    assert [o.name for o in graph.graph.output] == ["logits"] + [f"present.{j}.{kv}" for j in range(pairs) for kv in ("key", "value")]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -138,13 +160,51 @@ def test_one_weight_store_no_duplicates(engines, case):
     assert report.total_bytes == sum(p.stat().st_size for p in directory.iterdir())
 
 
+def test_kv_bytes_match_the_cost_model(engines):
+    _, directory = engines["llama-prefix"]
+    model = looped("llama-prefix")
+    rt = Runtime(directory)
+    costs = {c.budget: c for c in model.cost_table()}
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    for k in model.budgets:
+        for kv, per_token in (("per-loop", costs[k].kv_bytes_per_token), ("last-loop", costs[k].kv_bytes_per_token_last_loop)):
+            out = rt.generate(ids, budget=k, kv=kv, max_new_tokens=3)
+            assert out.kv_bytes == 2 * 12 * per_token == rt.kv_bytes(k, kv, batch=2, capacity=12), (k, kv)
+    assert costs[2].kv_bytes_per_token == costs[0].kv_bytes_per_token * (4 + 2) / 4  # per-loop: (L + k) / L
+
+
+def test_caches_are_written_in_place(engines):
+    """The runtime binds one buffer per cache as both past input and present output: a step
+    writes its keys and values into those very arrays at ``cache_position`` and nowhere else."""
+    _, directory = engines["llama-prefix"]
+    rt = Runtime(directory)
+    binding = _Binding(rt.session(2, "per-loop"), rt.layout(2, "per-loop"), batch=1, capacity=10)
+    buffers = [id(c) for c in binding.caches]
+    mask = torch.zeros(1, 10, dtype=torch.long)
+    mask[:, :4] = 1
+    binding.step(torch.tensor([[5, 6, 7, 8]]), mask, torch.arange(4)[None], torch.arange(4))
+    assert all(np.abs(c[:, :, :4]).max() > 0 and not c[:, :, 4:].any() for c in binding.caches)
+    mask[:, 4] = 1
+    binding.step(torch.tensor([[9]]), mask, torch.tensor([[4]]), torch.tensor([4]))
+    assert all(np.abs(c[:, :, 4]).max() > 0 and not c[:, :, 5:].any() for c in binding.caches)
+    assert [id(c) for c in binding.caches] == buffers
+
+
 def test_unfused_moe_does_not_export_but_fused_does():
     model = looped("qwen3_moe-recurrent")
-    from looptool.graph import shared_graph_module
-
-    raw = shared_graph_module(model, model.layer_graph.paths[1])
+    raw = serving_graph(model, 1, fuse=False)
+    args, shapes = serving_example(raw)
     with pytest.raises(Exception, match="grouped_mm"):
-        export_program(raw, model.config.vocab_size, torch.int64)
+        export_program(raw.module, args, shapes)
+
+
+def test_flat_export_matches_composed(tmp_path):
+    model = looped("llama-prefix")
+    report = export_onnx(model, tmp_path / "flat", 1, compose=False)
+    (b,) = report.budgets
+    assert not b.composed and max(b.max_abs_diff.values()) <= 1e-4
+    graph = _graph(tmp_path / "flat" / b.file)
+    assert not any(n.domain == LAYER_DOMAIN for n in graph.graph.node)
 
 
 def test_failed_export_leaves_nothing(tmp_path):
@@ -156,6 +216,8 @@ def test_failed_export_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(looptool.LooptoolError, match="budget 7 is not in"):
         export_onnx(model, target, 7)
+    with pytest.raises(looptool.LooptoolError, match="unknown KV cache policy 'sideways'"):
+        export_onnx(model, target, 0, kv="sideways")
     target.mkdir()
     with pytest.raises(looptool.LooptoolError, match="already exists"):
         export_onnx(model, target, 0)
@@ -179,16 +241,36 @@ def test_tampered_weights_refused(engine_copy):
         Runtime(engine_copy)
 
 
-def test_manifest_hash_mismatch_refused(engine_copy):
-    manifest = json.loads((engine_copy / MANIFEST).read_text())
-    manifest["budgets"]["1"]["sha256"] = "0" * 64
-    (engine_copy / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(EngineError, match=r"budget_1.onnx does not match the sha256"):
+def test_tampered_graph_refused(engine_copy):
+    path = engine_copy / "budget_1.last-loop.onnx"
+    path.write_bytes(path.read_bytes()[:-1] + b"\0")
+    with pytest.raises(EngineError, match=r"budget_1.last-loop.onnx does not match the sha256"):
         Runtime(engine_copy)
 
 
+def test_manifest_without_cache_layout_refused(engine_copy):
+    manifest = json.loads((engine_copy / MANIFEST).read_text())
+    del manifest["budgets"]["1"]["per-loop"]["cache"]
+    (engine_copy / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(EngineError, match="does not describe the cache layout of budget 1"):
+        Runtime(engine_copy)
+    manifest["budgets"]["1"]["per-loop"]["cache"] = {"dtype": "float32", "pairs": [{"layer": 0}]}
+    (engine_copy / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(EngineError, match="does not describe the cache layout of budget 1"):
+        Runtime(engine_copy)
+
+
+def test_cache_layout_that_does_not_match_the_graph_refused(engine_copy):
+    manifest = json.loads((engine_copy / MANIFEST).read_text())
+    pairs = manifest["budgets"]["2"]["per-loop"]["cache"]["pairs"]
+    manifest["budgets"]["2"]["per-loop"]["cache"]["pairs"] = pairs[:-1]
+    (engine_copy / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(EngineError, match="do not match the cache layout"):
+        Runtime(engine_copy).generate(np.array([[1, 2]]), budget=2)
+
+
 def test_external_data_outside_engine_refused(engine_copy, tmp_path):
-    path = engine_copy / "budget_0.onnx"
+    path = engine_copy / "budget_0.per-loop.onnx"
     graph = _graph(path)
     init = next(i for i in graph.graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL)
     for entry in init.external_data:
@@ -196,20 +278,20 @@ def test_external_data_outside_engine_refused(engine_copy, tmp_path):
             entry.value = "../stolen.bin"
     onnx.save(graph, str(path))
     manifest = json.loads((engine_copy / MANIFEST).read_text())
-    manifest["budgets"]["0"]["sha256"] = sha256_file(path)  # a consistent but hostile engine
+    manifest["budgets"]["0"]["per-loop"]["sha256"] = sha256_file(path)  # a consistent but hostile engine
     (engine_copy / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(EngineError, match="outside the engine directory"):
         Runtime(engine_copy)
 
 
-def test_runtime_bad_input_and_lazy_sessions(engines):
+def test_runtime_bad_input_and_lazy_sessions(engines, tmp_path):
     _, directory = engines["llama-prefix"]
     rt = Runtime(directory)
-    assert rt.budgets == (0, 1, 2) and rt._sessions == {}
+    assert rt._sessions == {}
     ids = np.array([[1, 2, 3]])
     out = rt(ids, budget=1, attention_mask=np.ones_like(ids))
-    assert isinstance(out, np.ndarray) and out.shape == (1, 3, 256)
-    assert sorted(rt._sessions) == [1]  # created on first use only
+    assert isinstance(out, np.ndarray) and out.shape == (1, 256)
+    assert sorted(rt._sessions) == [(1, "per-loop")]  # created on first use only
     with pytest.raises(EngineError, match="budget 5 is not in"):
         rt(ids, budget=5)
     with pytest.raises(EngineError, match=r"\[batch, sequence\]"):
@@ -220,8 +302,18 @@ def test_runtime_bad_input_and_lazy_sessions(engines):
         rt(np.array([[1, 999]]), budget=1)
     with pytest.raises(EngineError, match="attention_mask has shape"):
         rt(ids, budget=1, attention_mask=np.ones((1, 4)))
+    with pytest.raises(EngineError, match="more than the cache capacity 2"):
+        rt.generate(ids, budget=1, capacity=2)
+    with pytest.raises(looptool.LooptoolError, match="exceed the cache capacity of 5"):
+        rt.generate(ids, budget=1, capacity=5, max_new_tokens=4)
+    with pytest.raises(EngineError, match="exceeds the model's"):
+        rt.generate(ids, budget=1, max_new_tokens=10**6)
     with pytest.raises(EngineError, match="no manifest.json"):
         Runtime(directory.parent)
+    per_loop_only = tmp_path / "per-loop"
+    export_onnx(looped("llama-prefix"), per_loop_only, 2, validate=False)
+    with pytest.raises(EngineError, match=r"exported with KV policies \['per-loop'\], not 'last-loop'"):
+        Runtime(per_loop_only).generate(ids, budget=2, kv="last-loop")
 
 
 def test_cli_export_and_run(tmp_path):
@@ -240,24 +332,22 @@ def test_cli_export_and_run(tmp_path):
     engines = tmp_path / "engines"
     res = runner.invoke(app, ["export", str(tmp_path / "looped"), "-o", str(engines), "--backend", "onnx", "--budget", "2"])
     assert res.exit_code == 0, res.output
-    assert "budget_2.onnx" in res.output and "× the parameter bytes" in res.output and "gated_residual×4" in res.output
-    assert sorted(p.name for p in engines.glob("*.onnx")) == ["budget_2.onnx"]
+    assert "budget_2.per-loop.onnx" in res.output and "× the parameter bytes" in res.output and "gated_residual×4" in res.output
+    assert sorted(p.name for p in engines.glob("*.onnx")) == ["budget_2.per-loop.onnx"]
     res = runner.invoke(app, ["run", str(engines), "--budget", "2", "--prompt", "Hello", "--max-new-tokens", "4"])
     assert res.exit_code == 0, res.output
-    assert res.stdout.startswith("Hello") and "4 new tokens" in res.output
-    # the engine's greedy tokens are PyTorch's greedy tokens
+    assert res.stdout.startswith("Hello") and "budget 2 · kv per-loop · onnxruntime CPU" in res.output and "KiB" in res.output
+    # the engine's greedy tokens are PyTorch's cached-generation tokens
     ids = torch.tensor([list(b"Hello")])
-    seq = Runtime(engines).greedy(ids.numpy(), budget=2, max_new_tokens=4)
-    ref = ids
-    with torch.no_grad():
-        for _ in range(4):
-            ref = torch.cat([ref, model(ref, budget=2).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    assert seq.tolist() == ref.tolist()
+    seq = Runtime(engines).generate(ids, budget=2, max_new_tokens=4).sequences
+    assert torch.equal(seq, generate(model, ids, budget=2, max_new_tokens=4).sequences)
     for args, message in [
         (["export", str(tmp_path / "looped"), "-o", str(tmp_path / "e2"), "--backend", "tensorrt"], "--backend 'tensorrt'"),
         (["export", str(tmp_path / "looped"), "-o", str(tmp_path / "e2"), "--budget", "7"], "budget 7 is not in"),
         (["export", str(tmp_path / "looped"), "-o", str(engines)], "already exists"),
         (["run", str(engines), "--budget", "0", "--prompt", "x"], "budget 0 is not in"),
+        (["run", str(engines), "--prompt", "x", "--kv", "last-loop"], "exported with KV policies ['per-loop']"),
+        (["run", str(engines), "--prompt", "Hello", "--capacity", "3"], "more than the cache capacity 3"),
         (["run", str(tmp_path), "--prompt", "x"], "no manifest.json"),
         (["run", str(engines), "--prompt", " "], "--prompt is empty"),
     ]:
