@@ -1,45 +1,47 @@
-"""ONNX / onnxruntime engines of SmolLM2-135M (CPU): latency, memory, disk, export time.
+"""ONNX / onnxruntime serving engines of SmolLM2-135M (CPU): decode speed, memory, disk, export time.
 
-Fixed-prefix looping (window 8:20, budgets 0,3,6,9,12), all five budgets exported to one
-engine directory. Measured in one run:
+Fixed-prefix looping (window 8:20, budgets 0,3,6,9,12), every budget exported with both KV
+policies to one engine directory. Measured in one run:
 
-* forward latency (batch 1, ``--tokens`` tokens) of every budget with onnxruntime and with
-  PyTorch eager, all ten contenders interleaved (median of ``--rounds``): ORT ÷ eager, and
-  ORT budget k ÷ ORT budget 0 next to the ideal (L+k)/L and the cost table's FLOPs ratio;
-* resident memory of a process holding all five sessions ÷ one holding one session
-  (each in its own subprocess, after one forward per session; target ≤ 1.15), both for
-  the whole process and for the increment above the process before any session exists;
+* KV-cached generation, batch 1, a ``--prompt``-token prompt of real text (SOTU), ``--new``
+  greedy tokens: onnxruntime (``Runtime.generate``, IOBinding) and PyTorch eager
+  (``looptool.generation.generate``) at every budget, interleaved over ``--rounds`` rounds:
+  prefill ms and decode ms/token (min/median/max), ORT ÷ eager, and whether the tokens are
+  identical; the same for last-loop caches (tokens only);
+* decode linearity: ORT decode time for ``2 × --new`` vs ``--new`` new tokens (2.0 = linear);
+* KV bytes the runtime allocates ÷ the cost model's (per-loop (L+k)/L, last-loop 1×);
+* resident memory of a process holding all five sessions ÷ one holding one session;
 * disk bytes of the engine directory ÷ the model's parameter bytes (target ≤ 1.02);
-* wall time of the full export (five budgets, fusing, validation included) ÷ one plain
+* wall time of the whole export (ten graphs, validation included and excluded) ÷ one plain
   ``torch.onnx.export`` of the source model.
 
-Run: python tests/bench/bench_ort.py [--tokens 128] [--rounds 5] [--threads N]. Prints one JSON line and
-writes tests/bench/results/bench_ort.json.
+Run: python tests/bench/bench_ort.py [--prompt 128] [--new 128] [--rounds 3] [--threads N].
+Prints one JSON line and writes tests/bench/results/bench_ort.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from looptool.backends.onnx import export_onnx
 from looptool.backends.ort import Runtime
 
 import looptool
+from looptool.generation import generate
 from looptool.sources import load_source
-from looptool.timing import interleaved
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_ort.json"
+SOTU = Path(__file__).resolve().parents[1] / "data" / "sotu"
 
 _RSS_PROBE = """
 import json, sys
@@ -55,13 +57,13 @@ rt = Runtime(sys.argv[1], verify=False)
 before = status("VmRSS")
 ids = np.arange(int(sys.argv[3]))[None] % 1000
 for budget in json.loads(sys.argv[2]):
-    rt(ids, budget=budget)
+    rt.generate(ids, budget=budget, max_new_tokens=2)
 print(json.dumps({"before_sessions_mib": before, "rss_mib": status("VmRSS"), "peak_mib": status("VmHWM")}))
 """
 
 
 def rss_probe(engine: Path, budgets: list[int], tokens: int) -> dict:
-    """RSS of a fresh process holding sessions for ``budgets`` (after one forward each)."""
+    """RSS of a fresh process holding sessions for ``budgets`` (after a short generation each)."""
     res = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(engine), json.dumps(budgets), str(tokens)],
                          capture_output=True, text=True, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -87,68 +89,97 @@ def source_export_seconds(model, directory: Path) -> float:
     return time.perf_counter() - t0
 
 
+def stats(values: list[float]) -> dict:
+    """min / median / max of a list of milliseconds."""
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
-                    help="intra-op threads of both PyTorch and onnxruntime (use 1 on a shared machine)")
+                    help="intra-op threads of both PyTorch and onnxruntime")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     src = load_source("smollm2")
     model = looptool.convert(src.model, looptool.PrefixLoop(window=(8, 20), budgets=(0, 3, 6, 9, 12)),
                              tokenizer=src.tokenizer)
+    text = " ".join(p.read_text() for p in sorted(SOTU.glob("20*.txt")))
+    ids = src.tokenizer(text, return_tensors="pt").input_ids[:, : args.prompt]
+    budgets = list(model.budgets)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         t_source = source_export_seconds(src.model, tmp)
-        report = export_onnx(model, tmp / "engines", "all")
         engine = tmp / "engines"
-
+        report = export_onnx(model, engine, "all", kv="all")
         rt = Runtime(engine, threads=args.threads)
-        ids = torch.randint(0, src.model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
-        ids_np = ids.numpy()
-        fns = {f"ort_{k}": functools.partial(rt, ids_np, budget=k) for k in model.budgets}
-        fns.update({f"eager_{k}": functools.partial(model, ids, budget=k) for k in model.budgets})
-        t = interleaved(fns, repeats=args.rounds, warmup=1)
-        diffs = {}
-        with torch.inference_mode():
-            for k in model.budgets:
-                diffs[k] = float(np.abs(rt(ids_np, budget=k) - model(ids, budget=k).logits.numpy()).max())
+
+        runs: dict[str, dict[str, list[float]]] = {}
+        same: dict[str, bool] = {}
+        linear: dict[int, list[float]] = {budgets[0]: [], budgets[-1]: []}
+        for _ in range(args.rounds):
+            for k in budgets:
+                for name, fn in (("eager", lambda: generate(model, ids, budget=k, max_new_tokens=args.new)),
+                                 ("ort", lambda: rt.generate(ids, budget=k, max_new_tokens=args.new))):
+                    out = fn()
+                    entry = runs.setdefault(f"{name}_{k}", {"prefill_ms": [], "decode_ms_per_token": []})
+                    entry["prefill_ms"].append(out.prefill_seconds * 1e3)
+                    entry["decode_ms_per_token"].append(out.decode_seconds * 1e3 / (out.new_tokens - 1))
+                    runs[f"{name}_{k}"].setdefault("sequences", out.sequences)
+                same[str(k)] = torch.equal(runs[f"eager_{k}"]["sequences"], runs[f"ort_{k}"]["sequences"])
+            for k in linear:
+                short = rt.generate(ids, budget=k, max_new_tokens=args.new)
+                long = rt.generate(ids, budget=k, max_new_tokens=2 * args.new)
+                linear[k].append(long.decode_seconds / short.decode_seconds)
+        last_loop_same = {}
+        for k in budgets[1:]:
+            ref = generate(model, ids, budget=k, kv="last-loop", max_new_tokens=64)
+            last_loop_same[str(k)] = torch.equal(ref.sequences, rt.generate(ids, budget=k, kv="last-loop",
+                                                                             max_new_tokens=64).sequences)
+        capacity = args.prompt + args.new
+        costs = {c.budget: c for c in model.cost_table()}
+        kv = {str(k): {"per-loop": rt.kv_bytes(k, "per-loop", capacity=capacity) / (capacity * costs[k].kv_bytes_per_token),
+                       "last-loop": rt.kv_bytes(k, "last-loop", capacity=capacity) / (capacity * costs[k].kv_bytes_per_token_last_loop),
+                       "per-loop_over_budget0": costs[k].relative_kv}
+              for k in budgets}
         rt.close()
+        one = rss_probe(engine, budgets[:1], args.prompt)
+        every = rss_probe(engine, budgets, args.prompt)
 
-        one = rss_probe(engine, [model.budgets[0]], args.tokens)
-        every = rss_probe(engine, list(model.budgets), args.tokens)
-
-    costs = {c.budget: c for c in model.cost_table()}
-    L = len(model.layer_graph.layers)
-    base = t[f"ort_{model.budgets[0]}"].median
-    budgets = {
-        k: {
-            "ort": t[f"ort_{k}"].as_dict(),
-            "eager": t[f"eager_{k}"].as_dict(),
-            "ort_over_eager": t[f"ort_{k}"].median / t[f"eager_{k}"].median,
-            "ort_over_ort_budget0": t[f"ort_{k}"].median / base,
-            "ideal_layers": (L + k) / L,
-            "ideal_flops": costs[k].relative_flops,
-            "max_abs_diff_vs_pytorch": diffs[k],
-            "export_validation_max_abs_diff": next(b.max_abs_diff for b in report.budgets if b.budget == k),
-            "export_seconds": next(b.seconds for b in report.budgets if b.budget == k),
+    per_budget = {}
+    for k in budgets:
+        e, o = runs[f"eager_{k}"], runs[f"ort_{k}"]
+        per_budget[str(k)] = {
+            "eager": {"prefill_ms": stats(e["prefill_ms"]), "decode_ms_per_token": stats(e["decode_ms_per_token"])},
+            "ort": {"prefill_ms": stats(o["prefill_ms"]), "decode_ms_per_token": stats(o["decode_ms_per_token"])},
+            "prefill_ort_over_eager": statistics.median(o["prefill_ms"]) / statistics.median(e["prefill_ms"]),
+            "decode_ort_over_eager": statistics.median(o["decode_ms_per_token"]) / statistics.median(e["decode_ms_per_token"]),
+            "tokens_identical": same[str(k)],
+            "export_max_abs_diff": {b.kv: b.max_abs_diff for b in report.budgets if b.budget == k},
         }
-        for k in model.budgets
-    }
+    export_seconds = report.seconds - report.validation_seconds
     result = {
         "bench": "ort", "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)", "plan": "prefix 8:20, budgets 0,3,6,9,12",
-        "tokens": args.tokens, "batch": 1, "rounds": args.rounds, "threads": args.threads,
+        "prompt_tokens": args.prompt, "new_tokens": args.new, "batch": 1, "rounds": args.rounds, "threads": args.threads,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "onnxruntime": __import__("onnxruntime").__version__, "torch": torch.__version__,
-        "budgets": budgets,
+        "budgets": per_budget,
+        "last_loop_tokens_identical_64": last_loop_same,
+        "decode_time_2x_tokens_ratio": {str(k): stats(v) for k, v in linear.items()},
+        "kv_bytes_over_cost_model": kv,
         "disk": {"weights_bytes": report.weights_bytes, "other_bytes": report.graph_bytes, "total_bytes": report.total_bytes,
                  "parameter_bytes": report.parameter_bytes, "ratio": report.disk_ratio},
         "rss": {"one_session": one, "all_sessions": every,
                 "ratio_process": every["rss_mib"] / one["rss_mib"],
                 "ratio_increment": (every["rss_mib"] - every["before_sessions_mib"]) / (one["rss_mib"] - one["before_sessions_mib"])},
-        "export": {"all_budgets_seconds": report.seconds, "source_export_seconds": t_source,
-                   "ratio": report.seconds / t_source},
+        "export": {"graphs": len(report.budgets), "composed": sum(b.composed for b in report.budgets),
+                   "bodies": report.layer_functions, "bodies_seconds": report.layer_seconds,
+                   "seconds_with_validation": report.seconds, "validation_seconds": report.validation_seconds,
+                   "seconds_without_validation": export_seconds, "source_export_seconds": t_source,
+                   "ratio_with_validation": report.seconds / t_source, "ratio_without_validation": export_seconds / t_source,
+                   "per_graph_seconds": {f"{b.budget}/{b.kv}": b.seconds for b in report.budgets}},
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
