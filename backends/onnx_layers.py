@@ -254,13 +254,12 @@ def _interface_types(sg: ServingGraph) -> dict[str, tuple]:
     float_type = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16}[sg.layout.dtype]
     placeholders = [n for n in sg.module.graph.nodes if n.op == "placeholder"]
     mask = ir.DataType.from_numpy(np.dtype(str(placeholders[1].meta["val"].dtype).removeprefix("torch.")))
-    vocab = int(sg.module.get_submodule("").config.vocab_size) if hasattr(sg.module, "config") else "vocab"
     out = {
         "input_ids": (ir.DataType.INT64, ["batch", "step"]),
         "attention_mask": (mask, ["batch", "capacity"]),
         "position_ids": (ir.DataType.INT64, ["batch", "step"]),
         "cache_position": (ir.DataType.INT64, ["step"]),
-        LOGITS: (float_type, ["batch", 1, vocab]),
+        LOGITS: (float_type, ["batch", 1, sg.vocab_size]),
     }
     past, present = sg.layout.names()
     for j, pair in enumerate(sg.layout.pairs):

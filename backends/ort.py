@@ -313,7 +313,7 @@ class Runtime:
         limit = self.manifest.get("source_config", {}).get("max_position_embeddings")
         if limit is not None and capacity > limit:
             raise EngineError(f"a cache of {capacity} tokens exceeds the model's {limit} positions; use a shorter prompt or fewer new tokens.")
-        binding = _Binding(self.session(budget, kv), self._layouts[budget, kv], batch, int(capacity))
+        binding = _Binding(self.session(budget, kv), self._layouts[budget, kv], batch, int(capacity), self.vocab_size)
         import torch
 
         mask_dtype = getattr(torch, str(self.mask_dtype))
@@ -342,7 +342,7 @@ class _Binding:
     """One generate call's IOBinding: caches allocated once and bound as both past and
     present, the mask and the logits bound once; each step rebinds only the step inputs."""
 
-    def __init__(self, session, layout: CacheLayout, batch: int, capacity: int):
+    def __init__(self, session, layout: CacheLayout, batch: int, capacity: int, vocab_size: int | None = None):
         import onnxruntime as ort
 
         self.session = session
@@ -357,7 +357,8 @@ class _Binding:
         if graph_inputs != {*INPUTS, *past} or graph_outputs != [LOGITS, *present]:
             raise EngineError("the graph's inputs and outputs do not match the cache layout in the manifest; export the engine again.")
         vocab = session.get_outputs()[0].shape[-1]
-        self.logits = np.zeros((batch, 1, vocab if isinstance(vocab, int) else 0), dtype=dtype)
+        vocab = vocab if isinstance(vocab, int) else vocab_size  # flat exports name the axis
+        self.logits = np.zeros((batch, 1, vocab or 0), dtype=dtype)
         self.io = session.io_binding()
         self._values = [ort.OrtValue.ortvalue_from_numpy(c) for c in self.caches]
         for name_in, name_out, value in zip(past, present, self._values):

@@ -109,6 +109,7 @@ class ServingGraph:
     input_names: list[str]
     output_names: list[str]
     fused: dict[str, int]
+    vocab_size: int
 
 
 def serving_graph(model, budget: int, kv: str = "per-loop", *, fuse: bool = True) -> ServingGraph:
@@ -141,7 +142,9 @@ def serving_graph(model, budget: int, kv: str = "per-loop", *, fuse: bool = True
     past, present = layout.names()
     _order_outputs(graph, names, past)
     graph.lint()
-    return ServingGraph(shared_graph_module(model, graph), layout, [*INPUTS, *past], [LOGITS, *present], dict(counts))
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return ServingGraph(shared_graph_module(model, graph), layout, [*INPUTS, *past], [LOGITS, *present], dict(counts),
+                        int(text.vocab_size))
 
 
 def functional_cache_writes(graph: fx.Graph) -> list[str]:
