@@ -22,9 +22,9 @@ buffer ``past`` was read from (onnxruntime IOBinding), so nothing is copied per 
 loop ``i`` of a recurrent block) it serves.
 
 :func:`serving_graph` builds that graph from the cached budget path
-(:func:`looptool.generation.cached_paths`): the in-place cache writes become functional
-writes whose results are returned, the LM head reads only the last position, and the
-fused ops replace their subgraphs. The arithmetic is the cached path's, op for op.
+(:func:`looptool.generation.cached_paths`, whose head already reads only the last
+position): the in-place cache writes become functional writes whose results are returned,
+and the fused ops replace their subgraphs. The arithmetic is the cached path's, op for op.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 from torch import fx
 
 from looptool.errors import LooptoolError
-from looptool.graph import ROLE_HEAD, annotation, copy_graph
+from looptool.graph import annotation, copy_graph
 
 INPUTS = ("input_ids", "attention_mask", "position_ids", "cache_position")
 LOGITS = "logits"
@@ -122,7 +122,6 @@ def serving_graph(model, budget: int, kv: str = "per-loop", *, fuse: bool = True
     path = cached_paths(model, kv)[model.check_budget(budget)]
     graph, counts = fuse_graph(path.module.graph) if fuse else (copy_graph(path.module.graph), {})
     order = functional_cache_writes(graph)
-    last_position_head(graph)
     by_name = {s.name: s for s in path.slots}
     pairs: list[CachePair] = []
     names: dict[str, str] = {}
@@ -180,31 +179,6 @@ def functional_cache_writes(graph: fx.Graph) -> list[str]:
     (logits,) = _flatten(output.args[0])
     output.args = ((logits, *(current[c] for c in sorted(current, key=lambda c: order.index(str(c.target))))),)
     return order
-
-
-def last_position_head(graph: fx.Graph) -> int:
-    """Make the LM head read only the last position: every hidden state entering a head
-    node from outside the head is sliced to ``[:, -1:]``. Returns how many inputs were sliced."""
-    head = [n for n in graph.nodes if annotation(n).get("role") == ROLE_HEAD]
-    if not head:
-        raise LooptoolError("the graph has no node marked as the LM head; cannot keep only the last position.")
-    members = set(head)
-    sliced = 0
-    for node in head:
-        for inp in node.all_input_nodes:
-            if inp in members or inp.op == "get_attr":
-                continue
-            val = inp.meta.get("val")
-            if not isinstance(val, torch.Tensor) or val.dim() != 3:
-                continue
-            with graph.inserting_after(inp):
-                cut = graph.call_function(_aten.slice.Tensor, (inp, 1, -1, 9223372036854775807))
-            cut.meta = {k: v for k, v in inp.meta.items() if k != "val"}
-            node.replace_input_with(inp, cut)
-            sliced += 1
-    if not sliced:
-        raise LooptoolError("found no hidden-state input of the LM head to slice; please report this as a bug.")
-    return sliced
 
 
 def _order_inputs(graph: fx.Graph, names: dict[str, str]) -> None:

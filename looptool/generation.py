@@ -92,7 +92,8 @@ def check_policy(model: LoopedModel, kv: str) -> str:
 def cached_paths(model: LoopedModel, kv: str = "per-loop") -> dict[int, CachedPath]:
     """The cached budget paths of ``model`` under KV policy ``kv`` (built once per model
     and policy: a ``meta`` capture of the decode step, the model's recipe replayed, the
-    ``kv_cache`` pass, bound to the model's own tensors)."""
+    ``kv_cache`` pass, the head cut to the last position by the ``last_position`` pass,
+    bound to the model's own tensors). Each returns ``logits [batch, 1, vocab]``."""
     kv = check_policy(model, kv)
     store = model.__dict__.setdefault("_cached_paths", {})
     if kv not in store:
@@ -100,7 +101,8 @@ def cached_paths(model: LoopedModel, kv: str = "per-loop") -> dict[int, CachedPa
         param = next(model.parameters())
         skeleton = build_skeleton(lg.config, dtype_from_str(lg.source.dtype), lg.source.attn_implementation)
         decode = capture(skeleton, decode=True)
-        steps = [*model.recipe, ("kv_cache", {"policy": kv}), ("retarget_device", {"to": str(param.device)})]
+        steps = [*model.recipe, ("kv_cache", {"policy": kv}), ("last_position", {}),
+                 ("retarget_device", {"to": str(param.device)})]
         decode = PassManager(steps)(decode)
         store[kv] = {b: _bind(model, g) for b, g in decode.paths.items()}
     return store[kv]
