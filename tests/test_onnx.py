@@ -173,6 +173,14 @@ def test_kv_bytes_match_the_cost_model(engines):
     assert costs[2].kv_bytes_per_token == costs[0].kv_bytes_per_token * (4 + 2) / 4  # per-loop: (L + k) / L
 
 
+def test_prepacked_runtime_gives_the_same_tokens(engines):
+    _, directory = engines["qwen3_moe-recurrent"]
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(2))
+    plain = Runtime(directory).generate(ids, budget=2, max_new_tokens=6)
+    packed = Runtime(directory, prepack=True).generate(ids, budget=2, max_new_tokens=6)
+    assert torch.equal(plain.sequences, packed.sequences)
+
+
 def test_caches_are_written_in_place(engines):
     """The runtime binds one buffer per cache as both past input and present output: a step
     writes its keys and values into those very arrays at ``cache_position`` and nowhere else."""

@@ -4,8 +4,9 @@ Fixed-prefix looping (window 8:20, budgets 0,3,6,9,12), every budget exported wi
 policies to one engine directory. Measured in one run:
 
 * KV-cached generation, batch 1, a ``--prompt``-token prompt of real text (SOTU), ``--new``
-  greedy tokens: onnxruntime (``Runtime.generate``, IOBinding) and PyTorch eager
-  (``looptool.generation.generate``) at every budget, interleaved over ``--rounds`` rounds:
+  greedy tokens: onnxruntime (``Runtime.generate``, IOBinding; and with ``prepack=True``,
+  a packed weight copy per session) and PyTorch eager (``looptool.generation.generate``)
+  at every budget, interleaved over ``--rounds`` rounds:
   prefill ms and decode ms/token (min/median/max), ORT ÷ eager, and whether the tokens are
   identical; the same for last-loop caches (tokens only);
 * decode linearity: ORT decode time for ``2 × --new`` vs ``--new`` new tokens (2.0 = linear);
@@ -115,6 +116,7 @@ def main() -> None:
         engine = tmp / "engines"
         report = export_onnx(model, engine, "all", kv="all")
         rt = Runtime(engine, threads=args.threads)
+        packed = Runtime(engine, threads=args.threads, prepack=True, verify=False)
 
         runs: dict[str, dict[str, list[float]]] = {}
         same: dict[str, bool] = {}
@@ -122,13 +124,15 @@ def main() -> None:
         for _ in range(args.rounds):
             for k in budgets:
                 for name, fn in (("eager", lambda: generate(model, ids, budget=k, max_new_tokens=args.new)),
-                                 ("ort", lambda: rt.generate(ids, budget=k, max_new_tokens=args.new))):
+                                 ("ort", lambda: rt.generate(ids, budget=k, max_new_tokens=args.new)),
+                                 ("ort_prepacked", lambda: packed.generate(ids, budget=k, max_new_tokens=args.new))):
                     out = fn()
                     entry = runs.setdefault(f"{name}_{k}", {"prefill_ms": [], "decode_ms_per_token": []})
                     entry["prefill_ms"].append(out.prefill_seconds * 1e3)
                     entry["decode_ms_per_token"].append(out.decode_seconds * 1e3 / (out.new_tokens - 1))
                     runs[f"{name}_{k}"].setdefault("sequences", out.sequences)
-                same[str(k)] = torch.equal(runs[f"eager_{k}"]["sequences"], runs[f"ort_{k}"]["sequences"])
+                same[str(k)] = all(torch.equal(runs[f"eager_{k}"]["sequences"], runs[f"{n}_{k}"]["sequences"])
+                                   for n in ("ort", "ort_prepacked"))
             for k in linear:
                 short = rt.generate(ids, budget=k, max_new_tokens=args.new)
                 long = rt.generate(ids, budget=k, max_new_tokens=2 * args.new)
@@ -145,13 +149,17 @@ def main() -> None:
                        "per-loop_over_budget0": costs[k].relative_kv}
               for k in budgets}
         rt.close()
+        packed.close()
         one = rss_probe(engine, budgets[:1], args.prompt)
         every = rss_probe(engine, budgets, args.prompt)
 
     per_budget = {}
     for k in budgets:
-        e, o = runs[f"eager_{k}"], runs[f"ort_{k}"]
+        e, o, pp = runs[f"eager_{k}"], runs[f"ort_{k}"], runs[f"ort_prepacked_{k}"]
         per_budget[str(k)] = {
+            "ort_prepacked": {"prefill_ms": stats(pp["prefill_ms"]), "decode_ms_per_token": stats(pp["decode_ms_per_token"])},
+            "prefill_prepacked_over_eager": statistics.median(pp["prefill_ms"]) / statistics.median(e["prefill_ms"]),
+            "decode_prepacked_over_eager": statistics.median(pp["decode_ms_per_token"]) / statistics.median(e["decode_ms_per_token"]),
             "eager": {"prefill_ms": stats(e["prefill_ms"]), "decode_ms_per_token": stats(e["decode_ms_per_token"])},
             "ort": {"prefill_ms": stats(o["prefill_ms"]), "decode_ms_per_token": stats(o["decode_ms_per_token"])},
             "prefill_ort_over_eager": statistics.median(o["prefill_ms"]) / statistics.median(e["prefill_ms"]),
