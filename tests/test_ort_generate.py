@@ -31,7 +31,7 @@ def exported(tmp_path_factory):
         with torch.no_grad():
             for _, p in model.new_parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-        export_onnx(model, root / case, "all", kv="all")
+        export_onnx(model, root / case, "all", kv="all", validate=False)  # the tests below compare more than validation does
         out[case] = (model, Runtime(root / case))
     return out
 
