@@ -187,21 +187,16 @@ def resolve_budgets(model, budgets: int | str | Iterable[int] | None) -> tuple[i
 def resolve_policies(model, kv: str | Iterable[str]) -> tuple[str, ...]:
     """KV policies to export: one, a comma-separated list, or ``all`` (every policy the
     model supports: last-loop only where some budget repeats a layer)."""
-    from looptool.generation import check_policy
+    from looptool.generation import check_policy, repeats_layers
     from looptool.passes.kv_cache import KV_POLICIES
 
     if kv == "all":
-        chosen = [p for p in KV_POLICIES if p == "per-loop" or _repeats_layers(model)]
+        chosen = [p for p in KV_POLICIES if p == "per-loop" or repeats_layers(model)]
     else:
         chosen = [p.strip() for p in kv.split(",")] if isinstance(kv, str) else list(kv)
     if not chosen:
         raise ExportError("no KV policy given; pass --kv per-loop, last-loop or all.")
     return tuple(check_policy(model, p) for p in dict.fromkeys(chosen))
-
-
-def _repeats_layers(model) -> bool:
-    n = len(model.layer_graph.layers)
-    return any(len(set(ex)) != len(ex) for ex in (model.plan.executed_layers(b, n) for b in model.budgets))
 
 
 def export_onnx(

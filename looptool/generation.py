@@ -74,14 +74,18 @@ class GenerationOutput:
         return self.sequences.shape[0] * self.new_tokens / total if total > 0 else float("inf")
 
 
+def repeats_layers(model: LoopedModel) -> bool:
+    """Whether some budget of ``model`` executes a layer more than once (last-loop caches need that)."""
+    n = len(model.layer_graph.layers)
+    return any(len(set(ex)) != len(ex) for ex in (model.plan.executed_layers(b, n) for b in model.budgets))
+
+
 def check_policy(model: LoopedModel, kv: str) -> str:
     """Validate a KV cache policy for ``model``."""
     if kv not in KV_POLICIES:
         raise LooptoolError(f"unknown KV cache policy {kv!r}; use one of {list(KV_POLICIES)}.")
     if kv == "last-loop":
-        n = len(model.layer_graph.layers)
-        repeats = any(len(set(ex)) != len(ex) for ex in (model.plan.executed_layers(b, n) for b in model.budgets))
-        if not repeats:
+        if not repeats_layers(model):
             raise LooptoolError(
                 f"--kv last-loop shares one cache slot between repeated attention executions, but no budget "
                 f"of this model ({list(model.budgets)}) repeats a layer; use --kv per-loop."
