@@ -60,6 +60,14 @@ def Moe(x: TFloat, routing_weights: TFloat, expert_ids: INT64, gate_up_proj: TFl
     return op.ReduceSum(op.Mul(out, weights), [0], keepdims=0)
 
 
+@onnxscript.script(_looptool, default_opset=op)
+def Modulate(x: TFloat, scale: TFloat, shift: TFloat, down: TFloat, up: TFloat) -> TFloat:
+    """``x~ + (x~ B'^T) A^T`` with ``x~ = shift + scale * x`` (ELR Sec. 3.3, Eq. 4)."""
+    x_t = op.Add(shift, op.Mul(scale, x))
+    low = op.MatMul(x_t, op.Transpose(down, perm=[1, 0]))
+    return op.Add(x_t, op.MatMul(low, op.Transpose(up, perm=[1, 0])))
+
+
 def _gated_residual(x, gate, f):
     return GatedResidual(x, gate, f)
 
@@ -84,7 +92,11 @@ def _linear(input, weight, bias=None):
     return op.Reshape(out, shape)
 
 
-FUNCTIONS = {"gated_residual": GatedResidual, "adaptive_delta": AdaptiveDelta, "moe": Moe}
+def _modulate(x, scale, shift, down, up):
+    return Modulate(x, scale, shift, down, up)
+
+
+FUNCTIONS = {"gated_residual": GatedResidual, "adaptive_delta": AdaptiveDelta, "modulate": Modulate, "moe": Moe}
 
 
 def translation_table() -> dict:
@@ -92,6 +104,7 @@ def translation_table() -> dict:
     return {
         torch.ops.looptool.gated_residual.default: _gated_residual,
         torch.ops.looptool.adaptive_delta.default: _adaptive_delta,
+        torch.ops.looptool.modulate.default: _modulate,
         torch.ops.looptool.moe.default: _moe,
         torch.ops.aten.linear.default: _linear,
     }

@@ -13,6 +13,10 @@ Three patterns, found by role annotations and op targets (never module names):
   The router itself (softmax, top-k, renormalisation) stays as it is, so cross-loop route
   replay (ELR Sec. 3.4) feeds loop 1's routing into every loop's fused experts.
 
+* ``modulate``: a loop-conditioned branch input (ELR Sec. 3.3, Eq. 4) as ``conditioning``
+  emits it, ``add(x~, linear(linear(x~, B'), A))`` with ``x~ = addcmul(μ, 1 + λ, N(x))`` →
+  ``looptool::modulate(N(x), 1 + λ, μ, B', A)``.
+
 The fused ops compute the same arithmetic in the same order, so a fused path matches the
 unfused one (bit-exact for the gate and the state update; within float rounding for MoE).
 """
@@ -43,7 +47,7 @@ from looptool.graph import (
 
 log = logging.getLogger(__name__)
 _aten = torch.ops.aten
-FUSABLE = ("gated_residual", "adaptive_delta", "moe")
+FUSABLE = ("gated_residual", "adaptive_delta", "modulate", "moe")
 
 
 @register_pass("fuse")
@@ -67,6 +71,8 @@ def fuse_graph(graph: fx.Graph, ops: tuple[str, ...] = FUSABLE) -> tuple[fx.Grap
         counts["gated_residual"] = _fuse_gated_residual(new)
     if "adaptive_delta" in ops:
         counts["adaptive_delta"] = _fuse_adaptive_delta(new)
+    if "modulate" in ops:
+        counts["modulate"] = _fuse_modulate(new)
     if "moe" in ops:
         counts["moe"] = _fuse_moe(new)
     new.lint()
@@ -154,6 +160,33 @@ def _fuse_adaptive_delta(graph: fx.Graph) -> int:
         add.replace_all_uses_with(fused)
         graph.erase_node(add)
         _erase_dead(graph, [*dead, step, beta, diff, sig, rate, linear])
+        count += 1
+    return count
+
+
+# ---------------------------------------------------------------------------- conditioning modulation
+def _fuse_modulate(graph: fx.Graph) -> int:
+    count = 0
+    for add in list(graph.nodes):
+        ann = annotation(add)
+        if not (_is(add, _aten.add.Tensor) and ann.get("part") == "conditioning" and len(add.args) == 2):
+            continue
+        x_t, up_out = add.args
+        if not (_is(x_t, _aten.addcmul.default) and _is(up_out, _aten.linear.default) and len(up_out.args) == 2):
+            continue
+        down_out, up = up_out.args
+        if not (_is(down_out, _aten.linear.default) and len(down_out.args) == 2 and down_out.args[0] is x_t):
+            continue
+        shift, scale, x = x_t.args
+        down = down_out.args[1]
+        with graph.inserting_before(add):
+            fused = graph.call_function(torch.ops.looptool.modulate.default, (x, scale, shift, down, up))
+        fused.meta = {k: v for k, v in add.meta.items() if k != "looptool"}
+        annotate(fused, ann.get("role", ROLE_STATE), ann.get("layer"),
+                 **{k: v for k, v in ann.items() if k not in ("role", "layer")}, fused="modulate")
+        add.replace_all_uses_with(fused)
+        graph.erase_node(add)
+        _erase_dead(graph, [up_out, down_out, x_t])
         count += 1
     return count
 

@@ -12,6 +12,9 @@ import looptool
 from looptool.testing import TINY_MODEL_TYPES, byte_tokenizer, tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # looptool never needs the hub; prove it
+if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter on CPU tensors
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # (read when triton is first imported)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # share the cores between the workers, not oversubscribe
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 ROOT = Path(__file__).resolve().parents[1]

@@ -110,14 +110,16 @@ def test_references_are_the_registered_kernels():
 @pytest.mark.parametrize(
     "arch,scheme",
     [("llama", "prefix"), ("gpt_neox", "prefix"), ("llama", "recurrent"), ("gpt_neox", "recurrent"),
-     ("qwen3_moe", "prefix"), ("mixtral", "recurrent"), ("olmoe", "prefix"), ("qwen2_moe", "recurrent")],
+     ("qwen3_moe", "prefix"), ("mixtral", "recurrent"), ("olmoe", "prefix"), ("qwen2_moe", "recurrent"),
+     ("llama", "conditioned"), ("qwen3_moe", "conditioned")],
 )
 def test_fuse_counts_and_numerics(arch, scheme, input_ids):
     source = tiny_model(arch)
     if scheme == "prefix":
         plan = looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2))
     else:
-        plan = looptool.RecurrentLoop(recurrent=(1, 3), max_loops=3, route_replay=arch == "mixtral")
+        plan = looptool.RecurrentLoop(recurrent=(1, 3), max_loops=3, route_replay=arch == "mixtral",
+                                      conditioning=scheme == "conditioned", rank=4)
     model = _perturbed(looptool.convert(source, plan))
     parallel = arch == "gpt_neox"
     mask = torch.ones_like(input_ids)
@@ -131,8 +133,11 @@ def test_fuse_counts_and_numerics(arch, scheme, input_ids):
             layer_runs = 4 + k
         else:
             assert counts["gated_residual"] == 0
-            assert counts["adaptive_delta"] == k - 1  # exact init: loop 1 is the source block
+            assert counts["adaptive_delta"] == k - 1  # loop 1 sets the state; loops 2..k update it
             layer_runs = 4 + 2 * (k - 1)
+        # conditioning modulates both branches of each recurrent-layer run (2 per loop) and of
+        # the output layer (layer 3), once each
+        assert counts["modulate"] == (2 * (2 * k + 1) if scheme == "conditioned" else 0)
         assert counts["moe"] == (layer_runs if arch in MOE else 0)
         left = [n for n in graph.nodes if "grouped_mm" in str(n.target)]
         assert not left, f"unfused expert matmuls remain: {left[:2]}"

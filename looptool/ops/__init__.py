@@ -1,7 +1,9 @@
 """looptool's fused ops (``torch.library`` custom ops with reference and fake kernels).
 
 Importing this package registers ``torch.ops.looptool.gated_residual``,
-``torch.ops.looptool.adaptive_delta`` and ``torch.ops.looptool.moe``. The ``fuse`` pass
+``torch.ops.looptool.adaptive_delta``, ``torch.ops.looptool.modulate`` and
+``torch.ops.looptool.moe``, each with a Triton kernel for CUDA tensors
+(:mod:`looptool.ops.kernels`). The ``fuse`` pass
 (:mod:`looptool.passes.fuse`) swaps the matching subgraphs of a budget path for them; the
 ONNX backend lowers them to nodes of the ``looptool`` domain with ONNX function bodies.
 """
@@ -12,6 +14,8 @@ from looptool.ops.fused import (
     adaptive_delta_reference,
     gated_residual,
     gated_residual_reference,
+    modulate,
+    modulate_reference,
     moe,
     moe_reference,
 )
@@ -22,6 +26,8 @@ __all__ = [
     "adaptive_delta_reference",
     "gated_residual",
     "gated_residual_reference",
+    "modulate",
+    "modulate_reference",
     "moe",
     "moe_reference",
 ]

@@ -1,10 +1,12 @@
-"""The fused looptool ops: ``looptool::gated_residual``, ``looptool::adaptive_delta`` and
-``looptool::moe`` as ``torch.library`` custom ops.
+"""The fused looptool ops: ``looptool::gated_residual``, ``looptool::adaptive_delta``,
+``looptool::modulate`` and ``looptool::moe`` as ``torch.library`` custom ops.
 
 Each op has a reference implementation in plain torch that performs the very same
 arithmetic, in the same order, as the subgraph the ``fuse`` pass replaces (so fusing is
-bit-exact in eager fp32), a fake kernel so the ops survive ``torch.export``, and an
-autograd formula obtained by differentiating the reference implementation.
+bit-exact in eager fp32), a fake kernel so the ops survive ``torch.export``, an autograd
+formula obtained by differentiating the reference implementation, and a CUDA kernel: the
+Triton launchers of :mod:`looptool.ops.kernels`, imported on the first CUDA call (so a
+CPU-only install never imports triton).
 """
 
 from __future__ import annotations
@@ -67,6 +69,28 @@ def _adaptive_delta_fake(s_prev, r, s_tilde, weight, bias, gamma, exit=None):
     if exit is not None:
         shapes.append(exit.shape)
     return s_prev.new_empty(torch.broadcast_shapes(*shapes))
+
+
+# ---------------------------------------------------------------------------- conditioning modulation
+def modulate_reference(x: Tensor, scale: Tensor, shift: Tensor, down: Tensor, up: Tensor) -> Tensor:
+    """A branch's loop-conditioned input (ELR Sec. 3.3, Eq. 4): ``x~ = shift + scale ⊙ x``,
+    then ``x~ + A (B' x~)`` with ``B' = diag(g(c)) B`` [r, d] (``down``) and ``A`` [d, r] (``up``).
+
+    ``x`` is the branch's normalised input, ``scale = 1 + λ(c)`` and ``shift = μ(c)`` per
+    channel; the operations and their order are the ones ``passes/conditioning.py`` emits."""
+    x_t = torch.addcmul(shift, scale, x)
+    return x_t + torch.nn.functional.linear(torch.nn.functional.linear(x_t, down), up)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::modulate", mutates_args=())
+def modulate(x: Tensor, scale: Tensor, shift: Tensor, down: Tensor, up: Tensor) -> Tensor:
+    """Loop-conditioned branch input with its gated low-rank correction (ELR Eq. 4)."""
+    return modulate_reference(x, scale, shift, down, up)
+
+
+@modulate.register_fake
+def _modulate_fake(x, scale, shift, down, up):
+    return x.new_empty(torch.broadcast_shapes(x.shape, scale.shape, shift.shape))
 
 
 # ---------------------------------------------------------------------------- mixture of experts
@@ -145,3 +169,28 @@ def _register_reference_autograd(op, reference: Callable[..., Tensor], n_inputs:
 _register_reference_autograd(gated_residual, gated_residual_reference, 3)
 _register_reference_autograd(adaptive_delta, adaptive_delta_reference, 7)
 _register_reference_autograd(moe, moe_reference, 5)
+_register_reference_autograd(modulate, modulate_reference, 5)
+
+
+# ---------------------------------------------------------------------------- CUDA kernels
+def _register_triton(op, name: str, reference: Callable[..., Tensor]) -> None:
+    """CUDA implementation of ``op``: the Triton launcher ``looptool.ops.kernels.<name>``,
+    imported on first use; the reference where triton is missing (a CUDA torch without it)."""
+
+    def cuda(*args):
+        try:
+            from looptool.ops import kernels
+        except ImportError:  # pragma: no cover - CUDA torch wheels ship triton
+            return reference(*args)
+        return kernels.LAUNCHERS[name](*args)
+
+    op.register_kernel("cuda")(cuda)
+
+
+for _op, _name, _ref in (
+    (gated_residual, "gated_residual", gated_residual_reference),
+    (adaptive_delta, "adaptive_delta", adaptive_delta_reference),
+    (modulate, "modulate", modulate_reference),
+    (moe, "moe", moe_reference),
+):
+    _register_triton(_op, _name, _ref)
