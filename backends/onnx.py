@@ -211,6 +211,7 @@ def export_onnx(
     validate: bool = True,
     atol: float = DEFAULT_ATOL,
     on_progress: Callable[[str], None] | None = None,
+    _allow_bf16: bool = False,
 ) -> ExportReport:
     """Export budget paths of ``model`` (a :class:`looptool.LoopedModel`) to an engine
     directory ``output`` sharing one ``weights.bin``: one serving graph per budget and KV
@@ -231,7 +232,7 @@ def export_onnx(
     say = on_progress or (lambda text: None)
     chosen = resolve_budgets(model, budgets)
     policies = resolve_policies(model, kv)
-    _check_exportable(model)
+    _check_exportable(model, _SUPPORTED_DTYPES + ((torch.bfloat16,) if _allow_bf16 else ()))
     final, temp = prepare_output_dir(output, overwrite)
     t0 = time.perf_counter()
     library = LayerLibrary(ort_fusions=ort_fusions) if compose else None
@@ -279,11 +280,13 @@ def export_onnx(
     return report
 
 
-def _check_exportable(model) -> None:
+def _check_exportable(model, dtypes: tuple[torch.dtype, ...] = _SUPPORTED_DTYPES) -> None:
+    """On the CPU and in a dtype the target runs (bf16 only for TensorRT: onnxruntime's CPU
+    kernels lack it)."""
     param = next(model.parameters())
     if param.device.type != "cpu":
         raise ExportError(f"the model is on {param.device}; load it on the CPU (looptool.load(dir)) before exporting.")
-    if param.dtype not in _SUPPORTED_DTYPES:
+    if param.dtype not in dtypes:
         raise ExportError(f"ONNX export supports float32 and float16 models, this one is {param.dtype}; convert with --dtype float32.")
 
 

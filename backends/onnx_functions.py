@@ -41,6 +41,15 @@ def AdaptiveDelta(
 
 
 @onnxscript.script(_looptool, default_opset=op)
+def AdaptiveDeltaUpdate(s_prev: TFloat, r: TFloat, z: TFloat, gamma: TFloat, exit: TFloat) -> TFloat:
+    """The state update around the gate GEMM's output ``z = s_tilde W^T + b`` (ELR Eq. 2):
+    ``s_prev + exit * sigmoid(z) * softplus(gamma) * (r - s_prev)``. The TensorRT variant of
+    a graph splits ``AdaptiveDelta`` into a GEMM (TensorRT's) and this node (a plugin)."""
+    beta = op.Mul(op.Sigmoid(z), op.Softplus(gamma))
+    return op.Add(s_prev, op.Mul(exit, op.Mul(beta, op.Sub(r, s_prev))))
+
+
+@onnxscript.script(_looptool, default_opset=op)
 def Moe(x: TFloat, routing_weights: TFloat, expert_ids: INT64, gate_up_proj: TFloat, down_proj: TFloat) -> TFloat:
     """Top-k mixture of experts with gated-SiLU experts, as a dense reference body.
 

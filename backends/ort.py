@@ -35,7 +35,7 @@ from looptool.backends.serving import INPUTS, LOGITS, CacheLayout
 log = logging.getLogger(__name__)
 
 _NUMPY_DTYPES = {"FLOAT": np.float32, "FLOAT16": np.float16, "DOUBLE": np.float64, "INT64": np.int64,
-                 "INT32": np.int32, "BOOL": np.bool_, "UINT8": np.uint8, "INT8": np.int8}
+                 "INT32": np.int32, "BOOL": np.bool_, "UINT8": np.uint8, "INT8": np.int8}  # manifest tensor dtypes
 _GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
 _SHARED_ARENA: list[bool] = []  # set once the process-wide CPU arena is registered
 

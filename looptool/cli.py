@@ -18,6 +18,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from looptool.errors import LooptoolError
@@ -49,7 +50,7 @@ def _friendly(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except LooptoolError as exc:
-            console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)  # '[x]' is text
             raise typer.Exit(code=1) from None
 
     return wrapper
@@ -519,7 +520,7 @@ def plot(
 def export_cmd(
     model_dir: Annotated[Path, typer.Argument(help="A looped model directory.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Engine directory to write.")],
-    backend: Annotated[str, typer.Option(help="Lowering target: onnx (run it with onnxruntime).")] = "onnx",
+    backend: Annotated[str, typer.Option(help="Lowering target: onnx (onnxruntime) or tensorrt (ONNX + TensorRT variants and engines).")] = "onnx",
     budget: Annotated[str, typer.Option(help="A budget, a comma-separated list, or 'all'.")] = "all",
     validate: Annotated[bool, typer.Option("--validate/--no-validate", help="Compare every graph with the PyTorch path.")] = True,
     overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
@@ -527,13 +528,31 @@ def export_cmd(
     kv: Annotated[str, typer.Option(help="KV cache policies to export: per-loop, last-loop, per-loop,last-loop or all.")] = "per-loop",
     compose: Annotated[bool, typer.Option("--compose/--no-compose", help="Build graphs from layer functions (each distinct layer exported once).")] = True,
     ort_fusions: Annotated[bool, typer.Option("--ort-fusions", help="Apply onnxruntime's transformer fusions (com.microsoft ops; onnxruntime-only graphs).")] = False,
+    precision: Annotated[str, typer.Option(help="tensorrt: engine dtype, fp16, bf16 or fp32.")] = "fp16",
+    build_on_target: Annotated[bool, typer.Option("--build-on-target", help="tensorrt: write everything but the engines, plus build.py to build them on the GPU machine.")] = False,
+    max_batch: Annotated[int, typer.Option(help="tensorrt: largest batch the engines accept.")] = 8,
+    max_prefill: Annotated[int, typer.Option(help="tensorrt: longest prompt step the prefill profile accepts.")] = 2048,
+    max_capacity: Annotated[int, typer.Option(help="tensorrt: largest KV cache capacity in tokens.")] = 4096,
 ) -> None:
-    """Lower budget paths to ONNX serving engines (prefill + KV-cached decode) sharing one weights.bin."""
-    if backend == "onnx" and _device(device).type != "cpu":
-        raise LooptoolError(f"the onnx backend traces and validates on the CPU; drop --device {device} (onnxruntime picks "
-                            "its execution provider when the engine runs).")
-    _export_engines(model_dir, output, backend, budget, validate, overwrite,
-                    dict(kv=kv, compose=compose, ort_fusions=ort_fusions))
+    """Lower budget paths to ONNX serving engines (prefill + KV-cached decode) sharing one weights.bin;
+    --backend tensorrt adds TensorRT graphs with looptool plugins and builds one engine per budget."""
+    if backend not in ("onnx", "tensorrt"):
+        raise LooptoolError(f"--backend {backend!r} is not available; use --backend onnx or --backend tensorrt.")
+    if _device(device).type != "cpu":
+        raise LooptoolError(f"export traces and validates on the CPU; drop --device {device} (the runtime picks "
+                            "its device when the engine runs).")
+    options = dict(kv=kv, compose=compose, ort_fusions=ort_fusions)
+    if backend == "tensorrt":
+        from looptool.backends.tensorrt import check_precision, require_tensorrt
+
+        check_precision(precision)  # fail before the slow load
+        if ort_fusions:
+            raise LooptoolError("--ort-fusions writes onnxruntime-only ops, which TensorRT cannot parse; drop it.")
+        if not build_on_target:
+            require_tensorrt("building TensorRT engines")
+        options = dict(kv=kv, compose=compose, precision=precision, build_on_target=build_on_target,
+                       max_batch=max_batch, max_prefill=max_prefill, max_capacity=max_capacity)
+    _export_engines(model_dir, output, backend, budget, validate, overwrite, options)
 
 
 @app.command(name="run")
@@ -553,27 +572,35 @@ def run_cmd(
     threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads (default: all cores).")] = None,
     prepack: Annotated[bool, typer.Option("--prepack", help="Let onnxruntime pre-pack weights: faster, but a packed copy per session.")] = False,
     tokenizer: Annotated[Path | None, typer.Option(help="Tokenizer folder, for an engine exported without one.")] = None,
+    backend: Annotated[str, typer.Option(help="onnx (onnxruntime) or tensorrt (the built engines, on a GPU).")] = "onnx",
 ) -> None:
-    """Generate with onnxruntime from an exported engine, with its KV cache (like generate)."""
-    from looptool.backends.ort import Runtime
-
+    """Generate with onnxruntime or TensorRT from an exported engine, with its KV cache (like generate)."""
     _check_prompts(prompt, stream)
     if capacity is not None and capacity < 1:
         raise LooptoolError("--capacity must be at least 1.")
-    rt = Runtime(engine_dir, threads=threads, prepack=prepack)
+    if backend not in ("onnx", "tensorrt"):
+        raise LooptoolError(f"--backend {backend!r} is not available; use --backend onnx or --backend tensorrt.")
+    if backend == "tensorrt":
+        from looptool.backends.tensorrt import Runtime
+        rt = Runtime(engine_dir)
+    else:
+        from looptool.backends.ort import Runtime
+        rt = Runtime(engine_dir, threads=threads, prepack=prepack)
     source = tokenizer if tokenizer is not None else (engine_dir if rt.manifest.get("tokenizer") else None)
     if source is None:
         raise LooptoolError("this engine was exported without a tokenizer; pass --tokenizer PATH (a Hugging Face tokenizer folder).")
     tok = _load_tokenizer(source)
     budget = rt.budgets[-1] if budget is None else budget
-    rt.session(budget, kv)  # bad budget or policy: fail before tokenising
+    if backend == "onnx":
+        rt.session(budget, kv)  # bad budget or policy: fail before tokenising
     enc = _encode(tok, prompt)
     result = _stream_generation(tok, prompt, stream, lambda on_step: rt.generate(
         enc["input_ids"], attention_mask=enc["attention_mask"], budget=budget, max_new_tokens=max_new_tokens, kv=kv,
         capacity=capacity, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, on_step=on_step))
-    provider = rt.session(budget, kv).get_providers()[0].removesuffix("ExecutionProvider")
-    _print_generation(tok, prompt, enc, result, stream, f"budget {budget} · kv {kv} · onnxruntime {provider} · batch {len(prompt)}")
+    engine = ("onnxruntime " + rt.session(budget, kv).get_providers()[0].removesuffix("ExecutionProvider")
+              if backend == "onnx" else "TensorRT")
+    _print_generation(tok, prompt, enc, result, stream, f"budget {budget} · kv {kv} · {engine} · batch {len(prompt)}")
 
 
 def _export_engines(model_dir: Path, output: Path, backend: str, budget: str, validate: bool, overwrite: bool,
@@ -584,8 +611,6 @@ def _export_engines(model_dir: Path, output: Path, backend: str, budget: str, va
     from looptool.report import human_bytes
     from looptool.serialization import check_output_dir, load
 
-    if backend != "onnx":
-        raise LooptoolError(f"--backend {backend!r} is not available; use --backend onnx.")
     check_output_dir(output, overwrite)  # fail before the slow load
     from looptool.backends.onnx import export_onnx, resolve_budgets, resolve_policies
 
@@ -602,13 +627,19 @@ def _export_engines(model_dir: Path, output: Path, backend: str, budget: str, va
         steps = iter(range(graphs + 1))
 
         def on_progress(text: str) -> None:
-            if next(steps):
+            if next(steps, 1):  # the tensorrt backend reports a few more stages than graphs
                 bar.advance(task)
             bar.update(task, description=text)
 
-        report = export_onnx(model, output, chosen, kv=policies, compose=options["compose"],
-                             ort_fusions=options["ort_fusions"], overwrite=overwrite, validate=validate,
-                             on_progress=on_progress)
+        if backend == "tensorrt":
+            from looptool.backends.tensorrt import export_tensorrt
+
+            report = export_tensorrt(model, output, chosen, **{**options, "kv": policies}, overwrite=overwrite,
+                                     validate=validate, on_progress=on_progress)
+        else:
+            report = export_onnx(model, output, chosen, kv=policies, compose=options["compose"],
+                                 ort_fusions=options["ort_fusions"], overwrite=overwrite, validate=validate,
+                                 on_progress=on_progress)
         bar.update(task, completed=graphs + int(validate), description="[green]✓[/] exported")
     table = Table(title=f"{output} · onnx · opset 18 + looptool domain · prefill + KV-cached decode", title_justify="left")
     for col in ("budget", "kv", "file", "size", "layer calls", "fused ops", "max |Δ| random", "max |Δ| real", "export s"):
@@ -623,6 +654,9 @@ def _export_engines(model_dir: Path, output: Path, backend: str, budget: str, va
     if report.layer_functions:
         out.print(f"{report.layer_functions} distinct bodies exported once each ({report.layer_seconds:.1f} s); "
                   f"validation {report.validation_seconds:.1f} s; total {report.seconds:.1f} s")
+    if backend == "tensorrt":
+        built = "engines built" if not options["build_on_target"] else f"run python {output / 'build.py'} on the GPU machine to build the engines"
+        out.print(f"TensorRT variants (*.trt.onnx, {options['precision']}, weights as inputs, looptool plugins) written; {built}.")
     out.print(
         f"weights.bin {human_bytes(report.weights_bytes)} + graphs/manifest {human_bytes(report.graph_bytes)} = "
         f"{human_bytes(report.total_bytes)}; {report.disk_ratio:.3f} × the parameter bytes ({human_bytes(report.parameter_bytes)})"

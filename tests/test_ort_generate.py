@@ -67,3 +67,45 @@ def test_sampling_and_eos_follow_pytorch(exported):
     streamed = []
     rt.generate(ids[:1], budget=2, max_new_tokens=4, on_step=lambda t: streamed.append(int(t[0])))
     assert streamed == generate(model, ids[:1], budget=2, max_new_tokens=4).sequences[0, 5:].tolist()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tensorrt_variants_run_in_onnxruntime_like_the_ort_graphs(exported, case):
+    """Every budget's TensorRT variant (layer functions inlined, looptool nodes as plugin
+    nodes, AdaptiveDelta split, weights as inputs) gives the ORT graph's logits and caches
+    in onnxruntime, for a prefill and a decode step."""
+    import json
+
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from looptool.backends.tensorrt import PLUGIN_NAMESPACE, weight_arrays, write_variants
+
+    model, rt = exported[case]
+    directory = rt.directory
+    graphs = write_variants(directory)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    weights = weight_arrays(directory, manifest)
+    rng = np.random.default_rng(0)
+    for budget in model.budgets:
+        entry = graphs[str(budget)]["per-loop"]
+        variant = onnx.load(str(directory / entry["file"]))
+        plugin_nodes = [n for n in variant.graph.node if n.domain == PLUGIN_NAMESPACE]
+        assert sum(entry["plugins"].values()) == len(plugin_nodes)
+        assert all({"plugin_namespace", "plugin_version"} <= {a.name for a in n.attribute} for n in plugin_nodes)
+        assert "AdaptiveDelta" not in entry["plugins"]
+        ref_session, var_session = rt.session(budget, "per-loop"), ort.InferenceSession(
+            str(directory / entry["file"]), providers=["CPUExecutionProvider"])
+        batch, capacity = 2, 12
+        caches = {i.name: np.zeros((batch, i.shape[1], capacity, i.shape[3]), np.float32)
+                  for i in ref_session.get_inputs() if i.name.startswith("past")}
+        for start, step in ((0, 5), (5, 1)):
+            feeds = {"input_ids": rng.integers(0, model.config.vocab_size, (batch, step)),
+                     "attention_mask": np.ones((batch, capacity), rt.mask_dtype),
+                     "position_ids": np.tile(np.arange(start, start + step), (batch, 1)),
+                     "cache_position": np.arange(start, start + step), **caches}
+            ref = ref_session.run(None, feeds)
+            got = var_session.run(None, {**feeds, **{n: weights[n] for n in entry["weight_inputs"]}})
+            for a, b in zip(ref, got):
+                np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+            caches = dict(zip(caches, ref[1:]))

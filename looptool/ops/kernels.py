@@ -126,15 +126,17 @@ def adaptive_delta(s_prev: Tensor, r: Tensor, s_tilde: Tensor, weight: Tensor, b
 
 # ---------------------------------------------------------------------------- conditioning modulation
 @triton.jit
-def modulate_kernel(x_ptr, scale_ptr, shift_ptr, down_ptr, up_ptr, rows, d, out_ptr,
+def modulate_kernel(x_ptr, scale_ptr, shift_ptr, down_ptr, up_ptr, rows, d, rank, out_ptr,
                     RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     """Loop-conditioned branch input (ELR Sec. 3.3, Eq. 4) for ``BLOCK_M`` rows:
     ``x~ = shift + scale ⊙ x`` then ``x^ = x~ + A (B' x~)``, with ``B' = diag(g) B`` [RANK, d]
-    and ``A`` [d, RANK]; the rank-``RANK`` product stays in registers, x~ is never stored."""
+    and ``A`` [d, rank]; the rank-``rank`` product stays in registers (``RANK`` ≥ rank, a
+    power of two ≥ 16 for ``tl.dot``; the extra lanes are masked to zero), x~ is never stored."""
     pid = tl.program_id(0)
     m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = m < rows
     ranks = tl.arange(0, RANK)
+    kmask = ranks < rank
     low = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
     for start in range(0, d, BLOCK_D):  # pass 1: low = x~ B'^T
         cols = start + tl.arange(0, BLOCK_D)
@@ -143,7 +145,7 @@ def modulate_kernel(x_ptr, scale_ptr, shift_ptr, down_ptr, up_ptr, rows, d, out_
         sc = tl.load(scale_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         sh = tl.load(shift_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         xt = sh[None, :] + sc[None, :] * x
-        b_t = tl.load(down_ptr + ranks[None, :] * d + cols[:, None], mask=cmask[:, None], other=0.0).to(tl.float32)
+        b_t = tl.load(down_ptr + ranks[None, :] * d + cols[:, None], mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         low = tl.dot(xt, b_t, low, input_precision=PRECISION)
     for start in range(0, d, BLOCK_D):  # pass 2: out = x~ + low A^T
         cols = start + tl.arange(0, BLOCK_D)
@@ -152,20 +154,19 @@ def modulate_kernel(x_ptr, scale_ptr, shift_ptr, down_ptr, up_ptr, rows, d, out_
         x = tl.load(x_ptr + m[:, None] * d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         sc = tl.load(scale_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         sh = tl.load(shift_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        a_t = tl.load(up_ptr + cols[None, :] * RANK + ranks[:, None], mask=cmask[None, :], other=0.0).to(tl.float32)
+        a_t = tl.load(up_ptr + cols[None, :] * rank + ranks[:, None], mask=cmask[None, :] & kmask[:, None], other=0.0).to(tl.float32)
         out = tl.dot(low, a_t, sh[None, :] + sc[None, :] * x, input_precision=PRECISION)
         tl.store(out_ptr + m[:, None] * d + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def modulate_rank_block(rank: int) -> int:
+    """The kernel's ``RANK``: ``rank`` rounded up to a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(rank))
+
+
 def modulate(x: Tensor, scale: Tensor, shift: Tensor, down: Tensor, up: Tensor) -> Tensor:
-    """Launch :func:`modulate_kernel` (shapes as ``looptool::modulate``); the rank is padded
-    to a power of two (at least 16, ``tl.dot``'s minimum) with zero rows and columns, which
-    add nothing."""
+    """Launch :func:`modulate_kernel` (shapes as ``looptool::modulate``)."""
     d, rank = x.shape[-1], down.shape[0]
-    padded = max(16, triton.next_power_of_2(rank))
-    if padded != rank:
-        down = torch.nn.functional.pad(down, (0, 0, 0, padded - rank))
-        up = torch.nn.functional.pad(up, (0, padded - rank))
     xs = x.contiguous().view(-1, d)
     rows = xs.shape[0]
     out = torch.empty_like(xs)
@@ -173,7 +174,8 @@ def modulate(x: Tensor, scale: Tensor, shift: Tensor, down: Tensor, up: Tensor) 
     if rows:
         modulate_kernel[_grid_1d(rows, block_m)](
             xs, scale.reshape(-1).contiguous(), shift.reshape(-1).contiguous(), down.contiguous(), up.contiguous(),
-            rows, d, out, RANK=padded, BLOCK_M=block_m, BLOCK_D=block_d, PRECISION=_precision(x.dtype))
+            rows, d, rank, out, RANK=modulate_rank_block(rank), BLOCK_M=block_m, BLOCK_D=block_d,
+            PRECISION=_precision(x.dtype))
     return out.view(x.shape)
 
 

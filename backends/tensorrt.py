@@ -1,0 +1,534 @@
+"""Lower budget paths to TensorRT: one engine per budget and KV policy, one copy of the
+weights on the GPU.
+
+``export_tensorrt`` writes an ONNX engine directory (:mod:`looptool.backends.onnx`, the
+same serving graphs and ``weights.bin``) and adds, per graph, its *TensorRT variant*
+``budget_<k>.<policy>.trt.onnx``:
+
+* layer functions inlined (TensorRT's parser sees plain nodes and plugin nodes only);
+* every ``looptool``-domain node carries ``plugin_namespace="looptool"`` and
+  ``plugin_version``, so the parser hands it to the plugin of the same name instead of
+  inlining its function body (the bodies stay, so onnxruntime still runs the variant);
+  nodes with a one-kernel implementation also carry ``aot=1`` (AOT Triton PTX in the
+  engine, no Python at run time);
+* ``AdaptiveDelta`` split into the gate GEMM (TensorRT's own ``Gemm``) and the
+  ``AdaptiveDeltaUpdate`` plugin (one elementwise kernel);
+* every weight a named *network input* instead of an initializer: engines hold no weights,
+  and :class:`Runtime` uploads ``weights.bin`` once and binds the same device pointers into
+  every budget's execution context.
+
+Then, where TensorRT and a GPU exist, :func:`build_engines` builds
+``budget_<k>.<policy>.<precision>.engine`` with two optimisation profiles (prefill: any
+step length; decode: one token); with ``build_on_target=True`` it writes everything except
+the engines plus ``build.py``, which builds them on the target machine.
+
+What has run where is stated in the README: the variants, their onnxruntime equivalence and
+the AOT PTX are tested on CPU in CI; engine building and :class:`Runtime` need TensorRT,
+which none of the project's machines has.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from looptool.backends.onnx import MANIFEST, WEIGHTS, EngineError, ExportError, budget_file, sha256_file
+from looptool.backends.serving import INPUTS, LOGITS, CacheLayout
+
+log = logging.getLogger(__name__)
+
+PLUGIN_NAMESPACE = "looptool"
+PLUGIN_VERSION = "1"
+AOT_OPS = ("GatedResidual", "AdaptiveDeltaUpdate", "Modulate")  # one Triton kernel each, PTX in the engine
+JIT_OPS = ("Moe",)  # routing + two grouped GEMMs: several launches, run through tensorrt.plugin.impl
+PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+BUILD_SCRIPT = "build.py"
+INSTALL_HINT = 'pip install "looptool[tensorrt]"'
+
+
+def trt_graph_file(budget: int, kv: str) -> str:
+    """The TensorRT variant of ``budget_<k>.<policy>.onnx``."""
+    return budget_file(budget, kv).removesuffix(".onnx") + ".trt.onnx"
+
+
+def engine_file(budget: int, kv: str, precision: str) -> str:
+    return budget_file(budget, kv).removesuffix(".onnx") + f".{precision}.engine"
+
+
+def check_precision(precision: str) -> torch.dtype:
+    if precision not in PRECISIONS:
+        raise ExportError(f"TensorRT precision {precision!r} is not supported; choose one of {', '.join(PRECISIONS)}.")
+    return PRECISIONS[precision]
+
+
+def require_tensorrt(purpose: str):
+    """``import tensorrt``, or one sentence saying how to get it."""
+    try:
+        import tensorrt
+    except (ImportError, OSError) as exc:  # the bindings wheel alone fails with OSError on missing libraries
+        raise ExportError(f"{purpose} needs TensorRT, which is not installed here ({type(exc).__name__}: {exc}); "
+                          f"{INSTALL_HINT} on a machine with an NVIDIA GPU, or export with --build-on-target.") from exc
+    return tensorrt
+
+
+# ---------------------------------------------------------------------------- the TensorRT variant
+def tensorrt_variant(model):
+    """The TensorRT-flavoured copy of one serving graph (an ``onnx.ModelProto`` loaded
+    without its external data); returns ``(variant, info)`` with the weight inputs, in
+    order, and the plugin nodes per op."""
+    import onnx
+    from onnx import helper, inliner
+
+    from looptool.backends.onnx_functions import DOMAIN, AdaptiveDeltaUpdate
+
+    layer_functions = [(f.domain, f.name) for f in model.functions if f.domain != DOMAIN]
+    if layer_functions:
+        model = inliner.inline_selected_functions(model, layer_functions, exclude=False)
+    else:
+        model = onnx.ModelProto.FromString(model.SerializeToString())
+    graph = model.graph
+    _split_adaptive_delta(graph, DOMAIN)
+    if any(n.domain == DOMAIN and n.op_type == "AdaptiveDeltaUpdate" for n in graph.node):
+        model.functions.append(AdaptiveDeltaUpdate.to_function_proto())
+    used = {(n.domain, n.op_type) for n in graph.node}
+    kept_functions = [f for f in model.functions if (f.domain, f.name) in used]
+    del model.functions[:]
+    model.functions.extend(kept_functions)
+    plugins: Counter = Counter()
+    for node in graph.node:
+        if node.domain != DOMAIN:
+            continue
+        if node.op_type not in AOT_OPS + JIT_OPS:
+            raise ExportError(f"the graph has a looptool node {node.op_type!r} with no TensorRT plugin; export with --backend onnx.")
+        node.attribute.extend([helper.make_attribute("plugin_namespace", PLUGIN_NAMESPACE),
+                               helper.make_attribute("plugin_version", PLUGIN_VERSION)])
+        if node.op_type in AOT_OPS:
+            node.attribute.append(helper.make_attribute("aot", 1))
+        plugins[node.op_type] += 1
+    weights = []
+    kept = []
+    for init in graph.initializer:
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+            weights.append(init.name)
+        else:
+            kept.append(init)
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return model, {"weight_inputs": weights, "plugins": dict(plugins)}
+
+
+def _split_adaptive_delta(graph, domain: str) -> None:
+    """``AdaptiveDelta(s, r, s~, W, b, γ, e)`` → ``z = Gemm(s~ as 2-D, W, b, transB=1)`` reshaped
+    back, then ``AdaptiveDeltaUpdate(s, r, z, γ, e)``; TensorRT runs the GEMM, the plugin the rest."""
+    from onnx import helper
+
+    nodes = list(graph.node)
+    out = []
+    for i, node in enumerate(nodes):
+        if not (node.domain == domain and node.op_type == "AdaptiveDelta"):
+            out.append(node)
+            continue
+        s_prev, r, s_tilde, weight, bias, gamma, exit = node.input
+        p = f"_trt_ad{i}_"
+        out += [
+            helper.make_node("Constant", [], [p + "m1"], value=helper.make_tensor(p + "m1v", 7, [1], [-1])),
+            helper.make_node("Shape", [weight], [p + "in"], start=1, end=2),
+            helper.make_node("Shape", [weight], [p + "out"], start=0, end=1),
+            helper.make_node("Shape", [s_tilde], [p + "lead"], start=0, end=-1),
+            helper.make_node("Concat", [p + "m1", p + "in"], [p + "flat_shape"], axis=0),
+            helper.make_node("Reshape", [s_tilde, p + "flat_shape"], [p + "flat"]),
+            helper.make_node("Gemm", [p + "flat", weight, bias], [p + "z2"], transB=1),
+            helper.make_node("Concat", [p + "lead", p + "out"], [p + "z_shape"], axis=0),
+            helper.make_node("Reshape", [p + "z2", p + "z_shape"], [p + "z"]),
+            helper.make_node("AdaptiveDeltaUpdate", [s_prev, r, p + "z", gamma, exit], list(node.output),
+                             domain=domain, name=(node.name or "AdaptiveDelta") + "_update"),
+        ]
+    del graph.node[:]
+    graph.node.extend(out)
+
+
+def write_variants(directory: Path) -> dict[str, dict[str, dict]]:
+    """Write the TensorRT variant of every graph in ``directory``'s manifest; returns the
+    manifest entries ``{budget: {policy: {...}}}``."""
+    import onnx
+
+    manifest = json.loads((directory / MANIFEST).read_text())
+    entries: dict[str, dict[str, dict]] = {}
+    for budget, policies in manifest["budgets"].items():
+        for policy, info in policies.items():
+            model = onnx.load(str(directory / info["file"]), load_external_data=False)
+            variant, meta = tensorrt_variant(model)
+            name = trt_graph_file(int(budget), policy)
+            onnx.save(variant, str(directory / name))
+            entries.setdefault(budget, {})[policy] = {"file": name, "sha256": sha256_file(directory / name), **meta}
+    return entries
+
+
+def weight_arrays(directory: Path, manifest: dict) -> dict[str, np.ndarray]:
+    """Every tensor of ``weights.bin`` by name, as read-only views into one mapping."""
+    from looptool.backends.ort import _NUMPY_DTYPES
+
+    mmap = np.memmap(directory / WEIGHTS, dtype=np.uint8, mode="r")
+    arrays = {}
+    for name, entry in manifest["weights"]["tensors"].items():
+        dtype = {**_NUMPY_DTYPES, "BFLOAT16": np.uint16}[entry["dtype"]]  # bf16: its raw bits
+        arrays[name] = mmap[entry["offset"]:entry["offset"] + entry["length"]].view(dtype).reshape(entry["shape"])
+    return arrays
+
+
+# ---------------------------------------------------------------------------- AOT kernels
+@dataclass(frozen=True)
+class AOTKernel:
+    """One Triton kernel compiled ahead of time for a TensorRT AOT plugin."""
+
+    op: str
+    name: str  # the PTX entry
+    ptx: str
+    threads: int  # block size: num_warps × 32
+    shared: int  # bytes of shared memory
+    block: int  # elements (or rows) per program
+    scalars: tuple[str, ...]  # the i32 arguments TensorRT passes between inputs and outputs, in order
+
+
+_TRITON_DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def aot_compile(op: str, dtype: str, *, arch: int = 90, ptx_version: int = 87, rank: int = 16) -> AOTKernel:
+    """Compile the Triton kernel behind plugin ``op`` to PTX for ``sm_<arch>`` (no GPU needed).
+
+    Argument order is TensorRT's for AOT plugins: input pointers, the i32 scalars, output
+    pointers. ``ptx_version`` 87 (PTX ISA 8.7) loads on drivers ≥ 570; Triton 3.9's
+    default (9.4) needs a newer driver than the project's H200 has."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from looptool.ops import kernels
+
+    if kernels.INTERPRET:
+        raise ExportError("AOT compilation needs Triton's compiler, but this process runs Triton's interpreter "
+                          "(TRITON_INTERPRET=1); unset it.")
+    t = "*" + _TRITON_DTYPES[dtype]
+    if op == "GatedResidual":
+        fn, scalars, block = kernels.gated_residual_kernel, ("n", "gate_n"), kernels.ELEMENTWISE_BLOCK
+        signature = {"x_ptr": t, "gate_ptr": t, "f_ptr": t, "n": "i32", "gate_n": "i32", "out_ptr": t, "BLOCK": "constexpr"}
+        constexprs = {"BLOCK": block}
+    elif op == "AdaptiveDeltaUpdate":
+        fn, scalars, block = kernels.adaptive_delta_kernel, ("n", "gamma_n", "exit_n"), kernels.ELEMENTWISE_BLOCK
+        signature = {"s_ptr": t, "r_ptr": t, "z_ptr": t, "gamma_ptr": t, "exit_ptr": t, "n": "i32", "gamma_n": "i32",
+                     "exit_n": "i32", "out_ptr": t, "HAS_EXIT": "constexpr", "BLOCK": "constexpr"}
+        constexprs = {"HAS_EXIT": True, "BLOCK": block}
+    elif op == "Modulate":
+        # fp32 tiles of 64 rows need 57 KiB of shared memory, over the 48 KiB a launch gets without opting in
+        fn, scalars, block = kernels.modulate_kernel, ("rows", "d", "rank"), 32 if _TRITON_DTYPES[dtype] == "fp32" else 64
+        signature = {"x_ptr": t, "scale_ptr": t, "shift_ptr": t, "down_ptr": t, "up_ptr": t, "rows": "i32", "d": "i32",
+                     "rank": "i32", "out_ptr": t, "RANK": "constexpr", "BLOCK_M": "constexpr", "BLOCK_D": "constexpr",
+                     "PRECISION": "constexpr"}
+        constexprs = {"RANK": kernels.modulate_rank_block(rank), "BLOCK_M": block, "BLOCK_D": 64,
+                      "PRECISION": "ieee" if _TRITON_DTYPES[dtype] == "fp32" else "tf32"}
+    else:
+        raise ExportError(f"no AOT kernel for {op!r}; AOT plugins are {', '.join(AOT_OPS)}.")
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", arch, 32), options={"ptx_version": ptx_version, "num_warps": 4})
+    meta = compiled.metadata
+    if getattr(meta, "global_scratch_size", 0):
+        raise ExportError(f"the {op} kernel needs Triton global scratch memory, which TensorRT does not provide.")
+    return AOTKernel(op, meta.name, compiled.asm["ptx"], meta.num_warps * 32, meta.shared, block, scalars)
+
+
+# ---------------------------------------------------------------------------- export
+def export_tensorrt(
+    model,
+    output: str | os.PathLike,
+    budgets: int | str | Iterable[int] | None = "all",
+    *,
+    kv: str | Iterable[str] = "per-loop",
+    precision: str = "fp16",
+    build_on_target: bool = False,
+    max_batch: int = 8,
+    max_prefill: int = 2048,
+    max_capacity: int = 4096,
+    compose: bool = True,
+    overwrite: bool = False,
+    validate: bool = True,
+    on_progress: Callable[[str], None] | None = None,
+):
+    """Export ``model`` for TensorRT into ``output``: the ONNX engine directory plus a
+    TensorRT variant of every graph, ``build.py``, and (unless ``build_on_target``) the
+    engines. Everything is checked before anything is written; a failure removes the output.
+
+    ``precision`` is the engines' dtype: the model is exported in it (a cast copy where it
+    differs). Validation with onnxruntime runs for fp32 and fp16 graphs (onnxruntime's CPU
+    kernels lack bf16)."""
+    from looptool.backends.onnx import export_onnx
+    from looptool.serialization import check_output_dir
+
+    dtype = check_precision(precision)
+    for name, value in (("max_batch", max_batch), ("max_prefill", max_prefill), ("max_capacity", max_capacity)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ExportError(f"{name} must be a positive integer, got {value!r}.")
+    if max_prefill > max_capacity:
+        raise ExportError(f"max_prefill ({max_prefill}) exceeds max_capacity ({max_capacity}); a prompt must fit the cache.")
+    if not build_on_target:
+        require_tensorrt("building TensorRT engines")
+        if not torch.cuda.is_available():
+            raise ExportError("building TensorRT engines needs an NVIDIA GPU, and torch sees none here; "
+                              "export with --build-on-target and run build.py on the GPU machine.")
+    final = check_output_dir(output, overwrite)
+    say = on_progress or (lambda text: None)
+    source = model
+    if next(model.parameters()).dtype != dtype:
+        import copy
+
+        say(f"casting a copy of the model to {precision}")
+        source = copy.deepcopy(model).to(dtype)
+    report = export_onnx(source, final, budgets, kv=kv, compose=compose, overwrite=overwrite,
+                         validate=validate and precision != "bf16", on_progress=on_progress, _allow_bf16=True)
+    try:
+        say("writing TensorRT variants")
+        graphs = write_variants(final)
+        manifest = json.loads((final / MANIFEST).read_text())
+        manifest["tensorrt"] = {
+            "precision": precision,
+            "plugins": {"namespace": PLUGIN_NAMESPACE, "version": PLUGIN_VERSION, "aot": list(AOT_OPS), "jit": list(JIT_OPS)},
+            "profiles": {"max_batch": max_batch, "max_prefill": max_prefill, "max_capacity": max_capacity},
+            "graphs": graphs,
+        }
+        (final / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+        (final / BUILD_SCRIPT).write_text(_BUILD_PY)
+        if not build_on_target:
+            build_engines(final, on_progress=say)
+    except BaseException:
+        shutil.rmtree(final, ignore_errors=True)
+        raise
+    return report
+
+
+_BUILD_PY = '''"""Build this directory's TensorRT engines on the machine that will run them.
+
+    pip install "looptool[tensorrt]"
+    python build.py            # writes budget_<k>.<policy>.<precision>.engine next to this file
+"""
+from pathlib import Path
+
+from looptool.backends.tensorrt import build_engines
+
+if __name__ == "__main__":
+    build_engines(Path(__file__).resolve().parent, on_progress=print)
+'''
+
+
+def profile_shapes(manifest: dict, layout: CacheLayout, decode: bool) -> dict[str, tuple[tuple, tuple, tuple]]:
+    """(min, opt, max) shapes of every dynamic input for the prefill or the decode profile."""
+    limits = manifest["tensorrt"]["profiles"]
+    batch, cap = limits["max_batch"], limits["max_capacity"]
+    step = (1, 1, 1) if decode else (1, min(128, limits["max_prefill"]), limits["max_prefill"])
+    b = (1, 1, batch)
+    c = (step[0], max(step[1], min(cap, 512)), cap)
+    shapes = {
+        INPUTS[0]: tuple((b[i], step[i]) for i in range(3)),
+        INPUTS[1]: tuple((b[i], c[i]) for i in range(3)),
+        INPUTS[2]: tuple((b[i], step[i]) for i in range(3)),
+        INPUTS[3]: tuple((step[i],) for i in range(3)),
+    }
+    past, _ = layout.names()
+    for pair, (key, value) in zip(layout.pairs, zip(past[0::2], past[1::2])):
+        for name in (key, value):
+            shapes[name] = tuple((b[i], pair.kv_heads, c[i], pair.head_dim) for i in range(3))
+    return shapes
+
+
+def build_engines(directory: str | os.PathLike, *, on_progress: Callable[[str], None] | None = None) -> dict:
+    """Build ``budget_<k>.<policy>.<precision>.engine`` for every TensorRT variant in
+    ``directory`` (strongly typed networks: the graph's dtype is the engine's), with a
+    prefill profile (0) and a decode profile (1); records them in the manifest."""
+    trt = require_tensorrt("building TensorRT engines")
+    from looptool.backends import trt_plugins
+
+    say = on_progress or (lambda text: None)
+    directory = Path(directory)
+    manifest = json.loads((directory / MANIFEST).read_text())
+    section = manifest.get("tensorrt")
+    if not section:
+        raise ExportError(f"{directory} has no TensorRT variants; export it with --backend tensorrt.")
+    trt_plugins.register()
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    engines: dict[str, dict[str, dict]] = {}
+    for budget, policies in section["graphs"].items():
+        for policy, info in policies.items():
+            say(f"building budget {budget} ({policy})")
+            flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+            network = builder.create_network(flags)
+            parser = trt.OnnxParser(network, logger)
+            if not parser.parse_from_file(str(directory / info["file"])):
+                errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+                raise ExportError(f"TensorRT could not parse {info['file']}: {errors}")
+            config = builder.create_builder_config()
+            layout = CacheLayout.from_dict(manifest["budgets"][budget][policy]["cache"])
+            for decode in (False, True):
+                profile = builder.create_optimization_profile()
+                for name, (lo, opt, hi) in profile_shapes(manifest, layout, decode).items():
+                    profile.set_shape(name, lo, opt, hi)
+                config.add_optimization_profile(profile)
+            plan = builder.build_serialized_network(network, config)
+            if plan is None:
+                raise ExportError(f"TensorRT failed to build an engine for {info['file']}; rerun with TensorRT's verbose log.")
+            name = engine_file(int(budget), policy, section["precision"])
+            (directory / name).write_bytes(bytes(plan))
+            engines.setdefault(budget, {})[policy] = {"file": name, "sha256": sha256_file(directory / name),
+                                                      "bytes": (directory / name).stat().st_size}
+    major, minor = torch.cuda.get_device_capability()
+    section["engines"] = engines
+    section["built_on"] = {"gpu": torch.cuda.get_device_name(), "compute_capability": [major, minor],
+                           "tensorrt": trt.__version__}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+    return engines
+
+
+# ---------------------------------------------------------------------------- runtime
+def check_built_for(built: dict, capability: tuple[int, int], gpu: str, directory: Path) -> None:
+    """Engines run only on the GPU architecture they were built for: one sentence otherwise."""
+    here = list(capability)
+    if list(built["compute_capability"]) != here:
+        raise EngineError(f"these engines were built for {built['gpu']} (sm_{''.join(map(str, built['compute_capability']))}), "
+                          f"this GPU is {gpu} (sm_{''.join(map(str, here))}); rebuild them here with "
+                          f"python {directory / BUILD_SCRIPT}.")
+
+
+_TORCH_DTYPES = {"FLOAT": torch.float32, "FLOAT16": torch.float16, "BFLOAT16": torch.bfloat16, "DOUBLE": torch.float64,
+                 "INT64": torch.int64, "INT32": torch.int32, "BOOL": torch.bool, "UINT8": torch.uint8, "INT8": torch.int8}
+
+
+class Runtime:
+    """Run TensorRT engines: ``rt.generate(input_ids, budget=k, kv=...)`` like the
+    onnxruntime :class:`looptool.backends.ort.Runtime`.
+
+    ``weights.bin`` is uploaded once into one device buffer; each weight is a view at its
+    manifest offset and the same pointer is bound into every budget's execution context.
+    The contexts use one shared activation buffer (user-managed device memory, sized for
+    the largest engine): budgets run one at a time on one stream."""
+
+    def __init__(self, engine_dir: str | os.PathLike, *, device: str = "cuda", verify: bool = True):
+        from looptool.backends.ort import read_manifest
+
+        self.directory = Path(engine_dir)
+        self.manifest = read_manifest(self.directory)
+        section = self.manifest.get("tensorrt") or {}
+        if not section.get("engines"):
+            raise EngineError(f"'{self.directory}' has no TensorRT engines; run python {self.directory / BUILD_SCRIPT} on this machine.")
+        weights = self.directory / WEIGHTS
+        entry = self.manifest["weights"]
+        if not weights.exists() or weights.stat().st_size != entry["bytes"] or (verify and sha256_file(weights) != entry["sha256"]):
+            raise EngineError(f"{weights} does not match the manifest (missing, resized or modified); export the engine again.")
+        if not torch.cuda.is_available():
+            raise EngineError("TensorRT engines need an NVIDIA GPU, and torch sees none here.")
+        self.device = torch.device(device)
+        built = section["built_on"]
+        check_built_for(built, torch.cuda.get_device_capability(self.device), torch.cuda.get_device_name(self.device),
+                        self.directory)
+        trt = require_tensorrt("running TensorRT engines")
+        self.trt = trt
+        self.budgets = tuple(sorted(int(b) for b in section["engines"]))
+        self.kv_policies = tuple(sorted({p for ps in section["engines"].values() for p in ps}))
+        self.vocab_size = self.manifest.get("source_config", {}).get("vocab_size")
+        self.mask_dtype = getattr(torch, self.manifest.get("mask_dtype", "int64"))
+        self.store = torch.from_numpy(np.fromfile(weights, dtype=np.uint8)).to(self.device)  # one upload
+        self._weights = {name: self._view(e) for name, e in entry["tensors"].items()}
+        from looptool.backends import trt_plugins
+
+        trt_plugins.register()  # the Moe plugin runs through Python
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        runtime = trt.Runtime(self._logger)
+        self.engines, self.contexts = {}, {}
+        for budget, policies in section["engines"].items():
+            for policy, info in policies.items():
+                path = self.directory / info["file"]
+                if verify and sha256_file(path) != info["sha256"]:
+                    raise EngineError(f"{path} does not match the sha256 in {MANIFEST}; rebuild the engines.")
+                engine = runtime.deserialize_cuda_engine(path.read_bytes())
+                if engine is None:
+                    raise EngineError(f"TensorRT could not load {path} (built with TensorRT {built['tensorrt']}); rebuild it here.")
+                self.engines[int(budget), policy] = engine
+        self.activation_bytes = max(e.device_memory_size_v2 for e in self.engines.values())
+        self._activations = torch.empty(self.activation_bytes, dtype=torch.uint8, device=self.device)
+        for key, engine in self.engines.items():
+            ctx = engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+            ctx.set_device_memory(self._activations.data_ptr(), self.activation_bytes)
+            for name in section["graphs"][str(key[0])][key[1]]["weight_inputs"]:
+                ctx.set_tensor_address(name, self._weights[name].data_ptr())
+            self.contexts[key] = ctx
+        self.stream = torch.cuda.Stream(self.device)
+
+    def _view(self, entry: dict) -> torch.Tensor:
+        dtype = _TORCH_DTYPES[entry["dtype"]]
+        return self.store[entry["offset"]:entry["offset"] + entry["length"]].view(dtype).view(entry["shape"])
+
+    def device_bytes(self) -> dict[str, int]:
+        """Device memory the runtime holds: the weights (once) and the shared activations."""
+        return {"weights": self.store.numel(), "activations": self.activation_bytes}
+
+    def generate(self, input_ids, *, budget: int | None = None, max_new_tokens: int = 32, kv: str = "per-loop",
+                 attention_mask=None, capacity: int | None = None, **sampling):
+        """Cached generation, as :meth:`looptool.backends.ort.Runtime.generate`."""
+        from looptool.generation import check_generation_args, decode_loop
+
+        budget = self.budgets[-1] if budget is None else budget
+        if (budget, kv) not in self.contexts:
+            raise EngineError(f"no engine for budget {budget} ({kv}); this directory has {sorted(self.contexts)}.")
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
+        check_generation_args(ids, max_new_tokens, sampling.get("temperature", 0.0), sampling.get("top_k"), sampling.get("top_p"))
+        capacity = ids.shape[1] + max_new_tokens if capacity is None else capacity
+        layout = CacheLayout.from_dict(self.manifest["budgets"][str(budget)][kv]["cache"])
+        binding = _TRTBinding(self, self.contexts[budget, kv], layout, ids.shape[0], capacity)
+        return decode_loop(binding.step, ids, mask, capacity=capacity, max_new_tokens=max_new_tokens,
+                           mask_dtype=self.mask_dtype, kv_bytes=binding.kv_bytes, **sampling)
+
+
+class _TRTBinding:
+    """One generate call on one execution context: caches allocated once (two buffers per
+    cache, swapped each step, since TensorRT gives no guarantee for an input and an output
+    bound to the same memory), inputs copied to the device, profile 0 for the prefill and 1
+    for decode steps."""
+
+    def __init__(self, rt: Runtime, ctx, layout: CacheLayout, batch: int, capacity: int):
+        self.rt, self.ctx = rt, ctx
+        dtype = getattr(torch, layout.dtype)
+        self.past_names, self.present_names = layout.names()
+        shapes = [(batch, p.kv_heads, capacity, p.head_dim) for p in layout.pairs for _ in "kv"]
+        self.caches = [torch.zeros(s, dtype=dtype, device=rt.device) for s in shapes]
+        self.spare = [torch.zeros_like(c) for c in self.caches]
+        self.kv_bytes = 2 * sum(c.numel() * c.element_size() for c in self.caches)
+        self.logits = torch.empty(batch, 1, rt.vocab_size, dtype=dtype, device=rt.device)
+        self.profile = None
+
+    def step(self, ids, mask, position, cache_position):
+        profile = 0 if ids.shape[1] > 1 else 1
+        stream = self.rt.stream
+        if profile != self.profile:
+            self.ctx.set_optimization_profile_async(profile, stream.cuda_stream)
+            self.profile = profile
+        feeds = dict(zip(INPUTS, (ids, mask, position, cache_position)))
+        device_feeds = {name: t.to(self.rt.device, non_blocking=True).contiguous() for name, t in feeds.items()}
+        for name, t in [*device_feeds.items(), *zip(self.past_names, self.caches)]:
+            self.ctx.set_input_shape(name, tuple(t.shape))
+            self.ctx.set_tensor_address(name, t.data_ptr())
+        for name, t in zip(self.present_names, self.spare):
+            self.ctx.set_tensor_address(name, t.data_ptr())
+        self.ctx.set_tensor_address(LOGITS, self.logits.data_ptr())
+        if not self.ctx.execute_async_v3(stream.cuda_stream):
+            raise EngineError("TensorRT failed to execute the step; rerun with TensorRT's verbose log.")
+        stream.synchronize()
+        self.caches, self.spare = self.spare, self.caches
+        return self.logits[:, -1].float().cpu()

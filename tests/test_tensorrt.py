@@ -1,0 +1,184 @@
+"""The TensorRT backend in every part that runs without TensorRT: export with
+--build-on-target (variants, manifest, build.py), AOT PTX for sm_90, errors for bad input,
+the runtime's checks, and the plugin definitions where ``tensorrt.plugin`` imports.
+(The variants' onnxruntime equivalence on four architectures is in test_ort_generate.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import onnx
+import pytest
+import torch
+from looptool.backends.onnx import MANIFEST, WEIGHTS, EngineError, ExportError
+from looptool.backends.tensorrt import (
+    AOT_OPS,
+    BUILD_SCRIPT,
+    PLUGIN_NAMESPACE,
+    Runtime,
+    check_built_for,
+    export_tensorrt,
+    trt_graph_file,
+)
+from typer.testing import CliRunner
+
+import looptool
+from looptool.cli import app
+from looptool.testing import tiny_model
+
+
+def _has_tensorrt() -> bool:
+    try:
+        import tensorrt  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def prefix_model():
+    model = looptool.convert(tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 2)))
+    with torch.no_grad():
+        for _, p in model.new_parameters():
+            p.add_(0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def on_target(prefix_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trt") / "engine"
+    export_tensorrt(prefix_model, out, [2], precision="fp32", build_on_target=True, validate=False,
+                    max_batch=4, max_prefill=64, max_capacity=128)
+    return out
+
+
+def test_build_on_target_writes_variants_manifest_and_build_script(on_target):
+    manifest = json.loads((on_target / MANIFEST).read_text())
+    section = manifest["tensorrt"]
+    assert section["precision"] == "fp32" and "engines" not in section
+    assert section["profiles"] == {"max_batch": 4, "max_prefill": 64, "max_capacity": 128}
+    entry = section["graphs"]["2"]["per-loop"]
+    variant = onnx.load(str(on_target / entry["file"]))
+    onnx.checker.check_model(variant)
+    assert entry["file"] == trt_graph_file(2, "per-loop") and entry["plugins"] == {"GatedResidual": 4}
+    names = {i.name for i in variant.graph.input}
+    assert set(entry["weight_inputs"]) <= names and set(entry["weight_inputs"]) <= set(manifest["weights"]["tensors"])
+    assert not [i for i in variant.graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL]
+    assert not [f for f in variant.functions if f.domain != PLUGIN_NAMESPACE]  # layer functions inlined
+    plugin_nodes = [n for n in variant.graph.node if n.domain == PLUGIN_NAMESPACE]
+    for node in plugin_nodes:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["plugin_namespace"] == b"looptool" and attrs["plugin_version"] == b"1" and attrs["aot"] == 1
+    assert len(plugin_nodes) == 4
+    build = (on_target / BUILD_SCRIPT).read_text()
+    compile(build, BUILD_SCRIPT, "exec")
+    assert "build_engines" in build
+    assert not list(on_target.glob("*.engine"))
+
+
+def test_runtime_checks_before_it_needs_tensorrt(on_target, tmp_path):
+    with pytest.raises(EngineError, match="no TensorRT engines; run python .*build.py"):
+        Runtime(on_target)
+    import shutil
+
+    copy = tmp_path / "e"
+    shutil.copytree(on_target, copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    manifest["tensorrt"]["engines"] = {"2": {"per-loop": {"file": "budget_2.per-loop.fp32.engine", "sha256": "0"}}}
+    manifest["tensorrt"]["built_on"] = {"gpu": "NVIDIA H200", "compute_capability": [9, 0], "tensorrt": "11.0"}
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    with open(copy / WEIGHTS, "r+b") as f:  # one byte changed: same size, other sha256
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 1]))
+    with pytest.raises(EngineError, match="does not match the manifest"):
+        Runtime(copy)
+    if not torch.cuda.is_available():
+        with open(copy / WEIGHTS, "r+b") as f:
+            f.write(first)
+        with pytest.raises(EngineError, match="need an NVIDIA GPU"):
+            Runtime(copy)
+
+
+def test_engines_for_another_gpu_are_refused(tmp_path):
+    built = {"gpu": "NVIDIA H200", "compute_capability": [9, 0], "tensorrt": "11.0"}
+    check_built_for(built, (9, 0), "NVIDIA H100", tmp_path)  # same architecture: fine
+    with pytest.raises(EngineError, match=r"built for NVIDIA H200 \(sm_90\), this GPU is NVIDIA A100 \(sm_80\); rebuild"):
+        check_built_for(built, (8, 0), "NVIDIA A100", tmp_path)
+
+
+@pytest.mark.skipif(_has_tensorrt(), reason="TensorRT is installed here")
+def test_without_tensorrt_export_fails_in_one_sentence_and_writes_nothing(prefix_model, tmp_path):
+    with pytest.raises(ExportError, match=r'pip install "looptool\[tensorrt\]".*--build-on-target'):
+        export_tensorrt(prefix_model, tmp_path / "out", [2])
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_precision_and_limits(prefix_model, tmp_path):
+    with pytest.raises(ExportError, match="precision 'int8' is not supported; choose one of fp32, fp16, bf16"):
+        export_tensorrt(prefix_model, tmp_path / "out", [2], precision="int8", build_on_target=True)
+    with pytest.raises(ExportError, match="max_prefill .* exceeds max_capacity"):
+        export_tensorrt(prefix_model, tmp_path / "out", [2], build_on_target=True, max_prefill=512, max_capacity=256)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_backend_tensorrt_errors(prefix_model, tmp_path):
+    prefix_model.save_pretrained(tmp_path / "m")
+    runner = CliRunner()
+    res = runner.invoke(app, ["export", str(tmp_path / "m"), "-o", str(tmp_path / "o"), "--backend", "tensorrt",
+                              "--precision", "fp8", "--build-on-target"])
+    assert res.exit_code == 1 and "precision 'fp8' is not supported" in res.output
+    if not _has_tensorrt():
+        res = runner.invoke(app, ["export", str(tmp_path / "m"), "-o", str(tmp_path / "o"), "--backend", "tensorrt"])
+        assert res.exit_code == 1 and 'looptool[tensorrt]' in res.output
+    assert not (tmp_path / "o").exists()
+    res = runner.invoke(app, ["run", str(tmp_path / "m"), "-p", "hi", "--backend", "tensorrt"])
+    assert res.exit_code == 1 and "error:" in res.output
+
+
+_AOT_SCRIPT = """
+import json, re, sys
+from looptool.backends.tensorrt import AOT_OPS, aot_compile
+out = []
+for op in AOT_OPS:
+    for dtype in ("fp32", "bf16"):
+        k = aot_compile(op, dtype, rank=24)
+        out.append(dict(op=op, dtype=dtype, name=k.name, ptx=k.ptx, threads=k.threads, shared=k.shared, scalars=k.scalars))
+print(json.dumps(out))
+"""
+
+
+def test_aot_ptx_for_sm90_has_tensorrts_argument_order():
+    pytest.importorskip("triton", reason="triton is not installed")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # the compiler, not the interpreter the suite runs
+    res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    kernels = json.loads(res.stdout.strip().splitlines()[-1])
+    inputs = {"GatedResidual": 3, "AdaptiveDeltaUpdate": 5, "Modulate": 5}
+    assert {k["op"] for k in kernels} == set(AOT_OPS)
+    for k in kernels:
+        ptx = k["ptx"]
+        assert re.search(r"^\.version 8\.7$", ptx, re.M) and re.search(r"^\.target sm_90a?$", ptx, re.M), k["op"]
+        entry = re.search(r"\.visible \.entry (\w+)\((.*?)\)", ptx, re.S)
+        assert entry and entry.group(1) == k["name"]
+        params = re.findall(r"\.param \.(\w+)", entry.group(2))
+        n_in, n_scalar = inputs[k["op"]], len(k["scalars"])
+        # TensorRT passes: input pointers, i32 scalars, the output pointer; Triton appends its
+        # (unused, size 0) scratch pointers after them
+        assert params[:n_in] == ["u64"] * n_in, (k["op"], params)
+        assert params[n_in:n_in + n_scalar] == ["u32"] * n_scalar, (k["op"], params)
+        assert params[n_in + n_scalar] == "u64" and set(params[n_in + n_scalar + 1:]) <= {"u64"}
+        assert len(params) - (n_in + n_scalar + 1) <= 2
+        assert k["threads"] == 128 and k["shared"] <= 48 * 1024, (k["op"], k["dtype"], k["shared"])
+
+
+@pytest.mark.skipif(not _has_tensorrt(), reason="TensorRT is not installed (pip install \"looptool[tensorrt]\" on an NVIDIA machine)")
+def test_plugin_definitions_register_against_tensorrt():  # pragma: no cover - no TensorRT on the project's machines
+    from looptool.backends import trt_plugins
+
+    trt_plugins.register()
+    trt_plugins.register()  # idempotent
