@@ -8,7 +8,8 @@
 #   GPU_CHECK_DRY=1 bash tests/gpu/run.sh # plumbing check on a CPU: tiny shapes, --device cpu
 #
 # Writes: env.json, pytest_gpu.xml + pytest_gpu.log (tests/gpu, exactness and generation on
-# CUDA), train_smollm2.json, train_llama1b.json (bench_train: tokens/s per budget and mixed
+# CUDA; tests/test_kernels.py, the Triton kernels on CUDA), kernels.json (bench_kernels: GB/s
+# against copy bandwidth, MoE TFLOP/s against a dense bf16 GEMM), train_smollm2.json, train_llama1b.json (bench_train: tokens/s per budget and mixed
 # vs plain, MFU, memory with and without --checkpoint), decode.json (bench_decode), and
 # gpu_check.json (all of it, with each stage's exit code and seconds), gpu_check.log.
 set -uo pipefail
@@ -62,7 +63,10 @@ except ImportError:
 json.dump(info, open(sys.argv[1], "w"), indent=2)
 print(info)
 PY
-stage pytest_gpu 200 "$PY" -m pytest tests/gpu -q -p no:cacheprovider -rs --junitxml="$OUT/pytest_gpu.xml"
+stage pytest_gpu 200 "$PY" -m pytest tests/gpu tests/test_kernels.py -q -p no:cacheprovider -rs -n 0 --junitxml="$OUT/pytest_gpu.xml"
+if [ "$DEVICE" = cuda ]; then  # Triton kernels against copy bandwidth and dense bf16 GEMM throughput
+    stage kernels 120 "$PY" tests/bench/bench_kernels.py --rounds "$ROUNDS" --out "$OUT/kernels.json"
+fi
 stage train_smollm2 150 "$PY" tests/bench/bench_train.py --device "$DEVICE" --shape "$SMALL" $BF16 --seq-len "$SEQ" \
     --batch 4 --rounds "$ROUNDS" --out "$OUT/train_smollm2.json"
 stage train_llama1b 170 "$PY" tests/bench/bench_train.py --device "$DEVICE" --shape "$LARGE" $BF16 --seq-len "$SEQ" \
@@ -79,7 +83,7 @@ for item in sys.argv[2:]:
     name, rc, seconds = item.rsplit(":", 2)
     stages[name] = {"rc": int(rc), "seconds": int(seconds)}
 result = {"stages": stages}
-for name in ("env", "train_smollm2", "train_llama1b", "decode"):
+for name in ("env", "kernels", "train_smollm2", "train_llama1b", "decode"):
     path = out / f"{name}.json"
     if path.exists():
         result[name] = json.loads(path.read_text())
