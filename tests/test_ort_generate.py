@@ -14,7 +14,7 @@ from looptool.testing import tiny_model
 
 CASES = {  # dense, parallel residual, post-norm (sandwich norms, sliding windows), MoE via looptool::moe
     "llama-recurrent": ("llama", looptool.RecurrentLoop(recurrent=(1, 3), max_loops=3, conditioning=True)),
-    "gpt_neox-prefix": ("gpt_neox", looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2))),
+    "gpt_neox-prefix": ("gpt_neox", looptool.PrefixLoop(window=(1, 3), budgets=(0, 2))),
     "gemma3_text-prefix": ("gemma3_text", looptool.PrefixLoop(window=(1, 3), budgets=(0, 2))),
     "qwen3_moe-prefix": ("qwen3_moe", looptool.PrefixLoop(window=(1, 3), budgets=(0, 2))),
 }
@@ -87,7 +87,7 @@ def test_tensorrt_variants_run_in_onnxruntime_like_the_ort_graphs(exported, case
     manifest = json.loads((directory / "manifest.json").read_text())
     weights = weight_arrays(directory, manifest)
     rng = np.random.default_rng(0)
-    for budget in model.budgets:
+    for budget in (model.budgets[0], model.budgets[-1]):
         entry = graphs[str(budget)]["per-loop"]
         variant = onnx.load(str(directory / entry["file"]))
         plugin_nodes = [n for n in variant.graph.node if n.domain == PLUGIN_NAMESPACE]

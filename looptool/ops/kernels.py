@@ -181,6 +181,13 @@ def modulate(x: Tensor, scale: Tensor, shift: Tensor, down: Tensor, up: Tensor) 
 
 # ---------------------------------------------------------------------------- mixture of experts
 @triton.jit
+def _block_pairs(block, rows_ptr, block_expert_ptr, BLOCK_M: tl.constexpr):
+    """Block ``block``'s expert, its padded row indices and their pair indices (−1: padding)."""
+    m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    return tl.load(block_expert_ptr + block).to(tl.int64), m, tl.load(rows_ptr + m)
+
+
+@triton.jit
 def moe_gate_up_kernel(x_ptr, w_ptr, rows_ptr, block_expert_ptr, used_ptr, d, inter, top_k, act_ptr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                     UPCAST: tl.constexpr):
@@ -190,9 +197,7 @@ def moe_gate_up_kernel(x_ptr, w_ptr, rows_ptr, block_expert_ptr, used_ptr, d, in
     block, col_block = tl.program_id(0), tl.program_id(1)
     if block * BLOCK_M >= tl.load(used_ptr):
         return
-    e = tl.load(block_expert_ptr + block).to(tl.int64)
-    m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(rows_ptr + m)
+    e, m, pair = _block_pairs(block, rows_ptr, block_expert_ptr, BLOCK_M)
     token = tl.where(pair >= 0, pair // top_k, 0).to(tl.int64)
     n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < inter
@@ -223,9 +228,7 @@ def moe_down_kernel(act_ptr, w_ptr, rows_ptr, block_expert_ptr, used_ptr, weight
     block, col_block = tl.program_id(0), tl.program_id(1)
     if block * BLOCK_M >= tl.load(used_ptr):
         return
-    e = tl.load(block_expert_ptr + block).to(tl.int64)
-    m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(rows_ptr + m)
+    e, m, pair = _block_pairs(block, rows_ptr, block_expert_ptr, BLOCK_M)
     valid = pair >= 0
     n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < d
