@@ -10,10 +10,9 @@
   launcher as torch's CUDA dispatch of ``looptool::moe``, so engines with MoE need Python
   and looptool at run time (:class:`looptool.backends.tensorrt.Runtime` registers it).
 
-Nothing here runs without TensorRT; :func:`register` imports it.
+Nothing here runs without TensorRT; :func:`register` imports it. (No ``from __future__
+import annotations`` here: TensorRT reads the ``trtp.TensorDesc`` annotations as classes.)
 """
-
-from __future__ import annotations
 
 _REGISTERED: list[bool] = []
 _FLOATS = ("FP32", "FP16", "BF16")

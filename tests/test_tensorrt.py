@@ -18,8 +18,10 @@ from looptool.backends.onnx import MANIFEST, WEIGHTS, EngineError, ExportError
 from looptool.backends.tensorrt import (
     AOT_OPS,
     BUILD_SCRIPT,
+    JIT_OPS,
     PLUGIN_NAMESPACE,
     Runtime,
+    build_engines,
     check_built_for,
     export_tensorrt,
     trt_graph_file,
@@ -51,7 +53,7 @@ def prefix_model():
 @pytest.fixture(scope="module")
 def on_target(prefix_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("trt") / "engine"
-    export_tensorrt(prefix_model, out, [2], precision="fp32", build_on_target=True, validate=False,
+    export_tensorrt(prefix_model, out, [0, 2], precision="fp32", build_on_target=True, validate=False,
                     max_batch=4, max_prefill=64, max_capacity=128)
     return out
 
@@ -65,6 +67,7 @@ def test_build_on_target_writes_variants_manifest_and_build_script(on_target):
     variant = onnx.load(str(on_target / entry["file"]))
     onnx.checker.check_model(variant)
     assert entry["file"] == trt_graph_file(2, "per-loop") and entry["plugins"] == {"GatedResidual": 4}
+    assert section["graphs"]["0"]["per-loop"]["plugins"] == {}
     names = {i.name for i in variant.graph.input}
     assert set(entry["weight_inputs"]) <= names and set(entry["weight_inputs"]) <= set(manifest["weights"]["tensors"])
     assert not [i for i in variant.graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL]
@@ -182,3 +185,56 @@ def test_plugin_definitions_register_against_tensorrt():  # pragma: no cover - n
 
     trt_plugins.register()
     trt_plugins.register()  # idempotent
+
+
+def test_build_and_runtime_decode_like_onnxruntime_through_a_tensorrt_test_double(on_target, prefix_model, monkeypatch, tmp_path):
+    """build_engines' profiles and Runtime's bookkeeping end to end on CPU: one weight store
+    bound by name into every budget's context (the same pointers), one shared activation
+    buffer, prefill/decode profiles, cache buffers swapped each step; the fake engines run
+    the TensorRT variants with onnxruntime. Tokens must equal the onnxruntime Runtime's at
+    both budgets."""
+    import shutil
+
+    import fake_tensorrt
+    from looptool.backends import trt_plugins
+    from looptool.backends.ort import Runtime as OrtRuntime
+
+    trt = fake_tensorrt.install(monkeypatch)
+    monkeypatch.setattr(trt_plugins, "_REGISTERED", [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: type("S", (), {"cuda_stream": 0, "synchronize": lambda self: None})())
+    directory = tmp_path / "e"
+    shutil.copytree(on_target, directory)
+    engines = build_engines(directory)  # what build.py runs
+    manifest = json.loads((directory / MANIFEST).read_text())
+    assert manifest["tensorrt"]["engines"] == engines and manifest["tensorrt"]["built_on"]["compute_capability"] == [9, 0]
+    _, profiles = trt.Builder.built[-1]
+    assert profiles[0]["input_ids"] == ((1, 1), (1, 64), (4, 64)) and profiles[1]["input_ids"] == ((1, 1), (1, 1), (4, 1))
+    assert profiles[0]["attention_mask"][2] == (4, 128)  # max batch 4, max capacity 128
+
+    rt = Runtime(directory, device="cpu")
+    assert set(trt.plugin.registered) == {f"looptool::{op}" for op in AOT_OPS + JIT_OPS}
+    assert all("aot_impl" in trt.plugin.registered[f"looptool::{op}"] for op in AOT_OPS)
+    assert "impl" in trt.plugin.registered["looptool::Moe"]
+    assert rt.device_bytes()["weights"] == manifest["weights"]["bytes"]
+    contexts = {b: rt.engines[b, "per-loop"].contexts[0] for b in (0, 2)}
+    names = {b: manifest["tensorrt"]["graphs"][str(b)]["per-loop"]["weight_inputs"] for b in (0, 2)}
+    for b, ctx in contexts.items():
+        assert {n: ctx.addresses[n] for n in names[b]} == {n: rt._weights[n].data_ptr() for n in names[b]}
+        assert ctx.device_memory == (rt._activations.data_ptr(), rt.activation_bytes)
+    shared = set(names[0]) & set(names[2])
+    assert len(shared) >= len(names[0]) - 1  # the source weights: one device copy for both budgets
+    assert all(contexts[0].addresses[n] == contexts[2].addresses[n] for n in shared)
+
+    ids = torch.randint(0, prefix_model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    ort_rt = OrtRuntime(directory)
+    for b in (0, 2):
+        ref = ort_rt.generate(ids, attention_mask=mask, budget=b, max_new_tokens=5)
+        got = rt.generate(ids, attention_mask=mask, budget=b, max_new_tokens=5)
+        assert torch.equal(got.sequences, ref.sequences), b
+        assert contexts[b].profiles == [0, 1]  # prefill profile, then decode for every later step
+        assert rt.engines[b, "per-loop"].runs == 5

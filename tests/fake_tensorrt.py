@@ -1,0 +1,206 @@
+"""A test double of the parts of TensorRT's Python API that looptool calls, for machines
+without TensorRT (all of this project's). An "engine" is a TensorRT variant graph run by
+onnxruntime; tensors are read from and written to the raw addresses bound with
+``set_tensor_address``, as TensorRT would. It checks looptool's *use* of the API (names,
+shapes, profiles, addresses, buffers) — not TensorRT itself, nor the plugins' kernels."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+
+_ORT_TO_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+                 "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
+
+
+def _view(ptr: int, shape, dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape)) if len(shape) else 1
+    buf = (ctypes.c_byte * (count * dtype.itemsize)).from_address(ptr)
+    return np.frombuffer(buf, dtype=dtype, count=count).reshape(shape)
+
+
+class Logger:
+    WARNING = 2
+
+    def __init__(self, level=None):
+        self.level = level
+
+
+class ExecutionContextAllocationStrategy:
+    USER_MANAGED = "user_managed"
+
+
+class _Context:
+    def __init__(self, engine):
+        self.engine, self.addresses, self.shapes, self.profiles, self.device_memory = engine, {}, {}, [], None
+
+    def set_device_memory(self, ptr, size):
+        self.device_memory = (ptr, size)
+
+    def set_tensor_address(self, name, ptr):
+        self.addresses[name] = ptr
+        return True
+
+    def set_input_shape(self, name, shape):
+        self.shapes[name] = tuple(shape)
+        return True
+
+    def set_optimization_profile_async(self, index, stream):
+        self.profiles.append(index)
+        return True
+
+    def execute_async_v3(self, stream):
+        session = self.engine.session
+        feeds = {}
+        for i in session.get_inputs():
+            shape = self.shapes.get(i.name, i.shape)
+            if any(not isinstance(d, int) for d in shape):
+                raise AssertionError(f"input {i.name} has no shape set")
+            feeds[i.name] = _view(self.addresses[i.name], shape, _ORT_TO_NUMPY[i.type]).copy()
+        outputs = session.run(None, feeds)
+        for meta, value in zip(session.get_outputs(), outputs):
+            target = _view(self.addresses[meta.name], value.shape, value.dtype)
+            target[...] = value
+        self.engine.runs += 1
+        return True
+
+
+class _Engine:
+    def __init__(self, path: Path):
+        import onnxruntime as ort
+
+        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        self.device_memory_size_v2 = 4096
+        self.runs = 0
+        self.contexts = []
+
+    def create_execution_context(self, strategy=None):
+        assert strategy == ExecutionContextAllocationStrategy.USER_MANAGED
+        ctx = _Context(self)
+        self.contexts.append(ctx)
+        return ctx
+
+
+class Runtime:
+    """``deserialize_cuda_engine(data)``: a fake engine file holds the variant's path."""
+
+    directory: Path | None = None
+
+    def __init__(self, logger):
+        self.logger = logger
+
+    def deserialize_cuda_engine(self, data: bytes):
+        return _Engine(Path(data.decode()))
+
+
+class NetworkDefinitionCreationFlag:
+    STRONGLY_TYPED = 1
+
+
+class _Network:
+    def __init__(self, flags):
+        self.flags, self.inputs, self.path = flags, {}, None
+
+
+class OnnxParser:
+    """Reads the graph's inputs (name → shape with None for dynamic axes) into the network."""
+
+    def __init__(self, network, logger):
+        self.network, self.num_errors = network, 0
+
+    def parse_from_file(self, path):
+        import onnx
+
+        model = onnx.load(path, load_external_data=False)
+        for i in model.graph.input:
+            dims = [d.dim_value if d.HasField("dim_value") else None for d in i.type.tensor_type.shape.dim]
+            self.network.inputs[i.name] = dims
+        self.network.path = path
+        return True
+
+    def get_error(self, i):  # pragma: no cover - parse never fails here
+        return ""
+
+
+class _Profile:
+    def __init__(self):
+        self.shapes = {}
+
+    def set_shape(self, name, lo, opt, hi):
+        self.shapes[name] = (tuple(lo), tuple(opt), tuple(hi))
+
+
+class _Config:
+    def __init__(self):
+        self.profiles = []
+
+    def add_optimization_profile(self, profile):
+        self.profiles.append(profile)
+        return len(self.profiles) - 1
+
+
+class Builder:
+    """``build_serialized_network`` checks that every profile covers every dynamic input
+    with min ≤ opt ≤ max and the static axes as declared; the "plan" is the graph's path."""
+
+    built: list = []
+
+    def __init__(self, logger):
+        self.logger = logger
+
+    def create_network(self, flags):
+        return _Network(flags)
+
+    def create_builder_config(self):
+        return _Config()
+
+    def create_optimization_profile(self):
+        return _Profile()
+
+    def build_serialized_network(self, network, config):
+        assert network.flags == 1 << NetworkDefinitionCreationFlag.STRONGLY_TYPED
+        assert config.profiles, "no optimisation profile"
+        for profile in config.profiles:
+            for name, dims in network.inputs.items():
+                if all(d is not None for d in dims):
+                    assert name not in profile.shapes or profile.shapes[name][0] == tuple(dims), name
+                    continue
+                lo, opt, hi = profile.shapes[name]  # KeyError: a dynamic input without a profile
+                assert len(lo) == len(dims), name
+                for a, b, c, d in zip(lo, opt, hi, dims):
+                    assert 1 <= a <= b <= c and (d is None or a == c == d), (name, lo, opt, hi, dims)
+        Builder.built.append((network.path, [p.shapes for p in config.profiles]))
+        return network.path.encode()
+
+
+def install(monkeypatch) -> types.ModuleType:
+    """Put the fake ``tensorrt`` (and a ``tensorrt.plugin`` that records registrations) in
+    ``sys.modules``."""
+    trt = types.ModuleType("tensorrt")
+    trt.__version__ = "fake"
+    trt.Logger, trt.Runtime, trt.Builder, trt.OnnxParser = Logger, Runtime, Builder, OnnxParser
+    trt.NetworkDefinitionCreationFlag = NetworkDefinitionCreationFlag
+    trt.ExecutionContextAllocationStrategy = ExecutionContextAllocationStrategy
+    plugin = types.ModuleType("tensorrt.plugin")
+    plugin.registered = {}
+
+    def recorder(kind):
+        def decorator_factory(name):
+            def decorator(fn):
+                plugin.registered.setdefault(name, {})[kind] = fn
+                return fn
+            return decorator
+        return decorator_factory
+
+    for kind in ("register", "autotune", "aot_impl", "impl"):
+        setattr(plugin, kind, recorder(kind))
+    plugin.TensorDesc = type("TensorDesc", (), {})
+    trt.plugin = plugin
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", plugin)
+    return trt
