@@ -350,7 +350,7 @@ def test_cli_export_and_run(tmp_path):
     seq = Runtime(engines).generate(ids, budget=2, max_new_tokens=4).sequences
     assert torch.equal(seq, generate(model, ids, budget=2, max_new_tokens=4).sequences)
     for args, message in [
-        (["export", str(tmp_path / "looped"), "-o", str(tmp_path / "e2"), "--backend", "tensorrt"], "--backend 'tensorrt'"),
+        (["export", str(tmp_path / "looped"), "-o", str(tmp_path / "e2"), "--backend", "tvm"], "--backend 'tvm' is not available; use --backend onnx or --backend tensorrt"),
         (["export", str(tmp_path / "looped"), "-o", str(tmp_path / "e2"), "--budget", "7"], "budget 7 is not in"),
         (["export", str(tmp_path / "looped"), "-o", str(engines)], "already exists"),
         (["run", str(engines), "--budget", "0", "--prompt", "x"], "budget 0 is not in"),
