@@ -13,7 +13,7 @@ from looptool.generation import generate
 from looptool.testing import tiny_model
 
 CASES = {  # dense, parallel residual, post-norm (sandwich norms, sliding windows), MoE via looptool::moe
-    "llama-recurrent": ("llama", looptool.RecurrentLoop(recurrent=(1, 3), max_loops=3, conditioning=True)),
+    "llama-recurrent": ("llama", looptool.RecurrentLoop(recurrent=(1, 3), max_loops=2, conditioning=True)),
     "gpt_neox-prefix": ("gpt_neox", looptool.PrefixLoop(window=(1, 3), budgets=(0, 2))),
     "gemma3_text-prefix": ("gemma3_text", looptool.PrefixLoop(window=(1, 3), budgets=(0, 2))),
     "qwen3_moe-prefix": ("qwen3_moe", looptool.PrefixLoop(window=(1, 3), budgets=(0, 2))),
