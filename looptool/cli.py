@@ -288,6 +288,7 @@ def train(
     checkpoint: Annotated[bool, typer.Option(help="Activation checkpointing per layer application (exact; recomputes in backward).")] = False,
     compile: Annotated[bool, typer.Option("--compile", help="torch.compile each budget path on first use.")] = False,
     strategy: Annotated[str, typer.Option(help="Under torchrun: ddp (replicate) or fsdp (FSDP2, one shard unit per source layer).")] = "ddp",
+    format: Annotated[str, typer.Option("--format", help="text (packed; every token a target) or completion (JSONL 'prompt'/'completion'; loss on the completion only).")] = "text",
 ) -> None:
     """Mixed-depth training: one budget per micro-batch, shallowest-budget overrides."""
     from rich.progress import BarColumn, MofNCompleteColumn, TimeRemainingColumn
@@ -302,7 +303,7 @@ def train(
         warmup=warmup, schedule=schedule, bf16=bf16, freeze_below_window=freeze_below_window,
         save_every=save_every, seed=seed, resume=resume,
         budgets=list(parse_budgets(budgets)) if budgets else None, device=device, checkpoint=checkpoint,
-        compile=compile, strategy=strategy,
+        compile=compile, strategy=strategy, format=format,
     )
     progress = Progress(
         SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

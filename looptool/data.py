@@ -1,8 +1,11 @@
-"""Training and evaluation text: files → tokens → fixed-length packed sequences.
+"""Training and evaluation text: files → tokens → fixed-length rows.
 
-Inputs are plain-text files, folders of them (searched recursively), glob patterns, and
-JSONL files whose lines carry a ``text`` field. Documents are tokenised with the model's
-tokenizer, joined with the EOS token and packed into ``seq_len``-token rows; everything is
+Two formats. ``text``: plain-text files, folders of them (searched recursively), glob
+patterns, and JSONL files whose lines carry a ``text`` field; documents are tokenised with
+the model's tokenizer, joined with the EOS token and packed into ``seq_len``-token rows,
+and every token is a target. ``completion``: JSONL lines with ``prompt`` and
+``completion``; each example is one row (prompt, completion, EOS, right-padded), and only
+the completion and its EOS are targets (labels −100 elsewhere). Everything is
 deterministic given the seed. The train/validation split is by file.
 """
 
@@ -78,6 +81,26 @@ def read_documents(path: Path) -> list[str]:
     return docs
 
 
+def read_completions(path: Path) -> list[tuple[str, str]]:
+    """``(prompt, completion)`` of every line of a JSONL file."""
+    if path.suffix.lower() not in JSONL_SUFFIXES:
+        raise DataError(f"'{path}' is not a .jsonl file; --format completion reads JSONL lines with 'prompt' and 'completion'.")
+    pairs = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"'{path}' line {number} is not valid JSON ({exc.msg}); fix or remove that line.") from None
+        if not (isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str)):
+            raise DataError(f"'{path}' line {number} needs string 'prompt' and 'completion' fields (--format completion).")
+        if not record["completion"]:
+            raise DataError(f"'{path}' line {number} has an empty completion; there would be nothing to learn from it.")
+        pairs.append((record["prompt"], record["completion"]))
+    return pairs
+
+
 def split_files(files: Sequence[Path], val_fraction: float, seed: int) -> tuple[list[Path], list[Path]]:
     """Deterministic split by file: ``round(val_fraction * n)`` files (at least one when the
     fraction is positive and there are two or more files) go to validation."""
@@ -108,8 +131,32 @@ def tokenize_files(files: Iterable[Path], tokenizer) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+class _SeededRows:
+    """Rows visited in a seeded permutation per epoch (shared by both formats)."""
+
+    def __len__(self) -> int:  # pragma: no cover - defined by subclasses
+        raise NotImplementedError
+
+    def order(self, epoch: int, seed: int) -> torch.Tensor:
+        """Row order of an epoch (deterministic; the latest epoch's order is cached)."""
+        key = (epoch, seed)
+        if getattr(self, "_order_key", None) != key:
+            self._order = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+            self._order_key = key
+        return self._order
+
+    def indices(self, position: int, batch: int, seed: int) -> list[int]:
+        """The row indices of ``batch`` rows from global row ``position`` of the seeded stream
+        of epochs; the same ``position`` always gives the same rows (resumable)."""
+        out = []
+        for p in range(position, position + batch):
+            epoch, i = divmod(p, len(self))
+            out.append(int(self.order(epoch, seed)[i]))
+        return out
+
+
 @dataclass
-class PackedTokens:
+class PackedTokens(_SeededRows):
     """A token stream cut into ``seq_len`` rows; row order is a seeded permutation."""
 
     tokens: torch.Tensor
@@ -131,19 +178,63 @@ class PackedTokens:
         """Row ``index`` (unshuffled)."""
         return self.tokens[index * self.seq_len : (index + 1) * self.seq_len]
 
-    def order(self, epoch: int, seed: int) -> torch.Tensor:
-        """Row order of an epoch (deterministic; the latest epoch's order is cached)."""
-        key = (epoch, seed)
-        if getattr(self, "_order_key", None) != key:
-            self._order = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-            self._order_key = key
-        return self._order
-
     def batch(self, position: int, batch: int, seed: int) -> torch.Tensor:
         """The ``batch`` rows starting at global row ``position`` of the seeded stream of
         epochs; the same ``position`` always gives the same rows (resumable)."""
-        rows = []
-        for p in range(position, position + batch):
-            epoch, i = divmod(p, len(self))
-            rows.append(self.row(int(self.order(epoch, seed)[i])))
-        return torch.stack(rows)
+        return torch.stack([self.row(i) for i in self.indices(position, batch, seed)])
+
+    def labeled_batch(self, position: int, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids, labels)``: every token is a target."""
+        ids = self.batch(position, batch, seed)
+        return ids, ids
+
+
+IGNORE = -100  # label of tokens that are not targets (the loss skips them)
+
+
+class CompletionExamples(_SeededRows):
+    """Prompt/completion examples, one ``seq_len`` row each: ``prompt + completion + EOS``
+    right-padded; labels are −100 on the prompt and the padding."""
+
+    def __init__(self, pairs: Sequence[tuple[str, str]], tokenizer, seq_len: int, source: str = "the data"):
+        if tokenizer is None:
+            raise DataError("this model has no tokenizer; pass --tokenizer PATH (a Hugging Face tokenizer folder).")
+        if not pairs:
+            raise DataError(f"{source} holds no prompt/completion examples.")
+        eos = tokenizer.eos_token_id
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
+        self.seq_len = seq_len
+        self.ids = torch.full((len(pairs), seq_len), pad, dtype=torch.long)
+        self.labels = torch.full((len(pairs), seq_len), IGNORE, dtype=torch.long)
+        for row, (prompt, completion) in enumerate(pairs):
+            p = tokenizer(prompt, add_special_tokens=True).input_ids
+            c = tokenizer(completion, add_special_tokens=False).input_ids + ([eos] if eos is not None else [])
+            if len(p) + len(c) > seq_len:
+                raise DataError(f"example {row + 1} of {source} has {len(p) + len(c)} tokens, more than --seq-len "
+                                f"{seq_len}; raise --seq-len or shorten it.")
+            if not p:
+                raise DataError(f"example {row + 1} of {source} has an empty prompt; the first target needs a token before it.")
+            self.ids[row, :len(p) + len(c)] = torch.tensor(p + c)
+            self.labels[row, len(p):len(p) + len(c)] = torch.tensor(c)
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def labeled_batch(self, position: int, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids, labels)`` of ``batch`` examples from global row ``position``."""
+        rows = self.indices(position, batch, seed)
+        return self.ids[rows], self.labels[rows]
+
+
+FORMATS = ("text", "completion")
+
+
+def training_rows(specs, tokenizer, seq_len: int, format: str = "text") -> PackedTokens | CompletionExamples:
+    """The rows a run trains on, in either format."""
+    if format not in FORMATS:
+        raise DataError(f"--format {format!r} is unknown; use text or completion.")
+    files = find_files(specs)
+    if format == "text":
+        return PackedTokens(tokenize_files(files, tokenizer), seq_len)
+    pairs = [pair for path in files for pair in read_completions(path)]
+    return CompletionExamples(pairs, tokenizer, seq_len, source=", ".join(map(str, files)))

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from looptool.data import PackedTokens, find_files, tokenize_files
+from looptool.data import FORMATS, training_rows
 from looptool.devices import check_dtype, resolve_device
 from looptool.errors import LooptoolError
 from looptool.graph import dtype_from_str
@@ -82,6 +82,7 @@ class TrainConfig:
     checkpoint: bool = False  # activation checkpointing per layer application (exact)
     compile: bool = False  # torch.compile each budget path on first use
     strategy: str = "ddp"  # ddp | fsdp (FSDP2 under torchrun: one shard unit per source layer)
+    format: str = "text"  # text (packed, every token a target) | completion (JSONL prompt/completion)
 
     def check(self) -> None:
         """Refuse settings that cannot work, one sentence each."""
@@ -94,6 +95,8 @@ class TrainConfig:
             raise TrainingError("--override must be in [0, 1], --delay and --warmup in [0, 1).")
         if self.strategy not in STRATEGIES:
             raise TrainingError(f"--strategy {self.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}.")
+        if self.format not in FORMATS:
+            raise TrainingError(f"--format {self.format!r} is unknown; use text or completion.")
         if self.schedule not in SCHEDULES:
             raise TrainingError(f"--schedule {self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}.")
 
@@ -173,7 +176,7 @@ class Trainer:
             self.model.tokenizer = tokenizer
         self.model.train()
         self.resuming = resuming
-        self.data = PackedTokens(tokenize_files(find_files(config.data), self.model.tokenizer), config.seq_len)
+        self.data = training_rows(config.data, self.model.tokenizer, config.seq_len, config.format)
         self.tokens_per_step = config.seq_len * config.batch * config.grad_accum * self.world
         self.total_steps = max(1, config.tokens // self.tokens_per_step)
         self.switch_step = round(config.delay * self.total_steps)
@@ -282,13 +285,14 @@ class Trainer:
             for micro in range(cfg.grad_accum):
                 k = self.sampler.budget(step, micro, self.rank) if step >= self.switch_step else self.sampler.shallowest
                 position = ((step * cfg.grad_accum + micro) * self.world + self.rank) * cfg.batch
-                ids = self.data.batch(position, cfg.batch, cfg.seed).to(self.device, non_blocking=True)
+                ids, labels = self.data.labeled_batch(position, cfg.batch, cfg.seed)
+                ids, labels = ids.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
                 sync = micro == cfg.grad_accum - 1 or self.ddp is None
                 ctx = model.no_sync() if not sync else contextlib.nullcontext()
                 if self.fsdp:  # reduce-scatter gradients only on the last micro-batch
                     self.model.set_requires_gradient_sync(micro == cfg.grad_accum - 1)
                 with ctx, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                    out = model(ids, labels=ids, budget=k, output_router_logits=has_router)
+                    out = model(ids, labels=labels, budget=k, output_router_logits=has_router)
                     loss = out.loss
                     aux = None
                     if has_router:

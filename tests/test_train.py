@@ -15,7 +15,17 @@ import torch
 from safetensors.torch import load_file
 
 import looptool
-from looptool.data import DataError, PackedTokens, find_files, read_documents, split_files, tokenize_files
+from looptool.data import (
+    IGNORE,
+    CompletionExamples,
+    DataError,
+    PackedTokens,
+    find_files,
+    read_documents,
+    split_files,
+    tokenize_files,
+    training_rows,
+)
 from looptool.sampling import BudgetSampler
 from looptool.testing import byte_tokenizer
 from looptool.train import TrainConfig, Trainer, TrainingError
@@ -152,6 +162,64 @@ def test_freeze_below_window_freezes_only_lower_layers(model_dir, tmp_path):
     trainer = Trainer(model_dir, cfg)
     frozen = {n for n, p in trainer.model.named_parameters() if not p.requires_grad}
     assert frozen and all(n.startswith("model.layers.0.") for n in frozen)
+
+
+# ---------------------------------------------------------------------------- completion format
+def _jsonl(path: Path, records) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_completion_rows_target_only_the_completion(tmp_path):
+    tok = byte_tokenizer()
+    path = _jsonl(tmp_path / "c.jsonl", [{"prompt": "2+2=", "completion": "4"}, {"prompt": "ab", "completion": "cde"}])
+    rows = training_rows([str(path)], tok, seq_len=12, format="completion")
+    assert isinstance(rows, CompletionExamples) and len(rows) == 2
+    for r, (prompt, completion) in enumerate([("2+2=", "4"), ("ab", "cde")]):
+        p = tok(prompt, add_special_tokens=True).input_ids
+        c = tok(completion, add_special_tokens=False).input_ids + [tok.eos_token_id]
+        assert rows.ids[r, :len(p) + len(c)].tolist() == p + c
+        assert rows.labels[r, :len(p)].tolist() == [IGNORE] * len(p)  # no loss on the prompt
+        assert rows.labels[r, len(p):len(p) + len(c)].tolist() == c  # the completion and its EOS
+        assert (rows.labels[r, len(p) + len(c):] == IGNORE).all()  # nor on the padding
+    ids, labels = rows.labeled_batch(0, 4, seed=0)  # wraps into the next epoch
+    assert ids.shape == labels.shape == (4, 12)
+    assert torch.equal(rows.labeled_batch(1, 3, seed=5)[0], rows.labeled_batch(1, 3, seed=5)[0])
+
+
+@pytest.mark.parametrize("records,message", [
+    ([{"prompt": "a"}], "needs string 'prompt' and 'completion'"),
+    ([{"prompt": "a", "completion": ""}], "empty completion"),
+    ([{"prompt": "a" * 20, "completion": "b"}], "more than --seq-len 12"),
+])
+def test_completion_data_errors(tmp_path, records, message):
+    path = _jsonl(tmp_path / "bad.jsonl", records)
+    with pytest.raises(DataError, match=message):
+        training_rows([str(path)], byte_tokenizer(), seq_len=12, format="completion")
+
+
+def test_completion_format_needs_jsonl_and_a_known_format(tmp_path):
+    (tmp_path / "a.txt").write_text("plain text")
+    with pytest.raises(DataError, match="is not a .jsonl file"):
+        training_rows([str(tmp_path / "a.txt")], byte_tokenizer(), seq_len=12, format="completion")
+    with pytest.raises(TrainingError, match="--format 'chat' is unknown"):
+        TrainConfig(data=["x"], output="o", format="chat").check()
+
+
+def test_completion_training_loss_is_the_completion_loss(model_dir, tmp_path):
+    records = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(5) for b in range(5)]
+    path = _jsonl(tmp_path / "add.jsonl", records)
+    cfg = TrainConfig(data=[str(path)], output=str(tmp_path / "run"), tokens=16 * 4, seq_len=16, batch=4, lr=1e-9,
+                      warmup=0.0, format="completion", budgets=[2])
+    trainer = Trainer(model_dir, cfg)
+    ids, labels = trainer.data.labeled_batch(0, 4, cfg.seed)
+    with torch.no_grad():
+        logits = trainer.model(ids, budget=2).logits
+    targets = labels[:, 1:]
+    keep = targets != IGNORE
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1][keep], targets[keep])  # completion tokens only
+    trainer.run()
+    assert trainer.records[0]["loss"][0] == pytest.approx(expected.item(), rel=1e-5)
 
 
 @pytest.mark.slow
