@@ -289,6 +289,9 @@ def train(
     compile: Annotated[bool, typer.Option("--compile", help="torch.compile each budget path on first use.")] = False,
     strategy: Annotated[str, typer.Option(help="Under torchrun: ddp (replicate) or fsdp (FSDP2, one shard unit per source layer).")] = "ddp",
     format: Annotated[str, typer.Option("--format", help="text (packed; every token a target) or completion (JSONL 'prompt'/'completion'; loss on the completion only).")] = "text",
+    depth_curriculum: Annotated[float, typer.Option(help="Fraction of steps over which the budget menu grows from the shallowest budget to all (0: off).")] = 0.0,
+    gate_floor: Annotated[float, typer.Option(help="Lower bound on the new gates while training (0: off): keeps the loop path open.")] = 0.0,
+    gate_floor_until: Annotated[float, typer.Option(help="Fraction of steps the gate floor holds before it is released.")] = 0.5,
 ) -> None:
     """Mixed-depth training: one budget per micro-batch, shallowest-budget overrides."""
     from rich.progress import BarColumn, MofNCompleteColumn, TimeRemainingColumn
@@ -303,7 +306,8 @@ def train(
         warmup=warmup, schedule=schedule, bf16=bf16, freeze_below_window=freeze_below_window,
         save_every=save_every, seed=seed, resume=resume,
         budgets=list(parse_budgets(budgets)) if budgets else None, device=device, checkpoint=checkpoint,
-        compile=compile, strategy=strategy, format=format,
+        compile=compile, strategy=strategy, format=format, depth_curriculum=depth_curriculum,
+        gate_floor=gate_floor, gate_floor_until=gate_floor_until,
     )
     progress = Progress(
         SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -30,6 +30,7 @@ class BudgetSampler:
     grad_accum: int = 1
     world: int = 1
     seed: int = 0
+    curriculum_steps: int = 0  # depth curriculum: the menu grows from the shallowest budget over these steps
 
     def __post_init__(self):
         if not self.budgets:
@@ -48,9 +49,18 @@ class BudgetSampler:
         n = self.world if self.world > 1 else self.grad_accum
         return round(self.override * n)
 
+    def menu_at(self, step: int) -> tuple[int, ...]:
+        """The budgets drawn from at ``step``: the whole menu, or under a depth curriculum
+        the ``1 + ⌊step / curriculum_steps · K⌋`` shallowest of the ``K`` (deeper budgets
+        unlock at evenly spaced steps, the whole menu from ``curriculum_steps`` on)."""
+        if step >= self.curriculum_steps:
+            return self.budgets
+        ordered = sorted(self.budgets)
+        return tuple(ordered[:1 + (step * len(ordered)) // self.curriculum_steps])
+
     def drawn(self, step: int, micro: int) -> int:
         """The shared uniform draw of a micro-batch (identical on every rank)."""
-        return random.Random(f"{self.seed}:{step}:{micro}").choice(self.budgets)
+        return random.Random(f"{self.seed}:{step}:{micro}").choice(self.menu_at(step))
 
     def overridden(self, step: int, micro: int, rank: int = 0) -> bool:
         """Whether this micro-batch on this rank is forced to the shallowest budget."""

@@ -83,6 +83,9 @@ class TrainConfig:
     compile: bool = False  # torch.compile each budget path on first use
     strategy: str = "ddp"  # ddp | fsdp (FSDP2 under torchrun: one shard unit per source layer)
     format: str = "text"  # text (packed, every token a target) | completion (JSONL prompt/completion)
+    depth_curriculum: float = 0.0  # fraction of steps over which the budget menu grows from the shallowest
+    gate_floor: float = 0.0  # lower bound on the new gates (loop.*_gate) while training ...
+    gate_floor_until: float = 0.5  # ... for this fraction of the steps, then released
 
     def check(self) -> None:
         """Refuse settings that cannot work, one sentence each."""
@@ -95,6 +98,10 @@ class TrainConfig:
             raise TrainingError("--override must be in [0, 1], --delay and --warmup in [0, 1).")
         if self.strategy not in STRATEGIES:
             raise TrainingError(f"--strategy {self.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}.")
+        if not 0 <= self.depth_curriculum <= 1 or not 0 <= self.gate_floor_until <= 1:
+            raise TrainingError("--depth-curriculum and --gate-floor-until are fractions of the run, in [0, 1].")
+        if self.gate_floor < 0:
+            raise TrainingError("--gate-floor must be non-negative (0: off); gates start at 0 (exact conversion).")
         if self.format not in FORMATS:
             raise TrainingError(f"--format {self.format!r} is unknown; use text or completion.")
         if self.schedule not in SCHEDULES:
@@ -185,7 +192,12 @@ class Trainer:
             self.model.check_budget(k)
         # Under FSDP every rank must run the same layer applications (their all-gathers are
         # collectives), so all ranks draw alike and overrides rotate over accumulation micro-batches.
-        self.sampler = BudgetSampler(menu, config.override, config.grad_accum, 1 if self.fsdp else self.world, config.seed)
+        self.sampler = BudgetSampler(menu, config.override, config.grad_accum, 1 if self.fsdp else self.world, config.seed,
+                                     curriculum_steps=round(config.depth_curriculum * self.total_steps))
+        self.floor_steps = round(config.gate_floor_until * self.total_steps) if config.gate_floor > 0 else 0
+        self.gates = [p for n, p in self.model.named_parameters() if n.startswith("loop.") and n.endswith("gate")]
+        if config.gate_floor > 0 and not self.gates:
+            raise TrainingError("--gate-floor needs gates (loop.*_gate parameters); this model has none.")
         self._freeze()
         if self.fsdp:
             self._shard()
@@ -311,6 +323,10 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], cfg.clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if step < self.floor_steps:  # keep the loop path open: the optimizer may not close it yet
+                with torch.no_grad():
+                    for gate in self.gates:
+                        gate.clamp_(min=cfg.gate_floor)
             record = {
                 "step": step,
                 "budgets": _gather(budgets, self.world),

@@ -164,6 +164,30 @@ def test_freeze_below_window_freezes_only_lower_layers(model_dir, tmp_path):
     assert frozen and all(n.startswith("model.layers.0.") for n in frozen)
 
 
+def test_depth_curriculum_unlocks_deeper_budgets_in_order():
+    s = BudgetSampler((3, 0, 9, 6), grad_accum=4, seed=2, curriculum_steps=40)
+    assert [s.menu_at(t) for t in (0, 9, 10, 19, 20, 30, 39, 40)] == [
+        (0,), (0,), (0, 3), (0, 3), (0, 3, 6), (0, 3, 6, 9), (0, 3, 6, 9), (3, 0, 9, 6)]
+    drawn = {t: {s.budget(t, m) for m in range(4)} for t in range(60)}
+    assert drawn[0] == {0} and all(d <= {0, 3} for t, d in drawn.items() if t < 20)
+    assert set().union(*(drawn[t] for t in range(40, 60))) == {0, 3, 6, 9}
+    assert all(s.budget(t, m) == BudgetSampler((3, 0, 9, 6), grad_accum=4, seed=2, curriculum_steps=40).budget(t, m)
+               for t in range(60) for m in range(4))  # a function of the step: resumable
+
+
+def test_gate_floor_holds_then_releases(model_dir, tmp_path):
+    base = dict(data=[str(SOTU / "1790*.txt")], tokens=64 * 4 * 8, seq_len=64, batch=4, lr=1e-3, new_lr=1e-3,
+                warmup=0.0)
+    held = Trainer(model_dir, TrainConfig(**base, output=str(tmp_path / "held"), gate_floor=0.3, gate_floor_until=1.0))
+    held.run()
+    gates = [p for n, p in held.model.named_parameters() if n.endswith("gate")]
+    assert gates and all(float(g.min()) >= 0.3 for g in gates)
+    released = Trainer(model_dir, TrainConfig(**base, output=str(tmp_path / "rel"), gate_floor=0.3, gate_floor_until=0.5))
+    assert released.floor_steps == 4
+    with pytest.raises(TrainingError, match="--gate-floor must be non-negative"):
+        TrainConfig(**base, output="x", gate_floor=-1).check()
+
+
 # ---------------------------------------------------------------------------- completion format
 def _jsonl(path: Path, records) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))

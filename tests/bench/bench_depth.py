@@ -28,6 +28,8 @@ shallowest within 2 points of ``plain``), a JSON line, ``--out`` JSON and a PNG.
 
 Run: python tests/bench/bench_depth.py [--steps 2500] [--arms plain,prefix,...]
 [--out tests/bench/results/bench_depth.json] [--png tests/bench/results/bench_depth.png]
+Recipes (``looptool train`` options): ``--arms prefix-floor,prefix-curriculum,elr-floor,elr-curriculum --merge``
+(gate floor 0.5 for the first half of the steps; depth curriculum over the first half).
 """
 
 from __future__ import annotations
@@ -50,6 +52,14 @@ VOCAB = SPECIAL + DIGITS + VARS + ASSIGN
 TIERS = (1, 2, 3, 4, 5, 6)
 HARD = (3, 4, 5, 6)
 ARMS = ("plain", "prefix", "elr-exact", "elr-paper", "untied", "scratch")
+# recipes: the same arms with looptool train's depth options
+RECIPES = {
+    "prefix-floor": ("prefix", {"gate_floor": 0.5, "gate_floor_until": 0.5}),
+    "prefix-curriculum": ("prefix", {"depth_curriculum": 0.5}),
+    "elr-floor": ("elr-exact", {"gate_floor": 0.5, "gate_floor_until": 0.5}),
+    "elr-curriculum": ("elr-exact", {"depth_curriculum": 0.5}),
+}
+LOOPED = ("prefix", "elr-exact", "elr-paper", *RECIPES)
 
 
 # ---------------------------------------------------------------------------- task
@@ -189,7 +199,14 @@ def untie(model):
 
 
 def arm_setup(arm: str, base):
-    """(source model, plan, trained budget menu) of an arm."""
+    """(source model, plan, trained budget menu, extra TrainConfig settings) of an arm."""
+    if arm in RECIPES:
+        parent, extra = RECIPES[arm]
+        return (*arm_setup(parent, base)[:3], extra)
+    return (*_arm_setup(arm, base), {})
+
+
+def _arm_setup(arm: str, base):
     import looptool
 
     if arm == "plain":
@@ -220,14 +237,14 @@ def run_arm(arm: str, base_dir: str, data: str, test: tuple, steps: int, batch: 
 
     base = LlamaForCausalLM.from_pretrained(base_dir).eval()
     tok = tokenizer()
-    source, plan, menu = arm_setup(arm, base)
+    source, plan, menu, extra = arm_setup(arm, base)
     model = looptool.convert(source, plan, tokenizer=tok)
     work = Path(tempfile.mkdtemp(prefix=f"depth-{arm}-"))
     model.save_pretrained(work / "converted")
     arm_steps = steps * (2 if arm == "scratch" else 1)  # from scratch gets the base's steps too (roughly)
     cfg = TrainConfig(data=[data], output=str(work / "trained"), tokens=arm_steps * batch * 21, seq_len=21,
                       batch=batch, lr=lr, new_lr=new_lr, warmup=0.05, weight_decay=0.1, seed=seed,
-                      budgets=menu, format="completion", device="cpu")
+                      budgets=menu, format="completion", device="cpu", **extra)
     t0 = time.perf_counter()
     Trainer(work / "converted", cfg).run()
     seconds = time.perf_counter() - t0
@@ -237,7 +254,7 @@ def run_arm(arm: str, base_dir: str, data: str, test: tuple, steps: int, batch: 
     for k in trained.budgets:
         per_budget[str(k)] = accuracy(lambda x, k=k: trained(x, budget=k).logits, ids, answers, tiers)
     gates = {n: float(p.abs().max()) for n, p in trained.new_parameters()}
-    return {"arm": arm, "plan": plan.to_dict() if hasattr(plan, "to_dict") else str(plan), "menu": menu,
+    return {"arm": arm, "plan": plan.to_dict() if hasattr(plan, "to_dict") else str(plan), "menu": menu, "recipe": extra,
             "steps": arm_steps, "train_seconds": seconds, "accuracy": per_budget,
             "max_abs_new_param": max(gates.values()) if gates else None}
 
@@ -252,7 +269,7 @@ def depth_pays(results: dict) -> dict:
     """The issue's criterion, per looped arm, and overall."""
     plain = hard_mean(results["plain"]["accuracy"]["0"])[0] if "plain" in results else None
     verdict = {}
-    for arm in ("prefix", "elr-exact", "elr-paper"):
+    for arm in LOOPED:
         if arm not in results:
             continue
         acc = results[arm]["accuracy"]
@@ -276,7 +293,7 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    arms = [a for a in ARMS if a in results]
+    arms = [a for a in (*ARMS, *RECIPES) if a in results]
     fig, axes = plt.subplots(1, len(arms), figsize=(3.2 * len(arms), 3.2), sharey=True)
     for ax, arm in zip(axes if len(arms) > 1 else [axes], arms):
         menu = results[arm]["menu"]
@@ -308,6 +325,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
     parser.add_argument("--png", default=None)
+    parser.add_argument("--merge", action="store_true", help="keep the arms already in --out (same settings)")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, args.workers)))
     from looptool.sources import cache_dir
@@ -338,6 +356,8 @@ def main() -> None:
     else:
         done = [run_arm(*job) for job in jobs]
     results = {r["arm"]: r for r in done}
+    if args.merge and args.out and Path(args.out).exists():
+        results = {**json.loads(Path(args.out).read_text())["arms"], **results}
     from transformers import LlamaForCausalLM
 
     base = LlamaForCausalLM.from_pretrained(base_dir).eval()
