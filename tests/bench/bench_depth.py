@@ -10,7 +10,7 @@ chains ending in a digit), then one question:
 is the completion (``looptool train --format completion``: loss on the answer only).
 Following a chain of t hops needs about t sequential lookups, so more depth should help.
 
-**Base.** A 3-layer d=64 Llama trained normally (plain torch, AdamW) with a curriculum that
+**Base.** A 3-layer d=64 Llama trained normally (plain torch, AdamW, 10k steps) with a curriculum that
 unlocks tier t+1 once tier t reaches 90% on a held-out sample; saved in the looptool cache
 and reused.
 
@@ -294,8 +294,12 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     arms = [a for a in (*ARMS, *RECIPES) if a in results]
-    fig, axes = plt.subplots(1, len(arms), figsize=(3.2 * len(arms), 3.2), sharey=True)
-    for ax, arm in zip(axes if len(arms) > 1 else [axes], arms):
+    cols = min(5, len(arms))
+    rows = -(-len(arms) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), sharey=True, squeeze=False)
+    for ax in axes.flat[len(arms):]:
+        ax.axis("off")
+    for ax, arm in zip(axes.flat, arms):
         menu = results[arm]["menu"]
         for b, acc in sorted(results[arm]["accuracy"].items(), key=lambda kv: int(kv[0])):
             ys = [acc[str(t)]["acc"] for t in TIERS]
@@ -306,7 +310,9 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xlabel("hops (tier)")
         ax.axhline(1 / 8, color="grey", lw=0.5)
         ax.legend(fontsize=7)
-    axes[0].set_ylabel("accuracy (±2 SE; dashed: untrained budget)")
+    for row in axes:
+        row[0].set_ylabel("accuracy (±2 SE)")
+    fig.suptitle("pointer chasing: accuracy per hop count and budget (dashed: budget outside the trained menu)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -314,7 +320,7 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2500, help="retrofit steps per arm")
-    parser.add_argument("--base-steps", type=int, default=3500)
+    parser.add_argument("--base-steps", type=int, default=10000)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--new-lr", type=float, default=5e-3)
