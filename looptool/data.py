@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,25 +55,35 @@ def find_files(specs: str | os.PathLike | Sequence[str | os.PathLike]) -> list[P
     return usable
 
 
-def read_documents(path: Path) -> list[str]:
-    """The documents of one file: the whole text, or each JSONL line's ``text`` field."""
+def _read_text(path: Path) -> str:
+    """A file's UTF-8 text, or one sentence on why it is not."""
     raw = path.read_bytes()
     if b"\x00" in raw[:8192]:
         raise DataError(f"'{path}' looks binary (it contains NUL bytes); pass UTF-8 text or JSONL files.")
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise DataError(f"'{path}' is not UTF-8 text ({exc.reason} at byte {exc.start}); convert it to UTF-8.") from None
-    if path.suffix.lower() not in JSONL_SUFFIXES:
-        return [text] if text.strip() else []
-    docs = []
+
+
+def _jsonl_records(path: Path, text: str) -> Iterator[tuple[int, object]]:
+    """``(line number, parsed record)`` of every non-blank JSONL line."""
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            yield number, json.loads(line)
         except json.JSONDecodeError as exc:
             raise DataError(f"'{path}' line {number} is not valid JSON ({exc.msg}); fix or remove that line.") from None
+
+
+def read_documents(path: Path) -> list[str]:
+    """The documents of one file: the whole text, or each JSONL line's ``text`` field."""
+    text = _read_text(path)
+    if path.suffix.lower() not in JSONL_SUFFIXES:
+        return [text] if text.strip() else []
+    docs = []
+    for number, record in _jsonl_records(path, text):
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise DataError(f"'{path}' line {number} has no string 'text' field; JSONL records need one.")
         if record["text"].strip():
@@ -86,13 +96,7 @@ def read_completions(path: Path) -> list[tuple[str, str]]:
     if path.suffix.lower() not in JSONL_SUFFIXES:
         raise DataError(f"'{path}' is not a .jsonl file; --format completion reads JSONL lines with 'prompt' and 'completion'.")
     pairs = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"'{path}' line {number} is not valid JSON ({exc.msg}); fix or remove that line.") from None
+    for number, record in _jsonl_records(path, _read_text(path)):
         if not (isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str)):
             raise DataError(f"'{path}' line {number} needs string 'prompt' and 'completion' fields (--format completion).")
         if not record["completion"]:
