@@ -1,6 +1,6 @@
 """The ``fuse`` pass: swap subgraphs of budget paths for looptool's fused ops.
 
-Three patterns, found by role annotations and op targets (never module names):
+Four patterns, found by role annotations and op targets (never module names):
 
 * ``gated_residual``: ``add(x, mul(tanh(g), f))`` where the ``mul``/``tanh`` are gate nodes
   of a second-pass write (Accordion Eq. 5) → ``looptool::gated_residual(x, g, f)``.
@@ -99,6 +99,19 @@ def _erase_dead(graph: fx.Graph, candidates) -> None:
             graph.erase_node(node)
 
 
+def _swap_in(graph: fx.Graph, old: fx.Node, op: str, args: tuple, role: str) -> fx.Node:
+    """Insert ``looptool::<op>(*args)`` before ``old``, give it ``old``'s metadata and layer
+    annotation (with ``role`` and ``fused=op``) and route ``old``'s users to it; the caller
+    erases ``old`` and the subgraph it replaced."""
+    with graph.inserting_before(old):
+        fused = graph.call_function(getattr(torch.ops.looptool, op).default, args)
+    fused.meta = {k: v for k, v in old.meta.items() if k != "looptool"}
+    ann = annotation(old)
+    annotate(fused, role, ann.get("layer"), **{k: v for k, v in ann.items() if k not in ("role", "layer")}, fused=op)
+    old.replace_all_uses_with(fused)
+    return fused
+
+
 # ---------------------------------------------------------------------------- gated residual
 def _fuse_gated_residual(graph: fx.Graph) -> int:
     count = 0
@@ -113,13 +126,7 @@ def _fuse_gated_residual(graph: fx.Graph) -> int:
                 continue
             gate = tanh.args[0]
             x = add.args[1 - i]  # IEEE addition is commutative, so operand order is free
-            with graph.inserting_before(add):
-                fused = graph.call_function(torch.ops.looptool.gated_residual.default, (x, gate, f))
-            fused.meta = {k: v for k, v in add.meta.items() if k != "looptool"}
-            ann = annotation(add)
-            annotate(fused, ann.get("role", ROLE_RESIDUAL), ann.get("layer"),
-                     **{k: v for k, v in ann.items() if k not in ("role", "layer")}, fused="gated_residual")
-            add.replace_all_uses_with(fused)
+            _swap_in(graph, add, "gated_residual", (x, gate, f), annotation(add).get("role", ROLE_RESIDUAL))
             graph.erase_node(add)
             _erase_dead(graph, [arg, tanh])
             count += 1
@@ -150,14 +157,7 @@ def _fuse_adaptive_delta(graph: fx.Graph) -> int:
         linear = sig.args[0]
         s_tilde, weight, bias = linear.args
         r, gamma = diff.args[0], rate.args[0]
-        with graph.inserting_before(add):
-            fused = graph.call_function(
-                torch.ops.looptool.adaptive_delta.default, (s_prev, r, s_tilde, weight, bias, gamma, exit)
-            )
-        fused.meta = {k: v for k, v in add.meta.items() if k != "looptool"}
-        annotate(fused, ROLE_STATE, ann.get("layer"), **{k: v for k, v in ann.items() if k not in ("role", "layer")},
-                 fused="adaptive_delta")
-        add.replace_all_uses_with(fused)
+        _swap_in(graph, add, "adaptive_delta", (s_prev, r, s_tilde, weight, bias, gamma, exit), ROLE_STATE)
         graph.erase_node(add)
         _erase_dead(graph, [*dead, step, beta, diff, sig, rate, linear])
         count += 1
@@ -179,12 +179,7 @@ def _fuse_modulate(graph: fx.Graph) -> int:
             continue
         shift, scale, x = x_t.args
         down = down_out.args[1]
-        with graph.inserting_before(add):
-            fused = graph.call_function(torch.ops.looptool.modulate.default, (x, scale, shift, down, up))
-        fused.meta = {k: v for k, v in add.meta.items() if k != "looptool"}
-        annotate(fused, ann.get("role", ROLE_STATE), ann.get("layer"),
-                 **{k: v for k, v in ann.items() if k not in ("role", "layer")}, fused="modulate")
-        add.replace_all_uses_with(fused)
+        _swap_in(graph, add, "modulate", (x, scale, shift, down, up), ann.get("role", ROLE_STATE))
         graph.erase_node(add)
         _erase_dead(graph, [up_out, down_out, x_t])
         count += 1
@@ -223,16 +218,10 @@ def _fuse_moe(graph: fx.Graph) -> int:
         if match is None:
             continue
         combine, x, weights, ids, down, region = match
-        with graph.inserting_before(combine):
-            fused = graph.call_function(torch.ops.looptool.moe.default, (x, weights, ids, gate_up, down))
-        fused.meta = {k: v for k, v in combine.meta.items() if k != "looptool"}
-        ann = annotation(combine)
-        annotate(fused, ROLE_MOE, ann.get("layer"), **{k: v for k, v in ann.items() if k not in ("role", "layer")},
-                 fused="moe")
         for user in list(combine.users):
             if user.target is _aten._assert_tensor_metadata.default:
                 graph.erase_node(user)
-        combine.replace_all_uses_with(fused)
+        _swap_in(graph, combine, "moe", (x, weights, ids, gate_up, down), ROLE_MOE)
         _erase_dead(graph, region | {combine})
         count += 1
     return count
