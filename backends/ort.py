@@ -250,28 +250,6 @@ class Runtime:
         return kv
 
     # ------------------------------------------------------------------ compute
-    def _token_ids(self, input_ids):
-        import torch
-
-        ids = input_ids.detach().cpu() if isinstance(input_ids, torch.Tensor) else torch.from_numpy(np.asarray(input_ids))
-        if ids.dim() != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
-            raise EngineError(f"input_ids must be [batch, sequence] with at least one token, got shape {tuple(ids.shape)}.")
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise EngineError(f"input_ids must be integer token ids, got {ids.dtype}.")
-        if self.vocab_size is not None and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
-            raise EngineError(f"input_ids must lie in [0, {self.vocab_size}), got values from {int(ids.min())} to {int(ids.max())}.")
-        return ids.long()
-
-    def _mask(self, attention_mask, shape):
-        import torch
-
-        if attention_mask is None:
-            return None
-        mask = attention_mask.detach().cpu() if isinstance(attention_mask, torch.Tensor) else torch.from_numpy(np.asarray(attention_mask))
-        if tuple(mask.shape) != tuple(shape):
-            raise EngineError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(shape)}; they must match.")
-        return mask
-
     def __call__(self, input_ids, budget: int | None = None, attention_mask=None, kv: str = "per-loop"):
         """Next-token logits ``[batch, vocab]`` after the prompt (a prefill into a fresh
         cache); numpy in → numpy out, torch in → torch out."""
@@ -306,25 +284,17 @@ class Runtime:
         padding). The caches hold ``capacity`` tokens (default: prompt + new tokens) and
         are bound in place for the whole call.
         """
-        from looptool.generation import check_generation_args, decode_loop
+        from looptool.generation import decode_loop
 
         budget, kv = self._check_budget(budget), self._check_policy(kv)
-        ids = self._token_ids(input_ids)
-        mask = self._mask(attention_mask, ids.shape)
-        check_generation_args(ids, max_new_tokens, temperature, top_k, top_p)
-        batch, prompt = ids.shape
-        capacity = prompt + max_new_tokens if capacity is None else capacity
-        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < prompt:
-            raise EngineError(f"the prompt has {prompt} tokens, more than the cache capacity {capacity}; raise the capacity.")
-        limit = self.manifest.get("source_config", {}).get("max_position_embeddings")
-        if limit is not None and capacity > limit:
-            raise EngineError(f"a cache of {capacity} tokens exceeds the model's {limit} positions; use a shorter prompt or fewer new tokens.")
-        binding = _Binding(self.session(budget, kv), self._layouts[budget, kv], batch, int(capacity), self.vocab_size)
+        ids, mask, capacity = check_request(self.manifest, input_ids, attention_mask, max_new_tokens, capacity,
+                                            temperature, top_k, top_p)
+        binding = _Binding(self.session(budget, kv), self._layouts[budget, kv], ids.shape[0], capacity, self.vocab_size)
         import torch
 
         mask_dtype = getattr(torch, str(self.mask_dtype))
         return decode_loop(
-            binding.step, ids, mask, capacity=int(capacity), max_new_tokens=max_new_tokens, mask_dtype=mask_dtype,
+            binding.step, ids, mask, capacity=capacity, max_new_tokens=max_new_tokens, mask_dtype=mask_dtype,
             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
             pad_token_id=pad_token_id, on_step=on_step, output_logits=output_logits, kv_bytes=binding.kv_bytes,
         )
@@ -342,6 +312,40 @@ class Runtime:
     def __repr__(self) -> str:
         return (f"Runtime('{self.directory}', budgets={list(self.budgets)}, kv={list(self.kv_policies)}, "
                 f"sessions={sorted(self._sessions)})")
+
+
+def check_request(manifest: dict, input_ids, attention_mask, max_new_tokens: int, capacity: int | None,
+                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None):
+    """A generate request checked against an engine's manifest (any runtime): ``(input_ids
+    as a LongTensor [batch, prompt], attention_mask or None, cache capacity)``; one
+    sentence for each thing that is wrong."""
+    import torch
+
+    from looptool.generation import check_generation_args
+
+    vocab_size = manifest.get("source_config", {}).get("vocab_size")
+    ids = input_ids.detach().cpu() if isinstance(input_ids, torch.Tensor) else torch.from_numpy(np.asarray(input_ids))
+    if ids.dim() != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise EngineError(f"input_ids must be [batch, sequence] with at least one token, got shape {tuple(ids.shape)}.")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise EngineError(f"input_ids must be integer token ids, got {ids.dtype}.")
+    if vocab_size is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise EngineError(f"input_ids must lie in [0, {vocab_size}), got values from {int(ids.min())} to {int(ids.max())}.")
+    ids = ids.long()
+    mask = None
+    if attention_mask is not None:
+        mask = attention_mask.detach().cpu() if isinstance(attention_mask, torch.Tensor) else torch.from_numpy(np.asarray(attention_mask))
+        if tuple(mask.shape) != tuple(ids.shape):
+            raise EngineError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}; they must match.")
+    check_generation_args(ids, max_new_tokens, temperature, top_k, top_p)
+    prompt = ids.shape[1]
+    capacity = prompt + max_new_tokens if capacity is None else capacity
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < prompt:
+        raise EngineError(f"the prompt has {prompt} tokens, more than the cache capacity {capacity}; raise the capacity.")
+    limit = manifest.get("source_config", {}).get("max_position_embeddings")
+    if limit is not None and capacity > limit:
+        raise EngineError(f"a cache of {capacity} tokens exceeds the model's {limit} positions; use a shorter prompt or fewer new tokens.")
+    return ids, mask, int(capacity)
 
 
 class _Binding:

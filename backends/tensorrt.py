@@ -480,16 +480,16 @@ class Runtime:
 
     def generate(self, input_ids, *, budget: int | None = None, max_new_tokens: int = 32, kv: str = "per-loop",
                  attention_mask=None, capacity: int | None = None, **sampling):
-        """Cached generation, as :meth:`looptool.backends.ort.Runtime.generate`."""
-        from looptool.generation import check_generation_args, decode_loop
+        """Cached generation, as :meth:`looptool.backends.ort.Runtime.generate` (the same
+        request checks and decode loop)."""
+        from looptool.backends.ort import check_request
+        from looptool.generation import decode_loop
 
         budget = self.budgets[-1] if budget is None else budget
         if (budget, kv) not in self.contexts:
             raise EngineError(f"no engine for budget {budget} ({kv}); this directory has {sorted(self.contexts)}.")
-        ids = torch.as_tensor(input_ids, dtype=torch.long)
-        mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
-        check_generation_args(ids, max_new_tokens, sampling.get("temperature", 0.0), sampling.get("top_k"), sampling.get("top_p"))
-        capacity = ids.shape[1] + max_new_tokens if capacity is None else capacity
+        ids, mask, capacity = check_request(self.manifest, input_ids, attention_mask, max_new_tokens, capacity,
+                                            sampling.get("temperature", 0.0), sampling.get("top_k"), sampling.get("top_p"))
         layout = CacheLayout.from_dict(self.manifest["budgets"][str(budget)][kv]["cache"])
         binding = _TRTBinding(self, self.contexts[budget, kv], layout, ids.shape[0], capacity)
         return decode_loop(binding.step, ids, mask, capacity=capacity, max_new_tokens=max_new_tokens,
