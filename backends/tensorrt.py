@@ -438,7 +438,6 @@ class Runtime:
         check_built_for(built, torch.cuda.get_device_capability(self.device), torch.cuda.get_device_name(self.device),
                         self.directory)
         trt = require_tensorrt("running TensorRT engines")
-        self.trt = trt
         self.budgets = tuple(sorted(int(b) for b in section["engines"]))
         self.kv_policies = tuple(sorted({p for ps in section["engines"].values() for p in ps}))
         self.vocab_size = self.manifest.get("source_config", {}).get("vocab_size")

@@ -541,8 +541,7 @@ def export_cmd(
 ) -> None:
     """Lower budget paths to ONNX serving engines (prefill + KV-cached decode) sharing one weights.bin;
     --backend tensorrt adds TensorRT graphs with looptool plugins and builds one engine per budget."""
-    if backend not in ("onnx", "tensorrt"):
-        raise LooptoolError(f"--backend {backend!r} is not available; use --backend onnx or --backend tensorrt.")
+    _check_backend(backend)
     if _device(device).type != "cpu":
         raise LooptoolError(f"export traces and validates on the CPU; drop --device {device} (the runtime picks "
                             "its device when the engine runs).")
@@ -583,8 +582,7 @@ def run_cmd(
     _check_prompts(prompt, stream)
     if capacity is not None and capacity < 1:
         raise LooptoolError("--capacity must be at least 1.")
-    if backend not in ("onnx", "tensorrt"):
-        raise LooptoolError(f"--backend {backend!r} is not available; use --backend onnx or --backend tensorrt.")
+    _check_backend(backend)
     if backend == "tensorrt":
         from looptool.backends.tensorrt import Runtime
         rt = Runtime(engine_dir)
@@ -606,6 +604,11 @@ def run_cmd(
     engine = ("onnxruntime " + rt.session(budget, kv).get_providers()[0].removesuffix("ExecutionProvider")
               if backend == "onnx" else "TensorRT")
     _print_generation(tok, prompt, enc, result, stream, f"budget {budget} · kv {kv} · {engine} · batch {len(prompt)}")
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in ("onnx", "tensorrt"):
+        raise LooptoolError(f"--backend {backend!r} is not available; use --backend onnx or --backend tensorrt.")
 
 
 def _export_engines(model_dir: Path, output: Path, backend: str, budget: str, validate: bool, overwrite: bool,
