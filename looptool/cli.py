@@ -292,6 +292,7 @@ def train(
     depth_curriculum: Annotated[float, typer.Option(help="Fraction of steps over which the budget menu grows from the shallowest budget to all (0: off).")] = 0.0,
     gate_floor: Annotated[float, typer.Option(help="Lower bound on the new gates while training (0: off): keeps the loop path open.")] = 0.0,
     gate_floor_until: Annotated[float, typer.Option(help="Fraction of steps the gate floor holds before it is released.")] = 0.5,
+    exit_loss: Annotated[float, typer.Option(help="ELR: weight of the loss at every earlier loop exit, relative to the last (0: off).")] = 0.0,
 ) -> None:
     """Mixed-depth training: one budget per micro-batch, shallowest-budget overrides."""
     from rich.progress import BarColumn, MofNCompleteColumn, TimeRemainingColumn
@@ -307,7 +308,7 @@ def train(
         save_every=save_every, seed=seed, resume=resume,
         budgets=list(parse_budgets(budgets)) if budgets else None, device=device, checkpoint=checkpoint,
         compile=compile, strategy=strategy, format=format, depth_curriculum=depth_curriculum,
-        gate_floor=gate_floor, gate_floor_until=gate_floor_until,
+        gate_floor=gate_floor, gate_floor_until=gate_floor_until, exit_loss=exit_loss,
     )
     progress = Progress(
         SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

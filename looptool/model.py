@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import zlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from looptool.graph import (
     shared_graph_module,
 )
 from looptool.passes.checkpoint import bind_regions, checkpoint_regions
+from looptool.passes.recurrent_loop import with_exit_outputs
 from looptool.plan import BudgetCost, LoopPlan, ModelDims, cost_table
 
 log = logging.getLogger(__name__)
@@ -83,14 +85,18 @@ class LoopedModel(nn.Module):
         """The ``(pass name, config)`` steps that built this model, replayed on load."""
         return self.layer_graph.recipe
 
-    def path(self, budget: int, *, router_logits: bool = False) -> fx.GraphModule:
+    def path(self, budget: int, *, router_logits: bool = False, exits: bool = False) -> fx.GraphModule:
         """The GraphModule of one budget; built on first use, sharing this model's tensors.
 
         With ``router_logits=True`` the path also returns every MoE router evaluation's
-        logits (after the LM logits), in execution order, for a load-balancing loss.
+        logits (after the LM logits), in execution order, for a load-balancing loss. With
+        ``exits=True`` (ELR only) it returns the logits at loop exits ``1..k-1`` right after
+        the LM logits (see :func:`looptool.passes.recurrent_loop.with_exit_outputs`).
         """
         budget = self.check_budget(budget)
-        key = (budget, router_logits, self.activation_checkpointing, self.shard_layers)
+        if exits and self.plan.kind != "recurrent":
+            raise LooptoolError(f"intermediate loop exits exist only in ELR models; this one is {self.plan.kind}.")
+        key = (budget, router_logits, exits, self.activation_checkpointing, self.shard_layers)
         if key not in self._paths:
             graph = self.layer_graph.paths[budget]
             if router_logits:
@@ -98,6 +104,8 @@ class LoopedModel(nn.Module):
             if self.activation_checkpointing or self.shard_layers:
                 layers_path = self.layer_graph.source.layers_path if self.shard_layers else None
                 graph = checkpoint_regions(graph, checkpoint=self.activation_checkpointing, layers_path=layers_path)
+            if exits:
+                graph = with_exit_outputs(graph)
             gm = bind_regions(shared_graph_module(self, graph), self)
             self._paths[key] = gm if self.compile_options is None else _Compiled(gm, self.compile_options, budget)
         return self._paths[key]
@@ -223,14 +231,16 @@ class LoopedModel(nn.Module):
         labels: torch.Tensor | None = None,
         budget: int | None = None,
         output_router_logits: bool = False,
+        output_exit_logits: bool = False,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """Run the budget-``budget`` path; HF-style output with ``logits`` (and ``loss``).
 
         ``output_router_logits=True`` adds ``router_logits`` (one tensor per router
-        evaluation; weights in :meth:`router_logits_weights`).
+        evaluation; weights in :meth:`router_logits_weights`). ``output_exit_logits=True``
+        (ELR) adds ``exit_logits``: the logits at loop exits ``1..k-1`` of budget ``k``.
         """
-        gm = self.path(budget, router_logits=output_router_logits)
+        gm = self.path(budget, router_logits=output_router_logits, exits=output_exit_logits)
         if input_ids.dim() != 2:
             raise LooptoolError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}.")
         if attention_mask is None:
@@ -238,12 +248,20 @@ class LoopedModel(nn.Module):
         else:
             attention_mask = attention_mask.to(self._mask_dtype)
         out = gm(input_ids, attention_mask)
-        logits, router = (out[0], tuple(out[1:])) if output_router_logits else (out, None)
+        out = tuple(out) if output_router_logits or output_exit_logits else (out,)
+        logits, rest = out[0], out[1:]
+        exit_logits = None
+        if output_exit_logits:
+            n_exits = self.check_budget(budget) - 1
+            exit_logits, rest = tuple(rest[:n_exits]), rest[n_exits:]
         loss = None
         if labels is not None:
             loss = ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1], **kwargs)
+        if output_exit_logits:
+            return LoopedCausalLMOutput(loss=loss, logits=logits, router_logits=rest if output_router_logits else None,
+                                        exit_logits=exit_logits)
         if output_router_logits:
-            return MoeCausalLMOutputWithPast(loss=loss, logits=logits, router_logits=router)
+            return MoeCausalLMOutputWithPast(loss=loss, logits=logits, router_logits=rest)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
     def generate(
@@ -287,6 +305,14 @@ class LoopedModel(nn.Module):
         from looptool.serialization import save
 
         return save(self, directory, overwrite=overwrite)
+
+
+@dataclass
+class LoopedCausalLMOutput(MoeCausalLMOutputWithPast):
+    """``MoeCausalLMOutputWithPast`` plus ``exit_logits``: the LM logits at loop exits
+    ``1..k-1`` of an ELR budget-``k`` path (intermediate-exit loss)."""
+
+    exit_logits: tuple[torch.Tensor, ...] | None = None
 
 
 class _Compiled:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from transformers.loss.loss_utils import ForCausalLMLoss
 
 from looptool.data import FORMATS, training_rows
 from looptool.devices import check_dtype, resolve_device
@@ -86,6 +87,7 @@ class TrainConfig:
     depth_curriculum: float = 0.0  # fraction of steps over which the budget menu grows from the shallowest
     gate_floor: float = 0.0  # lower bound on the new gates (loop.*_gate) while training ...
     gate_floor_until: float = 0.5  # ... for this fraction of the steps, then released
+    exit_loss: float = 0.0  # ELR: weight of each earlier loop exit's loss relative to the last one (0: off)
 
     def check(self) -> None:
         """Refuse settings that cannot work, one sentence each."""
@@ -100,12 +102,25 @@ class TrainConfig:
             raise TrainingError(f"--strategy {self.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}.")
         if not 0 <= self.depth_curriculum <= 1 or not 0 <= self.gate_floor_until <= 1:
             raise TrainingError("--depth-curriculum and --gate-floor-until are fractions of the run, in [0, 1].")
+        if self.exit_loss < 0:
+            raise TrainingError("--exit-loss is a non-negative weight (0: off).")
         if self.gate_floor < 0:
             raise TrainingError("--gate-floor must be non-negative (0: off); gates start at 0 (exact conversion).")
         if self.format not in FORMATS:
             raise TrainingError(f"--format {self.format!r} is unknown; use text or completion.")
         if self.schedule not in SCHEDULES:
             raise TrainingError(f"--schedule {self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}.")
+
+
+def exit_weighted_loss(out, labels: torch.Tensor, weight: float) -> torch.Tensor:
+    """Deep supervision over the loop exits of an ELR budget-``k`` path: the weighted mean
+    ``(L_k + w * sum_{i<k} L_i) / (1 + w * (k - 1))`` of the next-token losses read at every
+    loop's state ``s_i`` through the output block (weight 1 for the last exit, ``w`` for the
+    earlier ones), so its scale matches the plain loss at any ``k``."""
+    total = out.loss
+    for logits in out.exit_logits:
+        total = total + weight * ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1])
+    return total / (1 + weight * len(out.exit_logits))
 
 
 def lr_factor(step: int, total: int, warmup_steps: int, schedule: str) -> float:
@@ -198,6 +213,8 @@ class Trainer:
         self.gates = [p for n, p in self.model.named_parameters() if n.startswith("loop.") and n.endswith("gate")]
         if config.gate_floor > 0 and not self.gates:
             raise TrainingError("--gate-floor needs gates (loop.*_gate parameters); this model has none.")
+        if config.exit_loss > 0 and self.model.plan.kind != "recurrent":
+            raise TrainingError("--exit-loss needs loop exits: it applies to ELR (recurrent) models; this one is prefix-looped.")
         self._freeze()
         if self.fsdp:
             self._shard()
@@ -304,8 +321,9 @@ class Trainer:
                 if self.fsdp:  # reduce-scatter gradients only on the last micro-batch
                     self.model.set_requires_gradient_sync(micro == cfg.grad_accum - 1)
                 with ctx, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                    out = model(ids, labels=labels, budget=k, output_router_logits=has_router)
-                    loss = out.loss
+                    exits = cfg.exit_loss > 0 and k > 1
+                    out = model(ids, labels=labels, budget=k, output_router_logits=has_router, output_exit_logits=exits)
+                    loss = exit_weighted_loss(out, labels, cfg.exit_loss) if exits else out.loss
                     aux = None
                     if has_router:
                         aux = balance_loss(out.router_logits, self.model.router_logits_weights(k), moe_top_k,

@@ -20,6 +20,9 @@ re-inject and step with ``e`` = a per-channel *exit gate* initialised to zero (t
 bit for bit until training moves ``e``. ``init="paper"``: ``s_0 = h_in``, every loop as
 above with ``e = 1``, ``W_b = b_b = gamma = 0`` (step 0.5 * softplus(0) ~ 0.35).
 
+Each loop's state ``s_i`` is annotated ``exit=i``: the trainer's intermediate-exit loss reads
+the output block at every ``s_i`` through those annotations (:func:`with_exit_outputs`).
+
 Cross-loop route replay (Sec. 3.4): the MoE routers of the recurrent block run on loop 1
 only; later loops read loop 1's expert indices and routing weights.
 """
@@ -30,7 +33,9 @@ import torch
 import torch.fx as fx
 
 from looptool.errors import PassError, PlanError
-from looptool.graph import ROLE_MOE, ROLE_ROUTER, ROLE_STATE, LayerGraph, NewParam, annotate, annotation
+from looptool.graph import (
+    META_KEY, ROLE_MOE, ROLE_ROUTER, ROLE_STATE, LayerGraph, NewParam, annotate, annotation, copy_graph,
+)
 from looptool.passes.conditioning import Conditioner, conditioned_layers, conditioning_params
 from looptool.passes.emit import emit_layers, last_node, resolve_plan
 from looptool.passes.manager import register_pass
@@ -38,6 +43,7 @@ from looptool.plan import RecurrentLoop
 
 _aten = torch.ops.aten
 PREFIX = "loop.recurrent."
+EXIT_KEY = "exit"  # annotation of the state s_i after loop i (read by the intermediate-exit loss)
 
 
 def recurrent_params(plan: RecurrentLoop, hidden: int) -> tuple[NewParam, ...]:
@@ -210,4 +216,42 @@ def _unroll(graph, env, nodes, block, plan, loops, state, cond, router, frontier
         else:
             exit = cond.exit_factor(c, first=i == 1) if cond is not None else None
             s = state.update(s, r, s_tilde, loop=i, exit=exit)
+        s.meta[META_KEY] = {**annotation(s), EXIT_KEY: i}  # the state s_i: an exit point (intermediate-exit loss)
     return s
+
+
+def with_exit_outputs(graph: fx.Graph) -> fx.Graph:
+    """A copy of one budget path that also returns the logits at every earlier loop exit:
+    ``(logits, exit_1, ..., exit_{k-1}, *rest)``.
+
+    Exit ``i`` runs the nodes downstream of the last state ``s_k`` (the output block, final
+    norm and head, with the budget's own conditioning) on ``s_i`` instead, so deep supervision
+    reads the same output block the budget does. Works on paths already outlined into
+    checkpoint regions (the annotations survive outlining).
+    """
+    new = copy_graph(graph)
+    exits = {annotation(n)[EXIT_KEY]: n for n in new.nodes if EXIT_KEY in annotation(n)}
+    if not exits:
+        raise PassError("intermediate exits need an ELR budget path (recurrent_loop); this path has no loop states.")
+    final = exits[max(exits)]
+    output = next(n for n in new.nodes if n.op == "output")
+    outs = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    downstream: list[fx.Node] = []
+    reached = {final}
+    for node in new.nodes:
+        if node.op != "output" and any(a in reached for a in node.all_input_nodes):
+            reached.add(node)
+            downstream.append(node)
+    if outs[0] not in reached:
+        raise PassError("intermediate exits: the logits do not depend on the last loop state.")
+    exit_logits = []
+    for i in sorted(exits)[:-1]:
+        env = {final: exits[i]}
+        with new.inserting_before(output):
+            for node in downstream:
+                env[node] = new.node_copy(node, lambda a: env.get(a, a))
+                ann = {k: v for k, v in annotation(node).items() if k != "router_logits"}
+                env[node].meta[META_KEY] = {**ann, "exit_copy": i}
+        exit_logits.append(env[outs[0]])
+    output.args = ((outs[0], *exit_logits, *outs[1:]),)
+    return new

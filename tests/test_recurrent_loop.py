@@ -222,3 +222,34 @@ def test_router_logits_are_exposed_with_replay_weights(input_ids):
     assert torch.equal(out.logits, replay(input_ids, budget=3).logits)
     # total weight is the same as counting every loop's evaluation (Sec. 3.4)
     assert sum(replay.router_logits_weights(3)) == sum(dynamic.router_logits_weights(3))
+
+
+@pytest.mark.parametrize("init", ["exact", "paper"])
+def test_exit_logits_are_the_shallower_budgets(init, input_ids):
+    """Without conditioning the state after loop i does not depend on k, so exit i of the
+    budget-k path must equal the budget-i path: an independent check of the exit graph."""
+    model = looped("qwen3_moe", init=init, route_replay=True, max_loops=3)
+    with torch.no_grad():
+        for _, p in model.new_parameters():
+            p.normal_(0, 0.2)
+        out = model(input_ids, budget=3, output_exit_logits=True, output_router_logits=True)
+        shallow = {k: model(input_ids, budget=k).logits for k in (1, 2)}
+        plain = model(input_ids, budget=3, output_router_logits=True)
+    assert len(out.exit_logits) == 2 and not torch.equal(shallow[1], shallow[2])
+    for i, logits in enumerate(out.exit_logits, start=1):
+        torch.testing.assert_close(logits, shallow[i], rtol=0, atol=1e-6)
+    assert torch.equal(out.logits, plain.logits)  # the last exit is the budget itself
+    assert len(out.router_logits) == len(plain.router_logits)  # exit copies add no router outputs
+    model.activation_checkpointing = True  # the exits also work on outlined (checkpointed) paths
+    again = model(input_ids, budget=3, output_exit_logits=True)
+    for a, b in zip(out.exit_logits, again.exit_logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    model.zero_grad()
+    again.exit_logits[0].sum().backward()  # exit 1 reads loop 1 only: under exact init that is the source block
+    assert (model.get_parameter("loop.recurrent.beta_weight").grad is None) == (init == "exact")
+
+
+def test_exit_logits_need_an_elr_model(input_ids):
+    prefix = looptool.convert(tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)))
+    with pytest.raises(looptool.LooptoolError, match="only in ELR models"):
+        prefix(input_ids, budget=2, output_exit_logits=True)

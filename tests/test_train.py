@@ -267,3 +267,36 @@ def test_two_process_ddp(model_dir, tmp_path):
             col = [per_rank[r][micro] for r in range(2)]
             assert col.count(0) >= 1  # round(0.5 * 2) = 1 rank forced to the shallowest budget
     looptool.load(out)
+
+
+def test_exit_loss_is_the_weighted_mean_of_exit_losses(tmp_path):
+    model = looptool.convert(looptool.testing.tiny_model("llama"),
+                             looptool.RecurrentLoop(recurrent=(1, 2), max_loops=3, init="paper"), tokenizer=byte_tokenizer())
+    ids = torch.randint(0, 200, (2, 9))
+    labels = ids.clone()
+    labels[:, :4] = IGNORE
+    out = model(ids, labels=labels, budget=3, output_exit_logits=True)
+    ce = [torch.nn.functional.cross_entropy(lg[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE)
+          for lg in (*out.exit_logits, out.logits)]
+    from looptool.train import exit_weighted_loss
+
+    torch.testing.assert_close(exit_weighted_loss(out, labels, 0.5), (0.5 * ce[0] + 0.5 * ce[1] + ce[2]) / 2)
+    model.save_pretrained(tmp_path / "elr")
+    cfg = dict(data=[str(SOTU / "1790*.txt")], tokens=32 * 2 * 3, seq_len=32, batch=2, lr=1e-3, new_lr=1e-2,
+               warmup=0.0, budgets=[3])
+    plain = Trainer(tmp_path / "elr", TrainConfig(**cfg, output=str(tmp_path / "a")))
+    plain.run()
+    deep = Trainer(tmp_path / "elr", TrainConfig(**cfg, output=str(tmp_path / "b"), exit_loss=1.0))
+    deep.run()
+    assert plain.records[0]["loss"] == deep.records[0]["loss"]  # the logged loss is the budget's own
+    a, b = plain.model.get_parameter("loop.recurrent.beta_gamma"), deep.model.get_parameter("loop.recurrent.beta_gamma")
+    assert not torch.equal(a, b)  # the exits changed the gradients
+    with pytest.raises(TrainingError, match="applies to ELR"):
+        Trainer(_prefix_dir(tmp_path), TrainConfig(**{**cfg, "budgets": None}, output=str(tmp_path / "c"), exit_loss=1.0))
+
+
+def _prefix_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "prefix"
+    looptool.convert(looptool.testing.tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)),
+                     tokenizer=byte_tokenizer()).save_pretrained(path)
+    return path

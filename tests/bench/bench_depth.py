@@ -29,7 +29,10 @@ shallowest within 2 points of ``plain``), a JSON line, ``--out`` JSON and a PNG.
 Run: python tests/bench/bench_depth.py [--steps 2500] [--arms plain,prefix,...]
 [--out tests/bench/results/bench_depth.json] [--png tests/bench/results/bench_depth.png]
 Recipes (``looptool train`` options): ``--arms prefix-floor,prefix-curriculum,elr-floor,elr-curriculum --merge``
-(gate floor 0.5 for the first half of the steps; depth curriculum over the first half).
+(gate floor 0.5 for the first half of the steps; depth curriculum over the first half);
+``--arms elr-exit,elr-exact-exit,elr-lr,elr-long,elr-all-long --merge`` (``--exit-loss 1``:
+every loop exit's loss weighted like the last; loop LR 5e-2 instead of 5e-3; 4x the steps;
+exit loss + depth curriculum over the first quarter + 4x the steps).
 """
 
 from __future__ import annotations
@@ -58,6 +61,13 @@ RECIPES = {
     "prefix-curriculum": ("prefix", {"depth_curriculum": 0.5}),
     "elr-floor": ("elr-exact", {"gate_floor": 0.5, "gate_floor_until": 0.5}),
     "elr-curriculum": ("elr-exact", {"depth_curriculum": 0.5}),
+    # intermediate-exit loss (every loop exit weighted like the last), a 10x larger loop LR,
+    # 4x longer runs, and all of them together
+    "elr-exit": ("elr-paper", {"exit_loss": 1.0}),
+    "elr-exact-exit": ("elr-exact", {"exit_loss": 1.0}),
+    "elr-lr": ("elr-paper", {"new_lr": 5e-2}),
+    "elr-long": ("elr-paper", {"steps_factor": 4}),
+    "elr-all-long": ("elr-paper", {"exit_loss": 1.0, "depth_curriculum": 0.25, "steps_factor": 4}),
 }
 LOOPED = ("prefix", "elr-exact", "elr-paper", *RECIPES)
 
@@ -241,10 +251,13 @@ def run_arm(arm: str, base_dir: str, data: str, test: tuple, steps: int, batch: 
     model = looptool.convert(source, plan, tokenizer=tok)
     work = Path(tempfile.mkdtemp(prefix=f"depth-{arm}-"))
     model.save_pretrained(work / "converted")
-    arm_steps = steps * (2 if arm == "scratch" else 1)  # from scratch gets the base's steps too (roughly)
+    options = dict(extra)
+    # from scratch gets the base's steps too (roughly); a recipe may scale the steps or set the loop LR
+    arm_steps = steps * (2 if arm == "scratch" else 1) * options.pop("steps_factor", 1)
+    new_lr = options.pop("new_lr", new_lr)
     cfg = TrainConfig(data=[data], output=str(work / "trained"), tokens=arm_steps * batch * 21, seq_len=21,
                       batch=batch, lr=lr, new_lr=new_lr, warmup=0.05, weight_decay=0.1, seed=seed,
-                      budgets=menu, format="completion", device="cpu", **extra)
+                      budgets=menu, format="completion", device="cpu", **options)
     t0 = time.perf_counter()
     Trainer(work / "converted", cfg).run()
     seconds = time.perf_counter() - t0
@@ -364,6 +377,7 @@ def main() -> None:
     results = {r["arm"]: r for r in done}
     if args.merge and args.out and Path(args.out).exists():
         results = {**json.loads(Path(args.out).read_text())["arms"], **results}
+        args.arms = ",".join(results)
     from transformers import LlamaForCausalLM
 
     base = LlamaForCausalLM.from_pretrained(base_dir).eval()

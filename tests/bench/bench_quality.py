@@ -10,6 +10,8 @@ throughput of mixed-depth ÷ plain training measured in this run, next to the ex
 ratio from the mean depth.
 
 Run: python tests/bench/bench_quality.py [--steps 120] [--out DIR]. Prints one JSON line.
+A retrofit recipe applies to the mixed arm: ``--gate-floor 0.5 --depth-curriculum 0.5`` (the
+``looptool train`` options of the same names).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=5e-5)
     ap.add_argument("--new-lr", type=float, default=1e-2)
     ap.add_argument("--override", type=float, default=0.0)
+    ap.add_argument("--gate-floor", type=float, default=0.0, help="recipe: looptool train --gate-floor (mixed arm)")
+    ap.add_argument("--gate-floor-until", type=float, default=0.5)
+    ap.add_argument("--depth-curriculum", type=float, default=0.0, help="recipe: looptool train --depth-curriculum")
     ap.add_argument("--eval-tokens", type=int, default=8192)
     ap.add_argument("--out", default=None)
     ap.add_argument("--data", default=str(SOTU / "1*.txt"), help="training text (files, folders, globs)")
@@ -60,7 +65,9 @@ def main() -> None:
     common = dict(data=[args.data], tokens=tokens, seq_len=args.seq_len, batch=args.batch, lr=args.lr,
                   new_lr=args.new_lr, warmup=0.05, freeze_below_window=True, seed=0)
     runs = {}
-    for name, extra in (("mixed", {"override": args.override}), ("plain", {"budgets": [0]})):
+    recipe = {"gate_floor": args.gate_floor, "gate_floor_until": args.gate_floor_until,
+              "depth_curriculum": args.depth_curriculum}
+    for name, extra in (("mixed", {"override": args.override, **recipe}), ("plain", {"budgets": [0]})):
         out = work / name
         t0 = time.perf_counter()
         trainer = Trainer(work / "converted", TrainConfig(output=str(out), resume=out.exists(), **common, **extra))
