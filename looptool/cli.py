@@ -288,7 +288,7 @@ def train(
     checkpoint: Annotated[bool, typer.Option(help="Activation checkpointing per layer application (exact; recomputes in backward).")] = False,
     compile: Annotated[bool, typer.Option("--compile", help="torch.compile each budget path on first use.")] = False,
     strategy: Annotated[str, typer.Option(help="Under torchrun: ddp (replicate) or fsdp (FSDP2, one shard unit per source layer).")] = "ddp",
-    format: Annotated[str, typer.Option("--format", help="text (packed; every token a target) or completion (JSONL 'prompt'/'completion'; loss on the completion only).")] = "text",
+    format: Annotated[str, typer.Option("--format", help="text (packed; every token a target), completion (JSONL 'prompt'/'completion'; loss on the completion only) or chat (JSONL 'messages' rendered with the tokenizer's chat template; loss on the assistant turns only).")] = "text",
     depth_curriculum: Annotated[float, typer.Option(help="Fraction of steps over which the budget menu grows from the shallowest budget to all (0: off).")] = 0.0,
     gate_floor: Annotated[float, typer.Option(help="Lower bound on the new gates while training (0: off): keeps the loop path open.")] = 0.0,
     gate_floor_until: Annotated[float, typer.Option(help="Fraction of steps the gate floor holds before it is released.")] = 0.5,
@@ -519,6 +519,72 @@ def plot(
     if not path.exists():
         raise LooptoolError(f"'{path}' does not exist; pass a train_log.jsonl or a training output directory.")
     out.print(f"wrote {plot_training(path, output)}")
+
+
+@app.command(name="merge")
+@_friendly
+def merge_cmd(
+    base: Annotated[Path, typer.Argument(help="The base looped model directory.")],
+    experts: Annotated[list[Path] | None, typer.Argument(help="Expert looped model directories (same architecture and plan as BASE), numbered 0, 1, ... in this order.", show_default=False)] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Directory to write the merged model to.")] = None,
+    lambdas: Annotated[list[str] | None, typer.Option("--lambda", "-l", help=(
+        "Merge weight, repeatable: VALUE (every group, every expert), GROUP=VALUE (every expert) or "
+        "EXPERT:GROUP=VALUE / EXPERT:VALUE (one expert); GROUP is a kind (embed_head, attention, mlp, router, norm, loop), a block "
+        "(input, looped, output, loop) or BLOCK.KIND (looped.attention). The most specific group wins, then an "
+        "expert's own spec, then the later spec; groups no spec matches keep the base (lambda 0)."), show_default=False)] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
+    list_groups: Annotated[bool, typer.Option("--list-groups", help="Print BASE's parameter groups with their sizes and exit.")] = False,
+) -> None:
+    """Merge fine-tuned experts into BASE per parameter group (task arithmetic, Accordion post-training):
+    theta = theta_base + sum_j lambda_j (theta_j - theta_base), in float32, cast back to the model's dtype."""
+    from rich.table import Table
+
+    from looptool.merge import group_sizes, parameter_groups, parse_lambdas, resolve_lambda
+    from looptool.merge import merge as merge_models
+    from looptool.serialization import check_output_dir, load
+
+    experts = list(experts or [])
+    if list_groups:
+        if experts or output is not None or lambdas:
+            raise LooptoolError("--list-groups only reads BASE; drop the EXPERT paths, --output and --lambda.")
+        with _progress() as progress, _stage(progress, f"rebuilding {base} on meta"):
+            model = load(base, device="meta")
+        table = Table(title=f"{base} · parameter groups", title_justify="left")
+        for col, justify in (("family", "left"), ("group", "left"), ("tensors", "right"), ("parameters", "right")):
+            table.add_column(col, justify=justify)
+        for family, group, tensors, scalars in group_sizes(model):
+            table.add_row(family, group, str(tensors), f"{scalars:,}")
+        out.print(table)
+        return
+    if not experts:
+        raise LooptoolError("give at least one EXPERT model directory after BASE.")
+    if output is None:
+        raise LooptoolError("pass --output/-o DIR: the directory to write the merged model to.")
+    specs = parse_lambdas(list(lambdas or []), len(experts))  # fail before the slow loads
+    check_output_dir(output, overwrite)
+    with _progress() as progress:
+        with _stage(progress, f"loading base {base}"):
+            base_model = load(base)
+        models = []
+        for j, path in enumerate(experts):
+            with _stage(progress, f"loading expert {j} {path}"):
+                models.append(load(path))
+        with _stage(progress, f"merging {len(models)} expert{'s' if len(models) != 1 else ''}"):
+            merged = merge_models(base_model, models, specs, labels=[f"expert {j} ('{p}')" for j, p in enumerate(experts)])
+        with _stage(progress, f"saving to {output}"):
+            merged.save_pretrained(output, overwrite=overwrite)
+    groups = parameter_groups(base_model)
+    table = Table(title=f"{output} · {len(experts)} expert(s) merged into {base}", title_justify="left")
+    for col in ("group", "tensors", "parameters", *(f"λ {j}" for j in range(len(experts)))):
+        table.add_column(col, justify="left" if col == "group" else "right")
+    for family, group, tensors, scalars in group_sizes(base_model):
+        if family == "block.kind":
+            lams = [resolve_lambda(specs, group, j) for j in range(len(experts))]
+            table.add_row(group, str(tensors), f"{scalars:,}", *(f"{lam:g}" for lam in lams))
+    out.print(table)
+    changed = sum(1 for g in groups.values() if any(resolve_lambda(specs, g, j) for j in range(len(experts))))
+    out.print(f"{changed} of {len(groups)} tensors merged ({len(groups) - changed} kept from the base); "
+              f"saved merged model to [bold]{output}[/]")
 
 
 @app.command(name="export")

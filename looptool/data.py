@@ -1,11 +1,14 @@
 """Training and evaluation text: files → tokens → fixed-length rows.
 
-Two formats. ``text``: plain-text files, folders of them (searched recursively), glob
+Three formats. ``text``: plain-text files, folders of them (searched recursively), glob
 patterns, and JSONL files whose lines carry a ``text`` field; documents are tokenised with
 the model's tokenizer, joined with the EOS token and packed into ``seq_len``-token rows,
 and every token is a target. ``completion``: JSONL lines with ``prompt`` and
 ``completion``; each example is one row (prompt, completion, EOS, right-padded), and only
-the completion and its EOS are targets (labels −100 elsewhere). Everything is
+the completion and its EOS are targets (labels −100 elsewhere). ``chat``: JSONL lines with
+a ``messages`` list of ``{"role", "content"}``; each conversation is rendered with the
+tokenizer's chat template into one right-padded row, and only the tokens of assistant turns
+(with the end-of-turn marker the template writes after them) are targets. Everything is
 deterministic given the seed. The train/validation split is by file.
 """
 
@@ -16,7 +19,7 @@ import json
 import logging
 import os
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,6 +106,39 @@ def read_completions(path: Path) -> list[tuple[str, str]]:
             raise DataError(f"'{path}' line {number} has an empty completion; there would be nothing to learn from it.")
         pairs.append((record["prompt"], record["completion"]))
     return pairs
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One chat example: its messages (``{"role", "content"}`` dicts, passed to the chat
+    template as they are) and where it comes from, for error messages."""
+
+    messages: list[dict]
+    origin: str = "a conversation"
+
+
+def _check_messages(messages: object, origin: str) -> list[dict]:
+    """``messages`` if it is a usable conversation, else one sentence on why not."""
+    if not (isinstance(messages, list) and messages and all(
+            isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)):
+        raise DataError(f"{origin} needs a 'messages' list of objects with string 'role' and 'content' fields "
+                        "(--format chat).")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{origin} has no assistant message; there would be nothing to learn from it.")
+    return [dict(m) for m in messages]
+
+
+def read_conversations(path: Path) -> list[Conversation]:
+    """The conversation of every line of a JSONL file (its ``messages``; other fields are ignored)."""
+    if path.suffix.lower() not in JSONL_SUFFIXES:
+        raise DataError(f"'{path}' is not a .jsonl file; --format chat reads JSONL lines with a 'messages' list.")
+    conversations = []
+    for number, record in _jsonl_records(path, _read_text(path)):
+        origin = f"'{path}' line {number}"
+        messages = record.get("messages") if isinstance(record, dict) else None
+        conversations.append(Conversation(_check_messages(messages, origin), origin))
+    return conversations
 
 
 def split_files(files: Sequence[Path], val_fraction: float, seed: int) -> tuple[list[Path], list[Path]]:
@@ -196,30 +232,30 @@ class PackedTokens(_SeededRows):
 IGNORE = -100  # label of tokens that are not targets (the loss skips them)
 
 
-class CompletionExamples(_SeededRows):
-    """Prompt/completion examples, one ``seq_len`` row each: ``prompt + completion + EOS``
-    right-padded; labels are −100 on the prompt and the padding."""
+class _LabeledRows(_SeededRows):
+    """One example per ``seq_len`` row, right-padded with the pad token (else EOS, else 0),
+    with per-token labels (−100 where a token is not a target); shared by the completion
+    and chat formats."""
 
-    def __init__(self, pairs: Sequence[tuple[str, str]], tokenizer, seq_len: int, source: str = "the data"):
-        if tokenizer is None:
-            raise DataError("this model has no tokenizer; pass --tokenizer PATH (a Hugging Face tokenizer folder).")
-        if not pairs:
-            raise DataError(f"{source} holds no prompt/completion examples.")
+    ids: torch.Tensor
+    labels: torch.Tensor
+    seq_len: int
+
+    def _fill(self, examples: Sequence[tuple[list[int], list[int]]], names: Sequence[str], tokenizer,
+              seq_len: int) -> None:
+        """Lay out ``(token ids, labels)`` pairs, one per row; ``names[i]`` names example ``i``
+        in the error that refuses one longer than ``seq_len``."""
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
         self.seq_len = seq_len
-        self.ids = torch.full((len(pairs), seq_len), pad, dtype=torch.long)
-        self.labels = torch.full((len(pairs), seq_len), IGNORE, dtype=torch.long)
-        for row, (prompt, completion) in enumerate(pairs):
-            p = tokenizer(prompt, add_special_tokens=True).input_ids
-            c = tokenizer(completion, add_special_tokens=False).input_ids + ([eos] if eos is not None else [])
-            if len(p) + len(c) > seq_len:
-                raise DataError(f"example {row + 1} of {source} has {len(p) + len(c)} tokens, more than --seq-len "
-                                f"{seq_len}; raise --seq-len or shorten it.")
-            if not p:
-                raise DataError(f"example {row + 1} of {source} has an empty prompt; the first target needs a token before it.")
-            self.ids[row, :len(p) + len(c)] = torch.tensor(p + c)
-            self.labels[row, len(p):len(p) + len(c)] = torch.tensor(c)
+        self.ids = torch.full((len(examples), seq_len), pad, dtype=torch.long)
+        self.labels = torch.full((len(examples), seq_len), IGNORE, dtype=torch.long)
+        for row, ((ids, labels), name) in enumerate(zip(examples, names, strict=True)):
+            if len(ids) > seq_len:
+                raise DataError(f"{name} has {len(ids)} tokens, more than --seq-len {seq_len}; raise --seq-len or "
+                                "shorten it.")
+            self.ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            self.labels[row, :len(labels)] = torch.tensor(labels, dtype=torch.long)
 
     def __len__(self) -> int:
         return self.ids.shape[0]
@@ -230,15 +266,120 @@ class CompletionExamples(_SeededRows):
         return self.ids[rows], self.labels[rows]
 
 
-FORMATS = ("text", "completion")
+class CompletionExamples(_LabeledRows):
+    """Prompt/completion examples, one ``seq_len`` row each: ``prompt + completion + EOS``
+    right-padded; labels are −100 on the prompt and the padding."""
+
+    def __init__(self, pairs: Sequence[tuple[str, str]], tokenizer, seq_len: int, source: str = "the data"):
+        if tokenizer is None:
+            raise DataError("this model has no tokenizer; pass --tokenizer PATH (a Hugging Face tokenizer folder).")
+        if not pairs:
+            raise DataError(f"{source} holds no prompt/completion examples.")
+        eos = tokenizer.eos_token_id
+        examples, names = [], []
+        for row, (prompt, completion) in enumerate(pairs):
+            p = tokenizer(prompt, add_special_tokens=True).input_ids
+            c = tokenizer(completion, add_special_tokens=False).input_ids + ([eos] if eos is not None else [])
+            if not p:
+                raise DataError(f"example {row + 1} of {source} has an empty prompt; the first target needs a token before it.")
+            examples.append((p + c, [IGNORE] * len(p) + c))
+            names.append(f"example {row + 1} of {source}")
+        self._fill(examples, names, tokenizer, seq_len)
 
 
-def training_rows(specs, tokenizer, seq_len: int, format: str = "text") -> PackedTokens | CompletionExamples:
-    """The rows a run trains on, in either format."""
+class ChatExamples(_LabeledRows):
+    """Conversations rendered with the tokenizer's chat template, one ``seq_len`` row each,
+    right-padded; labels are the token ids of assistant turns (their content and the
+    end-of-turn marker the template writes after it, so the model learns to stop) and −100
+    on everything else: system and user turns, the assistant header the generation prompt
+    writes (such as ``<|im_start|>assistant`` and its newline) and the padding.
+
+    Assistant turn ``i`` is the character span from the end of
+    ``render(messages[:i], add_generation_prompt=True)`` to the end of
+    ``render(messages[:i + 1])`` of the whole rendered conversation (so any template that
+    renders turns incrementally works); the conversation is tokenised once, and a token is a
+    target when its character span starts inside an assistant span (this needs a fast
+    tokenizer's offsets).
+
+    Conversations are not packed several to a row: the captured graphs take a 2-D padding
+    mask ``[batch, seq]``, so conversations sharing a row would attend across their boundary
+    (block-diagonal attention would need a 4-D mask input in the captured graph).
+    """
+
+    def __init__(self, conversations: Sequence[Conversation | Sequence[Mapping]], tokenizer, seq_len: int,
+                 source: str = "the data"):
+        if tokenizer is None:
+            raise DataError("this model has no tokenizer; pass --tokenizer PATH (a Hugging Face tokenizer folder).")
+        if not getattr(tokenizer, "chat_template", None):
+            raise DataError("this tokenizer has no chat template; pass --tokenizer PATH with a tokenizer that has "
+                            "one, or use --format completion.")
+        if not getattr(tokenizer, "is_fast", False):
+            raise DataError("--format chat needs a fast tokenizer (one with token offsets) to find the assistant "
+                            "tokens; pass --tokenizer PATH with a tokenizer.json.")
+        if not conversations:
+            raise DataError(f"{source} holds no conversations.")
+        examples, names = [], []
+        for n, conversation in enumerate(conversations, 1):
+            if not isinstance(conversation, Conversation):
+                origin = f"conversation {n} of {source}"
+                conversation = Conversation(_check_messages(list(conversation), origin), origin)
+            examples.append(_chat_tokens(conversation, tokenizer))
+            names.append(conversation.origin)
+        self._fill(examples, names, tokenizer, seq_len)
+
+
+def _render_chat(tokenizer, messages: list[dict], origin: str, add_generation_prompt: bool = False) -> str:
+    """``messages`` rendered with the tokenizer's chat template (may be empty: the text before
+    a first assistant turn), or one sentence on why the template refuses them."""
+    from jinja2 import TemplateError
+
+    try:  # a batch of one: apply_chat_template refuses an empty conversation but renders an empty batch item
+        return tokenizer.apply_chat_template([messages], tokenize=False, add_generation_prompt=add_generation_prompt)[0]
+    except TemplateError as exc:
+        raise DataError(f"the chat template cannot render {origin} ({exc}); fix that conversation or use "
+                        "--format completion.") from None
+
+
+def _chat_tokens(conversation: Conversation, tokenizer) -> tuple[list[int], list[int]]:
+    """``(token ids, labels)`` of one conversation: labels are the ids of assistant-turn tokens
+    and −100 elsewhere (see :class:`ChatExamples`)."""
+    messages, origin = conversation.messages, conversation.origin
+    text = _render_chat(tokenizer, messages, origin)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render_chat(tokenizer, messages[:i], origin, add_generation_prompt=True)
+        through = _render_chat(tokenizer, messages[:i + 1], origin)
+        if not (text.startswith(before) and text.startswith(through)):
+            raise DataError(f"the chat template does not render {origin} turn by turn (the text before message "
+                            f"{i + 1} is not a prefix of the whole conversation), so its assistant tokens cannot "
+                            "be found; use --format completion.")
+        spans.append((len(before), len(through)))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc.input_ids)
+    labels = [t if any(a <= start < b for a, b in spans) else IGNORE for t, (start, _) in zip(ids, enc.offset_mapping)]
+    if all(label == IGNORE for label in labels):
+        raise DataError(f"the assistant messages of {origin} render to no tokens; there would be nothing to learn "
+                        "from it.")
+    if labels[0] != IGNORE:
+        raise DataError(f"{origin} starts with an assistant token; the first target needs a token before it, so add "
+                        "a user or system message before it.")
+    return ids, labels
+
+
+FORMATS = ("text", "completion", "chat")
+
+
+def training_rows(specs, tokenizer, seq_len: int, format: str = "text") -> PackedTokens | CompletionExamples | ChatExamples:
+    """The rows a run trains on, in any of the :data:`FORMATS`."""
     if format not in FORMATS:
-        raise DataError(f"--format {format!r} is unknown; use text or completion.")
+        raise DataError(f"--format {format!r} is unknown; use {', '.join(FORMATS)}.")
     files = find_files(specs)
     if format == "text":
         return PackedTokens(tokenize_files(files, tokenizer), seq_len)
+    source = ", ".join(map(str, files))
+    if format == "chat":
+        return ChatExamples([c for path in files for c in read_conversations(path)], tokenizer, seq_len, source=source)
     pairs = [pair for path in files for pair in read_completions(path)]
-    return CompletionExamples(pairs, tokenizer, seq_len, source=", ".join(map(str, files)))
+    return CompletionExamples(pairs, tokenizer, seq_len, source=source)

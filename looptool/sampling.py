@@ -12,12 +12,16 @@ the work is then forced to the shallowest budget (the one-loop / ``k = 0`` overr
 A micro-batch then runs the shallowest budget with probability
 ``p_1 = 1/K + (1 - 1/K) f_eff`` and the mean depth is ``f_eff k_min + (1 - f_eff) mean(K)``
 (Eq. 3), with ``f_eff`` the realised override fraction ``round(f n) / n``.
+
+RL post-training assigns budgets per *prompt* instead (:func:`assign_budgets`): every rollout
+of a prompt runs at one loop count, prompts split by a ratio, optionally by pass rate.
 """
 
 from __future__ import annotations
 
 import random
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -87,3 +91,38 @@ class BudgetSampler:
             "p_shallowest": 1 / K + (1 - 1 / K) * f,
             "mean_budget": f * self.shallowest + (1 - f) * statistics.fmean(self.budgets),
         }
+
+
+def ratio_counts(n: int, ratio: Sequence[float]) -> list[int]:
+    """Split ``n`` items by ``ratio`` (largest remainder; ties to the earlier entry)."""
+    total = float(sum(ratio))
+    exact = [n * r / total for r in ratio]
+    counts = [int(x) for x in exact]
+    order = sorted(range(len(ratio)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in order[: n - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def assign_budgets(menu: Sequence[int], ratio: Sequence[float], n: int, *, pass_rates: Sequence[float | None] | None = None,
+                   key: str = "") -> list[int]:
+    """A budget per prompt for one RL step (ELR post-training): prompts are split across
+    ``menu`` (shallowest first) by ``ratio`` (e.g. 4:1:1:1 over k = 1..4). Without
+    ``pass_rates`` the split is a seeded shuffle (``key``); with them (the pass-rate
+    curriculum) the easiest prompts go to the shallowest budget and the hardest to the
+    deepest, prompts never seen counting as pass rate 0.5 (ties broken by the shuffle)."""
+    if len(ratio) != len(menu) or any(r < 0 for r in ratio) or sum(ratio) <= 0:
+        raise ValueError(f"the budget ratio {list(ratio)} needs one non-negative weight per budget of {list(menu)}")
+    rng = random.Random(key)
+    order = list(range(n))
+    rng.shuffle(order)
+    if pass_rates is not None:
+        rank = {i: r for r, i in enumerate(order)}
+        order.sort(key=lambda i: (-(0.5 if pass_rates[i] is None else pass_rates[i]), rank[i]))
+    out = [0] * n
+    start = 0
+    for k, count in zip(sorted(menu), ratio_counts(n, ratio)):
+        for i in order[start:start + count]:
+            out[i] = k
+        start += count
+    return out

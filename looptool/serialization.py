@@ -97,13 +97,21 @@ def commit_output_dir(final: Path, temp: Path) -> None:
 def save(model: LoopedModel, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """Write ``model`` to ``directory`` (atomically: temp dir, then rename)."""
     final, temp = prepare_output_dir(directory, overwrite)
+    commit_model(model, final, temp)
+    return final
+
+
+def commit_model(model: LoopedModel, final: Path, temp: Path, files: dict[str, str] | None = None) -> None:
+    """Write ``model`` and the text ``files`` (name → content) into ``temp``, then move it
+    to ``final`` atomically; on any failure ``temp`` is removed and nothing is left behind."""
     try:
         write_model(model, temp)
+        for name, text in (files or {}).items():
+            (temp / name).write_text(text)
         commit_output_dir(final, temp)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
-    return final
 
 
 def write_model(model: LoopedModel, directory: Path | None, *, materialize=None) -> None:

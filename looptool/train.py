@@ -83,7 +83,7 @@ class TrainConfig:
     checkpoint: bool = False  # activation checkpointing per layer application (exact)
     compile: bool = False  # torch.compile each budget path on first use
     strategy: str = "ddp"  # ddp | fsdp (FSDP2 under torchrun: one shard unit per source layer)
-    format: str = "text"  # text (packed, every token a target) | completion (JSONL prompt/completion)
+    format: str = "text"  # text (packed, every token a target) | completion (JSONL prompt/completion) | chat (JSONL messages)
     depth_curriculum: float = 0.0  # fraction of steps over which the budget menu grows from the shallowest
     gate_floor: float = 0.0  # lower bound on the new gates (loop.*_gate) while training ...
     gate_floor_until: float = 0.5  # ... for this fraction of the steps, then released
@@ -107,7 +107,7 @@ class TrainConfig:
         if self.gate_floor < 0:
             raise TrainingError("--gate-floor must be non-negative (0: off); gates start at 0 (exact conversion).")
         if self.format not in FORMATS:
-            raise TrainingError(f"--format {self.format!r} is unknown; use text or completion.")
+            raise TrainingError(f"--format {self.format!r} is unknown; use {', '.join(FORMATS)}.")
         if self.schedule not in SCHEDULES:
             raise TrainingError(f"--schedule {self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}.")
 
@@ -149,6 +149,23 @@ def balance_loss(router_logits, weights, top_k: int, batch: int, num_routers: in
         counts = F.one_hot(picks, experts).sum(dim=2).float().mean(dim=1) / top_k  # [B, E]
         total = total + w * (experts * (counts * probs.mean(dim=1)).sum(-1)).mean()
     return total / max(1, num_routers)
+
+
+def adamw(model: LoopedModel, lr: float, new_lr: float | None, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over ``model``'s trainable parameters: the new ``loop.*`` parameters at
+    ``new_lr`` (default ``lr``); no weight decay on tagged parameters, norms and biases.
+    Each group records ``initial_lr`` for the LR schedule."""
+    no_decay = model.no_decay_parameter_names()
+    groups: dict[tuple[float, float], list] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_new = name.startswith("loop.")
+        # norms and biases (1-D) take no decay either, as is standard
+        decay = 0.0 if (name in no_decay or p.dim() < 2) else weight_decay
+        groups.setdefault(((new_lr or lr) if is_new else lr, decay), []).append(p)
+    param_groups = [{"params": ps, "lr": g_lr, "initial_lr": g_lr, "weight_decay": wd} for (g_lr, wd), ps in groups.items()]
+    return torch.optim.AdamW(param_groups, betas=(0.9, 0.95), eps=1e-8)
 
 
 class Trainer:
@@ -259,18 +276,7 @@ class Trainer:
         self.model.retarget(self.device)  # fully_shard moved the shards to the mesh's device
 
     def _optimizer(self) -> torch.optim.AdamW:
-        no_decay = self.model.no_decay_parameter_names()
-        new_lr = self.config.new_lr or self.config.lr
-        groups: dict[tuple[float, float], list] = {}
-        for name, p in self.model.named_parameters():
-            if not p.requires_grad:
-                continue
-            is_new = name.startswith("loop.")
-            # norms and biases (1-D) take no decay either, as is standard
-            decay = 0.0 if (name in no_decay or p.dim() < 2) else self.config.weight_decay
-            groups.setdefault((new_lr if is_new else self.config.lr, decay), []).append(p)
-        param_groups = [{"params": ps, "lr": lr, "initial_lr": lr, "weight_decay": wd} for (lr, wd), ps in groups.items()]
-        return torch.optim.AdamW(param_groups, betas=(0.9, 0.95), eps=1e-8)
+        return adamw(self.model, self.config.lr, self.config.new_lr, self.config.weight_decay)
 
     def _restore(self) -> None:
         state = torch.load(self.output / STATE_FILE, weights_only=False, map_location=self.device)

@@ -226,8 +226,8 @@ def test_completion_format_needs_jsonl_and_a_known_format(tmp_path):
     (tmp_path / "a.txt").write_text("plain text")
     with pytest.raises(DataError, match="is not a .jsonl file"):
         training_rows([str(tmp_path / "a.txt")], byte_tokenizer(), seq_len=12, format="completion")
-    with pytest.raises(TrainingError, match="--format 'chat' is unknown"):
-        TrainConfig(data=["x"], output="o", format="chat").check()
+    with pytest.raises(TrainingError, match="--format 'xml' is unknown; use text, completion, chat"):
+        TrainConfig(data=["x"], output="o", format="xml").check()
 
 
 def test_completion_training_loss_is_the_completion_loss(model_dir, tmp_path):
@@ -300,3 +300,121 @@ def _prefix_dir(tmp_path: Path) -> Path:
     looptool.convert(looptool.testing.tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)),
                      tokenizer=byte_tokenizer()).save_pretrained(path)
     return path
+
+
+# ---------------------------------------------------------------------------------- chat format
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+DIALOGUE = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4, of course."},
+]
+
+
+def _chat_tokenizer(markers: bool = False):
+    """The byte tokenizer with a ChatML template; ``markers``: ``<|im_start|>``/``<|im_end|>``
+    as single added special tokens (ids 256, 257) instead of their bytes."""
+    tok = byte_tokenizer()
+    tok.chat_template = CHATML
+    if markers:
+        tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    return tok
+
+
+@pytest.mark.parametrize("markers", [False, True], ids=["bytes", "marker-tokens"])
+def test_chat_sft_masks_match_the_chat_template_token_by_token(tmp_path, markers):
+    """SFT loss masks verified token by token against the chat template on a tiny tokenizer."""
+    from looptool.data import ChatExamples
+
+    tok = _chat_tokenizer(markers)
+    path = _jsonl(tmp_path / "chat.jsonl", [{"id": 7, "messages": DIALOGUE}])  # extra fields are ignored
+    rows = training_rows([str(path)], tok, seq_len=256, format="chat")
+    assert isinstance(rows, ChatExamples) and len(rows) == 1
+    text = tok.apply_chat_template(DIALOGUE, tokenize=False)
+    expected_ids = tok(text, add_special_tokens=False).input_ids
+    n = len(expected_ids)
+    ids, labels = rows.ids[0].tolist(), rows.labels[0].tolist()
+    assert ids[:n] == expected_ids and set(ids[n:]) == {tok.pad_token_id}  # one conversation, right-padded
+    pieces = [tok.decode([t]) for t in ids[:n]]
+    assert "".join(pieces) == text  # every token decodes to its own piece of the rendered text
+    if markers:
+        assert pieces.count("<|im_end|>") == 5 and tok.convert_tokens_to_ids("<|im_end|>") in ids
+    runs, run, before = [], "", []
+    for pos, (token, label) in enumerate(zip(ids, labels)):
+        if label == IGNORE:
+            if run:
+                runs.append(run)
+                run = ""
+            continue
+        assert label == token  # a target's label is its own input id
+        if not run:
+            before.append("".join(pieces[:pos]))
+        run += pieces[pos]
+    assert not run  # the padding after the last turn is not a target
+    # exactly the text the template writes for each assistant turn after its header: the content
+    # and the end-of-turn marker (so the model learns to stop), nothing of the system/user turns
+    assert runs == ["Hello!<|im_end|>\n", "4, of course.<|im_end|>\n"]
+    assert all(b.endswith("<|im_start|>assistant\n") for b in before)  # the header is not a target
+    assert sum(label != IGNORE for label in labels) == len(tok("".join(runs), add_special_tokens=False).input_ids)
+    batch_ids, batch_labels = rows.labeled_batch(0, 3, seed=0)  # wraps into later epochs
+    assert batch_ids.shape == batch_labels.shape == (3, 256) and torch.equal(batch_labels[0], rows.labels[0])
+
+
+@pytest.mark.parametrize("records,message", [
+    ([{"text": "no messages"}], r"line 1 needs a 'messages' list of objects with string 'role' and 'content'"),
+    ([{"messages": DIALOGUE}, {"messages": [{"role": "user", "content": 3}]}], r"line 2 needs a 'messages' list"),
+    ([{"messages": []}], r"needs a 'messages' list"),
+    ([{"messages": DIALOGUE[:2]}], r"line 1 has no assistant message; there would be nothing to learn"),
+    ([{"messages": DIALOGUE}], r"line 1 has \d+ tokens, more than --seq-len 40; raise --seq-len"),
+])
+def test_chat_data_errors(tmp_path, records, message):
+    path = _jsonl(tmp_path / "bad.jsonl", records)
+    with pytest.raises(DataError, match=message):
+        training_rows([str(path)], _chat_tokenizer(), seq_len=40, format="chat")
+
+
+def test_chat_format_needs_jsonl_a_chat_template_and_a_fast_tokenizer(tmp_path):
+    from looptool.data import ChatExamples
+
+    (tmp_path / "a.txt").write_text("plain text")
+    with pytest.raises(DataError, match=r"is not a \.jsonl file; --format chat reads JSONL lines with a 'messages'"):
+        training_rows([str(tmp_path / "a.txt")], _chat_tokenizer(), seq_len=64, format="chat")
+    path = _jsonl(tmp_path / "c.jsonl", [{"messages": DIALOGUE}])
+    with pytest.raises(DataError, match="has no chat template; .*or use --format completion"):
+        training_rows([str(path)], byte_tokenizer(), seq_len=256, format="chat")
+
+    class SlowTokenizer:
+        chat_template = CHATML
+        is_fast = False
+
+    with pytest.raises(DataError, match="needs a fast tokenizer"):
+        ChatExamples([DIALOGUE], SlowTokenizer(), seq_len=256)
+    tok = _chat_tokenizer()
+    tok.chat_template = "{{ messages | length }}" + CHATML  # the count changes as turns are added
+    with pytest.raises(DataError, match="does not render .* turn by turn"):
+        training_rows([str(path)], tok, seq_len=256, format="chat")
+    tok.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(DataError, match="cannot render .*roles must alternate"):
+        training_rows([str(path)], tok, seq_len=256, format="chat")
+
+
+def test_chat_training_loss_is_the_assistant_loss(model_dir, tmp_path):
+    tok = _chat_tokenizer()
+    records = [{"messages": [{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(a + b)}]}
+               for a in range(4) for b in range(4)]
+    path = _jsonl(tmp_path / "chat.jsonl", records)
+    cfg = TrainConfig(data=[str(path)], output=str(tmp_path / "run"), tokens=80 * 4 * 2, seq_len=80, batch=4, lr=1e-9,
+                      warmup=0.0, format="chat", budgets=[2])
+    trainer = Trainer(model_dir, cfg, tokenizer=tok)
+    ids, labels = trainer.data.labeled_batch(0, 4, cfg.seed)
+    with torch.no_grad():
+        logits = trainer.model(ids, budget=2).logits
+    targets = labels[:, 1:]
+    keep = targets != IGNORE
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1][keep], targets[keep])  # assistant tokens only
+    trainer.run()
+    assert len(trainer.records) == 2 and all(torch.isfinite(torch.tensor(r["loss"])).all() for r in trainer.records)
+    assert trainer.records[0]["loss"][0] == pytest.approx(expected.item(), rel=1e-5)

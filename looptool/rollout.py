@@ -1,0 +1,147 @@
+"""On-policy rollouts at one budget, shared by ``looptool rl`` and ``looptool distill``.
+
+Prompts come from JSONL: each line has a string ``prompt`` (plain text, or with
+``chat=True`` the content of one user turn rendered with the tokenizer's chat template and
+its generation prompt) or a ``messages`` list (rendered with the chat template), plus any
+fields a reward or a teacher map reads (``answer``, ``domain``, ...).
+
+Sampling runs the budget's cached path (:func:`looptool.generation.generate`) on the
+prompts left-padded; each rollout is then re-laid out right-padded (prompt tokens, then
+the completion up to and including its EOS) so the training forward sees the same
+positions as the sampler did, and :func:`token_logprobs` scores it with the plain
+(uncached) budget path.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from looptool.data import DataError, _jsonl_records, _read_text, find_files
+from looptool.generation import generate
+from looptool.model import LoopedModel
+
+
+def read_prompts(specs) -> list[dict]:
+    """Every record of the JSONL prompt files (each needs ``prompt`` or ``messages``)."""
+    records = []
+    for path in find_files(specs):
+        if path.suffix.lower() not in (".jsonl", ".json"):
+            raise DataError(f"'{path}' is not a .jsonl file; prompts are JSONL lines with a 'prompt' or 'messages' field.")
+        for number, record in _jsonl_records(path, _read_text(path)):
+            ok = isinstance(record, dict) and (isinstance(record.get("prompt"), str) or isinstance(record.get("messages"), list))
+            if not ok:
+                raise DataError(f"'{path}' line {number} needs a string 'prompt' or a 'messages' list.")
+            records.append(record)
+    if not records:
+        raise DataError(f"{specs} holds no prompts.")
+    return records
+
+
+def prompt_batch(n_records: int, per_step: int, step: int, seed: int) -> list[int]:
+    """The prompt indices of one step: consecutive slices of a seeded permutation per epoch."""
+    out = []
+    for pos in range(step * per_step, (step + 1) * per_step):
+        epoch, i = divmod(pos, n_records)
+        order = list(range(n_records))
+        random.Random(f"{seed}:{epoch}").shuffle(order)
+        out.append(order[i])
+    return out
+
+
+def prompt_text(record: dict) -> str:
+    """The text a reward sees as the prompt: ``prompt``, or the last user message."""
+    if "prompt" in record:
+        return record["prompt"]
+    users = [m.get("content", "") for m in record["messages"] if isinstance(m, dict) and m.get("role") == "user"]
+    return users[-1] if users else ""
+
+
+def encode_prompt(tokenizer, record: dict, chat: bool) -> list[int]:
+    """Token ids of one prompt (see the module docstring)."""
+    messages = record.get("messages")
+    if messages is None and chat:
+        messages = [{"role": "user", "content": record["prompt"]}]
+    if messages is not None:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise DataError("chat prompts need a tokenizer with a chat template; this one has none (drop --chat).")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+    else:
+        ids = tokenizer(record["prompt"], add_special_tokens=True).input_ids
+    if not ids:
+        raise DataError("a prompt encodes to no tokens; every prompt needs at least one.")
+    return ids
+
+
+@dataclass
+class Rollouts:
+    """Sampled continuations of some prompts at one budget, laid out right-padded."""
+
+    budget: int
+    prompt_index: list[int]  # per row: which of the given prompts it continues
+    ids: torch.Tensor  # [rows, T] prompt + completion (+ EOS), right-padded
+    mask: torch.Tensor  # [rows, T] float: 1 on completion tokens (the sampled ones)
+    sample_logprobs: torch.Tensor  # [rows, T] the sampler's log-probability of each completion token, 0 elsewhere
+    completions: list[str]  # decoded completions, without special tokens
+
+    @property
+    def tokens(self) -> int:
+        """Completion tokens in all rows."""
+        return int(self.mask.sum())
+
+
+@torch.no_grad()
+def sample(model: LoopedModel, tokenizer, prompts: Sequence[list[int]], *, budget: int, n: int, max_new_tokens: int,
+           temperature: float, seed: int, kv: str = "per-loop") -> Rollouts:
+    """``n`` rollouts of every prompt at ``budget`` (temperature sampling, cached decode)."""
+    if temperature <= 0:
+        raise DataError("rollouts are sampled: --temperature must be positive.")
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
+    rows = [p for p in prompts for _ in range(n)]
+    index = [i for i in range(len(prompts)) for _ in range(n)]
+    width = max(len(p) for p in rows)
+    left = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, p in enumerate(rows):
+        left[r, width - len(p):] = torch.tensor(p)
+        attention[r, width - len(p):] = 1
+    out = generate(model, left, attention_mask=attention, budget=budget, max_new_tokens=max_new_tokens, kv=kv,
+                   temperature=temperature, seed=seed, eos_token_id=eos, pad_token_id=pad, output_logits=True)
+    new = out.sequences[:, width:].cpu()
+    logprobs = torch.stack([torch.log_softmax(lg.float().cpu() / temperature, -1) for lg in out.logits], 1)
+    picked = logprobs.gather(-1, new[..., None])[..., 0]  # [rows, steps]
+    completions, lengths = [], []
+    for r in range(len(rows)):
+        tokens = new[r].tolist()
+        length = tokens.index(eos) + 1 if eos is not None and eos in tokens else len(tokens)
+        lengths.append(length)
+        completions.append(tokenizer.decode(tokens[:length], skip_special_tokens=True))
+    total = max(len(p) + n_ for p, n_ in zip(rows, lengths))
+    ids = torch.full((len(rows), total), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), total))
+    sample_lp = torch.zeros((len(rows), total))
+    for r, (p, length) in enumerate(zip(rows, lengths)):
+        ids[r, :len(p)] = torch.tensor(p)
+        ids[r, len(p):len(p) + length] = new[r, :length]
+        mask[r, len(p):len(p) + length] = 1
+        sample_lp[r, len(p):len(p) + length] = picked[r, :length]
+    return Rollouts(budget, index, ids, mask, sample_lp, completions)
+
+
+def token_logprobs(model: LoopedModel, ids: torch.Tensor, budget: int, temperature: float = 1.0) -> torch.Tensor:
+    """``[rows, T]``: log p(ids[t] | ids[<t]) under the budget path (softmax of logits /
+    ``temperature``), 0 at t = 0. Differentiable."""
+    ids = ids.to(next(model.parameters()).device)
+    logits = model(ids, budget=budget).logits
+    return shifted_logprobs(logits, ids, temperature)
+
+
+def shifted_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Per-position log-probabilities of ``ids`` under next-token ``logits`` (0 at t = 0)."""
+    lp = torch.log_softmax(logits[:, :-1].float() / temperature, -1).gather(-1, ids[:, 1:, None])[..., 0]
+    return torch.nn.functional.pad(lp, (1, 0))
