@@ -341,6 +341,122 @@ def train(
         )
 
 
+def _run_steps(runner, steps: int, describe: Callable[[dict], str]) -> dict:
+    """Run a post-training runner (``.on_step``, ``.run()``) under a progress bar."""
+    from rich.progress import BarColumn, MofNCompleteColumn, TimeRemainingColumn
+
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+    with progress:
+        task = progress.add_task("sampling", total=steps)
+
+        def on_step(rec: dict) -> None:
+            progress.update(task, advance=1, description=describe(rec))
+            progress.console.print(describe(rec), highlight=False)
+
+        runner.on_step = on_step
+        return runner.run()
+
+
+def _floats(text: str | None, option: str) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        return [float(x) for x in text.replace(":", ",").split(",") if x.strip()]
+    except ValueError:
+        raise LooptoolError(f"{option} {text!r} is not a list of numbers like 4:1:1:1.") from None
+
+
+@app.command()
+@_friendly
+def rl(
+    model_dir: Annotated[Path, typer.Argument(help="A looped model directory (e.g. after looptool train --format chat).")],
+    data: Annotated[list[str], typer.Option(help="Prompts: JSONL lines with 'prompt' (or 'messages') and the fields the reward reads (repeatable).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Output directory for the trained model and rl_log.jsonl.")],
+    reward: Annotated[str, typer.Option(help="exact_match, numeric (vs the 'answer' field), module:function or file.py:function taking (prompt, completion, example).")] = "exact_match",
+    steps: Annotated[int, typer.Option(help="Optimizer steps (one batch of rollouts each).")] = 50,
+    prompts: Annotated[int, typer.Option(help="Prompts per step.")] = 8,
+    rollouts: Annotated[int, typer.Option(help="Rollouts per prompt, all at the prompt's budget.")] = 16,
+    budgets: Annotated[str | None, typer.Option(help="Budget menu to train (default: the model's).")] = None,
+    ratio: Annotated[str | None, typer.Option(help="Split of each step's prompts over the menu, shallowest first (default 4:1:...:1).")] = None,
+    curriculum: Annotated[bool, typer.Option(help="Pass-rate curriculum: the prompts solved least often go to the deepest budgets.")] = True,
+    pass_threshold: Annotated[float, typer.Option(help="A rollout passes when its reward is at least this.")] = 1.0,
+    normalize: Annotated[bool, typer.Option(help="Divide advantages by the prompt's reward standard deviation.")] = True,
+    is_clip: Annotated[str, typer.Option(help="Truncated importance-weight range LOW,HIGH (sampler vs trainer probabilities).")] = "0.2,5",
+    max_mismatch: Annotated[float, typer.Option(help="Mask rollouts whose sampling and training probabilities differ by more than this factor on average.")] = 2.0,
+    lr: Annotated[float, typer.Option(help="Learning rate.")] = 1e-6,
+    new_lr: Annotated[float | None, typer.Option(help="Learning rate of the loop.* parameters (default: --lr).")] = None,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature of the rollouts.")] = 1.0,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per rollout at most.")] = 32,
+    chat: Annotated[bool, typer.Option(help="Render each 'prompt' as a user turn with the tokenizer's chat template.")] = False,
+    kv: Annotated[str, typer.Option(help="KV cache of the rollouts: per-loop (exact) or last-loop.")] = "per-loop",
+    seed: Annotated[int, typer.Option(help="Seed of prompt order, budget split and sampling.")] = 0,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N (default: cuda when available).")] = "auto",
+    overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
+) -> None:
+    """RL from verifiable rewards: GRPO with every prompt's rollouts at one loop count."""
+    from looptool.plan import parse_budgets
+    from looptool.rl import GRPO, RLConfig
+
+    clip = _floats(is_clip, "--is-clip")
+    if len(clip) != 2:
+        raise LooptoolError(f"--is-clip {is_clip!r} needs two numbers, LOW,HIGH.")
+    config = RLConfig(data=list(data), output=str(output), reward=reward, steps=steps, prompts=prompts, rollouts=rollouts,
+                      budgets=list(parse_budgets(budgets)) if budgets else None, ratio=_floats(ratio, "--ratio"),
+                      curriculum=curriculum, pass_threshold=pass_threshold, normalize=normalize, is_clip=tuple(clip),
+                      max_mismatch=max_mismatch, lr=lr, new_lr=new_lr, temperature=temperature,
+                      max_new_tokens=max_new_tokens, chat=chat, kv=kv, seed=seed, device=device, overwrite=overwrite)
+    runner = GRPO(model_dir, config)
+
+    def describe(rec: dict) -> str:
+        per = " ".join(f"k={k}: reward {b['reward']:.2f} pass {b['pass_rate']:.2f}" for k, b in rec["budgets"].items())
+        return f"step {rec['step'] + 1}  {per}  masked {rec['masked_rollouts']}"
+
+    summary = _run_steps(runner, steps, describe)
+    for k, row in summary.items():
+        if row["reward_first"] is not None:
+            out.print(f"budget {k}: reward {row['reward_first']:.3f} → {row['reward_last']:.3f} "
+                      f"(first → last quarter of the steps)")
+    out.print(f"model saved in [bold]{output}[/]")
+
+
+@app.command()
+@_friendly
+def distill(
+    student: Annotated[Path, typer.Argument(help="The looped student model directory.")],
+    teacher: Annotated[list[str], typer.Option(help="DOMAIN=PATH: the teacher of prompts whose 'domain' field is DOMAIN (repeatable).")],
+    data: Annotated[list[str], typer.Option(help="Prompts: JSONL lines with 'prompt' (or 'messages') and 'domain' (repeatable).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Output directory for the distilled student.")],
+    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 50,
+    prompts: Annotated[int, typer.Option(help="Prompts per step.")] = 8,
+    rollouts: Annotated[int, typer.Option(help="Student samples per prompt.")] = 1,
+    budgets: Annotated[str | None, typer.Option(help="Budget menu to sample from, as in training (default: the student's).")] = None,
+    override: Annotated[float, typer.Option(help="Fraction of steps forced to the shallowest budget.")] = 0.0,
+    lr: Annotated[float, typer.Option(help="Learning rate.")] = 1e-5,
+    new_lr: Annotated[float | None, typer.Option(help="Learning rate of the loop.* parameters (default: --lr).")] = None,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature of the student's rollouts.")] = 1.0,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per rollout at most.")] = 32,
+    chat: Annotated[bool, typer.Option(help="Render each 'prompt' as a user turn with the tokenizer's chat template.")] = False,
+    kv: Annotated[str, typer.Option(help="KV cache of the rollouts: per-loop (exact) or last-loop.")] = "per-loop",
+    seed: Annotated[int, typer.Option(help="Seed of prompt order, budgets and sampling.")] = 0,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N (default: cuda when available).")] = "auto",
+    overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
+) -> None:
+    """Budget-matched multi-teacher on-policy distillation (reverse KL on the student's samples)."""
+    from looptool.distill import DistillConfig, Distiller, parse_teachers
+    from looptool.plan import parse_budgets
+
+    config = DistillConfig(data=list(data), teachers=parse_teachers(teacher), output=str(output), steps=steps,
+                           prompts=prompts, rollouts=rollouts, budgets=list(parse_budgets(budgets)) if budgets else None,
+                           override=override, lr=lr, new_lr=new_lr, temperature=temperature,
+                           max_new_tokens=max_new_tokens, chat=chat, kv=kv, seed=seed, device=device, overwrite=overwrite)
+    runner = Distiller(student, config)
+    summary = _run_steps(runner, steps, lambda rec: f"step {rec['step'] + 1}  budget {rec['budget']}  "
+                                                    f"reverse KL {rec['loss']:.4f}")
+    per = ", ".join(f"budget {k}: {v:.4f}" for k, v in sorted(summary["loss_by_budget"].items(), key=lambda kv: int(kv[0])))
+    out.print(f"distilled {summary['steps']} steps (mean reverse KL {per}); student saved in [bold]{output}[/]")
+
+
 @app.command(name="eval")
 @_friendly
 def eval_(

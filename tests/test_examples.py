@@ -10,6 +10,7 @@ import pytest
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.py"))
 SLOW = {"smollm2_convert.py"}
+ARGS = {"posttrain.py": ["--smoke"]}  # the full run trains SmolLM2 for minutes; the suite checks the pipeline
 
 
 @pytest.mark.parametrize(
@@ -21,7 +22,7 @@ def test_example_runs(script, tmp_path, request):
     if script.name in SLOW:
         request.getfixturevalue("smollm2_gguf")  # fetched (or skipped offline) before the script runs
     res = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "out")],
+        [sys.executable, str(script), str(tmp_path / "out"), *ARGS.get(script.name, [])],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
