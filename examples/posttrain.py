@@ -103,9 +103,10 @@ def main() -> None:
     ap.add_argument("--test", type=int, default=40, help="held-out prompts per task")
     ap.add_argument("--smoke", action="store_true", help="a tiny random model and 2 steps per stage: checks the pipeline")
     args = ap.parse_args()
+    small = 2 if args.smoke else None  # smoke: 1 step per stage, 2 prompts, 2 rollouts
     if args.smoke:
-        args.steps_sft = args.steps_rl = args.steps_distill = 2
-        args.test = 4
+        args.steps_sft = args.steps_rl = args.steps_distill = 1
+        args.test = 2
     out = Path(args.out or tempfile.mkdtemp(prefix="posttrain_"))
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -126,15 +127,15 @@ def main() -> None:
     sft_data = write_jsonl(out / "sft.jsonl", [
         {"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["answer"]}]}
         for r in train["add"][:100] + train["caps"][:100]])
-    Trainer(out / "converted", TrainConfig(data=[str(sft_data)], output=str(out / "sft"), format="chat", seq_len=64,
-                                           batch=8, tokens=args.steps_sft * 8 * 64, lr=2e-5, new_lr=1e-3,
+    Trainer(out / "converted", TrainConfig(data=[str(sft_data)], output=str(out / "sft"), format="chat", seq_len=160 if args.smoke else 96,
+                                           batch=small or 8, tokens=args.steps_sft * (small or 8) * (160 if args.smoke else 96), lr=2e-5, new_lr=1e-3,
                                            warmup=0.1, device="cpu")).run()
 
     rl_logs = {}
     for task, reward in (("add", "numeric"), ("caps", f"{__file__}:caps_reward")):
         data = write_jsonl(out / f"rl_{task}.jsonl", train[task][100:])
         runner = GRPO(out / "sft", RLConfig(data=[str(data)], output=str(out / f"expert_{task}"), reward=reward,
-                                            steps=args.steps_rl, prompts=6, rollouts=8, ratio=[4, 1, 1], lr=2e-6,
+                                            steps=args.steps_rl, prompts=small or 6, rollouts=small or 8, ratio=[4, 1, 1], lr=2e-6,
                                             new_lr=1e-3, max_new_tokens=8, chat=True, device="cpu", overwrite=True))
         runner.on_step = lambda rec, task=task: print(task, rec["step"], {k: round(b["reward"], 2) for k, b in rec["budgets"].items()})
         rl_logs[task] = runner.run()
@@ -144,7 +145,7 @@ def main() -> None:
     merge(sft, experts, parse_lambdas(["1"], 2)).save_pretrained(out / "merged", overwrite=True)
     mix = write_jsonl(out / "distill.jsonl", train["add"][100:] + train["caps"][100:])
     Distiller(out / "merged", DistillConfig(data=[str(mix)], teachers={"add": str(out / "expert_add"), "caps": str(out / "expert_caps")},
-                                            output=str(out / "distilled"), steps=args.steps_distill, prompts=8, lr=2e-6,
+                                            output=str(out / "distilled"), steps=args.steps_distill, prompts=small or 8, lr=2e-6,
                                             new_lr=1e-3, max_new_tokens=8, chat=True, device="cpu", overwrite=True)).run()
 
     stages = ["converted", "sft", "expert_add", "expert_caps", "merged", "distilled"]

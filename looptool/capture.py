@@ -67,7 +67,7 @@ _ATTENTION_TARGETS = {
     torch.ops.aten.softmax.int,
 }
 _TOPK_TARGETS = {torch.ops.aten.topk.default}
-_NORM_TARGETS = {
+NORM_TARGETS = {  # normalisation ops (also read by looptool.merge to find norm parameters)
     torch.ops.aten.rsqrt.default,
     torch.ops.aten.layer_norm.default,
     torch.ops.aten.native_layer_norm.default,
@@ -355,7 +355,7 @@ def annotate_cache(graph: fx.Graph, n_layers: int) -> None:
         raise CaptureError(f"cached decoding: found {marked} cache inputs for {n_layers} layers; expected {2 * n_layers}.")
 
 
-_CAST_TARGETS = {
+CAST_TARGETS = {  # dtype/device casts (also read by looptool.merge)
     torch.ops.aten.to.dtype,
     torch.ops.aten.to.device,
     torch.ops.aten.to.dtype_layout,
@@ -371,7 +371,7 @@ def _drop_noop_casts(graph: fx.Graph) -> None:
     that alias restores the true data flow (the residual stream) without changing a bit.
     """
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in _CAST_TARGETS:
+        if node.op != "call_function" or node.target not in CAST_TARGETS:
             continue
         src = node.args[0]
         if not isinstance(src, fx.Node):
@@ -576,7 +576,7 @@ def _branch_norm(branch: set[fx.Node], stream: fx.Node, layer_module: str) -> fx
         return None
     members = {n for n in branch if _innermost_path(n) == path}
     targets = {n.target for n in members}
-    if not targets & _NORM_TARGETS or targets & _MATMUL_TARGETS:
+    if not targets & NORM_TARGETS or targets & _MATMUL_TARGETS:
         return None
     outputs = [n for n in members if any(u in branch and u not in members for u in n.users)]
     return outputs[0] if len(outputs) == 1 else None

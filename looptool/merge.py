@@ -61,7 +61,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from looptool.capture import _CAST_TARGETS, _NORM_TARGETS
+from looptool.capture import CAST_TARGETS, NORM_TARGETS
 from looptool.errors import LooptoolError
 from looptool.graph import (
     ROLE_ATTENTION,
@@ -190,7 +190,7 @@ def _block_of(nodes: list[fx.Node], start: int, stop: int) -> str:
 def _pointwise(node: fx.Node) -> bool:
     target = node.target
     return node.op == "call_function" and (
-        target in _CAST_TARGETS or torch.Tag.pointwise in getattr(target, "tags", ())
+        target in CAST_TARGETS or torch.Tag.pointwise in getattr(target, "tags", ())
     )
 
 
@@ -213,7 +213,7 @@ def _is_norm_parameter(attrs: list[fx.Node]) -> bool:
     if not consumers:
         return False
     for node in consumers:
-        if node.target in _NORM_TARGETS:
+        if node.target in NORM_TARGETS:
             continue  # layer_norm / rms_norm reading it as its weight or bias
         if not _pointwise(node):
             return False
@@ -233,7 +233,7 @@ def _from_norm(node: fx.Node, ann: dict) -> bool:
         if cur in seen or (annotation(cur).get("layer"), annotation(cur).get("role")) != key:
             continue
         seen.add(cur)
-        if cur.target in _NORM_TARGETS:
+        if cur.target in NORM_TARGETS:
             return True
         if _pointwise(cur):
             todo.extend(cur.all_input_nodes)

@@ -165,3 +165,19 @@ def test_bad_rl_settings(elr, tmp_path):
     tok = byte_tokenizer()
     with pytest.raises(looptool.LooptoolError, match="need a tokenizer with a chat template"):
         encode_prompt(tok, {"prompt": "x"}, chat=True)
+
+
+def test_cli_rl_reward_that_raises_exits_1_without_output(elr, tmp_path):
+    from typer.testing import CliRunner
+
+    from looptool.cli import app
+
+    model, _ = elr
+    model.save_pretrained(tmp_path / "m")
+    (tmp_path / "bad.py").write_text("def r(prompt, completion, example):\n    return {}['missing']\n")
+    res = CliRunner().invoke(app, ["rl", str(tmp_path / "m"), "--data", str(_prompts(tmp_path)), "-o", str(tmp_path / "o"),
+                                   "--reward", f"{tmp_path / 'bad.py'}:r", "--steps", "1", "--prompts", "1",
+                                   "--rollouts", "2", "--max-new-tokens", "2", "--device", "cpu"])
+    assert res.exit_code == 1, res.output
+    assert "the reward function r raised KeyError" in res.output
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.*"))
