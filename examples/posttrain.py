@@ -97,10 +97,10 @@ def accuracy(model_dir: Path, tests: dict[str, list[dict]], max_new_tokens: int)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", nargs="?", default=None, help="output folder (default: a temporary one)")
-    ap.add_argument("--steps-sft", type=int, default=40)
-    ap.add_argument("--steps-rl", type=int, default=12)
-    ap.add_argument("--steps-distill", type=int, default=8)
-    ap.add_argument("--test", type=int, default=40, help="held-out prompts per task")
+    ap.add_argument("--steps-sft", type=int, default=30)
+    ap.add_argument("--steps-rl", type=int, default=8)
+    ap.add_argument("--steps-distill", type=int, default=6)
+    ap.add_argument("--test", type=int, default=24, help="held-out prompts per task")
     ap.add_argument("--smoke", action="store_true", help="a tiny random model and 2 steps per stage: checks the pipeline")
     args = ap.parse_args()
     small = 2 if args.smoke else None  # smoke: 1 step per stage, 2 prompts, 2 rollouts
@@ -128,16 +128,19 @@ def main() -> None:
         {"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["answer"]}]}
         for r in train["add"][:100] + train["caps"][:100]])
     Trainer(out / "converted", TrainConfig(data=[str(sft_data)], output=str(out / "sft"), format="chat", seq_len=160 if args.smoke else 96,
-                                           batch=small or 8, tokens=args.steps_sft * (small or 8) * (160 if args.smoke else 96), lr=2e-5, new_lr=1e-3,
-                                           warmup=0.1, device="cpu")).run()
+                                           batch=small or 4, tokens=args.steps_sft * (small or 4) * (160 if args.smoke else 96), lr=2e-5, new_lr=1e-3,
+                                           warmup=0.1, freeze_below_window=True, device="cpu"),
+            on_step=lambda rec: print(f"sft step {rec['step'] + 1}: budget {rec['budgets'][0]} loss {rec['loss'][0]:.3f}",
+                                      flush=True)).run()
 
     rl_logs = {}
     for task, reward in (("add", "numeric"), ("caps", f"{__file__}:caps_reward")):
         data = write_jsonl(out / f"rl_{task}.jsonl", train[task][100:])
         runner = GRPO(out / "sft", RLConfig(data=[str(data)], output=str(out / f"expert_{task}"), reward=reward,
-                                            steps=args.steps_rl, prompts=small or 6, rollouts=small or 8, ratio=[4, 1, 1], lr=2e-6,
+                                            steps=args.steps_rl, prompts=small or 6, rollouts=small or 4, ratio=[1, 1, 1], lr=1e-5,
                                             new_lr=1e-3, max_new_tokens=8, chat=True, device="cpu", overwrite=True))
-        runner.on_step = lambda rec, task=task: print(task, rec["step"], {k: round(b["reward"], 2) for k, b in rec["budgets"].items()})
+        runner.on_step = lambda rec, task=task: print(f"rl {task} step {rec['step'] + 1}: reward per budget",
+                                                      {k: round(b["reward"], 2) for k, b in rec["budgets"].items()}, flush=True)
         rl_logs[task] = runner.run()
 
     sft = looptool.load(out / "sft")
@@ -145,11 +148,14 @@ def main() -> None:
     merge(sft, experts, parse_lambdas(["1"], 2)).save_pretrained(out / "merged", overwrite=True)
     mix = write_jsonl(out / "distill.jsonl", train["add"][100:] + train["caps"][100:])
     Distiller(out / "merged", DistillConfig(data=[str(mix)], teachers={"add": str(out / "expert_add"), "caps": str(out / "expert_caps")},
-                                            output=str(out / "distilled"), steps=args.steps_distill, prompts=small or 8, lr=2e-6,
+                                            output=str(out / "distilled"), steps=args.steps_distill, prompts=small or 4, lr=1e-5,
                                             new_lr=1e-3, max_new_tokens=8, chat=True, device="cpu", overwrite=True)).run()
 
     stages = ["converted", "sft", "expert_add", "expert_caps", "merged", "distilled"]
-    table = {s: accuracy(out / s, tests, 8) for s in stages}
+    table = {}
+    for stage in stages:
+        table[stage] = accuracy(out / stage, tests, 8)
+        print(stage, table[stage], flush=True)
     result = {"accuracy": table, "rl_reward": rl_logs, "seconds": time.perf_counter() - t_start,
               "settings": vars(args)}
     (out / "results.json").write_text(json.dumps(result, indent=2))

@@ -120,7 +120,11 @@ class Distiller:
             for k in menu:
                 self.model.check_budget(k)
             self.sampler = BudgetSampler(menu, config.override, 1, 1, config.seed)
-            self.teachers = {d: self._teacher(d, p, menu) for d, p in config.teachers.items()}
+            loaded: dict[str, LoopedModel] = {}  # one copy of a teacher that serves several domains
+            for domain, path in config.teachers.items():
+                if path not in loaded:
+                    loaded[path] = self._teacher(domain, path, menu)
+            self.teachers = {domain: loaded[path] for domain, path in config.teachers.items()}
             self.records = read_prompts(config.data)
             for number, record in enumerate(self.records, 1):
                 if record.get("domain") not in self.teachers:

@@ -240,6 +240,7 @@ class LoopedModel(nn.Module):
         evaluation; weights in :meth:`router_logits_weights`). ``output_exit_logits=True``
         (ELR) adds ``exit_logits``: the logits at loop exits ``1..k-1`` of budget ``k``.
         """
+        loss_kwargs = _check_forward_kwargs(kwargs, input_ids)
         gm = self.path(budget, router_logits=output_router_logits, exits=output_exit_logits)
         if input_ids.dim() != 2:
             raise LooptoolError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}.")
@@ -256,7 +257,7 @@ class LoopedModel(nn.Module):
             exit_logits, rest = tuple(rest[:n_exits]), rest[n_exits:]
         loss = None
         if labels is not None:
-            loss = ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1], **kwargs)
+            loss = ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1], **loss_kwargs)
         if output_exit_logits:
             return LoopedCausalLMOutput(loss=loss, logits=logits, router_logits=rest if output_router_logits else None,
                                         exit_logits=exit_logits)
@@ -305,6 +306,41 @@ class LoopedModel(nn.Module):
         from looptool.serialization import save
 
         return save(self, directory, overwrite=overwrite)
+
+
+# Hugging Face forward arguments: passed to the loss, accepted at their no-op value, or refused
+_LOSS_KWARGS = frozenset({"num_items_in_batch", "ignore_index"})
+_NO_OP_KWARGS = {"use_cache": (None, False), "return_dict": (None, True), "output_attentions": (None, False),
+                 "output_hidden_states": (None, False), "past_key_values": (None,), "inputs_embeds": (None,),
+                 "cache_position": (None,), "logits_to_keep": (None, 0)}
+
+
+def _check_forward_kwargs(kwargs: dict, input_ids: torch.Tensor) -> dict:
+    """The loss arguments among ``forward``'s extra keyword arguments; every other argument
+    must be one the captured path already implies (``position_ids`` equal to
+    ``0..seq-1``, ``use_cache=False``, ...), else one sentence refuses it."""
+    for name, value in kwargs.items():
+        if name in _LOSS_KWARGS:
+            continue
+        if name == "position_ids":
+            if value is None:
+                continue
+            expected = torch.arange(input_ids.shape[-1], device=value.device)
+            if value.shape[-1] == input_ids.shape[-1] and bool((value == expected).all()):
+                continue
+            raise LooptoolError("position_ids other than 0..seq-1 are not supported by the captured budget paths "
+                                "(they derive positions from the sequence); use model.generate for left-padded "
+                                "batches, or drop position_ids.")
+        if name in _NO_OP_KWARGS:
+            if any(value is ok or (ok is not None and value == ok) for ok in _NO_OP_KWARGS[name]):
+                continue
+            raise LooptoolError(f"{name}={value!r} is not supported by LoopedModel.forward: a budget path returns "
+                                f"logits (and the loss) of a whole sequence, without a KV cache; drop {name} "
+                                "(model.generate decodes with a cache).")
+        raise LooptoolError(f"LoopedModel.forward got an unsupported argument {name!r}; it takes input_ids, "
+                            "attention_mask, labels, budget, output_router_logits, output_exit_logits and the "
+                            "loss arguments num_items_in_batch and ignore_index.")
+    return {k: v for k, v in kwargs.items() if k in _LOSS_KWARGS}
 
 
 @dataclass

@@ -64,6 +64,7 @@ def test_teacher_equal_to_student_has_zero_loss_and_gradient(dirs, tmp_path):
     cfg = DistillConfig(data=[str(dirs / "p.jsonl")], teachers={"copy": str(dirs / "student"), "math": str(dirs / "student")},
                         output=str(tmp_path / "o"), steps=1, prompts=3, rollouts=2, max_new_tokens=4)
     d = Distiller(dirs / "student", cfg)
+    assert d.teachers["copy"] is d.teachers["math"]  # one teacher for two domains is loaded once
     from looptool.rollout import sample
 
     for k in (1, 3):
@@ -84,7 +85,7 @@ def test_teachers_run_at_the_students_budget(dirs, tmp_path):
     d = Distiller(dirs / "student", cfg)
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     mask = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 1]])
-    other, student = looptool.load(dirs / "other"), looptool.load(dirs / "student")
+    other, student = d.teachers["copy"], d.teachers["math"]  # references run directly, outside d.loss
     with torch.no_grad():
         got = d.loss(ids, mask, ["copy", "math"], 2)
         s = student(ids, budget=2).logits
@@ -95,6 +96,7 @@ def test_teachers_run_at_the_students_budget(dirs, tmp_path):
     summary = d.run()
     assert summary["steps"] == 2 and (tmp_path / "o" / "distill_log.jsonl").exists()
     assert looptool.load(tmp_path / "o").plan == student.plan
+    assert d.teachers["copy"] is not d.teachers["math"]
 
 
 def test_bad_teachers_and_domains(dirs, tmp_path):

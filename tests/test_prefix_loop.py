@@ -145,3 +145,23 @@ def test_bad_budget_is_refused(input_ids):
 def test_convert_validates_plan_before_capturing():
     with pytest.raises(LooptoolError, match="window 3:9"):
         looptool.convert(tiny_model("llama"), looptool.PrefixLoop(window=(3, 9)))
+
+
+def test_forward_supports_or_refuses_hugging_face_arguments():
+    model = looptool.convert(tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)))
+    ids = torch.randint(0, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    plain = model(ids, labels=ids, budget=2)
+    same = model(ids, labels=ids, budget=2, position_ids=torch.arange(6).expand(2, 6), use_cache=False,
+                 return_dict=True, output_attentions=False, past_key_values=None)
+    assert torch.equal(plain.logits, same.logits) and torch.equal(plain.loss, same.loss)
+    # loss arguments reach Hugging Face's loss: a token-count normaliser changes the mean
+    summed = model(ids, labels=ids, budget=2, num_items_in_batch=1).loss
+    torch.testing.assert_close(summed, plain.loss * 2 * 5)
+    for kwargs, message in [
+        (dict(position_ids=torch.arange(1, 7).expand(2, 6)), "position_ids other than 0..seq-1"),
+        (dict(use_cache=True), "use_cache=True is not supported"),
+        (dict(output_hidden_states=True), "output_hidden_states=True is not supported"),
+        (dict(token_type_ids=ids), "unsupported argument 'token_type_ids'"),
+    ]:
+        with pytest.raises(looptool.LooptoolError, match=message):
+            model(ids, budget=2, **kwargs)

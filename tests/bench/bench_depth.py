@@ -68,8 +68,10 @@ RECIPES = {
     "elr-lr": ("elr-paper", {"new_lr": 5e-2}),
     "elr-long": ("elr-paper", {"steps_factor": 4}),
     "elr-all-long": ("elr-paper", {"exit_loss": 1.0, "depth_curriculum": 0.25, "steps_factor": 4}),
+    "plain-long": ("plain", {"steps_factor": 4}),  # the baseline of the 4x arms
 }
-LOOPED = ("prefix", "elr-exact", "elr-paper", *RECIPES)
+PLAIN = ("plain", "plain-long")
+LOOPED = ("prefix", "elr-exact", "elr-paper", *(r for r in RECIPES if r not in PLAIN))
 
 
 # ---------------------------------------------------------------------------- task
@@ -280,7 +282,8 @@ def hard_mean(acc: dict) -> tuple[float, float]:
 
 def depth_pays(results: dict) -> dict:
     """The issue's criterion, per looped arm, and overall."""
-    plain = hard_mean(results["plain"]["accuracy"]["0"])[0] if "plain" in results else None
+    # the shallowest budget is compared with plain continued training of the same length
+    plain = {results[a]["steps"]: hard_mean(results[a]["accuracy"]["0"])[0] for a in PLAIN if a in results}
     verdict = {}
     for arm in LOOPED:
         if arm not in results:
@@ -292,9 +295,11 @@ def depth_pays(results: dict) -> dict:
         best = max(m for m, _ in means)
         monotone = all(means[i + 1][0] >= means[i][0] - 2 * math.hypot(means[i][1], means[i + 1][1])
                        for i in range(len(means) - 1))
-        near_plain = plain is not None and abs(shallow - plain) <= 0.02
+        reference = plain.get(results[arm]["steps"])
+        near_plain = reference is not None and abs(shallow - reference) <= 0.02
         verdict[arm] = {"hard_by_budget": dict(zip(budgets, [round(m, 4) for m, _ in means])),
-                        "gain_points": round(100 * (best - shallow), 2), "monotone": monotone, "near_plain": near_plain,
+                        "gain_points": round(100 * (best - shallow), 2), "monotone": monotone,
+                        "plain_hard": None if reference is None else round(reference, 4), "near_plain": near_plain,
                         "pays": best - shallow >= 0.10 and monotone and near_plain}
     verdict["depth_pays"] = any(v["pays"] for v in verdict.values() if isinstance(v, dict))
     return verdict

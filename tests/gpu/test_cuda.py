@@ -111,3 +111,34 @@ def test_trainer_on_cuda_with_bf16_checkpoint_and_compile(tmp_path):
     assert next(trainer.model.parameters()).is_cuda
     reloaded = looptool.load(tmp_path / "out", device="cuda")
     assert any(p.abs().sum() > 0 for _, p in reloaded.new_parameters())
+
+
+def test_post_training_on_cuda(tmp_path):
+    """GRPO, distillation and the intermediate-exit loss run on the GPU: rollouts sampled on
+    CUDA score to the sampler's log-probs, and the outputs reload."""
+    import json
+
+    from looptool.distill import DistillConfig, Distiller
+    from looptool.rl import GRPO, RLConfig
+    from looptool.rollout import sample, token_logprobs
+
+    tok = byte_tokenizer()
+    model = looptool.convert(tiny_model("llama"), SCHEMES["recurrent"], tokenizer=tok).to("cuda")
+    with torch.no_grad():
+        for _, p in model.new_parameters():
+            p.normal_(0, 0.2)
+    ro = sample(model, tok, [tok("hello").input_ids], budget=3, n=4, max_new_tokens=6, temperature=1.0, seed=0)
+    with torch.no_grad():
+        lp = token_logprobs(model, ro.ids, 3)
+    torch.testing.assert_close((lp * ro.mask.cuda()).cpu(), ro.sample_logprobs, rtol=0, atol=1e-4)
+    out = model(ro.ids.cuda(), budget=3, output_exit_logits=True)
+    assert len(out.exit_logits) == 2 and out.exit_logits[0].is_cuda
+    model.save_pretrained(tmp_path / "m")
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1), "domain": "add"}) + "\n" for a in range(4)))
+    GRPO(tmp_path / "m", RLConfig(data=[str(data)], output=str(tmp_path / "rl"), reward="numeric", steps=2, prompts=3,
+                                  rollouts=4, max_new_tokens=4, device="cuda")).run()
+    Distiller(tmp_path / "m", DistillConfig(data=[str(data)], teachers={"add": str(tmp_path / "rl")},
+                                            output=str(tmp_path / "d"), steps=2, prompts=2, max_new_tokens=4,
+                                            device="cuda")).run()
+    assert looptool.load(tmp_path / "d").plan == model.plan
