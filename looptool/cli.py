@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
+import click
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -42,8 +43,19 @@ DEMO_TEXT = (
 )
 
 
+_DEBUG = {"on": False}  # set per invocation by the app callback
+
+
+@app.callback()
+def _options(debug: Annotated[bool, typer.Option("--debug", help="Show the full traceback of an internal error (or LOOPTOOL_DEBUG=1).")] = False) -> None:
+    """Loop pretrained decoder LMs for elastic-depth inference."""
+    _DEBUG["on"] = debug or os.environ.get("LOOPTOOL_DEBUG", "") not in ("", "0")
+
+
 def _friendly(fn: Callable) -> Callable:
-    """Turn LooptoolErrors into one red line and exit code 1."""
+    """User errors (LooptoolError): one red line, exit code 1. Anything else is a looptool
+    bug: one line saying so and how to see the traceback, exit code 2 (``--debug`` or
+    ``LOOPTOOL_DEBUG=1``: the exception propagates with its traceback)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -52,6 +64,15 @@ def _friendly(fn: Callable) -> Callable:
         except LooptoolError as exc:
             console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)  # '[x]' is text
             raise typer.Exit(code=1) from None
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            if _DEBUG["on"]:
+                raise
+            console.print(f"[bold red]internal error:[/] {escape(type(exc).__name__)}: {escape(str(exc))} — this is a "
+                          "looptool bug, not your input; rerun with --debug for the traceback and report it.",
+                          highlight=False, soft_wrap=True)
+            raise typer.Exit(code=2) from None
 
     return wrapper
 

@@ -2,8 +2,10 @@
 
 Every error a user can cause (bad path, bad plan, unsupported architecture, corrupt
 checkpoint) is raised as a :class:`LooptoolError` whose message is one sentence that names
-the problem and the fix. The CLI prints it and exits non-zero; programming errors keep
-their normal tracebacks.
+the problem and the fix; the CLI prints it and exits with 1. Anything else is a looptool
+bug: it keeps its traceback (:class:`InternalError` wraps a crash inside a pass, chained to
+the original exception), and the CLI prints one line saying so, exits with 2, and shows the
+traceback with ``--debug``.
 """
 
 from __future__ import annotations
@@ -31,3 +33,8 @@ class SourceError(LooptoolError):
 
 class PassError(LooptoolError):
     """A graph pass failed or left the graph in an inconsistent state."""
+
+
+class InternalError(Exception):
+    """A looptool bug, not a user error (deliberately not a :class:`LooptoolError`): the
+    message names where it happened; the original exception is its ``__cause__``."""

@@ -6,7 +6,7 @@ role annotations after each one (naming the pass that broke them), and records t
 in ``LayerGraph.recipe`` so a saved model can replay them on load.
 """
 
-from looptool.passes.manager import PassManager, get_pass, register_pass, registered_passes
+from looptool.passes.manager import PassManager, get_pass, register_pass, registered_passes, unregister_pass
 from looptool.passes import prefix_loop as _prefix_loop  # noqa: F401  (registers)
 from looptool.passes import recurrent_loop as _recurrent_loop  # noqa: F401  (registers)
 from looptool.passes import retarget_device as _retarget_device  # noqa: F401  (registers)
@@ -15,4 +15,4 @@ from looptool.passes import fuse as _fuse  # noqa: F401  (registers)
 from looptool.passes import checkpoint as _checkpoint  # noqa: F401  (registers)
 from looptool.passes import last_position as _last_position  # noqa: F401  (registers)
 
-__all__ = ["PassManager", "get_pass", "register_pass", "registered_passes"]
+__all__ = ["PassManager", "get_pass", "register_pass", "registered_passes", "unregister_pass"]

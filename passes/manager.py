@@ -6,7 +6,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable
 
-from looptool.errors import LooptoolError, PassError
+from looptool.errors import InternalError, LooptoolError, PassError
 from looptool.graph import LayerGraph, verify_layer_graph
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,11 @@ def get_pass(name: str) -> PassFn:
         raise PassError(f"no pass named {name!r}; registered passes: {sorted(_REGISTRY)}.") from None
 
 
+def unregister_pass(name: str) -> None:
+    """Remove a registered pass (tests and plugins that register passes temporarily)."""
+    _REGISTRY.pop(name, None)
+
+
 def registered_passes() -> tuple[str, ...]:
     """Names of all registered passes."""
     return tuple(sorted(_REGISTRY))
@@ -63,10 +68,10 @@ class PassManager:
                 out = fn(lg, config)
             except LooptoolError:
                 raise
-            except Exception as exc:
+            except Exception as exc:  # not a user error: a bug in the pass, traceback kept
                 ran = ", ".join(done) or "none"
-                raise PassError(
-                    f"pass {name!r} failed ({type(exc).__name__}: {exc}); passes that ran before it: {ran}."
+                raise InternalError(
+                    f"pass {name!r} crashed ({type(exc).__name__}: {exc}); passes that ran before it: {ran}."
                 ) from exc
             if out is lg:
                 raise PassError(f"pass {name!r} returned its input; passes must return a new LayerGraph.")

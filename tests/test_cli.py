@@ -184,3 +184,23 @@ def test_generate_cli_bad_input(looped_with_tokenizer, extra, message):
     res = _run("generate", looped_with_tokenizer, *extra)
     assert res.exit_code == 1
     assert message in res.output
+
+
+def test_internal_errors_say_bug_and_debug_shows_the_traceback(tiny_dir, tmp_path, monkeypatch):
+    """A user error exits 1 with one line; a crash inside looptool exits 2 with one line that
+    says it is a bug, and ``--debug`` lets the exception through with its traceback."""
+    import looptool.sources
+
+    def crash(*args, **kwargs):
+        raise ZeroDivisionError("boom")
+
+    monkeypatch.setattr(looptool.sources, "load_source", crash)
+    res = runner.invoke(app, ["convert", str(tiny_dir), "-o", str(tmp_path / "out")])
+    assert res.exit_code == 2, res.output
+    assert "internal error: ZeroDivisionError: boom" in res.output and "looptool bug" in res.output
+    assert "Traceback" not in res.output and isinstance(res.exception, SystemExit)
+    res = runner.invoke(app, ["--debug", "convert", str(tiny_dir), "-o", str(tmp_path / "out")])
+    assert isinstance(res.exception, ZeroDivisionError)  # propagated: the traceback is printed
+    monkeypatch.undo()
+    res = runner.invoke(app, ["convert", str(tmp_path / "missing"), "-o", str(tmp_path / "out")])
+    assert res.exit_code == 1 and "error:" in res.output and "internal error" not in res.output

@@ -9,9 +9,9 @@ import torch
 
 import looptool
 from looptool.capture import capture
-from looptool.errors import LooptoolError, PassError
+from looptool.errors import InternalError, LooptoolError, PassError
 from looptool.graph import annotation
-from looptool.passes import PassManager, register_pass
+from looptool.passes import PassManager, register_pass, unregister_pass
 from looptool.testing import tiny_model
 
 from conftest import TINY_PLAN, converted
@@ -101,8 +101,21 @@ def test_pass_is_pure_and_recorded():
         PassManager([("prefix_loop", TINY_PLAN.to_dict())])(out)
 
 
-def test_pass_manager_names_the_failing_pass():
-    @register_pass("test_break_annotations")
+@pytest.fixture
+def temporary_passes():
+    """Register test passes for one test only (the registry is global)."""
+    names = []
+
+    def register(name, fn):
+        register_pass(name)(fn)
+        names.append(name)
+
+    yield register
+    for name in names:
+        unregister_pass(name)
+
+
+def test_pass_manager_names_the_failing_pass(temporary_passes):
     def breaker(lg, config):
         graph = lg.paths[0]
         for node in graph.nodes:
@@ -110,11 +123,26 @@ def test_pass_manager_names_the_failing_pass():
             break
         return lg.replace()
 
+    def crasher(lg, config):
+        return {}["missing"]
+
+    temporary_passes("test_break_annotations", breaker)
+    temporary_passes("test_crash", crasher)
     lg = PassManager([("prefix_loop", TINY_PLAN.to_dict())])(capture(tiny_model("llama")))
     with pytest.raises(PassError, match="after pass 'test_break_annotations'"):
         PassManager([("test_break_annotations", {})])(lg)
     with pytest.raises(PassError, match="no pass named 'nope'"):
         PassManager([("nope", {})])
+    # a crash inside a pass is a looptool bug, not a user error: not a LooptoolError, traceback kept
+    with pytest.raises(InternalError, match="pass 'test_crash' crashed .KeyError") as info:
+        PassManager([("test_crash", {})])(lg)
+    assert not isinstance(info.value, LooptoolError) and isinstance(info.value.__cause__, KeyError)
+
+
+def test_temporary_passes_are_gone():
+    from looptool.passes import registered_passes
+
+    assert not any(name.startswith("test_") for name in registered_passes())
 
 
 def test_loss_matches_hf(input_ids):
