@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from looptool.errors import LooptoolError
+from looptool.errors import LooptoolError, require_extra
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +225,7 @@ def export_onnx(
     decoding, against the PyTorch cached path (max abs diff ≤ ``atol × max(1, max
     |logits|)``).
     """
+    require_extra("onnx", "ONNX export", "onnx", "onnxscript", "onnx_ir", *(("onnxruntime",) if validate else ()))
     from looptool.backends.onnx_layers import LayerLibrary
     from looptool.backends.serving import serving_graph
     from looptool.serialization import commit_output_dir, prepare_output_dir

@@ -31,6 +31,7 @@ from looptool.backends.onnx import (
     sha256_file,
 )
 from looptool.backends.serving import INPUTS, LOGITS, CacheLayout
+from looptool.errors import require_extra
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ class Runtime:
 
     def __init__(self, engine_dir: str | os.PathLike, *, providers: list[str] | None = None, verify: bool = True,
                  threads: int | None = None, prepack: bool = False):
+        require_extra("onnx", "running ONNX engines", "onnxruntime", "onnx")
         self.directory = Path(engine_dir)
         self.manifest = read_manifest(self.directory)
         try:

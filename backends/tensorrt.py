@@ -43,6 +43,7 @@ import torch
 
 from looptool.backends.onnx import MANIFEST, WEIGHTS, EngineError, ExportError, budget_file, sha256_file
 from looptool.backends.serving import INPUTS, LOGITS, CacheLayout
+from looptool.errors import require_extra
 
 log = logging.getLogger(__name__)
 
@@ -273,6 +274,7 @@ def export_tensorrt(
     from looptool.backends.onnx import export_onnx
     from looptool.serialization import check_output_dir
 
+    require_extra("tensorrt", "TensorRT export", "onnx", "onnxscript", "onnx_ir")
     dtype = check_precision(precision)
     for name, value in (("max_batch", max_batch), ("max_prefill", max_prefill), ("max_capacity", max_capacity)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -38,3 +38,17 @@ class PassError(LooptoolError):
 class InternalError(Exception):
     """A looptool bug, not a user error (deliberately not a :class:`LooptoolError`): the
     message names where it happened; the original exception is its ``__cause__``."""
+
+
+class MissingExtraError(LooptoolError):
+    """An optional dependency of a feature is not installed."""
+
+
+def require_extra(extra: str, feature: str, *modules: str) -> None:
+    """Refuse, in one sentence naming the pip extra, when a module ``feature`` needs is missing."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MissingExtraError(f"{feature} needs the '{extra}' extra ({', '.join(missing)} not installed): "
+                                f"pip install 'looptool[{extra}]'.")

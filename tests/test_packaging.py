@@ -30,3 +30,35 @@ def test_console_script_help():
     for command in ("convert", "inspect", "demo", "train", "eval", "plot", "export", "run"):
         assert command in res.stdout
     assert looptool.__version__
+
+
+def test_missing_onnx_extras_name_the_extra(tmp_path):
+    """Without onnx/onnxscript/onnx-ir/onnxruntime, export and run end in one sentence naming
+    the pip extra (the modules still import)."""
+    code = """
+import sys
+for m in ("onnxscript", "onnx_ir", "onnxruntime", "onnx"):
+    sys.modules[m] = None  # as if not installed
+import looptool
+from looptool.testing import tiny_model
+from looptool.backends.onnx import export_onnx
+from looptool.backends.ort import Runtime
+from looptool.backends.tensorrt import export_tensorrt
+from looptool.errors import MissingExtraError
+m = looptool.convert(tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)))
+for f in (lambda: export_onnx(m, sys.argv[1] + "/a"), lambda: Runtime(sys.argv[1]),
+          lambda: export_tensorrt(m, sys.argv[1] + "/b", build_on_target=True)):
+    try:
+        f()
+    except MissingExtraError as exc:
+        print(exc)
+"""
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.strip().splitlines()
+    assert lines == [
+        "ONNX export needs the 'onnx' extra (onnx, onnxscript, onnx_ir, onnxruntime not installed): pip install 'looptool[onnx]'.",
+        "running ONNX engines needs the 'onnx' extra (onnxruntime, onnx not installed): pip install 'looptool[onnx]'.",
+        "TensorRT export needs the 'tensorrt' extra (onnx, onnxscript, onnx_ir not installed): pip install 'looptool[tensorrt]'.",
+    ]
+    assert not any(tmp_path.iterdir())  # nothing written
