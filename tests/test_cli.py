@@ -116,7 +116,9 @@ def test_convert_recurrent_and_inspect(tmp_path):
     assert res.exit_code == 0, res.output
     res = _run("inspect", out, "--json")
     info = json.loads(res.stdout)
-    assert info["plan"] | {} == info["plan"] and info["plan"]["update"] == "delta"
+    expected = looptool.RecurrentLoop(recurrent=(1, 5), max_loops=3, update="delta", reinject=False,
+                                      route_replay=True).to_dict()
+    assert info["plan"] == expected  # every option reached the plan, nothing else changed
     assert info["plan"]["reinject"] is False and info["plan"]["route_replay"] is True
     assert [r["layer_executions"] for r in info["budgets"]] == [6, 10, 14]  # D_eff(k)
     assert {r["kv_bytes_per_token_last_loop"] for r in info["budgets"]} == {info["budgets"][0]["kv_bytes_per_token"]}

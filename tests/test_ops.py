@@ -10,11 +10,6 @@ from looptool.passes.fuse import fuse_graph
 import looptool
 from looptool.errors import PassError
 from looptool.graph import annotation, shared_graph_module
-from looptool.ops import (
-    adaptive_delta_reference,
-    gated_residual_reference,
-    moe_reference,
-)
 from looptool.testing import tiny_model
 
 MOE = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
@@ -96,14 +91,22 @@ def test_fake_kernels_survive_torch_export():
     assert torch.equal(ep.module()(x2, f2), m(x2, f2))
 
 
-def test_references_are_the_registered_kernels():
-    x, f, g = torch.randn(3, 4), torch.randn(3, 4), torch.randn(4)
-    assert torch.equal(torch.ops.looptool.gated_residual(x, g, f), gated_residual_reference(x, g, f))
-    w, b = torch.randn(4, 4), torch.randn(4)
-    assert torch.equal(torch.ops.looptool.adaptive_delta(x, f, x, w, b, g, None), adaptive_delta_reference(x, f, x, w, b, g))
-    ids = torch.tensor([[0, 1], [1, 2], [2, 0]])
-    gu, dn = torch.randn(3, 6, 4), torch.randn(3, 4, 3)
-    assert torch.equal(torch.ops.looptool.moe(x, f[:, :2], ids, gu, dn), moe_reference(x, f[:, :2], ids, gu, dn))
+def test_modulate_matches_eq4_elementwise_and_has_gradients():
+    """The modulation by an explicit per-token, per-channel loop (not the op's own body)."""
+    g = torch.Generator().manual_seed(1)
+    d, r = 6, 2
+    x = torch.randn(2, 3, d, generator=g, dtype=torch.float64, requires_grad=True)
+    scale, shift = (torch.randn(d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    down = torch.randn(r, d, generator=g, dtype=torch.float64, requires_grad=True)
+    up = torch.randn(d, r, generator=g, dtype=torch.float64, requires_grad=True)
+    out = torch.ops.looptool.modulate(x, scale, shift, down, up)
+    for b in range(2):
+        for t in range(3):
+            xt = [float(shift[c] + scale[c] * x[b, t, c]) for c in range(d)]
+            low = [sum(float(down[j, c]) * xt[c] for c in range(d)) for j in range(r)]
+            want = [xt[c] + sum(float(up[c, j]) * low[j] for j in range(r)) for c in range(d)]
+            assert torch.allclose(out[b, t].detach(), torch.tensor(want, dtype=torch.float64))
+    torch.autograd.gradcheck(lambda *a: torch.ops.looptool.modulate(*a), (x, scale, shift, down, up))
 
 
 # ---------------------------------------------------------------------------- fuse pass

@@ -24,12 +24,22 @@ def test_no_generic_top_level_packages(tmp_path):
     assert res.stdout.strip() == "None None", res.stdout + res.stderr
 
 
+COMMANDS = ("convert", "inspect", "demo", "train", "rl", "merge", "distill", "eval", "generate", "plot", "export", "run")
+
+
 def test_console_script_help():
-    res = subprocess.run([sys.executable, "-m", "looptool", "--help"], capture_output=True, text=True, timeout=120)
+    """`looptool --help` lists exactly the commands, each as a row of the commands table."""
+    import re
+
+    from looptool.cli import app
+
+    res = subprocess.run([sys.executable, "-m", "looptool", "--help"], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "COLUMNS": "200"})
     assert res.returncode == 0
-    for command in ("convert", "inspect", "demo", "train", "eval", "plot", "export", "run"):
-        assert command in res.stdout
-    assert looptool.__version__
+    listed = re.findall(r"^│ (\w[\w-]*) ", res.stdout, flags=re.M)
+    assert sorted(listed) == sorted(COMMANDS), listed
+    assert sorted(c.name or c.callback.__name__ for c in app.registered_commands) == sorted(COMMANDS)
+    assert re.fullmatch(r"\d+\.\d+\.\d+.*", looptool.__version__)
 
 
 def test_missing_onnx_extras_name_the_extra(tmp_path):

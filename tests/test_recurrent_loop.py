@@ -84,11 +84,35 @@ def test_paper_init_beta_is_half_softplus_zero(input_ids):
     with torch.no_grad():
         Probe(model.path(2)).run(input_ids, torch.ones_like(input_ids))
     assert len(values) == 2
-    want = 0.5 * math.log(2.0)  # sigmoid(0) * softplus(0) = 0.3466
+    want = 0.5 * math.log(2.0)  # sigmoid(0) * softplus(0)
     for v in values:
         assert torch.allclose(v, torch.full_like(v, want))
-    assert abs(want - 0.3466) < 1e-4
     source, _ = captured("llama")
+    # independent reference for loop 1 (Eq. 2, s_0 = h_in, re-injection): the source's own
+    # decoder layers 1-2 run on 2 h_in through HF hooks, then s_1 = h_in + beta (r_1 - h_in)
+    layers = source.model.layers
+    with torch.no_grad():
+        h_in = source(input_ids=input_ids, output_hidden_states=True).hidden_states[1]
+        seen = {}
+        pre = layers[1].register_forward_pre_hook(lambda m, args, kwargs: ((2 * h_in,), kwargs), with_kwargs=True)
+        post = layers[2].register_forward_hook(lambda m, args, out: seen.setdefault("r", out[0] if isinstance(out, tuple) else out))
+        try:
+            source(input_ids=input_ids)
+        finally:
+            pre.remove()
+            post.remove()
+        s_1 = h_in + want * (seen["r"] - h_in)
+        states = []
+
+        class States(Interpreter):
+            def run_node(self, n):
+                out = super().run_node(n)
+                if annotation(n).get("exit") == 1:
+                    states.append(out)
+                return out
+
+        States(model.path(2)).run(input_ids, torch.ones_like(input_ids))
+    torch.testing.assert_close(states[0], s_1, rtol=1e-5, atol=1e-5)
     with torch.no_grad():  # the paper's init is not function-preserving: loop 1 sees 2 h_in
         assert not torch.equal(model(input_ids, budget=1).logits, source(input_ids=input_ids).logits)
 
