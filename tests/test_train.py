@@ -100,10 +100,10 @@ def test_jsonl_packing_and_split_are_deterministic(tmp_path):
 
 
 # ---------------------------------------------------------------------------- training runs
-def _cli(model_dir, out, *extra):
+def _cli(model_dir, out, *extra, save_every: int = 1):
     return [sys.executable, "-m", "looptool", "train", str(model_dir), "--data", str(SOTU / "179*.txt"),
             "-o", str(out), "--tokens", "12k", "--seq-len", "64", "--batch", "4", "--grad-accum", "2",
-            "--lr", "3e-3", "--new-lr", "3e-2", "--override", "0.5", "--save-every", "1", *extra]
+            "--lr", "3e-3", "--new-lr", "3e-2", "--override", "0.5", "--save-every", str(save_every), *extra]
 
 
 def _losses(out: Path) -> list:
@@ -114,16 +114,24 @@ def test_resume_after_kill_matches_uninterrupted_run(model_dir, tmp_path):
     ref = tmp_path / "ref"
     subprocess.run(_cli(model_dir, ref), check=True, capture_output=True, timeout=600)
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_cli(model_dir, killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(_cli(model_dir, killed, save_every=4), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
-    while time.time() < deadline:  # kill -9 once a few checkpoints exist, mid-run
+    lines = 0
+    while time.time() < deadline:  # kill -9 once a checkpoint exists and the run has gone past it
         log = killed / "train_log.jsonl"
-        if log.exists() and len(log.read_text().splitlines()) >= 7:
+        lines = len(log.read_text().splitlines()) if log.exists() else 0
+        if lines >= 6:
             break
-        time.sleep(0.05)
+        time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    assert proc.wait() == -signal.SIGKILL, "the run ended before the kill; the test proves nothing"
     assert len(_losses(ref)) == 23
+    # the kill landed mid-run, after a checkpoint: the last checkpoint (in OUTPUT, or in .OUTPUT.old
+    # when the kill fell between the two renames of a commit) is a step in 4..20 and the run had
+    # logged steps past it, which the resume must drop and redo
+    state = killed / "trainer_state.pt" if (killed / "trainer_state.pt").exists() else tmp_path / ".killed.old" / "trainer_state.pt"
+    step = torch.load(state, weights_only=False)["step"]
+    assert 4 <= step < 23 and step % 4 == 0 and lines >= 6, (step, lines)
     res = subprocess.run(_cli(model_dir, killed, "--resume"), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert _losses(killed) == _losses(ref)  # same per-step losses, bit for bit
