@@ -42,10 +42,23 @@ def test_parameter_bytes_are_source_plus_gates(smollm2, looped):
     assert looped.added_parameter_count() == 2 * 576 * 12
 
 
-def test_round_trip(smollm2, looped, ids, tmp_path):
+@pytest.fixture
+def perturbed(looped):
+    """The module's looped model with trained-like gates for one test, restored to the
+    converted (zero) gates afterwards whether the test passes or fails."""
+    saved = {n: p.detach().clone() for n, p in looped.new_parameters()}
     with torch.no_grad():
         for _, p in looped.new_parameters():
             p.normal_(0, 0.05)
+    yield looped
+    with torch.no_grad():
+        for n, p in looped.new_parameters():
+            p.copy_(saved[n])
+
+
+def test_round_trip(smollm2, perturbed, ids, tmp_path):
+    looped = perturbed
+    with torch.no_grad():
         want = {k: looped(ids, budget=k).logits for k in looped.budgets}
     looped.save_pretrained(tmp_path / "sm")
     size = (tmp_path / "sm" / "model.safetensors").stat().st_size
@@ -56,8 +69,6 @@ def test_round_trip(smollm2, looped, ids, tmp_path):
     with torch.no_grad():
         for k in looped.budgets:
             assert torch.equal(want[k], loaded(ids, budget=k).logits), f"budget {k}"
-        for _, p in looped.new_parameters():
-            p.zero_()
 
 
 def test_gguf_file_source(smollm2_gguf):
