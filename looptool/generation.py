@@ -101,13 +101,13 @@ def cached_paths(model: LoopedModel, kv: str = "per-loop") -> dict[int, CachedPa
     kv = check_policy(model, kv)
     store = model.__dict__.setdefault("_cached_paths", {})
     if kv not in store:
-        lg = model.layer_graph
+        if "decode" not in store:  # the captured decode step with the recipe replayed, shared by the policies
+            lg = model.layer_graph
+            skeleton = build_skeleton(lg.config, dtype_from_str(lg.source.dtype), lg.source.attn_implementation)
+            store["decode"] = PassManager(model.recipe)(capture(skeleton, decode=True))
         param = next(model.parameters())
-        skeleton = build_skeleton(lg.config, dtype_from_str(lg.source.dtype), lg.source.attn_implementation)
-        decode = capture(skeleton, decode=True)
-        steps = [*model.recipe, ("kv_cache", {"policy": kv}), ("last_position", {}),
-                 ("retarget_device", {"to": str(param.device)})]
-        decode = PassManager(steps)(decode)
+        steps = [("kv_cache", {"policy": kv}), ("last_position", {}), ("retarget_device", {"to": str(param.device)})]
+        decode = PassManager(steps)(store["decode"])
         store[kv] = {b: _bind(model, g) for b, g in decode.paths.items()}
     return store[kv]
 

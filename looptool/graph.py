@@ -135,6 +135,17 @@ class LayerGraph:
         return {n.name: n for n in (graph or self.graph).nodes}
 
 
+def parameter_reader_roles(graph: fx.Graph) -> dict[str, set[str]]:
+    """Parameter/buffer name → the roles of the nodes that read it in ``graph`` (through
+    its ``get_attr`` node): how a pass or the trainer tells an embedding from a head
+    without reading architecture-specific names."""
+    out: dict[str, set[str]] = {}
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            out.setdefault(str(node.target), set()).update(annotation(u).get("role") for u in node.users)
+    return out
+
+
 def annotation(node: fx.Node) -> dict:
     """The looptool annotation of a node (layer index and role)."""
     return node.meta.get(META_KEY, {})

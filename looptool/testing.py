@@ -45,9 +45,10 @@ TINY_CONFIGS: dict[str, dict] = {
 TINY_MODEL_TYPES = tuple(TINY_CONFIGS)
 
 
-def tiny_config(model_type: str, num_layers: int = 4) -> transformers.PretrainedConfig:
-    """A tiny random config of ``model_type`` (hidden 64, ``num_layers`` layers)."""
-    kwargs = dict(TINY_CONFIGS[model_type])
+def tiny_config(model_type: str, num_layers: int = 4, **overrides) -> transformers.PretrainedConfig:
+    """A tiny random config of ``model_type`` (hidden 64, ``num_layers`` layers; ``overrides``
+    set other config fields, e.g. ``tie_word_embeddings=True``)."""
+    kwargs = {**TINY_CONFIGS[model_type], **overrides}
     key = "n_layer" if model_type == "gpt2" else "num_hidden_layers"
     kwargs[key] = num_layers
     if "layer_types" in kwargs:
@@ -55,10 +56,10 @@ def tiny_config(model_type: str, num_layers: int = 4) -> transformers.Pretrained
     return transformers.AutoConfig.for_model(model_type, **kwargs)
 
 
-def tiny_model(model_type: str, num_layers: int = 4, seed: int = 0) -> torch.nn.Module:
+def tiny_model(model_type: str, num_layers: int = 4, seed: int = 0, **overrides) -> torch.nn.Module:
     """A tiny randomly initialised causal LM of ``model_type``, fp32, eval mode, on CPU."""
     torch.manual_seed(seed)
-    config = tiny_config(model_type, num_layers)
+    config = tiny_config(model_type, num_layers, **overrides)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.eval()
 

@@ -35,7 +35,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from looptool.data import FORMATS, training_rows
 from looptool.devices import check_dtype, resolve_device
 from looptool.errors import LooptoolError
-from looptool.graph import dtype_from_str
+from looptool.graph import ROLE_EMBEDDING, ROLE_HEAD, dtype_from_str, parameter_reader_roles
 from looptool.model import LoopedModel
 from looptool.sampling import BudgetSampler
 from looptool.serialization import LOOPTOOL_JSON, commit_output_dir, load, read_looptool_json, write_model
@@ -256,8 +256,11 @@ class Trainer:
         plan = self.model.plan
         start = plan.window[0] if plan.kind == "prefix" else plan.recurrent[0]
         prefix = self.model.layer_graph.source.layers_path + "."
+        roles = parameter_reader_roles(self.model.layer_graph.graph)
         for name, p in self.model.named_parameters():
-            if name.startswith(prefix) and int(name[len(prefix):].split(".")[0]) < start:
+            below = name.startswith(prefix) and int(name[len(prefix):].split(".")[0]) < start
+            untied_embedding = ROLE_EMBEDDING in roles.get(name, ()) and ROLE_HEAD not in roles.get(name, ())
+            if below or untied_embedding:
                 p.requires_grad_(False)
 
     def _shard(self) -> None:

@@ -169,7 +169,15 @@ def test_freeze_below_window_freezes_only_lower_layers(model_dir, tmp_path):
                       freeze_below_window=True)
     trainer = Trainer(model_dir, cfg)
     frozen = {n for n, p in trainer.model.named_parameters() if not p.requires_grad}
-    assert frozen and all(n.startswith("model.layers.0.") for n in frozen)
+    layer0 = {n for n, _ in trainer.model.named_parameters() if n.startswith("model.layers.0.")}
+    assert trainer.model.config.tie_word_embeddings is False
+    assert frozen == layer0 | {"model.embed_tokens.weight"}  # the untied embedding is below the block too
+    tied_dir = tmp_path / "tied"
+    looptool.convert(looptool.testing.tiny_model("llama", tie_word_embeddings=True), looptool.PrefixLoop(
+        window=(1, 3), budgets=(0, 1, 2)), tokenizer=byte_tokenizer()).save_pretrained(tied_dir)
+    tied = Trainer(tied_dir, TrainConfig(**{**cfg.__dict__, "output": str(tmp_path / "g")}))
+    frozen = {n for n, p in tied.model.named_parameters() if not p.requires_grad}
+    assert frozen == layer0  # tied to the trained LM head: the embedding keeps training
 
 
 def test_depth_curriculum_unlocks_deeper_budgets_in_order():
