@@ -12,9 +12,6 @@ A teacher equal to the student gives zero loss and zero gradient.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,12 +19,11 @@ from pathlib import Path
 
 import torch
 
-from looptool.devices import resolve_device
 from looptool.errors import LooptoolError
 from looptool.model import LoopedModel
-from looptool.rollout import encode_prompt, prompt_batch, read_prompts, sample
+from looptool.rollout import PostTrainingRun, encode_prompt, prompt_batch, read_prompts, sample
 from looptool.sampling import BudgetSampler
-from looptool.serialization import commit_model, load, prepare_output_dir
+from looptool.serialization import load
 from looptool.train import adamw
 
 LOG_FILE = "distill_log.jsonl"
@@ -101,21 +97,16 @@ def parse_teachers(specs: list[str]) -> dict[str, str]:
     return out
 
 
-class Distiller:
-    """Runs a :class:`DistillConfig` on a looped student model directory."""
+class Distiller(PostTrainingRun):
+    """Runs a :class:`DistillConfig` on a looped student model directory (:meth:`run`: all
+    steps, then the student, its args and log, atomically)."""
+
+    args_file, log_file = ARGS_FILE, LOG_FILE
 
     def __init__(self, student_dir: str | Path, config: DistillConfig, *, tokenizer=None,
                  on_step: Callable[[dict], None] | None = None):
-        config.check()
-        self.config = config
-        self.on_step = on_step
-        self.final, self.temp = prepare_output_dir(config.output, config.overwrite)
-        try:
-            device = resolve_device(config.device)
-            self.model = load(student_dir, device=str(device))
-            self.tokenizer = tokenizer or self.model.tokenizer
-            if self.tokenizer is None:
-                raise DistillError("the student has no tokenizer; pass --tokenizer PATH.")
+        self._start(student_dir, config, tokenizer, on_step)
+        with self._cleanup_on_error():
             menu = tuple(config.budgets or self.model.budgets)
             for k in menu:
                 self.model.check_budget(k)
@@ -131,11 +122,7 @@ class Distiller:
                     raise DistillError(f"prompt {number} has domain {record.get('domain')!r}, which no --teacher covers "
                                        f"(teachers: {', '.join(sorted(self.teachers))}).")
             self.prompts = [encode_prompt(self.tokenizer, r, config.chat) for r in self.records]
-        except BaseException:
-            shutil.rmtree(self.temp, ignore_errors=True)
-            raise
         self.optimizer = adamw(self.model, config.lr, config.new_lr, config.weight_decay)
-        self.history: list[dict] = []
 
     def _teacher(self, domain: str, path: str, menu) -> LoopedModel:
         teacher = load(path, device=str(next(self.model.parameters()).device)).eval()
@@ -176,28 +163,13 @@ class Distiller:
         domains = [self.records[batch[j]]["domain"] for j in ro.prompt_index]
         loss = self.loss(ro.ids, ro.mask, domains, budget)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], cfg.clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._update()
         record = {"step": step, "budget": budget, "loss": loss.item(), "tokens": ro.tokens,
                   "domains": sorted(set(domains)), "seconds": time.perf_counter() - t0}
-        self.history.append(record)
         return record
 
-    def run(self) -> dict:
-        """All steps, then write the student, its args and log (atomically)."""
-        try:
-            for step in range(self.config.steps):
-                record = self.step(step)
-                if self.on_step is not None:
-                    self.on_step(record)
-        except BaseException:
-            shutil.rmtree(self.temp, ignore_errors=True)
-            raise
-        commit_model(self.model, self.final, self.temp, {
-            ARGS_FILE: json.dumps(dataclasses.asdict(self.config), indent=2),
-            LOG_FILE: "".join(json.dumps(r) + "\n" for r in self.history),
-        })
+    def summary(self) -> dict:
+        """Steps run and the mean reverse KL per budget."""
         by_budget: dict[str, list[float]] = {}
         for r in self.history:
             by_budget.setdefault(str(r["budget"]), []).append(r["loss"])

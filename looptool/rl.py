@@ -27,10 +27,7 @@ point here, so the loop is written out (about 150 lines) on top of looptool's ow
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,12 +35,10 @@ from pathlib import Path
 
 import torch
 
-from looptool.devices import resolve_device
 from looptool.errors import LooptoolError
 from looptool.rewards import load_reward, score
-from looptool.rollout import encode_prompt, prompt_batch, prompt_text, read_prompts, sample, token_logprobs
+from looptool.rollout import PostTrainingRun, encode_prompt, prompt_batch, prompt_text, read_prompts, sample, token_logprobs
 from looptool.sampling import assign_budgets
-from looptool.serialization import commit_model, load, prepare_output_dir
 from looptool.train import adamw
 
 LOG_FILE = "rl_log.jsonl"
@@ -138,21 +133,16 @@ def grpo_loss(logprobs: torch.Tensor, sample_logprobs: torch.Tensor, mask: torch
     return loss, stats
 
 
-class GRPO:
-    """Runs an :class:`RLConfig` on a looped model directory."""
+class GRPO(PostTrainingRun):
+    """Runs an :class:`RLConfig` on a looped model directory (:meth:`run`: all steps, then
+    the model, ``rl_args.json`` and ``rl_log.jsonl``, atomically)."""
+
+    args_file, log_file = ARGS_FILE, LOG_FILE
 
     def __init__(self, model_dir: str | Path, config: RLConfig, *, tokenizer=None,
                  on_step: Callable[[dict], None] | None = None):
-        config.check()
-        self.config = config
-        self.on_step = on_step
-        self.final, self.temp = prepare_output_dir(config.output, config.overwrite)
-        try:
-            self.device = resolve_device(config.device)
-            self.model = load(model_dir, device=str(self.device))
-            self.tokenizer = tokenizer or self.model.tokenizer
-            if self.tokenizer is None:
-                raise RLError("this model has no tokenizer; pass --tokenizer PATH.")
+        self._start(model_dir, config, tokenizer, on_step)
+        with self._cleanup_on_error():
             self.menu = tuple(sorted(config.budgets or self.model.budgets))
             for k in self.menu:
                 self.model.check_budget(k)
@@ -162,12 +152,8 @@ class GRPO:
             self.reward_fn = load_reward(config.reward)
             self.records = read_prompts(config.data)
             self.prompts = [encode_prompt(self.tokenizer, r, config.chat) for r in self.records]
-        except BaseException:
-            shutil.rmtree(self.temp, ignore_errors=True)
-            raise
         self.optimizer = adamw(self.model, config.lr, config.new_lr, config.weight_decay)
         self.pass_rates: list[float | None] = [None] * len(self.records)
-        self.history: list[dict] = []
 
     def step(self, step: int) -> dict:
         """One GRPO step: sample, score, one optimizer update. Returns the log record."""
@@ -204,28 +190,13 @@ class GRPO:
             by_budget[str(k)] = {"prompts": len(chosen), "reward": float(rewards.mean()),
                                  "pass_rate": float((rewards >= cfg.pass_threshold).float().mean()),
                                  "mean_tokens": ro.tokens / len(ro.completions)}
-        torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], cfg.clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._update()
         record = {"step": step, "loss": loss_sum, "budgets": by_budget, "masked_rollouts": masked,
                   "tokens": total_tokens, "seconds": time.perf_counter() - t0}
-        self.history.append(record)
         return record
 
-    def run(self) -> dict:
-        """All steps, then write the model, ``rl_args.json`` and ``rl_log.jsonl`` (atomically)."""
-        try:
-            for step in range(self.config.steps):
-                record = self.step(step)
-                if self.on_step is not None:
-                    self.on_step(record)
-        except BaseException:
-            shutil.rmtree(self.temp, ignore_errors=True)
-            raise
-        commit_model(self.model, self.final, self.temp, {
-            ARGS_FILE: json.dumps(dataclasses.asdict(self.config), indent=2),
-            LOG_FILE: "".join(json.dumps(r) + "\n" for r in self.history),
-        })
+    def summary(self) -> dict:
+        """Reward and pass rate per budget, first vs last quarter of the steps."""
         return summarize(self.history, self.menu)
 
 

@@ -14,8 +14,12 @@ positions as the sampler did, and :func:`token_logprobs` scores it with the plai
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 import random
-from collections.abc import Sequence
+import shutil
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +27,9 @@ import torch
 from looptool.data import DataError, _jsonl_records, _read_text, find_files
 from looptool.generation import generate
 from looptool.model import LoopedModel
+from looptool.devices import resolve_device
+from looptool.errors import LooptoolError
+from looptool.serialization import commit_model, load, prepare_output_dir
 
 
 def read_prompts(specs) -> list[dict]:
@@ -145,3 +152,61 @@ def shifted_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float
     """Per-position log-probabilities of ``ids`` under next-token ``logits`` (0 at t = 0)."""
     lp = torch.log_softmax(logits[:, :-1].float() / temperature, -1).gather(-1, ids[:, 1:, None])[..., 0]
     return torch.nn.functional.pad(lp, (1, 0))
+
+
+class PostTrainingRun:
+    """The step loop shared by ``looptool rl`` and ``looptool distill``: subclasses set
+    ``model``, ``optimizer``, ``config`` (with ``steps`` and ``clip``), ``final``/``temp``
+    output directories and ``history``, and implement :meth:`step` and :meth:`summary`."""
+
+    args_file = "args.json"
+    log_file = "log.jsonl"
+    on_step: Callable[[dict], None] | None = None
+
+    def _start(self, model_dir, config, tokenizer, on_step) -> None:
+        """Check ``config``, reserve the output directory, load the model and its tokenizer."""
+        config.check()
+        self.config, self.on_step, self.history = config, on_step, []
+        self.final, self.temp = prepare_output_dir(config.output, config.overwrite)
+        with self._cleanup_on_error():
+            self.device = resolve_device(config.device)
+            self.model = load(model_dir, device=str(self.device))
+            self.tokenizer = tokenizer or self.model.tokenizer
+            if self.tokenizer is None:
+                raise LooptoolError(f"the model in '{model_dir}' has no tokenizer; pass --tokenizer PATH.")
+
+    @contextlib.contextmanager
+    def _cleanup_on_error(self):
+        """Remove the reserved output directory if setting up fails (no partial output)."""
+        try:
+            yield
+        except BaseException:
+            shutil.rmtree(self.temp, ignore_errors=True)
+            raise
+
+    def step(self, step: int) -> dict:  # pragma: no cover - defined by subclasses
+        raise NotImplementedError
+
+    def summary(self) -> dict:  # pragma: no cover - defined by subclasses
+        raise NotImplementedError
+
+    def _update(self) -> None:
+        """Clip the gradient norm, take an optimizer step, clear the gradients."""
+        torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], self.config.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def run(self) -> dict:
+        """All steps, then the model, its settings and the step log, written atomically (a
+        failure leaves no output)."""
+        with self._cleanup_on_error():
+            for step in range(self.config.steps):
+                record = self.step(step)
+                self.history.append(record)
+                if self.on_step is not None:
+                    self.on_step(record)
+        commit_model(self.model, self.final, self.temp, {
+            self.args_file: json.dumps(dataclasses.asdict(self.config), indent=2),
+            self.log_file: "".join(json.dumps(r) + "\n" for r in self.history),
+        })
+        return self.summary()
