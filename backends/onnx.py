@@ -552,7 +552,7 @@ def _write_manifest(model, directory: Path, store: WeightStore, graphs: dict[tup
     for (budget, policy), info in sorted(graphs.items()):
         path = directory / info["file"]
         budgets.setdefault(str(budget), {})[policy] = {**info, "sha256": sha256_file(path), "bytes": path.stat().st_size}
-    mask_dtype = str(model._mask_dtype).removeprefix("torch.")
+    mask_dtype = str(model.mask_dtype).removeprefix("torch.")
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,

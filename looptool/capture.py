@@ -139,6 +139,21 @@ def export_source(model: nn.Module, seq_len: int = 8, batch: int = 2) -> fx.Grap
     )
 
 
+def moe_shape_of(config) -> tuple[int | None, int | None]:
+    """``(routed experts, experts per token)`` of an HF MoE config; ``(None, None)`` if dense."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    top_k = getattr(text, "num_experts_per_tok", None)
+    return (int(experts), int(top_k)) if experts and top_k else (None, None)
+
+
+def norm_eps_of(config) -> float | None:
+    """The RMSNorm epsilon of an HF config, None where the layers use another norm."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    eps = getattr(text, "rms_norm_eps", None)
+    return float(eps) if eps else None
+
+
 def kv_shape_of(config) -> tuple[int, int]:
     """``(key/value heads, head dim)`` of one attention layer of an HF config."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -279,6 +294,8 @@ def capture(model: nn.Module, *, decode: bool = False) -> LayerGraph:
     if decode:
         annotate_cache(module.graph, n_layers)
     param = next(model.parameters())
+    num_experts, experts_per_token = moe_shape_of(config)
+    kv_heads, head_dim = kv_shape_of(config)
     source = SourceInfo(
         model_type=getattr(config, "model_type", type(model).__name__),
         dtype=str(param.dtype),
@@ -287,6 +304,11 @@ def capture(model: nn.Module, *, decode: bool = False) -> LayerGraph:
         num_layers=n_layers,
         hidden_size=hidden_size_of(config),
         layers_path=layers_path,
+        norm_eps=norm_eps_of(config),
+        num_experts=num_experts,
+        experts_per_token=experts_per_token,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
     )
     log.info("captured %s: %d layers, %d nodes", source.model_type, n_layers, len(module.graph.nodes))
     return LayerGraph(module=module, layers=layers, source=source, config=config)
@@ -324,7 +346,29 @@ def _clean_module(exported: fx.GraphModule, inputs: tuple[str, ...] | None) -> f
     _drop_noop_casts(new)
     new.eliminate_dead_code()
     gm = fx.GraphModule(exported, new)
+    for graph in [gm.graph] + [m.graph for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm]:
+        _device_neutral_histc(graph)
     return gm
+
+
+def _device_neutral_histc(graph: fx.Graph) -> None:
+    """Make transformers' MoE token counting run on every device.
+
+    Its experts dispatch counts tokens per expert with ``histc`` on int32 expert ids except on
+    CPU, where histc needs a float input (it casts there). Which branch the capture recorded
+    depends on the device it ran on (``meta`` when loading takes the int one), so integer
+    inputs are cast to float32 here, once: the counts are identical on every device and no
+    later pass needs to know about it.
+    """
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.histc.default:
+            src = node.args[0]
+            val = src.meta.get("val") if isinstance(src, fx.Node) else None
+            if isinstance(val, torch.Tensor) and not val.is_floating_point():
+                with graph.inserting_before(node):
+                    cast = graph.call_function(torch.ops.aten._to_copy.default, (src,), {"dtype": torch.float32})
+                cast.meta = {**node.meta, "val": val.float()}
+                node.replace_input_with(src, cast)
 
 
 def annotate_cache(graph: fx.Graph, n_layers: int) -> None:

@@ -99,7 +99,7 @@ def cached_paths(model: LoopedModel, kv: str = "per-loop") -> dict[int, CachedPa
     ``kv_cache`` pass, the head cut to the last position by the ``last_position`` pass,
     bound to the model's own tensors). Each returns ``logits [batch, 1, vocab]``."""
     kv = check_policy(model, kv)
-    store = model.__dict__.setdefault("_cached_paths", {})
+    store = model.derived.setdefault("cached_paths", {})
     if kv not in store:
         if "decode" not in store:  # the captured decode step with the recipe replayed, shared by the policies
             lg = model.layer_graph
@@ -293,7 +293,7 @@ def generate(
 
     return decode_loop(
         step, input_ids.to(param.device), attention_mask, capacity=capacity, max_new_tokens=max_new_tokens,
-        mask_dtype=model._mask_dtype, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        mask_dtype=model.mask_dtype, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         eos_token_id=eos_token_id, pad_token_id=pad_token_id, on_step=on_step, output_logits=output_logits,
         kv_bytes=sum(c.numel() * c.element_size() for c in caches),
     )

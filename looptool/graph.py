@@ -102,6 +102,13 @@ class SourceInfo:
     hidden_size: int
     layers_path: str
     mask_dtype: str = "torch.int64"
+    # Architecture facts the passes and the runtime need, recorded once by capture so that no
+    # other module reads the Hugging Face config (None where the architecture has none).
+    norm_eps: float | None = None  # the RMSNorm epsilon of the source's layers
+    num_experts: int | None = None  # routed experts per MoE layer
+    experts_per_token: int | None = None  # top-k of the MoE router
+    kv_heads: int = 0  # key/value heads of one attention layer
+    head_dim: int = 0
 
 
 @dataclass

@@ -429,11 +429,9 @@ def merge(
                 f"this model; its groups are {', '.join(_present_names(present))}."
             )
     expert_params = [dict(e.named_parameters()) for e in experts]
-    memo: dict[int, object] = {id(base._paths): {}}
+    memo: dict[int, object] = {id(base._paths): {}, id(base.derived): {}}
     if base.tokenizer is not None:
         memo[id(base.tokenizer)] = base.tokenizer  # shared, not copied
-    if "_cached_paths" in base.__dict__:
-        memo[id(base.__dict__["_cached_paths"])] = {}
     with torch.no_grad():
         for name, p in base.named_parameters():
             weights = [resolve_lambda(specs, groups[name], j) for j in range(len(experts))]
@@ -442,7 +440,6 @@ def merge(
             memo[id(p)] = nn.Parameter(merged, requires_grad=p.requires_grad)
     merged_model = copy.deepcopy(base, memo)
     merged_model._paths.clear()
-    merged_model.__dict__.pop("_cached_paths", None)
     return merged_model
 
 

@@ -14,7 +14,6 @@ from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-from looptool.capture import kv_shape_of
 from looptool.errors import LooptoolError, PassError
 from looptool.graph import (
     ROLE_HEAD,
@@ -63,8 +62,16 @@ class LoopedModel(nn.Module):
         # each layer application runs as a call of its source layer module (FSDP2 hooks fire)
         self.shard_layers = False
         self._mask_dtype = dtype_from_str(lg.source.mask_dtype)
+        # Artefacts other modules build from this model and keep with it (generation's cached
+        # decode paths): the model does not know what they are; it drops them when it moves.
+        self.derived: dict[str, object] = {}
 
     # ------------------------------------------------------------------ structure
+    @property
+    def mask_dtype(self) -> torch.dtype:
+        """The attention-mask dtype the captured graphs were traced with."""
+        return self._mask_dtype
+
     @property
     def plan(self) -> LoopPlan:
         """The resolved loop plan."""
@@ -143,7 +150,7 @@ class LoopedModel(nn.Module):
                 if isinstance(child, fx.GraphModule):  # higher-order op bodies were retargeted as new objects
                     self._modules[name] = child
             self._paths.clear()
-            self.__dict__.pop("_cached_paths", None)  # cached decoding paths are rebuilt for the new device
+            self.derived.clear()  # built for the old device
         return self
 
     def cuda(self, device: int | torch.device | None = None) -> "LoopedModel":
@@ -424,9 +431,7 @@ def model_dims(lg: LayerGraph, module: nn.Module) -> ModelDims:
     tensors scaled by top-k / experts); fixed FLOPs = 2 x the LM head; KV from config."""
     tensors = dict(module.named_parameters(remove_duplicate=False))
     tensors.update(dict(module.named_buffers(remove_duplicate=False)))
-    text = lg.config.get_text_config() if hasattr(lg.config, "get_text_config") else lg.config
-    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
-    top_k = getattr(text, "num_experts_per_tok", None)
+    experts, top_k = lg.source.num_experts, lg.source.experts_per_token
     nodes = lg.node_map()
 
     def flops_of(node_names) -> float:
@@ -450,7 +455,7 @@ def model_dims(lg: LayerGraph, module: nn.Module) -> ModelDims:
     layer_flops = tuple(flops_of(info.nodes) for info in lg.layers)
     head_nodes = [n.name for n in lg.graph.nodes if annotation(n).get("role") == ROLE_HEAD]
     fixed = flops_of(head_nodes)
-    kv_heads, head_dim = kv_shape_of(lg.config)
+    kv_heads, head_dim = lg.source.kv_heads, lg.source.head_dim
     itemsize = dtype_from_str(lg.source.dtype).itemsize
     unique = {id(t): t for t in tensors.values()}
     param_bytes = sum(t.numel() * t.element_size() for t in unique.values())

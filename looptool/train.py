@@ -310,7 +310,7 @@ class Trainer:
         """Train to the end; returns a summary (realised budget statistics, losses)."""
         model = self.ddp or self.model
         cfg = self.config
-        moe_top_k = getattr(self.model.config.get_text_config(), "num_experts_per_tok", None)
+        moe_top_k = self.model.layer_graph.source.experts_per_token
         has_router = bool(moe_top_k) and bool(self.model.router_logits_weights(self.model.budgets[-1]))
         warmup_steps = round(cfg.warmup * self.total_steps)
         num_routers = len(self.model.router_logits_weights(self.model.budgets[0])) if has_router else 0

@@ -99,8 +99,7 @@ class Conditioner:
         self.graph, self.plan, self.loops = graph, plan, loops
         self.device = torch.device(lg.source.device)
         self.dtype = getattr(torch, lg.source.dtype.removeprefix("torch."))
-        text = lg.config.get_text_config() if hasattr(lg.config, "get_text_config") else lg.config
-        self.eps = float(getattr(text, "rms_norm_eps", None) or 1e-6)
+        self.eps = lg.source.norm_eps or 1e-6
         self._attrs: dict[str, fx.Node] = {}
 
     # -------------------------------------------------------------- graph helpers

@@ -34,47 +34,24 @@ def retarget_device(lg: LayerGraph, config: dict) -> LayerGraph:
     def transform(node, args, kwargs):
         return swap(tuple(args)), {k: swap(v) for k, v in kwargs.items()}
 
-    graph = _fix_for_device(copy_graph(lg.graph, transform), dst)
+    graph = copy_graph(lg.graph, transform)
     module = shared_graph_module(lg.module, graph)
     # Higher-order ops (e.g. a rotary embedding under ``torch.autocast(enabled=False)`` in
     # some transformers versions) keep their bodies as GraphModule children: retarget those
     # too, as new objects, so the input LayerGraph's are untouched.
     for name, child in list(module._modules.items()):
         if isinstance(child, fx.GraphModule):
-            module._modules[name] = _retarget_body(child, transform, dst)
-    paths = {k: _fix_for_device(copy_graph(g, transform), dst) for k, g in lg.paths.items()}
+            module._modules[name] = _retarget_body(child, transform)
+    paths = {k: copy_graph(g, transform) for k, g in lg.paths.items()}
     source = dataclasses.replace(lg.source, device=str(dst))
     return lg.replace(module=module, paths=paths, source=source)
 
 
-
-def _retarget_body(body: fx.GraphModule, transform, device: torch.device) -> fx.GraphModule:
-    """A copy of a higher-order op's body graph (and its nested bodies) on ``device``."""
-    new = fx.GraphModule(body, _fix_for_device(copy_graph(body.graph, transform), device))
+def _retarget_body(body: fx.GraphModule, transform) -> fx.GraphModule:
+    """A copy of a higher-order op's body graph (and its nested bodies), retargeted."""
+    new = fx.GraphModule(body, copy_graph(body.graph, transform))
     for name, child in list(new._modules.items()):
         if isinstance(child, fx.GraphModule):
-            new._modules[name] = _retarget_body(child, transform, device)
+            new._modules[name] = _retarget_body(child, transform)
     return new
 
-
-def _fix_for_device(graph, device: torch.device):
-    """Undo device-specific choices the source code made at capture time.
-
-    Transformers' MoE dispatch counts tokens per expert with ``histc`` on int32 ids except
-    on CPU, where histc needs a float input (it casts there). A graph captured on ``meta``
-    took the int path; on CPU the ids are cast to float32 first (counts are identical).
-    """
-    if device.type not in ("cpu", "mps"):
-        return graph
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.aten.histc.default:
-            src = node.args[0]
-            val = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
-            if isinstance(val, torch.Tensor) and not val.is_floating_point():
-                with graph.inserting_before(node):
-                    cast = graph.call_function(
-                        torch.ops.aten._to_copy.default, (src,), {"dtype": torch.float32}
-                    )
-                cast.meta = {**node.meta}
-                node.replace_input_with(src, cast)
-    return graph

@@ -3,6 +3,7 @@ tests and benchmarks read ships with it."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -49,3 +50,19 @@ def test_test_corpus_ships_with_the_repository():
     assert (sotu / "LICENSE").is_file() and (sotu / "README.md").is_file()
     total = sum(p.stat().st_size for p in sotu.iterdir())
     assert total < 512 * 1024, f"the in-repo corpus should stay small, is {total} bytes"
+
+
+
+def test_only_capture_reads_architecture_fields_of_the_hf_config():
+    """Per-architecture facts are recorded by capture (SourceInfo, annotations); passes, the
+    runtime and the trainer read those, never the Hugging Face config's architecture fields."""
+    fields = "rms_norm_eps|layer_norm_eps|num_experts|num_local_experts|num_experts_per_tok|num_key_value_heads|head_dim|use_parallel_residual"
+    reads = re.compile(rf"(?:config|text)(?:\(\))?\.(?:{fields})\b|getattr\(\s*[\w.()]+,\s*[\"'](?:{fields})[\"']")
+    allowed = {"looptool/capture.py", "looptool/testing.py"}
+    offenders = []
+    for path in _repository_files():
+        rel = path.relative_to(ROOT).as_posix()
+        if path.suffix != ".py" or not rel.startswith(("looptool/", "passes/", "backends/")) or rel in allowed:
+            continue
+        offenders += [f"{rel}: {m.group(0)}" for m in reads.finditer(path.read_text(encoding="utf-8"))]
+    assert not offenders, "architecture facts read outside capture:\n" + "\n".join(offenders)
