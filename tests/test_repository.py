@@ -58,11 +58,12 @@ def test_only_capture_reads_architecture_fields_of_the_hf_config():
     runtime and the trainer read those, never the Hugging Face config's architecture fields."""
     fields = "rms_norm_eps|layer_norm_eps|num_experts|num_local_experts|num_experts_per_tok|num_key_value_heads|head_dim|use_parallel_residual"
     reads = re.compile(rf"(?:config|text)(?:\(\))?\.(?:{fields})\b|getattr\(\s*[\w.()]+,\s*[\"'](?:{fields})[\"']")
-    allowed = {"looptool/capture.py", "looptool/testing.py"}
+    allowed = {"looptool/testing.py"}
     offenders = []
     for path in _repository_files():
         rel = path.relative_to(ROOT).as_posix()
-        if path.suffix != ".py" or not rel.startswith(("looptool/", "passes/", "backends/")) or rel in allowed:
+        if path.suffix != ".py" or not rel.startswith(("looptool/", "passes/", "backends/")) or rel in allowed \
+                or rel.startswith("looptool/capture/"):
             continue
         offenders += [f"{rel}: {m.group(0)}" for m in reads.finditer(path.read_text(encoding="utf-8"))]
     assert not offenders, "architecture facts read outside capture:\n" + "\n".join(offenders)

@@ -1,0 +1,96 @@
+"""Capture a Hugging Face causal LM as an annotated FX graph.
+
+``torch.export`` (dynamic batch and sequence) produces the graph; the unlifted
+``GraphModule`` holds the *source's own* parameter objects, so nothing is copied. Then every
+node is annotated with its layer and role (:mod:`looptool.graph`). This package is the only
+place that knows about architectures: it finds the decoder-layer list, and identifies each
+layer's residual stream by data flow:
+
+* walking back from the layer's output through the layer's own ``add`` nodes: each sum is
+  flattened into its addends (any association and operand order), the addend that is an
+  ancestor of all the others is the *stream*, and the others are *writes* into it; one
+  write per sum is a sequential layer (Llama), two are parallel writes (GPT-NeoX, Cohere);
+* each write is classified by the ops between it and the stream: ``topk`` → MoE, attention
+  (``scaled_dot_product_attention`` / ``softmax``) → attention, otherwise MLP.
+
+Pre-norm (Llama), branch-post-norm (OLMo2, Gemma3), Conv1D (GPT-2), parallel residual
+(GPT-NeoX, Cohere) and MoE (Mixtral, Qwen-MoE, OLMoE) layers all reduce to this form. A layer that
+does not is refused with a :class:`~looptool.errors.CaptureError` naming what was missing.
+
+Its modules, one job each: :mod:`~looptool.capture.export` (``torch.export`` of the forward
+and of a cached decode step), :mod:`~looptool.capture.clean` (plain inputs, one output,
+device-neutral ops), :mod:`~looptool.capture.residual` (residual analysis of one layer),
+:mod:`~looptool.capture.annotate` (roles and layers of every node) and
+:mod:`~looptool.capture.facts` (architecture facts of the config); :func:`capture` runs them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from looptool.capture.annotate import annotate_cache, annotate_graph
+from looptool.capture.clean import CAST_TARGETS, clean_module
+from looptool.capture.export import INPUT_NAMES, build_skeleton, export_decode_step, export_source
+from looptool.capture.facts import (
+    find_layers_path, hidden_size_of, kv_shape_of, moe_shape_of, module_path, norm_eps_of, num_layers_of,
+)
+from looptool.capture.residual import NORM_TARGETS
+from looptool.errors import CaptureError
+from looptool.graph import LayerGraph, SourceInfo
+
+__all__ = [
+    "CAST_TARGETS", "NORM_TARGETS", "annotate_cache", "annotate_graph", "build_skeleton", "capture",
+    "export_decode_step", "export_source", "find_layers_path", "hidden_size_of", "kv_shape_of",
+    "moe_shape_of", "norm_eps_of", "num_layers_of",
+]
+log = logging.getLogger(__name__)
+
+
+def capture(model: nn.Module, *, decode: bool = False) -> LayerGraph:
+    """Capture ``model`` (an HF causal LM, on any device including ``meta``) as a LayerGraph.
+
+    The graph is specialised to the model's dtype and device (export bakes both in). No weight is
+    copied: the LayerGraph's module holds the model's own parameter tensors. With
+    ``decode=True`` the graph is one cached step (:func:`export_decode_step`); its cache
+    writes are marked ``kv`` and each cache input says which layer it serves.
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        raise CaptureError(
+            f"{type(model).__name__} has no Hugging Face 'config'; wrap a transformers "
+            "causal LM (AutoModelForCausalLM) or pass a model directory."
+        )
+    was_training = model.training
+    model.eval()
+    try:
+        exported = export_decode_step(model) if decode else export_source(model)
+    finally:
+        model.train(was_training)
+    n_layers = num_layers_of(config)
+    layers_path = find_layers_path(model, n_layers)
+    head_path = module_path(model, model.get_output_embeddings())
+    module = clean_module(exported, None if decode else INPUT_NAMES)
+    layers = annotate_graph(module.graph, layers_path, n_layers, head_path)
+    if decode:
+        annotate_cache(module.graph, n_layers)
+    param = next(model.parameters())
+    num_experts, experts_per_token = moe_shape_of(config)
+    kv_heads, head_dim = kv_shape_of(config)
+    source = SourceInfo(
+        model_type=getattr(config, "model_type", type(model).__name__),
+        dtype=str(param.dtype),
+        device=str(param.device),
+        attn_implementation=getattr(config, "_attn_implementation", None),
+        num_layers=n_layers,
+        hidden_size=hidden_size_of(config),
+        layers_path=layers_path,
+        norm_eps=norm_eps_of(config),
+        num_experts=num_experts,
+        experts_per_token=experts_per_token,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+    )
+    log.info("captured %s: %d layers, %d nodes", source.model_type, n_layers, len(module.graph.nodes))
+    return LayerGraph(module=module, layers=layers, source=source, config=config)
