@@ -200,7 +200,7 @@ def decode_loop(
     seed: int | None = None,
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
-    on_step: Callable[[torch.Tensor], None] | None = None,
+    on_step: Callable[[torch.Tensor], bool | None] | None = None,
     output_logits: bool = False,
     kv_bytes: int = 0,
 ) -> GenerationOutput:
@@ -243,8 +243,8 @@ def decode_loop(
         token = torch.where(done, torch.full_like(token, pad), token)
         ids = torch.cat([ids, token[:, None]], dim=1)
         steps += 1
-        if on_step is not None:
-            on_step(token)
+        if on_step is not None and on_step(token):
+            break  # the caller's stop condition (e.g. a stop string) holds for every row
         if len(eos):
             done |= torch.isin(token, eos)
             if bool(done.all()):
@@ -268,7 +268,7 @@ def generate(
     seed: int | None = None,
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
-    on_step: Callable[[torch.Tensor], None] | None = None,
+    on_step: Callable[[torch.Tensor], bool | None] | None = None,
     output_logits: bool = False,
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens per row at ``budget`` with a KV cache.
@@ -277,7 +277,8 @@ def generate(
     ``temperature == 0`` is greedy; otherwise tokens are sampled after temperature,
     top-k and top-p (transformers' warpers) from a generator seeded with ``seed``. Rows
     stop at ``eos_token_id`` (then emit ``pad_token_id``); the call stops when all rows
-    have stopped. ``on_step(tokens)`` is called with each step's ``[batch]`` new tokens;
+    have stopped. ``on_step(tokens)`` is called with each step's ``[batch]`` new tokens and
+    ends the generation early by returning True;
     ``output_logits=True`` keeps each step's next-token logits.
     """
     budget = model.check_budget(budget)

@@ -1,6 +1,7 @@
 """The ``fuse`` pass: swap subgraphs of budget paths for looptool's fused ops.
 
-Four patterns, found by role annotations and op targets (never module names):
+Four patterns, found by role annotations and op targets (never module names or the
+source's op names):
 
 * ``gated_residual``: ``add(x, mul(tanh(g), f))`` where the ``mul``/``tanh`` are gate nodes
   of a second-pass write (Accordion Eq. 5) → ``looptool::gated_residual(x, g, f)``.
@@ -8,8 +9,8 @@ Four patterns, found by role annotations and op targets (never module names):
   softplus(γ) ⊙ (r − s_prev)`` emitted by ``recurrent_loop`` (ELR Eq. 2) →
   ``looptool::adaptive_delta(s_prev, r, s̃, W, b, γ, e)``.
 * ``moe``: the source's experts implementation (sort by expert, grouped matmuls, gated
-  SiLU, weighted un-sort and sum over top-k) between a router's top-k output and the
-  combined ``[tokens, hidden]`` result → ``looptool::moe(x, weights, ids, gate_up, down)``.
+  SiLU, weighted un-sort and sum over top-k), as capture marked it
+  (:mod:`looptool.capture.experts`) → ``looptool::moe(x, weights, ids, gate_up, down)``.
   The router itself (softmax, top-k, renormalisation) stays as it is, so cross-loop route
   replay (ELR Sec. 3.4) feeds loop 1's routing into every loop's fused experts.
 
@@ -24,7 +25,6 @@ unfused one (bit-exact for the gate and the state update; within float rounding 
 from __future__ import annotations
 
 import logging
-import operator
 from collections import Counter
 
 import torch
@@ -32,12 +32,12 @@ from looptool.passes.manager import register_pass
 from torch import fx
 
 import looptool.ops  # noqa: F401  (registers torch.ops.looptool.*)
+from looptool.capture.experts import EXPERTS_KEY, OPERANDS
 from looptool.errors import PassError
 from looptool.graph import (
     ROLE_GATE,
     ROLE_MOE,
     ROLE_RESIDUAL,
-    ROLE_ROUTER,
     ROLE_STATE,
     LayerGraph,
     annotate,
@@ -187,106 +187,33 @@ def _fuse_modulate(graph: fx.Graph) -> int:
 
 
 # ---------------------------------------------------------------------------- mixture of experts
-_GROUPED = {"grouped_mm_fallback", "_grouped_mm", "grouped_mm"}
-
-
-def _is_grouped_mm(node) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and getattr(node.target, "_opname", None) in _GROUPED
-
-
-def _expert_weight(node) -> fx.Node | None:
-    """The 3-D expert tensor behind ``transpose(w, -2, -1)`` (the grouped matmul's operand)."""
-    if _is(node, _aten.transpose.int) and node.args[0].op == "get_attr" and tuple(node.args[1:]) in ((-2, -1), (1, 2)):
-        return node.args[0]
-    return None
-
-
-def _shape_of(node) -> tuple | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
-
-
 def _fuse_moe(graph: fx.Graph) -> int:
+    """Replace every experts block capture marked (:mod:`looptool.capture.experts`) by
+    ``looptool::moe``; the block's nodes are found from its ``combine`` node through the
+    ``body`` marks, its operands by their marks (under route replay the routed operands are
+    loop 1's)."""
     count = 0
-    for gmm_up in [n for n in graph.nodes if _is_grouped_mm(n)]:
-        if gmm_up.graph is not graph or len(gmm_up.args) < 2:
-            continue
-        gate_up = _expert_weight(gmm_up.args[1])
-        if gate_up is None:
-            continue
-        match = _match_experts(gmm_up, gate_up)
-        if match is None:
-            continue
-        combine, x, weights, ids, down, region = match
+    for combine in [n for n in graph.nodes if annotation(n).get(EXPERTS_KEY) == "combine"]:
+        region: set[fx.Node] = set()
+        operands: dict[str, fx.Node] = {}
+        todo = [combine]
+        while todo:
+            for inp in todo.pop().all_input_nodes:
+                part = annotation(inp).get(EXPERTS_KEY)
+                if part == "body" and inp not in region:
+                    region.add(inp)
+                    todo.append(inp)
+                elif part in OPERANDS:
+                    operands[part] = inp
+        if set(operands) != set(OPERANDS):
+            raise PassError(f"fuse: the experts block of '{combine.name}' lost its {sorted(set(OPERANDS) - set(operands))} "
+                            "operand(s); please report this as a bug.")
+        if any(u not in region and u is not combine for n in region for u in _users(n)):
+            continue  # an intermediate escapes the experts block: not safe to replace
         for user in list(combine.users):
             if user.target is _aten._assert_tensor_metadata.default:
                 graph.erase_node(user)
-        _swap_in(graph, combine, "moe", (x, weights, ids, gate_up, down), ROLE_MOE)
+        _swap_in(graph, combine, "moe", tuple(operands[p] for p in OPERANDS), ROLE_MOE)
         _erase_dead(graph, region | {combine})
         count += 1
     return count
-
-
-def _match_experts(gmm_up: fx.Node, gate_up: fx.Node):
-    """Walk the grouped experts subgraph from its first grouped matmul; None if it is not
-    the gated-SiLU pattern the ``moe`` op computes."""
-    # up: chunk(gmm_up, 2, -1) → silu(chunk[0]) * chunk[1] → grouped matmul with down
-    chunk = next(iter(_users(gmm_up)), None)
-    if len(_users(gmm_up)) != 1 or not _is(chunk, _aten.chunk.default) or tuple(chunk.args[1:]) not in ((2, -1), (2, 1)):
-        return None
-    parts = {u.args[1]: u for u in _users(chunk) if u.target is operator.getitem}
-    if set(parts) != {0, 1} or len(_users(parts[0])) != 1:
-        return None
-    silu = _users(parts[0])[0]
-    if not _is(silu, _aten.silu.default) or len(_users(silu)) != 1:
-        return None
-    act = _users(silu)[0]
-    if not (_is(act, _aten.mul.Tensor) and act.args == (silu, parts[1]) and len(_users(act)) == 1):
-        return None
-    gmm_down = _users(act)[0]
-    down = _expert_weight(gmm_down.args[1]) if _is_grouped_mm(gmm_down) else None
-    if down is None:
-        return None
-    # combine: the first node after the down projection shaped like the experts' input x
-    gathered = gmm_up.args[0]
-    if not _is(gathered, _aten.index.Tensor):
-        return None
-    x = gathered.args[0]
-    x_shape = _shape_of(x)
-    combine, node = None, gmm_down
-    for _ in range(8):
-        users = _users(node)
-        if len(users) != 1:
-            return None
-        node = users[0]
-        if _shape_of(node) == x_shape:
-            combine = node
-            break
-    if combine is None or not _is(combine, _aten.sum.dim_IntList):
-        return None
-    # everything the combine depends on, stopping at x, parameters and the router's output
-    region: set[fx.Node] = set()
-    leaves: set[fx.Node] = set()
-    todo = [combine]
-    while todo:
-        cur = todo.pop()
-        for inp in cur.all_input_nodes:
-            if inp in region or inp in leaves:
-                continue
-            role = annotation(inp).get("role")
-            if inp is x or inp.op in ("get_attr", "placeholder") or role != ROLE_MOE:
-                leaves.add(inp)
-            else:
-                region.add(inp)
-                todo.append(inp)
-    tensors = [n for n in leaves if _shape_of(n) is not None and n not in (x, gate_up, down)]
-    routed = [n for n in tensors if annotation(n).get("role") == ROLE_ROUTER]
-    if len(routed) != 2 or len(tensors) != 2:
-        return None
-    ids = next((n for n in routed if not n.meta["val"].is_floating_point()), None)
-    weights = next((n for n in routed if n.meta["val"].is_floating_point()), None)
-    if ids is None or weights is None or _shape_of(ids) != _shape_of(weights):
-        return None
-    if any(u not in region and u is not combine for n in region for u in _users(n)):
-        return None  # an intermediate escapes the experts block: not safe to replace
-    return combine, x, weights, ids, down, region

@@ -150,6 +150,18 @@ def test_sampling_is_seeded_and_respects_eos():
     assert row[1] == eos and set(row[2:]) <= {1}
 
 
+def test_step_callback_can_end_generation():
+    """``on_step`` returning True (a caller's stop condition, e.g. lm-eval's stop strings) ends
+    decoding after that step; the tokens so far equal the full run's prefix."""
+    _, looped = converted("llama")
+    prompt = _prompt(2, 5)
+    full = generate(looped, prompt, budget=2, max_new_tokens=8)
+    seen = []
+    short = generate(looped, prompt, budget=2, max_new_tokens=8, on_step=lambda t: seen.append(t) or len(seen) == 3)
+    assert short.new_tokens == 3 and len(seen) == 3
+    assert torch.equal(short.sequences, full.sequences[:, :8])
+
+
 def test_bad_generation_input():
     _, looped = converted("llama")
     prompt = _prompt(1, 4)

@@ -20,7 +20,8 @@ does not is refused with a :class:`~looptool.errors.CaptureError` naming what wa
 Its modules, one job each: :mod:`~looptool.capture.export` (``torch.export`` of the forward
 and of a cached decode step), :mod:`~looptool.capture.clean` (plain inputs, one output,
 device-neutral ops), :mod:`~looptool.capture.residual` (residual analysis of one layer),
-:mod:`~looptool.capture.annotate` (roles and layers of every node) and
+:mod:`~looptool.capture.annotate` (roles and layers of every node),
+:mod:`~looptool.capture.experts` (the MoE experts implementation's layout) and
 :mod:`~looptool.capture.facts` (architecture facts of the config); :func:`capture` runs them.
 """
 
@@ -32,6 +33,7 @@ from torch import nn
 
 from looptool.capture.annotate import annotate_cache, annotate_graph
 from looptool.capture.clean import CAST_TARGETS, clean_module
+from looptool.capture.experts import annotate_experts
 from looptool.capture.export import INPUT_NAMES, build_skeleton, export_decode_step, export_source
 from looptool.capture.facts import (
     find_layers_path, hidden_size_of, kv_shape_of, moe_shape_of, module_path, norm_eps_of, num_layers_of,
@@ -73,6 +75,7 @@ def capture(model: nn.Module, *, decode: bool = False) -> LayerGraph:
     head_path = module_path(model, model.get_output_embeddings())
     module = clean_module(exported, None if decode else INPUT_NAMES)
     layers = annotate_graph(module.graph, layers_path, n_layers, head_path)
+    annotate_experts(module.graph)
     if decode:
         annotate_cache(module.graph, n_layers)
     param = next(model.parameters())
