@@ -1,4 +1,11 @@
-"""The runtime looped model: shared parameters plus one FX graph per budget."""
+"""The runtime looped model: shared parameters plus one FX graph per budget.
+
+The model knows no files and no decoding loop: generation (:mod:`looptool.generation`) and
+persistence (:mod:`looptool.serialization`) build on it and import it, never the reverse. The
+two Hugging Face-style conveniences ``generate`` and ``save_pretrained`` are one-line
+delegations whose imports happen at call time, so importing this module imports neither;
+whatever those modules keep with a model lives in :attr:`LoopedModel.derived`.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
+from looptool.devices import resolve_device
 from looptool.errors import LooptoolError, PassError
 from looptool.graph import (
     ROLE_HEAD,
@@ -25,6 +33,7 @@ from looptool.graph import (
     dtype_from_str,
     shared_graph_module,
 )
+from looptool.passes import PassManager
 from looptool.passes.checkpoint import bind_regions, checkpoint_regions
 from looptool.passes.recurrent_loop import with_exit_outputs
 from looptool.plan import BudgetCost, LoopPlan, ModelDims, cost_table
@@ -132,8 +141,6 @@ class LoopedModel(nn.Module):
             )
         if device is None or torch.device(device) == current:
             return self
-        from looptool.devices import resolve_device
-
         target = resolve_device(device)
         super().to(target, non_blocking=non_blocking)
         return self.retarget(target)
@@ -141,8 +148,6 @@ class LoopedModel(nn.Module):
     def retarget(self, device: torch.device | str) -> "LoopedModel":
         """Point the budget paths at ``device`` (the graphs bake their device in) without
         moving any tensor: for callers that moved the parameters themselves (FSDP2)."""
-        from looptool.passes import PassManager
-
         current, target = self._device(), torch.device(device)
         if target != current:
             self.layer_graph = PassManager([("retarget_device", {"to": str(target), "from": str(current)})])(self.layer_graph)
@@ -288,7 +293,7 @@ class LoopedModel(nn.Module):
         ``attention_mask`` (left padding), ``eos_token_id`` (default: the config's) and
         ``pad_token_id`` are passed to :func:`looptool.generation.generate`.
         """
-        from looptool.generation import generate
+        from looptool.generation import generate  # the one upward call: HF-style convenience (see module doc)
 
         kwargs.setdefault("eos_token_id", getattr(self.config, "eos_token_id", None))
         out = generate(self, input_ids, budget=budget, max_new_tokens=max_new_tokens, kv=kv, **kwargs)
@@ -310,7 +315,7 @@ class LoopedModel(nn.Module):
     # ------------------------------------------------------------------ persistence
     def save_pretrained(self, directory: str | Path, *, overwrite: bool = False) -> Path:
         """Write config.json, looptool.json, model.safetensors and the tokenizer (atomic)."""
-        from looptool.serialization import save
+        from looptool.serialization import save  # the other upward call (see module doc)
 
         return save(self, directory, overwrite=overwrite)
 

@@ -94,6 +94,14 @@ def commit_output_dir(final: Path, temp: Path) -> None:
         temp.rename(final)
 
 
+def recover_interrupted_commit(final: Path) -> None:
+    """Undo a :func:`commit_output_dir` killed between its two renames: only ``.NAME.old``
+    is left, so it is moved back (the previous complete output)."""
+    old = final.with_name(f".{final.name}.old")
+    if not final.exists() and old.exists():
+        old.rename(final)
+
+
 def save(model: LoopedModel, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """Write ``model`` to ``directory`` (atomically: temp dir, then rename)."""
     final, temp = prepare_output_dir(directory, overwrite)

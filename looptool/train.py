@@ -38,7 +38,9 @@ from looptool.errors import LooptoolError
 from looptool.graph import ROLE_EMBEDDING, ROLE_HEAD, dtype_from_str, parameter_reader_roles
 from looptool.model import LoopedModel
 from looptool.sampling import BudgetSampler
-from looptool.serialization import LOOPTOOL_JSON, commit_output_dir, load, read_looptool_json, write_model
+from looptool.serialization import (
+    LOOPTOOL_JSON, commit_output_dir, load, read_looptool_json, recover_interrupted_commit, write_model,
+)
 
 log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.pt"
@@ -185,7 +187,7 @@ class Trainer:
         self.fsdp = config.strategy == "fsdp"
         resuming = config.resume and (self.output / STATE_FILE).exists()
         if config.resume and not resuming:
-            _recover_interrupted_commit(self.output)
+            recover_interrupted_commit(self.output)
             resuming = (self.output / STATE_FILE).exists()
         if not config.resume and self.output.exists():
             raise TrainingError(f"output directory '{self.output}' exists; add --resume to continue it or choose another.")
@@ -445,13 +447,6 @@ def record_budgets(record: dict) -> list[int]:
     """The budgets of one log record, flattened over ranks (DDP logs one list per rank)."""
     budgets = record["budgets"]
     return [k for ks in budgets for k in ks] if budgets and isinstance(budgets[0], list) else list(budgets)
-
-
-def _recover_interrupted_commit(output: Path) -> None:
-    """A kill between the two renames of a commit leaves only ``.NAME.old``: restore it."""
-    old = output.with_name(f".{output.name}.old")
-    if not output.exists() and old.exists():
-        old.rename(output)
 
 
 def _append_log(output: Path, record: dict) -> None:
