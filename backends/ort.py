@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
-from looptool.backends.onnx import (
+from looptool.backends.onnx_format import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from looptool.backends.onnx import MANIFEST, WEIGHTS, EngineError, ExportError, budget_file, sha256_file
+from looptool.backends.onnx_format import MANIFEST, WEIGHTS, EngineError, ExportError, budget_file, sha256_file
 from looptool.backends.serving import INPUTS, LOGITS, CacheLayout
 from looptool.errors import require_extra
 

@@ -532,6 +532,93 @@ def eval_(
 
 @app.command()
 @_friendly
+def analyze(
+    model_dir: Annotated[Path, typer.Argument(help="A looped model directory.")],
+    data: Annotated[list[str], typer.Option(help="Held-out text: files, folders, globs or .jsonl (repeatable).")],
+    budget: Annotated[int | None, typer.Option(help="Analyse this budget only (default: per-layer statistics at the deepest, logit lens at every budget).")] = None,
+    tokens: Annotated[str, typer.Option(help="Analyse at most this many tokens.")] = "4k",
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 256,
+    batch: Annotated[int, typer.Option(help="Sequences per forward.")] = 4,
+    spacing: Annotated[int, typer.Option(help="Hydra effect: layers between the repetitions of a spaced triplet.")] = 3,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Folder for analysis.json and the plots (default: MODEL_DIR/analysis).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output folder.")] = False,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N (default: cuda when available, else cpu).")] = "auto",
+) -> None:
+    """Second-pass writes, expert overlap, residual cosines, Hydra effect, ELR states and logit lens."""
+    from rich.progress import BarColumn, MofNCompleteColumn, TimeRemainingColumn
+
+    from looptool.analyze import analyze as run_analysis
+    from looptool.report import plot_analysis
+    from looptool.serialization import commit_output_dir, load, prepare_output_dir
+
+    final, temp = prepare_output_dir(output or model_dir / "analysis", overwrite)
+    try:
+        bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                       TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+        with bar:
+            task = bar.add_task(f"loading {model_dir}", total=None)
+            model = load(model_dir, device=str(_device(device)))
+            result = run_analysis(model, data, budget=budget, seq_len=seq_len, max_tokens=_parse_count(tokens),
+                                  batch=batch, spacing=spacing, on_progress=lambda done, total, text: bar.update(
+                                      task, completed=done, total=total, description=text))
+            bar.update(task, description="[green]✓[/] analysed")
+        (temp / "analysis.json").write_text(json.dumps(result, indent=2))
+        pngs = plot_analysis(result, temp)
+        commit_output_dir(final, temp)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    _print_analysis(result)
+    out.print(f"wrote {final / 'analysis.json'} and {', '.join(p.name for p in pngs)}")
+
+
+def _print_analysis(result: dict) -> None:
+    """Compact tables of an analysis: per repeated layer, Hydra ratios, ELR loops, lens."""
+    from rich.table import Table
+
+    def f(value, spec: str = ".3f") -> str:
+        return "" if value is None else format(value, spec)
+
+    out.print(f"{result['tokens']:,} tokens · budget {result['budget']} · loss {result['loss']:.4f}")
+    if result.get("repeats"):
+        kinds = sorted({k for r in result["repeats"] for k in r["writes"]})
+        table = Table(title="second pass vs first pass, per repeated layer", title_justify="left")
+        cols = ["layer", "experts kept", *(f"{k} ‖w2‖/‖w1‖ · cos · gated" for k in kinds), "res. cos 1st · 2nd"]
+        for col in cols:
+            table.add_column(col, justify="right", no_wrap=True)
+        for r in result["repeats"]:
+            e = r["experts"]
+            cells = [str(r["layer"]), "" if e is None else f"{e['kept_mean']:.2f} of {e['top_k']}"]
+            cells += [f"{f(w.get('norm_ratio'), '.2f')} · {f(w.get('cosine'), '.2f')} · {f(w.get('gated_norm_ratio'), '.2f')}"
+                      for w in (r["writes"].get(k, {}) for k in kinds)]
+            rc = r["residual_cosine"]
+            cells.append(f"{f(rc['first_pass'])} · {f(rc['second_pass'])}")
+            table.add_row(*cells)
+        out.print(table)
+        hydra = result["hydra"]
+        for family in ("adjacent_pairs", "spaced_triplets"):
+            ratios = [r["ratio"] for r in hydra[family] if r["ratio"] is not None]
+            if ratios:
+                out.print(f"Hydra {family.replace('_', ' ')}: Δ(together) ÷ ΣΔ(alone) {min(ratios):.2f}–{max(ratios):.2f} "
+                          f"(median {sorted(ratios)[len(ratios) // 2]:.2f}, {len(ratios)} sets)")
+    if result.get("elr"):
+        table = Table(title="ELR loops", title_justify="left")
+        for col in ("loop", "‖s_i−s_i−1‖", "÷‖s_i−1‖", "mean β", "exit factor", "experts kept vs loop 1"):
+            table.add_column(col, justify="right", no_wrap=True)
+        for r in result["elr"]["loops"]:
+            table.add_row(str(r["loop"]), f(r["update_norm"]), f(r["relative_update"]), f(r["beta_mean"]),
+                          f(r["exit_factor_mean"]), f(r["kept_mean_vs_loop1"], ".2f"))
+        out.print(table)
+    for row in result["logit_lens"]:
+        losses = [a["loss"] for a in row["applications"]]
+        out.print(f"logit lens, budget {row['budget']}: {losses[0]:.3f} after the first application → "
+                  f"{min(losses):.3f} at best → {row['loss']:.3f} at the output")
+
+
+@app.command()
+@_friendly
 def generate(
     model_dir: Annotated[Path, typer.Argument(help="A looped model directory.")],
     prompt: Annotated[list[str], typer.Option("--prompt", "-p", help="Prompt text; repeat for a batch (left-padded).")],
@@ -722,6 +809,64 @@ def merge_cmd(
     changed = sum(1 for g in groups.values() if any(resolve_lambda(specs, g, j) for j in range(len(experts))))
     out.print(f"{changed} of {len(groups)} tensors merged ({len(groups) - changed} kept from the base); "
               f"saved merged model to [bold]{output}[/]")
+
+
+@app.command(name="lm-eval")
+@_friendly
+def lm_eval_cmd(
+    model_dir: Annotated[Path, typer.Argument(help="A looped model directory.")],
+    tasks: Annotated[str, typer.Option(help="lm-eval task names, comma-separated (e.g. hellaswag,arc_easy).")],
+    budgets: Annotated[str, typer.Option(help="Budgets to evaluate: 'all' or a comma-separated list.")] = "all",
+    include_path: Annotated[list[Path] | None, typer.Option(help="Folder of extra lm-eval task YAMLs (repeatable).")] = None,
+    limit: Annotated[float | None, typer.Option(help="Documents per task (a fraction below 1: that share of each task).")] = None,
+    num_fewshot: Annotated[int | None, typer.Option(help="Few-shot examples per prompt (default: the task's).")] = None,
+    batch_size: Annotated[int, typer.Option(help="Requests per forward / generation batch.")] = 1,
+    kv: Annotated[str, typer.Option(help="KV cache of generate_until tasks: per-loop (exact) or last-loop.")] = "per-loop",
+    max_length: Annotated[int | None, typer.Option(help="Longest input in tokens (default: from the config, as lm-eval's hf).")] = None,
+    bootstrap_iters: Annotated[int, typer.Option(help="Bootstrap draws for standard errors (0: none), as lm-eval.")] = 100000,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Folder for lm_eval.json, lm_eval.md and lm_eval.png (default: MODEL_DIR).")] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N (default: cuda when available, else cpu).")] = "auto",
+) -> None:
+    """lm-evaluation-harness tasks at every budget: one table, one JSON and one quality-vs-cost plot."""
+    from rich.progress import BarColumn, MofNCompleteColumn
+    from rich.table import Table
+
+    from looptool.plan import parse_budgets
+    from looptool.report import plot_quality_cost
+
+    task_names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not task_names:
+        raise LooptoolError("--tasks is empty; give lm-eval task names, e.g. --tasks hellaswag,arc_easy.")
+    chosen = None if budgets.strip() == "all" else list(parse_budgets(budgets))
+    limit = int(limit) if limit is not None and limit >= 1 else limit  # lm-eval: a count, or a share below 1
+    from looptool.harness import evaluate_budgets, markdown_table, quality_series
+
+    bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), console=console)
+    with bar:
+        task = bar.add_task(f"loading {model_dir}", total=None)
+        result = evaluate_budgets(
+            str(model_dir), task_names, budgets=chosen, include_path=[str(p) for p in include_path or []], limit=limit,
+            num_fewshot=num_fewshot, batch_size=batch_size, kv=kv, device=str(_device(device)), max_length=max_length,
+            bootstrap_iters=bootstrap_iters, on_budget=lambda k, done, total: bar.update(
+                task, total=total, completed=done, description=f"budget {k}: {', '.join(task_names)}"))
+        bar.update(task, completed=len(result["budgets"]), description="[green]✓[/] evaluated")
+    target = output or model_dir
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "lm_eval.json").write_text(json.dumps(result, indent=2))
+    (target / "lm_eval.md").write_text(markdown_table(result))
+    series = quality_series(result)
+    png = plot_quality_cost(series, target / "lm_eval.png", title=f"{model_dir.name}: lm-eval quality vs cost")
+    table = Table(title=f"lm-eval {result['lm_eval_version']} · {', '.join(task_names)}"
+                        f"{f' · limit {limit}' if limit is not None else ''} · kv {kv}", title_justify="left")
+    for col in ("budget", "×FLOPs", *series, "s"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for i, row in enumerate(result["budgets"]):
+        values = [points[i][1] for points in series.values()]
+        table.add_row(str(row["budget"]), f"{row['cost']['relative_flops']:.3f}",
+                      *("" if v is None else f"{v:.4g}" for v in values), f"{row['seconds']:.1f}")
+    out.print(table)
+    out.print(f"wrote {target / 'lm_eval.json'}, {target / 'lm_eval.md'} and {png}")
 
 
 @app.command(name="export")

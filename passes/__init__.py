@@ -14,5 +14,6 @@ from looptool.passes import kv_cache as _kv_cache  # noqa: F401  (registers)
 from looptool.passes import fuse as _fuse  # noqa: F401  (registers)
 from looptool.passes import checkpoint as _checkpoint  # noqa: F401  (registers)
 from looptool.passes import last_position as _last_position  # noqa: F401  (registers)
+from looptool.passes import ablate as _ablate  # noqa: F401  (registers)
 
 __all__ = ["PassManager", "get_pass", "register_pass", "registered_passes", "unregister_pass"]

@@ -24,7 +24,7 @@ def test_no_generic_top_level_packages(tmp_path):
     assert res.stdout.strip() == "None None", res.stdout + res.stderr
 
 
-COMMANDS = ("convert", "inspect", "demo", "train", "rl", "merge", "distill", "eval", "generate", "plot", "export", "run")
+COMMANDS = ("convert", "inspect", "demo", "train", "rl", "merge", "distill", "eval", "analyze", "lm-eval", "generate", "plot", "export", "run")
 
 
 def test_console_script_help():

@@ -1,0 +1,85 @@
+"""The on-disk format of an ONNX engine directory: file names, the manifest, errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from typing import TYPE_CHECKING
+
+from looptool.errors import LooptoolError
+
+if TYPE_CHECKING:
+    from looptool.backends.onnx_store import WeightStore
+
+
+FORMAT = "looptool-onnx-engine"
+FORMAT_VERSION = 2  # 2: serving graphs with KV caches, one per budget and policy
+MANIFEST = "manifest.json"
+WEIGHTS = "weights.bin"
+
+
+
+class ExportError(LooptoolError):
+    """An export failed (unsupported model, exporter failure, or validation mismatch)."""
+
+
+
+class EngineError(LooptoolError):
+    """An engine directory is incomplete, tampered with or points outside itself."""
+
+
+
+def budget_file(budget: int, kv: str = "per-loop") -> str:
+    """File name of one budget's graph under KV policy ``kv``."""
+    return f"budget_{budget}.{kv}.onnx"
+
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file, streamed."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+
+def write_manifest(model, directory: Path, store: WeightStore, graphs: dict[tuple[int, str], dict],
+                    functions: dict[str, dict[str, int]], ort_fusions: bool) -> None:
+    from looptool.backends.onnx_functions import DOMAIN, DOMAIN_VERSION, OPSET
+    from looptool.backends.serving import INPUTS, LOGITS
+
+    from looptool import __version__
+
+    budgets: dict[str, dict] = {}
+    for (budget, policy), info in sorted(graphs.items()):
+        path = directory / info["file"]
+        budgets.setdefault(str(budget), {})[policy] = {**info, "sha256": sha256_file(path), "bytes": path.stat().st_size}
+    mask_dtype = str(model.mask_dtype).removeprefix("torch.")
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "looptool_version": __version__,
+        "opset": {"": OPSET, DOMAIN: DOMAIN_VERSION},
+        "interface": {
+            "inputs": dict(zip(INPUTS, ("int64 [batch, step]", f"{mask_dtype} [batch, capacity]", "int64 [batch, step]",
+                                        "int64 [step]"))),
+            "caches": "past_key_values.{j}.key / .value [batch, kv_heads, capacity, head_dim] in, present.{j}.key / "
+                      ".value out (same buffers may be bound to both)",
+            "outputs": {LOGITS: "[batch, 1, vocab] (last position)"},
+        },
+        "kv_policies": sorted({policy for _, policy in graphs}),
+        "functions": {"ort_fusions": ort_fusions, "fused_per_body": functions},
+        "mask_dtype": mask_dtype,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "plan": model.plan.to_dict(),
+        "budgets": budgets,
+        "weights": {"file": WEIGHTS, "sha256": sha256_file(directory / WEIGHTS), "bytes": store.size, "tensors": store.tensors},
+        "parameter_bytes": model.dims().param_bytes,
+        "source_config": model.config.to_dict(),
+        "tokenizer": model.tokenizer is not None,
+    }
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))

@@ -1,0 +1,85 @@
+"""The weight store of an engine: every tensor once in ``weights.bin`` (deduplicated by content,
+aligned), and graphs whose initializers point into it."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from looptool.backends.onnx_format import WEIGHTS, ExportError
+
+
+ALIGN = 64  # bytes; every tensor starts on a cache-line (and SIMD) boundary
+ALIGN_LARGE = 4096  # tensors of 1 MiB or more start on a page, so they can be mapped as is
+LARGE = 1 << 20
+INLINE_LIMIT = 1024  # exporter constants smaller than this stay inside the .onnx file
+
+
+
+class WeightStore:
+    """Appends tensors to one file, once per distinct content, at aligned offsets."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = open(path, "wb")  # noqa: SIM115  (closed by close(), one file for all budgets)
+        self._by_digest: dict[str, dict] = {}
+        self.tensors: dict[str, dict] = {}  # initializer name → entry (shared with its digest)
+        self.size = 0
+
+    def add(self, name: str, array: np.ndarray, dtype: str) -> dict:
+        """Store ``array`` (or find identical bytes already stored); returns its entry."""
+        data = np.ascontiguousarray(array).tobytes()
+        digest = hashlib.sha256(data).hexdigest()
+        entry = self._by_digest.get(digest)
+        if entry is None:
+            align = ALIGN_LARGE if len(data) >= LARGE else ALIGN
+            offset = -(-self.size // align) * align
+            self._file.write(b"\0" * (offset - self.size))
+            self._file.write(data)
+            self.size = offset + len(data)
+            entry = {"offset": offset, "length": len(data), "sha256": digest}
+            self._by_digest[digest] = entry
+        if name in self.tensors and self.tensors[name]["sha256"] != digest:
+            raise ExportError(f"two different tensors are both named '{name}' in the exported graphs; please report this as a bug.")
+        self.tensors[name] = {**entry, "dtype": dtype, "shape": list(array.shape)}
+        return self.tensors[name]
+
+    def close(self) -> None:
+        """Flush and close the file."""
+        self._file.close()
+
+
+
+def externalize(onnx_model, directory: Path, store: WeightStore, known: dict[str, str], budget: int) -> list[str]:
+    """Point every large or model-owned initializer at ``weights.bin``; refuse folded
+    copies of weights (an initializer that is big but no model tensor)."""
+    import onnx_ir as ir
+
+    known_digests = set(known.values())
+    names: list[str] = []
+    for name, value in list(onnx_model.graph.initializers.items()):
+        tensor = value.const_value
+        if tensor is None:
+            continue
+        array = tensor.numpy()
+        nbytes = array.nbytes
+        is_model_tensor = name in known
+        if not is_model_tensor and nbytes < INLINE_LIMIT:
+            continue  # a small exporter constant: stays in the graph file
+        digest = hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+        if is_model_tensor and known[name] != digest:
+            raise ExportError(f"initializer '{name}' of budget {budget} differs from the model tensor of that name; please report this as a bug.")
+        if not is_model_tensor and digest not in known_digests:
+            raise ExportError(
+                f"budget {budget} has a {nbytes}-byte initializer '{name}' that is no model tensor "
+                "(a constant-folded copy would duplicate weights); please report this as a bug."
+            )
+        entry = store.add(name, array, str(tensor.dtype))
+        value.const_value = ir.ExternalTensor(
+            WEIGHTS, entry["offset"], entry["length"], tensor.dtype,
+            shape=tensor.shape, name=name, base_dir=directory,
+        )
+        names.append(name)
+    return names
