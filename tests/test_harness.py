@@ -177,7 +177,7 @@ def test_generate_until_stops_at_until(looped_lm, monkeypatch):
     real = harness.generate
 
     def counting(*args, on_step, **kwargs):
-        return real(*args, on_step=lambda tokens: (steps.append(len(tokens)), on_step(tokens)), **kwargs)
+        return real(*args, on_step=lambda tokens: steps.append(len(tokens)) or on_step(tokens), **kwargs)
 
     monkeypatch.setattr(harness, "generate", counting)
     cut = _generate(lm, prompts[:1], until=[stop])

@@ -71,22 +71,16 @@ def test_round_trip(smollm2, perturbed, ids, tmp_path):
             assert torch.equal(want[k], loaded(ids, budget=k).logits), f"budget {k}"
 
 
-def test_gguf_file_source(smollm2_gguf):
-    from looptool.sources import load_source
+def test_gguf_file_source(smollm2, smollm2_gguf, monkeypatch):
+    """The fixture loaded the .gguf path itself; the named source ``"smollm2"`` loads that file."""
+    from looptool import sources
 
-    src = load_source(smollm2_gguf)  # a .gguf path, the same file the smollm2 source uses
-    assert src.model.config.model_type == "llama" and src.model.config.num_hidden_layers == 30
-    assert src.tokenizer is not None and src.tokenizer("hello").input_ids
-
-
-def test_elr_exact_at_every_loop_count(smollm2, ids):
-    plan = looptool.RecurrentLoop(recurrent=(8, 22), max_loops=4)
-    model = looptool.convert(smollm2.model, plan)
-    with torch.no_grad():
-        ref = smollm2.model(input_ids=ids).logits
-        for k in model.budgets:
-            assert torch.equal(ref, model(ids, budget=k).logits), f"k={k}"
-    assert model.added_parameter_count() == 576 * 576 + 3 * 576
+    assert smollm2.model.config.model_type == "llama" and smollm2.model.config.num_hidden_layers == 30
+    assert smollm2.tokenizer is not None and smollm2.tokenizer("hello").input_ids
+    seen = {}
+    monkeypatch.setattr(sources, "_load_gguf", lambda path, dtype, device, origin: seen.update(path=path, origin=origin))
+    sources.load_source("smollm2")
+    assert seen == {"path": smollm2_gguf, "origin": sources.SMOLLM2}
 
 
 def test_elr_every_update_rule_and_conditioning(smollm2, ids):
@@ -99,6 +93,11 @@ def test_elr_every_update_rule_and_conditioning(smollm2, ids):
     lg = capture(smollm2.model)
     with torch.no_grad():
         ref = smollm2.model(input_ids=ids).logits
+    model = LoopedModel(PassManager([("recurrent_loop", looptool.RecurrentLoop(recurrent=(8, 22), max_loops=4).to_dict())])(lg))
+    with torch.no_grad():
+        for k in model.budgets:  # the default plan: exact at every loop count up to 4
+            assert torch.equal(ref, model(ids, budget=k).logits), f"k={k}"
+    assert model.added_parameter_count() == 576 * 576 + 3 * 576
     for update in UPDATE_RULES:
         for conditioning in (False, True):
             plan = looptool.RecurrentLoop(recurrent=(8, 22), max_loops=3, update=update, conditioning=conditioning)
