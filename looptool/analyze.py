@@ -45,7 +45,7 @@ from looptool.graph import (
 )
 from looptool.model import LoopedModel
 from looptool.passes.ablate import ablate_repetitions
-from looptool.passes.checkpoint import application_of, bind_regions
+from looptool.passes.checkpoint import application_members, bind_regions
 from looptool.passes.recurrent_loop import EXIT_KEY
 
 log = logging.getLogger(__name__)
@@ -77,13 +77,8 @@ def layer_applications(graph: fx.Graph) -> list[Application]:
     """Every layer application of ``graph`` in execution order, found by annotation: the
     nodes of one ``(layer, execution)`` and the residual add among them that something
     outside the application reads."""
-    groups: dict[tuple[int, int], list[fx.Node]] = {}
-    for node in graph.nodes:
-        key = application_of(node)
-        if key is not None:
-            groups.setdefault(key, []).append(node)
     apps = []
-    for (layer, execution), members in groups.items():
+    for (layer, execution), members in application_members(graph).items():
         inside = set(members)
         outs = [n for n in members if annotation(n).get("role") == ROLE_RESIDUAL and any(u not in inside for u in n.users)]
         if len(outs) != 1:

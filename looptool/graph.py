@@ -231,3 +231,13 @@ def shared_graph_module(owner: torch.nn.Module, graph: fx.Graph) -> fx.GraphModu
     for name in list(gm._modules):
         gm._modules[name] = owner._modules[name]
     return gm
+
+
+def is_call(node: Any, target: Any) -> bool:
+    """Whether ``node`` is an FX node calling ``target``."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target
+
+
+def value_users(node: fx.Node) -> list[fx.Node]:
+    """The users that consume ``node``'s value (export's dtype/shape assertions do not)."""
+    return [u for u in node.users if u.target is not torch.ops.aten._assert_tensor_metadata.default]

@@ -101,6 +101,17 @@ def application_of(node: fx.Node) -> tuple[int, int] | None:
     return layer, execution_of(node)
 
 
+def application_members(graph: fx.Graph) -> dict[tuple[int, int], list[fx.Node]]:
+    """The member nodes of every layer application of ``graph``, in graph order, keyed by
+    ``(layer, execution)`` (:func:`application_of`), applications in order of first node."""
+    groups: dict[tuple[int, int], list[fx.Node]] = {}
+    for node in graph.nodes:
+        key = application_of(node)
+        if key is not None:
+            groups.setdefault(key, []).append(node)
+    return groups
+
+
 def regions_of(graph: fx.Graph) -> list[list[fx.Node]]:
     """The layer applications of ``graph``, each as its member nodes in graph order.
 
@@ -109,13 +120,8 @@ def regions_of(graph: fx.Graph) -> list[list[fx.Node]]:
     application whose members are interleaved with another's is refused.
     """
     order = {n: i for i, n in enumerate(graph.nodes)}
-    by_key: dict[tuple[int, int], list[fx.Node]] = {}
-    for node in graph.nodes:
-        key = application_of(node)
-        if key is not None:
-            by_key.setdefault(key, []).append(node)
     regions = []
-    for key, members in by_key.items():
+    for key, members in application_members(graph).items():
         member_set = set(members)
         first, last = order[members[0]], order[members[-1]]
         nodes = list(graph.nodes)[first:last + 1]

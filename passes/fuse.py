@@ -43,6 +43,8 @@ from looptool.graph import (
     annotate,
     annotation,
     copy_graph,
+    is_call,
+    value_users,
 )
 
 log = logging.getLogger(__name__)
@@ -80,20 +82,11 @@ def fuse_graph(graph: fx.Graph, ops: tuple[str, ...] = FUSABLE) -> tuple[fx.Grap
     return new, counts
 
 
-def _is(node, target) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target
-
-
-def _users(node: fx.Node) -> list[fx.Node]:
-    """Users that consume the value (export's dtype/shape assertions do not)."""
-    return [u for u in node.users if u.target is not _aten._assert_tensor_metadata.default]
-
-
 def _erase_dead(graph: fx.Graph, candidates) -> None:
     """Erase ``candidates`` that no longer have users (other than assertions), sinks first."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     for node in sorted(set(candidates), key=order.__getitem__, reverse=True):
-        if not _users(node):
+        if not value_users(node):
             for check in list(node.users):
                 graph.erase_node(check)
             graph.erase_node(node)
@@ -116,13 +109,13 @@ def _swap_in(graph: fx.Graph, old: fx.Node, op: str, args: tuple, role: str) -> 
 def _fuse_gated_residual(graph: fx.Graph) -> int:
     count = 0
     for add in list(graph.nodes):
-        if not _is(add, _aten.add.Tensor) or add.kwargs or len(add.args) != 2:
+        if not is_call(add, _aten.add.Tensor) or add.kwargs or len(add.args) != 2:
             continue
         for i, arg in enumerate(add.args):
-            if not (_is(arg, _aten.mul.Tensor) and annotation(arg).get("role") == ROLE_GATE and len(arg.users) == 1):
+            if not (is_call(arg, _aten.mul.Tensor) and annotation(arg).get("role") == ROLE_GATE and len(arg.users) == 1):
                 continue
             tanh, f = arg.args
-            if not (_is(tanh, _aten.tanh.default) and annotation(tanh).get("role") == ROLE_GATE):
+            if not (is_call(tanh, _aten.tanh.default) and annotation(tanh).get("role") == ROLE_GATE):
                 continue
             gate = tanh.args[0]
             x = add.args[1 - i]  # IEEE addition is commutative, so operand order is free
@@ -139,20 +132,20 @@ def _fuse_adaptive_delta(graph: fx.Graph) -> int:
     count = 0
     for add in list(graph.nodes):
         ann = annotation(add)
-        if not (_is(add, _aten.add.Tensor) and ann.get("role") == ROLE_STATE and ann.get("name") == "state"):
+        if not (is_call(add, _aten.add.Tensor) and ann.get("role") == ROLE_STATE and ann.get("name") == "state"):
             continue
         s_prev, step = add.args
         exit = None
         dead = [step]
-        if annotation(step).get("name") == "exit" and _is(step, _aten.mul.Tensor):
+        if annotation(step).get("name") == "exit" and is_call(step, _aten.mul.Tensor):
             exit, step = step.args
             dead.append(step)
-        if not (_is(step, _aten.mul.Tensor) and annotation(step.args[0]).get("name") == "beta"):
+        if not (is_call(step, _aten.mul.Tensor) and annotation(step.args[0]).get("name") == "beta"):
             continue  # another update rule (delta, replace, residual): nothing to fuse
         beta, diff = step.args
         sig, rate = beta.args
-        if not (_is(diff, _aten.sub.Tensor) and diff.args[1] is s_prev and _is(sig, _aten.sigmoid.default)
-                and _is(rate, _aten.softplus.default) and _is(sig.args[0], _aten.linear.default)):
+        if not (is_call(diff, _aten.sub.Tensor) and diff.args[1] is s_prev and is_call(sig, _aten.sigmoid.default)
+                and is_call(rate, _aten.softplus.default) and is_call(sig.args[0], _aten.linear.default)):
             raise PassError(f"fuse: the adaptive-delta update at '{add.name}' does not have the shape recurrent_loop emits.")
         linear = sig.args[0]
         s_tilde, weight, bias = linear.args
@@ -169,13 +162,13 @@ def _fuse_modulate(graph: fx.Graph) -> int:
     count = 0
     for add in list(graph.nodes):
         ann = annotation(add)
-        if not (_is(add, _aten.add.Tensor) and ann.get("part") == "conditioning" and len(add.args) == 2):
+        if not (is_call(add, _aten.add.Tensor) and ann.get("part") == "conditioning" and len(add.args) == 2):
             continue
         x_t, up_out = add.args
-        if not (_is(x_t, _aten.addcmul.default) and _is(up_out, _aten.linear.default) and len(up_out.args) == 2):
+        if not (is_call(x_t, _aten.addcmul.default) and is_call(up_out, _aten.linear.default) and len(up_out.args) == 2):
             continue
         down_out, up = up_out.args
-        if not (_is(down_out, _aten.linear.default) and len(down_out.args) == 2 and down_out.args[0] is x_t):
+        if not (is_call(down_out, _aten.linear.default) and len(down_out.args) == 2 and down_out.args[0] is x_t):
             continue
         shift, scale, x = x_t.args
         down = down_out.args[1]
@@ -208,7 +201,7 @@ def _fuse_moe(graph: fx.Graph) -> int:
         if set(operands) != set(OPERANDS):
             raise PassError(f"fuse: the experts block of '{combine.name}' lost its {sorted(set(OPERANDS) - set(operands))} "
                             "operand(s); please report this as a bug.")
-        if any(u not in region and u is not combine for n in region for u in _users(n)):
+        if any(u not in region and u is not combine for n in region for u in value_users(n)):
             continue  # an intermediate escapes the experts block: not safe to replace
         for user in list(combine.users):
             if user.target is _aten._assert_tensor_metadata.default:

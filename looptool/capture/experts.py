@@ -17,7 +17,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from looptool.graph import META_KEY, ROLE_MOE, ROLE_ROUTER, annotation
+from looptool.graph import META_KEY, ROLE_MOE, ROLE_ROUTER, annotation, is_call, value_users
 
 _aten = torch.ops.aten
 EXPERTS_KEY = "experts"
@@ -48,15 +48,6 @@ def _mark(node: fx.Node, part: str) -> None:
     node.meta[META_KEY] = {**annotation(node), EXPERTS_KEY: part}
 
 
-def _is(node, target) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target
-
-
-def _users(node: fx.Node) -> list[fx.Node]:
-    """Users that consume the value (export's dtype/shape assertions do not)."""
-    return [u for u in node.users if u.target is not _aten._assert_tensor_metadata.default]
-
-
 _GROUPED = {"grouped_mm_fallback", "_grouped_mm", "grouped_mm"}
 
 
@@ -66,7 +57,7 @@ def _is_grouped_mm(node) -> bool:
 
 def _expert_weight(node) -> fx.Node | None:
     """The 3-D expert tensor behind ``transpose(w, -2, -1)`` (the grouped matmul's operand)."""
-    if _is(node, _aten.transpose.int) and node.args[0].op == "get_attr" and tuple(node.args[1:]) in ((-2, -1), (1, 2)):
+    if is_call(node, _aten.transpose.int) and node.args[0].op == "get_attr" and tuple(node.args[1:]) in ((-2, -1), (1, 2)):
         return node.args[0]
     return None
 
@@ -80,38 +71,38 @@ def _match_experts(gmm_up: fx.Node, gate_up: fx.Node):
     """Walk the grouped experts subgraph from its first grouped matmul; None if it is not
     the gated-SiLU pattern the ``moe`` op computes."""
     # up: chunk(gmm_up, 2, -1) → silu(chunk[0]) * chunk[1] → grouped matmul with down
-    chunk = next(iter(_users(gmm_up)), None)
-    if len(_users(gmm_up)) != 1 or not _is(chunk, _aten.chunk.default) or tuple(chunk.args[1:]) not in ((2, -1), (2, 1)):
+    chunk = next(iter(value_users(gmm_up)), None)
+    if len(value_users(gmm_up)) != 1 or not is_call(chunk, _aten.chunk.default) or tuple(chunk.args[1:]) not in ((2, -1), (2, 1)):
         return None
-    parts = {u.args[1]: u for u in _users(chunk) if u.target is operator.getitem}
-    if set(parts) != {0, 1} or len(_users(parts[0])) != 1:
+    parts = {u.args[1]: u for u in value_users(chunk) if u.target is operator.getitem}
+    if set(parts) != {0, 1} or len(value_users(parts[0])) != 1:
         return None
-    silu = _users(parts[0])[0]
-    if not _is(silu, _aten.silu.default) or len(_users(silu)) != 1:
+    silu = value_users(parts[0])[0]
+    if not is_call(silu, _aten.silu.default) or len(value_users(silu)) != 1:
         return None
-    act = _users(silu)[0]
-    if not (_is(act, _aten.mul.Tensor) and act.args == (silu, parts[1]) and len(_users(act)) == 1):
+    act = value_users(silu)[0]
+    if not (is_call(act, _aten.mul.Tensor) and act.args == (silu, parts[1]) and len(value_users(act)) == 1):
         return None
-    gmm_down = _users(act)[0]
+    gmm_down = value_users(act)[0]
     down = _expert_weight(gmm_down.args[1]) if _is_grouped_mm(gmm_down) else None
     if down is None:
         return None
     # combine: the first node after the down projection shaped like the experts' input x
     gathered = gmm_up.args[0]
-    if not _is(gathered, _aten.index.Tensor):
+    if not is_call(gathered, _aten.index.Tensor):
         return None
     x = gathered.args[0]
     x_shape = _shape_of(x)
     combine, node = None, gmm_down
     for _ in range(8):
-        users = _users(node)
+        users = value_users(node)
         if len(users) != 1:
             return None
         node = users[0]
         if _shape_of(node) == x_shape:
             combine = node
             break
-    if combine is None or not _is(combine, _aten.sum.dim_IntList):
+    if combine is None or not is_call(combine, _aten.sum.dim_IntList):
         return None
     # everything the combine depends on, stopping at x, parameters and the router's output
     region: set[fx.Node] = set()
@@ -136,6 +127,6 @@ def _match_experts(gmm_up: fx.Node, gate_up: fx.Node):
     weights = next((n for n in routed if n.meta["val"].is_floating_point()), None)
     if ids is None or weights is None or _shape_of(ids) != _shape_of(weights):
         return None
-    if any(u not in region and u is not combine for n in region for u in _users(n)):
+    if any(u not in region and u is not combine for n in region for u in value_users(n)):
         return None  # an intermediate escapes the experts block: not safe to replace
     return combine, x, weights, ids, down, region
