@@ -14,7 +14,16 @@ from looptool.backends.onnx_format import ExportError
 log = logging.getLogger(__name__)
 
 
-DEFAULT_ATOL = 1e-4
+DEFAULT_ATOL = 1e-4  # float32 graphs
+# float16 graphs: fp16 rounds every intermediate to 11 significant bits (eps 9.8e-4) and
+# onnxruntime and PyTorch round in different places, so the limit is ~10 fp16 ulps of the logits
+FP16_ATOL = 1e-2
+
+
+def default_atol(model) -> float:
+    """The validation limit (relative to ``max(1, max |logits|)``) for ``model``'s dtype."""
+    dtype = next(model.parameters()).dtype
+    return FP16_ATOL if dtype == torch.float16 else DEFAULT_ATOL
 VALIDATION_TEXT = "The quick brown fox jumps over the lazy dog, then counts: one, two, three, four."
 
 
@@ -37,16 +46,17 @@ def validation_prompts(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 
 
-def validate_engine(model, directory: str | os.PathLike, *, atol: float = DEFAULT_ATOL,
+def validate_engine(model, directory: str | os.PathLike, *, atol: float | None = None,
                     new_tokens: int = 6) -> dict[tuple[int, str], dict[str, float]]:
     """Generate greedily with every graph of an engine (onnxruntime, :class:`Runtime`) and
     with the PyTorch cached path on the same prompts; returns the max abs difference of the
     next-token logits over the prefill and every decode step, per ``(budget, policy)`` and
-    prompt, raising :class:`ExportError` above ``atol × max(1, max |logits|)`` or when the
-    greedy tokens differ."""
+    prompt, raising :class:`ExportError` above ``atol × max(1, max |logits|)`` (``atol``
+    default: :func:`default_atol` of the model's dtype) or when the greedy tokens differ."""
     from looptool.backends.ort import Runtime
     from looptool.generation import generate
 
+    atol = default_atol(model) if atol is None else atol
     rt = Runtime(directory)
     diffs: dict[tuple[int, str], dict[str, float]] = {}
     for policy in rt.kv_policies:

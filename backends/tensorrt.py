@@ -289,11 +289,11 @@ def export_tensorrt(
     final = check_output_dir(output, overwrite)
     say = on_progress or (lambda text: None)
     source = model
-    if next(model.parameters()).dtype != dtype:
-        import copy
+    if next(model.parameters()).dtype != dtype:  # graphs are dtype-specialised: rebuild, not .to()
+        from looptool.convert import cast
 
-        say(f"casting a copy of the model to {precision}")
-        source = copy.deepcopy(model).to(dtype)
+        say(f"rebuilding a copy of the model in {precision}")
+        source = cast(model, dtype)
     report = export_onnx(source, final, budgets, kv=kv, compose=compose, overwrite=overwrite,
                          validate=validate and precision != "bf16", on_progress=on_progress, _allow_bf16=True)
     try:

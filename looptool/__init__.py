@@ -5,6 +5,7 @@ Python API::
     model = looptool.convert(hf_model, looptool.PrefixLoop(window=(6, 18), budgets=(0, 3, 6, 9, 12)))
     out = model(input_ids, budget=6)          # .logits, .loss with labels=
     model.save_pretrained("looped"); model = looptool.load("looped")
+    fp16 = looptool.cast(model, torch.float16)   # or looptool.load("looped", dtype=torch.float16)
 
 Beneath it, the pass API: :func:`looptool.capture.capture` a model into a
 :class:`~looptool.graph.LayerGraph`, run named passes with
@@ -14,11 +15,11 @@ Beneath it, the pass API: :func:`looptool.capture.capture` a model into a
 __version__ = "0.1.0"
 
 from looptool.capture import capture
-from looptool.convert import convert
+from looptool.convert import cast, convert
 from looptool.errors import LooptoolError
 from looptool.graph import LayerGraph
 from looptool.model import LoopedModel
 from looptool.plan import PrefixLoop, RecurrentLoop
 from looptool.serialization import load
 
-__all__ = ["LayerGraph", "LoopedModel", "LooptoolError", "PrefixLoop", "RecurrentLoop", "capture", "convert", "load", "__version__"]
+__all__ = ["LayerGraph", "LoopedModel", "LooptoolError", "PrefixLoop", "RecurrentLoop", "capture", "cast", "convert", "load", "__version__"]

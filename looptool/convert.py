@@ -8,9 +8,10 @@ import os
 import torch
 from torch import nn
 
-from looptool.capture import capture, num_layers_of
+from looptool.capture import build_skeleton, capture, num_layers_of
 from looptool.errors import LooptoolError
-from looptool.model import LoopedModel
+from looptool.graph import dtype_from_str
+from looptool.model import LoopedModel, bind_tensors, graph_tensors
 from looptool.passes import PassManager
 from looptool.plan import LoopPlan, PrefixLoop, RecurrentLoop
 from looptool.sources import load_source
@@ -39,9 +40,10 @@ def convert(
     """Capture ``source`` and loop it according to ``plan`` (default: ``PrefixLoop()``).
 
     ``source`` is a Hugging Face causal LM object (used as is: its parameters become the
-    looped model's, nothing is copied), a model directory, a ``.gguf`` file or
-    ``"smollm2"``; ``dtype``/``device`` apply when looptool loads the source itself.
-    Right after conversion every budget computes exactly what the source computes.
+    looped model's, nothing is copied), a model directory, a Hub model id (``org/name`` or
+    ``org/name@revision``, through the Hugging Face cache), a ``.gguf`` file or ``"smollm2"``;
+    ``dtype``/``device`` apply when looptool loads the source itself. Right after conversion
+    every budget computes exactly what the source computes.
     """
     if isinstance(source, nn.Module):
         model = source
@@ -54,3 +56,53 @@ def convert(
     lg = capture(model)
     lg = PassManager(plan_steps(plan))(lg)
     return LoopedModel(lg, tokenizer=tokenizer)
+
+
+def rebuild(config, recipe, *, dtype: torch.dtype, device: str, attn_implementation: str | None = None,
+            tokenizer=None) -> LoopedModel:
+    """The structure of a looped model with weights on ``meta``: the source architecture of
+    ``config`` built on ``meta`` in ``dtype``, captured, the ``recipe`` of passes replayed and
+    the graphs retargeted to ``device``. Binding the weights is the caller's (load, cast)."""
+    lg = capture(build_skeleton(config, dtype, attn_implementation))
+    lg = PassManager([(name, cfg) for name, cfg in recipe])(lg)
+    lg = PassManager([("retarget_device", {"to": str(device)})])(lg)
+    return LoopedModel(lg, tokenizer=tokenizer)
+
+
+def cast(model: LoopedModel, dtype: torch.dtype) -> LoopedModel:
+    """A copy of ``model`` whose graphs and weights are in ``dtype``; ``model`` is untouched.
+
+    A captured graph is specialised to its dtype, so an in-place ``model.to(dtype)`` is
+    refused; this recaptures the source architecture in ``dtype`` on ``meta``, replays the
+    model's recipe and binds cast copies of its tensors (each tied tensor cast once; tensors
+    the new graphs keep in another dtype, such as fp32 rotary frequencies, keep it, and a
+    tensor whose dtype does not change is shared, not copied). Trainability is kept.
+    Returns ``model`` itself when it is already in ``dtype``.
+    """
+    source = model.layer_graph.source
+    if dtype_from_str(source.dtype) == dtype:
+        return model
+    if not dtype.is_floating_point:
+        raise LooptoolError(f"a looped model can be cast to a floating-point dtype, not {dtype}.")
+    device = source.device
+    new = rebuild(model.config, model.recipe, dtype=dtype, device=device,
+                  attn_implementation=source.attn_implementation, tokenizer=model.tokenizer)
+    old = graph_tensors(model)
+    missing = sorted(set(graph_tensors(new)) - set(old))
+    if missing:  # the replayed recipe must give the same tensors; anything else is a looptool bug
+        raise LooptoolError(f"the {dtype} rebuild of this model has tensors the model lacks ({missing[:3]}); "
+                            "please report this as a bug.")
+    cast_of: dict[int, torch.Tensor] = {}
+
+    def tensor_for(name: str, placeholder: torch.Tensor) -> torch.Tensor:
+        t = old[name]
+        if id(t) not in cast_of:
+            value = t.detach()
+            cast_of[id(t)] = value if value.dtype == placeholder.dtype else value.to(placeholder.dtype)
+        return cast_of[id(t)]
+
+    trainable = [n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
+    bind_tensors(new, tensor_for, trainable=trainable)
+    new.activation_checkpointing = model.activation_checkpointing
+    new.train(model.training)
+    return new

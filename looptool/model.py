@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,8 +136,9 @@ class LoopedModel(nn.Module):
         if dtype is not None and dtype != dtype_from_str(self.layer_graph.source.dtype):
             raise LooptoolError(
                 f"a looped model cannot change dtype in place ({self.layer_graph.source.dtype} → {dtype}): its "
-                "graphs are specialised to the dtype they were captured in; convert the source in that dtype "
-                "(looptool convert --dtype) or use torch.autocast for mixed precision."
+                "graphs are specialised to the dtype they were captured in; make a copy rebuilt in that dtype with "
+                f"looptool.cast(model, {dtype}) (or looptool.load(directory, dtype={dtype})), or use "
+                "torch.autocast for mixed precision."
             )
         if device is None or torch.device(device) == current:
             return self
@@ -389,6 +390,42 @@ class _Compiled:
             out = self.fn(*args)
         self.checked = True
         return out
+
+
+def graph_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor a budget path reads (parameters and buffers, persistent or not), by name;
+    a tied tensor appears under each of its names."""
+    out = dict(model.named_parameters(remove_duplicate=False))
+    out.update(dict(model.named_buffers(remove_duplicate=False)))
+    return out
+
+
+def bind_tensors(model: LoopedModel, tensor_for: Callable[[str, torch.Tensor], torch.Tensor], *,
+                 trainable: Collection[str] | None = None) -> None:
+    """Replace every tensor of ``model`` (typically its ``meta`` placeholders) with
+    ``tensor_for(name, placeholder)``.
+
+    Names for which ``tensor_for`` returns the same tensor object stay tied (one object, one
+    copy). Parameters become ``nn.Parameter`` objects that require grad when ``trainable``
+    is None or names them.
+    """
+    trainable = set(trainable) if trainable is not None else None
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    bound: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(returned) → (returned, kept alive; bound object)
+    for name, placeholder in graph_tensors(model).items():
+        raw = tensor_for(name, placeholder)
+        if id(raw) not in bound:
+            obj = nn.Parameter(raw, requires_grad=trainable is None or name in trainable) if name in params else raw
+            bound[id(raw)] = (raw, obj)
+        obj = bound[id(raw)][1]
+        *path, leaf = name.split(".")
+        mod = model
+        for part in path:
+            mod = mod._modules[part]
+        if name in params:
+            mod._parameters[leaf] = obj
+        else:
+            mod._buffers[leaf] = obj
 
 
 def _router_logit_nodes(graph: fx.Graph) -> list[fx.Node]:
