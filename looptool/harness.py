@@ -21,8 +21,11 @@ left-padded batches and stops when every row has produced a stop string or EOS.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from looptool.errors import LooptoolError, MissingExtraError, require_extra
@@ -391,8 +394,9 @@ def evaluate_budgets(
             on_budget(k, done, len(chosen))
         lm.budget = k
         start = time.perf_counter()
-        out = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit, num_fewshot=num_fewshot,
-                              bootstrap_iters=bootstrap_iters, log_samples=False)
+        with _quiet_git_hash():
+            out = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
+                                  num_fewshot=num_fewshot, bootstrap_iters=bootstrap_iters, log_samples=False)
         seconds = time.perf_counter() - start
         higher_is_better = out.get("higher_is_better", {})
         rows.append({"budget": k, "cost": costs[k], "seconds": seconds,
@@ -402,6 +406,30 @@ def evaluate_budgets(
             "num_fewshot": num_fewshot, "kv": kv, "batch_size": batch_size, "max_length": lm.max_length,
             "lm_eval_version": lm_eval.__version__, "plan": lm.model.plan.to_dict(),
             "higher_is_better": higher_is_better, "budgets": rows}
+
+
+@contextmanager
+def _quiet_git_hash() -> Iterator[None]:
+    """Within the block, lm-eval records the working directory's git hash as it does, but
+    with git's stderr captured: lm-eval's own ``git describe`` lets git print ``fatal: not a
+    git repository`` on the terminal whenever it runs outside one (nothing to act on)."""
+    import lm_eval.evaluator
+
+    def git_hash() -> str | None:
+        try:
+            return subprocess.run(["git", "describe", "--always"], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+        except (subprocess.CalledProcessError, FileNotFoundError):
+            from lm_eval.loggers.utils import get_commit_from_path
+
+            return get_commit_from_path(os.getcwd())  # lm-eval's own fallback
+
+    original = lm_eval.evaluator.get_git_commit_hash
+    lm_eval.evaluator.get_git_commit_hash = git_hash
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash = original
 
 
 def _metrics(entry: dict) -> dict[str, dict]:

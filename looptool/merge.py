@@ -460,6 +460,48 @@ def merge_tensor(base: torch.Tensor, experts: Sequence[torch.Tensor], lambdas: S
     return acc.to(base.dtype)
 
 
+# ---------------------------------------------------------------------- provenance
+MERGE_CONFIG = "merge_config.json"  # beside the merged model, as mergekit writes its config
+
+
+def merge_config(base: LoopedModel, specs: Sequence[LambdaSpec], *, base_path: str, expert_paths: Sequence[str]) -> dict:
+    """What a merge was made of, JSON-ready: the base and expert paths (expert ``j`` is
+    ``experts[j]``), the lambda specs as given and parsed, and the lambda every ``BLOCK.KIND``
+    group of ``base`` got from each expert. :func:`read_merge_config` reads it back."""
+    from looptool import __version__
+
+    n = len(expert_paths)
+    return {
+        "method": "task_arithmetic",
+        "formula": "theta = theta_base + sum_j lambda_j (theta_j - theta_base), in float32, per parameter group",
+        "looptool_version": __version__,
+        "base": str(base_path),
+        "experts": [str(path) for path in expert_paths],
+        "lambdas": [{"text": spec.text, "value": spec.value, "group": spec.group, "expert": spec.expert} for spec in specs],
+        "lambda_by_group": {group: [resolve_lambda(specs, group, j) for j in range(n)]
+                            for family, group, _, _ in group_sizes(base) if family == "block.kind"},
+    }
+
+
+def read_merge_config(directory) -> tuple[dict, tuple[LambdaSpec, ...]]:
+    """The :data:`MERGE_CONFIG` of a merged model directory and its lambda specs, rebuilt (so
+    ``merge(base, experts, specs)`` reproduces the merge); one sentence when it is absent or
+    unreadable."""
+    import json
+    from pathlib import Path
+
+    path = Path(directory) / MERGE_CONFIG
+    if not path.exists():
+        raise MergeError(f"'{directory}' has no {MERGE_CONFIG}; it was not written by looptool merge.")
+    try:
+        config = json.loads(path.read_text())
+        specs = tuple(_checked(LambdaSpec(value=float(s["value"]), group=s["group"], expert=s["expert"], text=s["text"]),
+                               len(config["experts"])) for s in config["lambdas"])
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise MergeError(f"{path} could not be read ({type(exc).__name__}: {exc}); merge the models again.") from exc
+    return config, specs
+
+
 def _present_names(present: set[str]) -> list[str]:
     names = [k for k in KINDS if any(_matches(g, None, k) for g in present)]
     names += [b for b in BLOCKS if b not in names and any(_matches(g, b, None) for g in present)]

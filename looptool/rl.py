@@ -39,7 +39,6 @@ from looptool.errors import LooptoolError
 from looptool.rewards import load_reward, score
 from looptool.rollout import PostTrainingRun, encode_prompt, prompt_batch, prompt_text, read_prompts, sample, token_logprobs
 from looptool.sampling import assign_budgets
-from looptool.train import adamw
 
 LOG_FILE = "rl_log.jsonl"
 ARGS_FILE = "rl_args.json"
@@ -77,6 +76,8 @@ class RLConfig:
     seed: int = 0
     device: str | None = None
     overwrite: bool = False
+    save_every: int = 0  # checkpoint every N steps (0: only at the end)
+    resume: bool = False  # continue the run checkpointed in output
 
     def check(self) -> None:
         """Refuse settings that cannot work, one sentence each."""
@@ -134,26 +135,34 @@ def grpo_loss(logprobs: torch.Tensor, sample_logprobs: torch.Tensor, mask: torch
 
 
 class GRPO(PostTrainingRun):
-    """Runs an :class:`RLConfig` on a looped model directory (:meth:`run`: all steps, then
-    the model, ``rl_args.json`` and ``rl_log.jsonl``, atomically)."""
+    """Runs an :class:`RLConfig` on a looped model directory (:meth:`run`: the steps, with
+    checkpoints of the model, ``rl_args.json``, ``rl_log.jsonl`` and the run's state; the
+    pass rates of the curriculum are part of that state)."""
 
     args_file, log_file = ARGS_FILE, LOG_FILE
 
     def __init__(self, model_dir: str | Path, config: RLConfig, *, tokenizer=None,
                  on_step: Callable[[dict], None] | None = None):
         self._start(model_dir, config, tokenizer, on_step)
-        with self._cleanup_on_error():
-            self.menu = tuple(sorted(config.budgets or self.model.budgets))
-            for k in self.menu:
-                self.model.check_budget(k)
-            self.ratio = list(config.ratio) if config.ratio else [4.0] + [1.0] * (len(self.menu) - 1)
-            if len(self.ratio) != len(self.menu):
-                raise RLError(f"--ratio has {len(self.ratio)} weights for the {len(self.menu)} budgets {list(self.menu)}.")
-            self.reward_fn = load_reward(config.reward)
-            self.records = read_prompts(config.data)
-            self.prompts = [encode_prompt(self.tokenizer, r, config.chat) for r in self.records]
-        self.optimizer = adamw(self.model, config.lr, config.new_lr, config.weight_decay)
+        self.menu = tuple(sorted(config.budgets or self.model.budgets))
+        for k in self.menu:
+            self.model.check_budget(k)
+        self.ratio = list(config.ratio) if config.ratio else [4.0] + [1.0] * (len(self.menu) - 1)
+        if len(self.ratio) != len(self.menu):
+            raise RLError(f"--ratio has {len(self.ratio)} weights for the {len(self.menu)} budgets {list(self.menu)}.")
+        self.reward_fn = load_reward(config.reward)
+        self.records = read_prompts(config.data)
+        self.prompts = [encode_prompt(self.tokenizer, r, config.chat) for r in self.records]
         self.pass_rates: list[float | None] = [None] * len(self.records)
+        self._begin()
+
+    def extra_state(self) -> dict:
+        """The curriculum's pass rate of every prompt (None: not sampled yet)."""
+        return {"pass_rates": list(self.pass_rates)}
+
+    def load_extra_state(self, state: dict) -> None:
+        """Restore the curriculum's pass rates."""
+        self.pass_rates = list(state["pass_rates"])
 
     def step(self, step: int) -> dict:
         """One GRPO step: sample, score, one optimizer update. Returns the log record."""

@@ -14,13 +14,12 @@ positions as the sampler did, and :func:`token_logprobs` scores it with the plai
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import random
-import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -29,7 +28,12 @@ from looptool.generation import generate
 from looptool.model import LoopedModel
 from looptool.devices import resolve_device
 from looptool.errors import LooptoolError
-from looptool.serialization import commit_model, load, prepare_output_dir
+from looptool.resume import open_output, resumable_state, rng_states, set_rng_states, write_checkpoint
+from looptool.serialization import load
+from looptool.train import adamw
+
+# may differ between a run and its resume (checkpointing is exact; the device is where it runs)
+RESUME_FREE = {"resume", "save_every", "output", "device", "overwrite"}
 
 
 def read_prompts(specs) -> list[dict]:
@@ -155,34 +159,62 @@ def shifted_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float
 
 
 class PostTrainingRun:
-    """The step loop shared by ``looptool rl`` and ``looptool distill``: subclasses set
-    ``model``, ``optimizer``, ``config`` (with ``steps`` and ``clip``), ``final``/``temp``
-    output directories and ``history``, and implement :meth:`step` and :meth:`summary`."""
+    """The step loop shared by ``looptool rl`` and ``looptool distill``, with the trainer's
+    checkpoints: every ``save_every`` steps and at the end the output directory is rebuilt
+    atomically (model, settings, step log and :data:`~looptool.resume.STATE_FILE`), and
+    ``resume`` continues a killed run to the same weights as an uninterrupted one.
+
+    A subclass calls :meth:`_start`, sets itself up, calls :meth:`_begin` (the optimizer,
+    then the checkpoint's state when resuming), and implements :meth:`step` and
+    :meth:`summary`; the state a step carries over beyond the model, the optimizer, the RNGs
+    and the history (e.g. RL's pass rates) goes through :meth:`extra_state` and
+    :meth:`load_extra_state`. Nothing is written before the first checkpoint, so a run that
+    fails earlier leaves no output."""
 
     args_file = "args.json"
     log_file = "log.jsonl"
     on_step: Callable[[dict], None] | None = None
 
     def _start(self, model_dir, config, tokenizer, on_step) -> None:
-        """Check ``config``, reserve the output directory, load the model and its tokenizer."""
+        """Check ``config`` and the output directory, load the model (from the checkpoint
+        when resuming) and its tokenizer. Resuming a run that has run all its steps raises
+        :class:`~looptool.resume.RunComplete`."""
         config.check()
+        if config.save_every < 0:
+            raise LooptoolError("save_every must be at least 0 (0: checkpoint only at the end).")
         self.config, self.on_step, self.history = config, on_step, []
-        self.final, self.temp = prepare_output_dir(config.output, config.overwrite)
-        with self._cleanup_on_error():
-            self.device = resolve_device(config.device)
-            self.model = load(model_dir, device=str(self.device))
-            self.tokenizer = tokenizer or self.model.tokenizer
-            if self.tokenizer is None:
-                raise LooptoolError(f"the model in '{model_dir}' has no tokenizer; pass --tokenizer PATH.")
+        self.output = Path(config.output)
+        self.resuming = open_output(self.output, resume=config.resume, overwrite=config.overwrite)
+        self.start_step = 0
+        self.device = resolve_device(config.device)
+        self._state = None
+        if self.resuming:  # before the slow load: a changed command or a finished run stops here
+            self._state = resumable_state(self.output, config, RESUME_FREE, config.steps, self.device)
+        self.model = load(self.output if self.resuming else model_dir, device=str(self.device))
+        self.tokenizer = tokenizer or self.model.tokenizer
+        if self.tokenizer is None:
+            raise LooptoolError(f"the model in '{model_dir}' has no tokenizer; pass --tokenizer PATH.")
 
-    @contextlib.contextmanager
-    def _cleanup_on_error(self):
-        """Remove the reserved output directory if setting up fails (no partial output)."""
-        try:
-            yield
-        except BaseException:
-            shutil.rmtree(self.temp, ignore_errors=True)
-            raise
+    def _begin(self) -> None:
+        """Create the optimizer; when resuming, restore the checkpoint's optimizer state, RNG
+        states, history, step and :meth:`extra_state`."""
+        cfg = self.config
+        self.optimizer = adamw(self.model, cfg.lr, cfg.new_lr, cfg.weight_decay)
+        state, self._state = self._state, None
+        if state is None:
+            return
+        self.optimizer.load_state_dict(state["optimizer"])
+        set_rng_states(state["rng"], self.device)
+        self.history = list(state["history"])
+        self.start_step = state["step"]
+        self.load_extra_state(state["extra"])
+
+    def extra_state(self) -> dict:
+        """Run state a resume needs beyond model, optimizer, RNGs, history and step."""
+        return {}
+
+    def load_extra_state(self, state: dict) -> None:
+        """Restore what :meth:`extra_state` returned."""
 
     def step(self, step: int) -> dict:  # pragma: no cover - defined by subclasses
         raise NotImplementedError
@@ -196,17 +228,25 @@ class PostTrainingRun:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def run(self) -> dict:
-        """All steps, then the model, its settings and the step log, written atomically (a
-        failure leaves no output)."""
-        with self._cleanup_on_error():
-            for step in range(self.config.steps):
-                record = self.step(step)
-                self.history.append(record)
-                if self.on_step is not None:
-                    self.on_step(record)
-        commit_model(self.model, self.final, self.temp, {
-            self.args_file: json.dumps(dataclasses.asdict(self.config), indent=2),
+    def _checkpoint(self, step: int) -> None:
+        """Rebuild the output directory atomically with the state after ``step`` steps."""
+        config = dataclasses.asdict(self.config)
+        state = {"step": step, "optimizer": self.optimizer.state_dict(), "rng": rng_states(self.device),
+                 "history": self.history, "extra": self.extra_state(), "config": config}
+        write_checkpoint(self.output, self.model, state, {
+            self.args_file: json.dumps(config, indent=2),
             self.log_file: "".join(json.dumps(r) + "\n" for r in self.history),
         })
+
+    def run(self) -> dict:
+        """The steps from the first (or the resumed one) to the last, checkpointing every
+        ``save_every`` steps and at the end; returns :meth:`summary`."""
+        cfg = self.config
+        for step in range(self.start_step, cfg.steps):
+            record = self.step(step)
+            self.history.append(record)
+            if self.on_step is not None:
+                self.on_step(record)
+            if step == cfg.steps - 1 or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+                self._checkpoint(step + 1)
         return self.summary()

@@ -1,11 +1,13 @@
 """Save and load looped models.
 
 A saved model is a directory with ``config.json`` (the source config), ``looptool.json``
-(format version, plan, recipe of applied passes, capture settings, tensor table),
-``model.safetensors`` (each shared tensor once; tied names recorded as aliases) and the
+(format version, plan, recipe of applied passes, capture settings, tensor table, sha256
+of every weight file), ``model.safetensors`` (each shared tensor once; tied names recorded as aliases) and the
 tokenizer files. Loading rebuilds the source architecture on ``meta``, captures it,
 replays the recipe, retargets the device and binds the stored tensors: no network, no
-weight materialised twice, bit-identical outputs.
+weight materialised twice, bit-identical outputs. A weight file whose sha256 differs from
+the one recorded is refused as corrupt (models saved before checksums were recorded load
+unchecked; ``device="meta"`` reads no tensor data and skips the check).
 """
 
 from __future__ import annotations
@@ -20,11 +22,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import nn
 
 from looptool.errors import CheckpointError, LooptoolError
 from looptool.graph import dtype_from_str
-from looptool.model import LoopedModel
+from looptool.model import LoopedModel, bind_tensors, graph_tensors
 from looptool.plan import plan_from_dict
 
 log = logging.getLogger(__name__)
@@ -38,13 +39,6 @@ def _version() -> str:
     from looptool import __version__
 
     return __version__
-
-
-def graph_tensors(model: LoopedModel) -> dict[str, torch.Tensor]:
-    """Every tensor a budget path reads (parameters and buffers, persistent or not), by name."""
-    out = dict(model.named_parameters(remove_duplicate=False))
-    out.update(dict(model.named_buffers(remove_duplicate=False)))
-    return out
 
 
 def _dedupe(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -83,7 +77,9 @@ def prepare_output_dir(directory: str | os.PathLike, overwrite: bool) -> tuple[P
 
 
 def commit_output_dir(final: Path, temp: Path) -> None:
-    """Atomically move a finished temp directory into place (replacing an old one)."""
+    """Atomically move a finished temp directory into place (replacing an old one), with
+    the permissions of the user's umask (see :func:`apply_umask`)."""
+    apply_umask(temp)
     if final.exists():
         old = final.with_name(f".{final.name}.old")
         shutil.rmtree(old, ignore_errors=True)
@@ -92,6 +88,30 @@ def commit_output_dir(final: Path, temp: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         temp.rename(final)
+
+
+def current_umask() -> int:
+    """The process umask (read by setting it and putting it straight back: there is no getter)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(root: Path) -> None:
+    """Give ``root`` and everything below it the modes a plain ``mkdir``/``open`` would:
+    directories ``0o777 & ~umask``, files ``0o666 & ~umask`` (``0o777`` for executables).
+    ``mkdtemp`` makes 0700 and safetensors writes 0600, which would survive the rename and
+    keep colleagues on a shared machine from reading the output."""
+    mask = current_umask()
+    root.chmod(0o777 & ~mask)
+    for parent, dirs, files in os.walk(root):
+        for name in dirs:
+            Path(parent, name).chmod(0o777 & ~mask)
+        for name in files:
+            path = Path(parent, name)
+            if not path.is_symlink():
+                full = 0o777 if path.stat().st_mode & 0o111 else 0o666
+                path.chmod(full & ~mask)
 
 
 def recover_interrupted_commit(final: Path) -> None:
@@ -157,6 +177,7 @@ def write_model(model: LoopedModel, directory: Path | None, *, materialize=None)
         "tensors": {k: {"shape": list(t.shape), "dtype": str(t.dtype)} for k, t in unique.items()},
         "aliases": aliases,
         "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
+        "files": {WEIGHTS: {"bytes": (directory / WEIGHTS).stat().st_size, "sha256": sha256_file(directory / WEIGHTS)}},
     }
     (directory / LOOPTOOL_JSON).write_text(json.dumps(meta, indent=2))
     if model.tokenizer is not None:
@@ -185,19 +206,20 @@ def read_looptool_json(directory: Path) -> dict:
     return meta
 
 
-def load(directory: str | os.PathLike, *, device: str = "cpu") -> LoopedModel:
+def load(directory: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype | str | None = None) -> LoopedModel:
     """Rebuild a saved looped model on ``device`` (bit-identical to the one saved); the
-    weights are read straight onto the device in their saved dtype (``"auto"``: cuda when
-    available).
+    weights are read straight onto the device (``"auto"``: cuda when available).
+
+    ``dtype`` (default: the saved dtype) rebuilds the graphs in another floating-point dtype
+    and casts each weight to it as it is read, e.g. an fp16 copy of an fp32 model for
+    deployment (captured graphs are dtype-specialised, so this is a rebuild, not ``.to``).
 
     ``device="meta"`` rebuilds the structure only (plan, graphs, shapes) without reading
     weights, which is what ``looptool inspect`` needs.
     """
     import transformers
 
-    from looptool.capture import build_skeleton, capture
-    from looptool.passes import PassManager
-
+    from looptool.convert import rebuild
     from looptool.devices import check_dtype, resolve_device
 
     device = str(resolve_device(device))
@@ -208,31 +230,62 @@ def load(directory: str | os.PathLike, *, device: str = "cpu") -> LoopedModel:
     weights = directory / WEIGHTS
     if not weights.exists():
         raise CheckpointError(f"'{directory}' has no {WEIGHTS}; the save was incomplete, re-save the model.")
+    if torch.device(device).type != "meta":  # meta (inspect) reads only headers: stays cheap
+        verify_files(directory, meta)  # before the slow rebuild: a corrupt file fails fast
     plan_from_dict(meta["plan"])  # refuses unknown kinds / versions with a clear message
     src = meta["source"]
-    dtype = dtype_from_str(src["dtype"])
+    saved = dtype_from_str(src["dtype"])
+    dtype = saved if dtype is None else _float_dtype(dtype)
     check_dtype(torch.device(device), dtype)  # e.g. a bf16 checkpoint on a GPU without bf16
     try:
         config = transformers.AutoConfig.from_pretrained(directory)
     except Exception as exc:
         raise CheckpointError(f"config.json in '{directory}' could not be read ({exc}).") from exc
-    lg = capture(build_skeleton(config, dtype, src.get("attn_implementation")))
-    lg = PassManager([(name, cfg) for name, cfg in meta["recipe"]])(lg)
-    lg = PassManager([("retarget_device", {"to": device})])(lg)
     tokenizer = None
     if any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    model = LoopedModel(lg, tokenizer=tokenizer)
+    model = rebuild(config, meta["recipe"], dtype=dtype, device=device,
+                    attn_implementation=src.get("attn_implementation"), tokenizer=tokenizer)
     if torch.device(device).type == "meta":  # structure only (looptool inspect): header checked, no data read
-        check_weights(model, weights)
+        check_weights(model, weights, cast=dtype != saved)
         return model.eval()
-    bind_weights(model, weights, device=device, trainable=meta.get("trainable"))
+    bind_weights(model, weights, device=device, trainable=meta.get("trainable"), cast=dtype != saved)
     return model.eval()
 
 
-def check_weights(model: LoopedModel, path: Path) -> dict[str, str]:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, streamed in 1 MiB blocks."""
+    from looptool.backends.onnx_format import sha256_file as streamed
+
+    return streamed(path, chunk=1 << 20)
+
+
+def verify_files(directory: Path, meta: dict) -> None:
+    """Refuse a file of ``directory`` whose size or sha256 differs from the one recorded in
+    ``meta["files"]`` (looptool.json); models saved without checksums pass unchecked."""
+    for name, want in meta.get("files", {}).items():
+        path = directory / name
+        if not path.exists() or path.stat().st_size != want["bytes"] or sha256_file(path) != want["sha256"]:
+            raise CheckpointError(f"{path} is corrupt: its contents differ from the sha256 recorded in "
+                                  f"{LOOPTOOL_JSON} at save; re-save or re-copy the model.")
+
+
+def _float_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``dtype`` (a torch dtype or its name) as a floating-point torch dtype, or one sentence."""
+    try:
+        value = dtype_from_str(dtype) if isinstance(dtype, str) else dtype
+    except ValueError:
+        value = None
+    if value not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        raise LooptoolError(f"dtype {dtype!r} is not a floating-point dtype a looped model can run in; "
+                            "use float32, float16 or bfloat16.")
+    return value
+
+
+def check_weights(model: LoopedModel, path: Path, *, cast: bool = False) -> dict[str, str]:
     """Check the safetensors header (names, shapes, dtypes) against ``model`` without
-    reading tensor data; returns the alias map (tied name → stored name)."""
+    reading tensor data; returns the alias map (tied name → stored name). With ``cast``
+    (a load in another dtype) a stored floating-point tensor may have any floating dtype."""
     expected = graph_tensors(model)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -248,8 +301,10 @@ def check_weights(model: LoopedModel, path: Path) -> dict[str, str]:
         raise CheckpointError(f"{path} does not match the model rebuilt from looptool.json ({what}); re-save the model.")
     for name, ref in expected.items():
         shape, dtype = header[aliases.get(name, name)]
-        want = str(ref.dtype).removeprefix("torch.")
-        if shape != tuple(ref.shape) or _ST_DTYPES.get(dtype, dtype) != want:
+        want, have = str(ref.dtype).removeprefix("torch."), _ST_DTYPES.get(dtype, dtype)
+        if cast and ref.dtype.is_floating_point and have in _ST_FLOATS:
+            have = want
+        if shape != tuple(ref.shape) or have != want:
             raise CheckpointError(
                 f"tensor '{name}' in {path} has shape {shape} {dtype}, the model expects "
                 f"{tuple(ref.shape)} {want}; re-save the model."
@@ -258,45 +313,37 @@ def check_weights(model: LoopedModel, path: Path) -> dict[str, str]:
 
 
 _ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64", "I32": "int32", "BOOL": "bool", "U8": "uint8", "I8": "int8"}
+_ST_FLOATS = ("float32", "float16", "bfloat16", "float64")
 
 
 _ALIGN = 64  # bytes: what torch's CPU allocator guarantees
 
 
-def bind_weights(model: LoopedModel, path: Path, *, device: str, trainable=None) -> None:
-    """Replace every (meta) tensor of ``model`` with the one stored in ``path``."""
-    aliases = check_weights(model, path)
-    expected = graph_tensors(model)
+def bind_weights(model: LoopedModel, path: Path, *, device: str, trainable=None, cast: bool = False) -> None:
+    """Replace every (meta) tensor of ``model`` with the one stored in ``path`` (with
+    ``cast``: converted to the dtype of the model's own tensor as it is read)."""
+    aliases = check_weights(model, path, cast=cast)
     try:
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             loaded = {n: f.get_tensor(n) for n in f.keys()}
     except Exception as exc:
         raise CheckpointError(f"{path} could not be read as safetensors ({exc}); the file is corrupt, re-save the model.") from exc
-    trainable = set(trainable) if trainable is not None else None
-    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     objects: dict[str, torch.Tensor] = {}
-    for name in expected:
+
+    def tensor_for(name: str, placeholder: torch.Tensor) -> torch.Tensor:
         key = aliases.get(name, name)
         if key not in objects:
             t = loaded.pop(key)
-            if t.data_ptr() % _ALIGN:
+            if t.dtype != placeholder.dtype:
+                t = t.to(placeholder.dtype)
+            elif t.data_ptr() % _ALIGN:
                 # safetensors may hand back views into one read buffer at any 8-byte offset;
                 # CPU GEMMs take other code paths (other rounding) on such data, so give each
                 # tensor its own aligned storage: outputs then equal the saved model's bit for bit
                 t = t.clone()
-            if name in params:
-                grad = trainable is None or name in trainable or key in trainable
-                t = nn.Parameter(t, requires_grad=grad)
             objects[key] = t
-        _set_tensor(model, name, objects[key], is_param=name in params)
+        return objects[key]
 
-
-def _set_tensor(root: nn.Module, name: str, tensor: torch.Tensor, is_param: bool) -> None:
-    *path, leaf = name.split(".")
-    mod = root
-    for part in path:
-        mod = mod._modules[part]
-    if is_param:
-        mod._parameters[leaf] = tensor
-    else:
-        mod._buffers[leaf] = tensor
+    if trainable is not None:  # a tied name is trainable when its stored name is
+        trainable = set(trainable) | {n for n, key in aliases.items() if key in trainable}
+    bind_tensors(model, tensor_for, trainable=trainable)

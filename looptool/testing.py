@@ -7,6 +7,9 @@ seconds (the mergekit approach: build tiny real models on the fly).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 import transformers
 
@@ -64,6 +67,26 @@ def tiny_model(model_type: str, num_layers: int = 4, seed: int = 0, **overrides)
     return model.eval()
 
 
+def save_to_hub_cache(model, repo_id: str, cache_dir: str | Path, *, commit: str, refs: tuple[str, ...] = ("main",),
+                      tokenizer=None) -> Path:
+    """Save ``model`` (and ``tokenizer``) into a Hugging Face Hub cache as if ``repo_id`` at
+    ``commit`` had been downloaded, with each of ``refs`` (branches or tags) pointing at it, so
+    Hub ids can be used offline (``HF_HUB_OFFLINE=1``); returns the snapshot directory.
+
+    The layout is ``huggingface_hub``'s: ``models--org--name/snapshots/<commit>/`` holds the
+    files and ``refs/<ref>`` the commit (plain files instead of symlinks into ``blobs/``,
+    which ``huggingface_hub`` reads the same way)."""
+    storage = Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+    snapshot = storage / "snapshots" / commit
+    model.save_pretrained(snapshot)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(snapshot)
+    for ref in refs:
+        (storage / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
+        (storage / "refs" / ref).write_text(commit)
+    return snapshot
+
+
 def byte_tokenizer():
     """A real fast tokenizer over the 256 byte-level symbols (ids 0-255, no merges), so tiny
     models with ``vocab_size=256`` can read and write text. EOS is the byte-level newline."""
@@ -90,3 +113,41 @@ def _byte_of(ch: str) -> int:
             cs.append(256 + n)
             n += 1
     return dict(zip(map(chr, cs), bs))[ch]
+
+
+def kill_after_line(argv: list[str], prefix: str, timeout: float = 300.0) -> tuple[int, list[str]]:
+    """Run ``argv``, read its stderr until a line starts with ``prefix``, then ``kill -9`` it
+    (resume tests: a kill between two checkpoints). Returns the exit status (``-SIGKILL``
+    unless the process ended first) and the stderr lines read."""
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith(prefix) or time.monotonic() > deadline:
+                break
+        proc.send_signal(signal.SIGKILL)
+        return proc.wait(), lines
+    finally:
+        proc.kill()
+        proc.stderr.close()
+
+
+def step_log(path: Path) -> list[dict]:
+    """A JSONL step log without its timings (what a resumed run reproduces exactly)."""
+    return [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in path.read_text().splitlines()]
+
+
+def assert_same_weights(a: Path, b: Path, initial: Path) -> None:
+    """The saved models ``a`` and ``b`` hold bit-identical weights, which training moved away
+    from those of ``initial`` (so the equality is not trivial)."""
+    from safetensors.torch import load_file
+
+    wa, wb, w0 = (load_file(d / "model.safetensors") for d in (a, b, initial))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert any(not torch.equal(wa[k], w0[k]) for k in wa)

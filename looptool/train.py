@@ -21,7 +21,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,21 +31,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from looptool.data import FORMATS, training_rows
+from looptool.data import FORMATS, find_files, training_rows
 from looptool.devices import check_dtype, resolve_device
 from looptool.errors import LooptoolError
 from looptool.graph import ROLE_EMBEDDING, ROLE_HEAD, dtype_from_str, parameter_reader_roles
 from looptool.model import LoopedModel
+from looptool.resume import has_checkpoint, resumable_state, rng_states, set_rng_states, write_checkpoint
 from looptool.sampling import BudgetSampler
-from looptool.serialization import (
-    LOOPTOOL_JSON, commit_output_dir, load, read_looptool_json, recover_interrupted_commit, write_model,
-)
+from looptool.serialization import LOOPTOOL_JSON, load, read_looptool_json
 
 log = logging.getLogger(__name__)
-STATE_FILE = "trainer_state.pt"
 ARGS_FILE = "train_args.json"
 LOG_FILE = "train_log.jsonl"
 SCHEDULES = ("constant", "cosine", "sqrt")
+DEFAULT_TOKENS = 2_000_000  # the run's length when neither tokens nor steps is given
 STRATEGIES = ("ddp", "fsdp")
 # may differ between a run and its resume (checkpointing is exact; the device is where it runs)
 _RESUME_FREE = {"resume", "save_every", "output", "device", "checkpoint"}
@@ -62,7 +60,8 @@ class TrainConfig:
 
     data: list[str]
     output: str
-    tokens: int = 2_000_000
+    tokens: int | None = None  # training tokens (default DEFAULT_TOKENS); or give steps instead
+    steps: int | None = None  # optimizer steps, instead of tokens
     seq_len: int = 512
     batch: int = 8
     grad_accum: int = 1
@@ -93,9 +92,13 @@ class TrainConfig:
 
     def check(self) -> None:
         """Refuse settings that cannot work, one sentence each."""
-        for name in ("tokens", "seq_len", "batch", "grad_accum"):
-            if getattr(self, name) < 1:
+        if self.tokens is not None and self.steps is not None:
+            raise TrainingError("tokens and steps both set the length of the run; give one of them.")
+        for name in ("tokens", "steps", "seq_len", "batch", "grad_accum"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise TrainingError(f"--{name.replace('_', '-')} must be at least 1.")
+        if self.save_every < 0:
+            raise TrainingError("save_every must be at least 0 (0: checkpoint only at the end).")
         if self.lr <= 0 or (self.new_lr is not None and self.new_lr <= 0):
             raise TrainingError("learning rates must be positive.")
         if not 0 <= self.override <= 1 or not 0 <= self.delay < 1 or not 0 <= self.warmup < 1:
@@ -112,6 +115,7 @@ class TrainConfig:
             raise TrainingError(f"--format {self.format!r} is unknown; use {', '.join(FORMATS)}.")
         if self.schedule not in SCHEDULES:
             raise TrainingError(f"--schedule {self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}.")
+        find_files(self.data)  # a missing data path fails here, before the model loads
 
 
 def exit_weighted_loss(out, labels: torch.Tensor, weight: float) -> torch.Tensor:
@@ -185,10 +189,7 @@ class Trainer:
             raise TrainingError("--strategy fsdp shards the model across processes; launch with "
                                 "torchrun --nproc-per-node N (N ≥ 2), or drop --strategy fsdp.")
         self.fsdp = config.strategy == "fsdp"
-        resuming = config.resume and (self.output / STATE_FILE).exists()
-        if config.resume and not resuming:
-            recover_interrupted_commit(self.output)
-            resuming = (self.output / STATE_FILE).exists()
+        resuming = config.resume and has_checkpoint(self.output)
         if not config.resume and self.output.exists():
             raise TrainingError(f"output directory '{self.output}' exists; add --resume to continue it or choose another.")
         if self.world > 1:  # every rank has checked the output before rank 0 creates it
@@ -197,6 +198,11 @@ class Trainer:
         if not (source / LOOPTOOL_JSON).exists():
             raise TrainingError(f"'{source}' is not a looped model directory; run looptool convert first.")
         self.device = resolve_device(config.device)
+        self.tokens_per_step = config.seq_len * config.batch * config.grad_accum * self.world
+        self.total_steps = config.steps or max(1, (config.tokens or DEFAULT_TOKENS) // self.tokens_per_step)
+        # before the slow load: a changed command or a run that is already complete stops here
+        self._state = (resumable_state(self.output, config, _RESUME_FREE, self.total_steps, self.device, TrainingError)
+                       if resuming else None)
         dtype = dtype_from_str(read_looptool_json(source)["source"]["dtype"])
         check_dtype(self.device, dtype)
         if dtype == torch.float16:
@@ -218,8 +224,6 @@ class Trainer:
         self.model.train()
         self.resuming = resuming
         self.data = training_rows(config.data, self.model.tokenizer, config.seq_len, config.format)
-        self.tokens_per_step = config.seq_len * config.batch * config.grad_accum * self.world
-        self.total_steps = max(1, config.tokens // self.tokens_per_step)
         self.switch_step = round(config.delay * self.total_steps)
         menu = tuple(config.budgets) if config.budgets else self.model.budgets
         for k in menu:
@@ -284,13 +288,7 @@ class Trainer:
         return adamw(self.model, self.config.lr, self.config.new_lr, self.config.weight_decay)
 
     def _restore(self) -> None:
-        state = torch.load(self.output / STATE_FILE, weights_only=False, map_location=self.device)
-        saved = state["config"]
-        now = dataclasses.asdict(self.config)
-        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # runs saved before a field existed
-        diff = sorted(k for k in now if k not in _RESUME_FREE and saved.get(k, defaults.get(k)) != now[k])
-        if diff:
-            raise TrainingError(f"--resume needs the same command as the interrupted run; these settings differ: {', '.join(diff)}.")
+        state, self._state = self._state, None
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -299,9 +297,8 @@ class Trainer:
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         self.start_step = state["step"]
-        torch.set_rng_state(state["torch_rng"].cpu())
-        if self.device.type == "cuda" and state.get("cuda_rng") is not None:
-            torch.cuda.set_rng_state(state["cuda_rng"].cpu(), self.device)
+        # checkpoints written before all RNG states were saved hold the torch ones only
+        set_rng_states(state.get("rng") or {"torch": state["torch_rng"], "cuda": state.get("cuda_rng")}, self.device)
         self.records = [r for r in state["records"] if r["step"] < self.start_step]
         if self.rank == 0:  # drop log lines written after the checkpoint by the killed run
             (self.output / LOG_FILE).write_text("".join(json.dumps(r) + "\n" for r in self.records))
@@ -404,25 +401,15 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, step: int) -> None:
         optimizer_state = self._optimizer_state()  # collective under FSDP: every rank takes part
-        temp = self.output.with_name(f".{self.output.name}.ckpt.tmp")
+        state = files = None
         if self.rank == 0:
-            self.output.parent.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(temp, ignore_errors=True)
-            temp.mkdir()
+            config = dataclasses.asdict(self.config)
+            state = {"step": step, "optimizer": optimizer_state, "rng": rng_states(self.device), "records": self.records,
+                     "config": config}
+            files = {ARGS_FILE: json.dumps(config, indent=2),
+                     LOG_FILE: "".join(json.dumps(r) + "\n" for r in self.records)}
         # FSDP: every rank gathers each sharded tensor in the same order; rank 0 writes
-        write_model(self.model, temp if self.rank == 0 else None, materialize=_full if self.fsdp else None)
-        if self.rank == 0:
-            torch.save({
-                "step": step,
-                "optimizer": optimizer_state,
-                "torch_rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
-                "records": self.records,
-                "config": dataclasses.asdict(self.config),
-            }, temp / STATE_FILE)
-            (temp / ARGS_FILE).write_text(json.dumps(dataclasses.asdict(self.config), indent=2))
-            (temp / LOG_FILE).write_text("".join(json.dumps(r) + "\n" for r in self.records))
-            commit_output_dir(self.output, temp)
+        write_checkpoint(self.output, self.model, state, files or {}, materialize=_full if self.fsdp else None)
         if self.world > 1:
             dist.barrier()
 

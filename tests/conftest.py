@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # looptool never needs the hub; prove it (before huggingface_hub reads it at import)
+
 import pytest
 import torch
 
 import looptool
 from looptool.testing import TINY_MODEL_TYPES, byte_tokenizer, tiny_model
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # looptool never needs the hub; prove it
 if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")  # (read when triton is first imported)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")

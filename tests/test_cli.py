@@ -206,3 +206,186 @@ def test_internal_errors_say_bug_and_debug_shows_the_traceback(tiny_dir, tmp_pat
     monkeypatch.undo()
     res = runner.invoke(app, ["convert", str(tmp_path / "missing"), "-o", str(tmp_path / "out")])
     assert res.exit_code == 1 and "error:" in res.output and "internal error" not in res.output
+
+
+SOTU_1790 = str(__import__("pathlib").Path(__file__).resolve().parent / "data" / "sotu" / "1790*.txt")
+
+
+def test_eval_cli_says_no_gain_and_writes_its_results_together(looped_with_tokenizer, tmp_path, monkeypatch):
+    """A fresh conversion: every budget has the same loss, so there is no endpoint gain to
+    share ("no gain", never "-0%"); eval.json and frontier.png land in MODEL_DIR together, and
+    a failing plot leaves neither behind."""
+    import shutil
+
+    import looptool.evaluate
+
+    model = tmp_path / "model"
+    shutil.copytree(looped_with_tokenizer, model)
+    before = sorted(p.name for p in model.iterdir())
+    args = ["eval", model, "--data", SOTU_1790, "--max-tokens", "256", "--seq-len", "32", "--device", "cpu"]
+    real_plot = looptool.evaluate.plot_frontier
+
+    def broken_plot(*args, **kwargs):
+        raise RuntimeError("plotting failed")
+
+    monkeypatch.setattr(looptool.evaluate, "plot_frontier", broken_plot)
+    res = _run(*args)
+    assert res.exit_code == 2 and "plotting failed" in res.output
+    assert sorted(p.name for p in model.iterdir()) == before
+    monkeypatch.setattr(looptool.evaluate, "plot_frontier", real_plot)
+    res = _run(*args)
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in model.iterdir()) == sorted([*before, "eval.json", "frontier.png"])
+    result = json.loads((model / "eval.json").read_text())
+    assert [r["share_of_endpoint_gain"] for r in result["budgets"]] == [None, None, None]
+    assert res.stdout.count("no gain") >= 3 and "-0%" not in res.stdout and "no endpoint gain" in res.stdout
+
+
+def test_eval_cli_bad_max_tokens_names_its_option(looped_with_tokenizer):
+    res = _run("eval", looped_with_tokenizer, "--data", SOTU_1790, "--max-tokens", "lots")
+    assert res.exit_code == 1 and "--max-tokens 'lots' is not a number" in res.output and "--tokens" not in res.output
+
+
+def test_gain_shares_only_when_the_deepest_budget_improves():
+    from looptool.evaluate import format_share, gain_shares
+
+    assert gain_shares({0: 2.0, 3: 2.0015, 6: 2.004, 9: 2.0084}) == {0: None, 3: None, 6: None, 9: None}  # deeper is worse
+    assert gain_shares({0: 2.0, 1: 2.0, 2: 2.0}) == {0: None, 1: None, 2: None}
+    assert gain_shares({0: 2.0, 1: 1.9, 2: 1.8}) == pytest.approx({0: 0.0, 1: 0.5, 2: 1.0})
+    assert [format_share(x) for x in (None, 0.0, -0.0, -0.003, 0.644, 1.0)] == ["no gain", "0%", "0%", "0%", "64%", "100%"]
+
+
+def test_frontier_plots_loss_against_the_cost_table(looped_with_tokenizer, tmp_path, monkeypatch):
+    """The frontier's x values are the cost table's relative FLOPs (deterministic), not one
+    latency measurement per budget; the measured latency sits in its own panel with min–max bars."""
+    import matplotlib.figure
+
+    from looptool.evaluate import evaluate, plot_frontier
+
+    model = looptool.load(looped_with_tokenizer)
+    result = evaluate(model, SOTU_1790, seq_len=32, max_tokens=128, batch=2, timing_rounds=2)
+    drawn = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: drawn.append(fig))
+    plot_frontier(result, tmp_path / "frontier.png")
+    loss_ax, latency_ax = drawn[0].axes
+    assert list(loss_ax.lines[0].get_xdata()) == [c.relative_flops for c in model.cost_table()]
+    assert list(loss_ax.lines[0].get_ydata()) == [r["loss"] for r in result["budgets"]]
+    assert "latency" in latency_ax.get_ylabel() and "FLOPs" in loss_ax.get_xlabel()
+
+
+def _sentencepiece_like_tokenizer():
+    """A small BPE with merges over bytes (ByteLevel), trained here: tokens merge several bytes
+    and split multi-byte characters at other places than the byte tokenizer does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["héllo wörld, naïve café", "€ and 😀 and 日本語", "the quick brown fox"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        special_tokens=["<eos>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+@pytest.mark.parametrize("kind", ["bytes", "merges"])
+def test_streamed_text_equals_the_decoded_continuation(kind):
+    """Token by token, with tokens that split multi-byte characters (and random bytes that
+    are not UTF-8 at all), the streamed pieces join to the final decode; no piece shows a
+    half character; the work is linear: each step decodes a short window, not the whole text."""
+    from looptool.cli import IncrementalDecoder
+    from looptool.testing import byte_tokenizer
+
+    tok = byte_tokenizer() if kind == "bytes" else _sentencepiece_like_tokenizer()
+    text = "héllo wörld € 😀 日本語, naïve café " * 8
+    sequences = [tok(text)["input_ids"], tok("a😀b")["input_ids"] + [tok.eos_token_id] + tok("€")["input_ids"]]
+    sequences.append(torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0)).tolist())
+    decoded = []
+    original = tok.decode
+    tok.decode = lambda ids, **kw: decoded.append(len(ids)) or original(ids, **kw)
+    for ids in sequences:
+        decoded.clear()
+        decoder = IncrementalDecoder(tok)
+        pieces = [decoder.push(t) for t in ids] + [decoder.flush()]
+        assert "".join(pieces) == original(ids, skip_special_tokens=True)
+        if ids is sequences[0]:
+            assert not any("\ufffd" in p for p in pieces)
+            assert sum(decoded) <= 8 * len(ids)  # a window of a few tokens per step
+        assert max(decoded) <= 16
+
+
+def test_encode_leaves_the_tokenizer_alone():
+    from looptool.cli import _encode
+    from looptool.testing import byte_tokenizer
+
+    tok = byte_tokenizer()
+    tok.pad_token = None
+    enc = _encode(tok, ["ab", "abcd"])
+    assert enc["input_ids"].tolist() == [[10, 10, 97, 98], [97, 98, 99, 100]]  # left-padded with EOS
+    assert enc["attention_mask"].tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
+    assert tok.pad_token is None and tok.padding_side == "right"
+    assert _encode(tok, ["abc"])["input_ids"].tolist() == [[97, 98, 99]]
+
+
+def test_generate_cli_streams_the_continuation_and_keeps_the_tokenizer(looped_with_tokenizer, monkeypatch):
+    import looptool.cli
+
+    seen = []
+    real = looptool.cli._tokenizer
+    monkeypatch.setattr(looptool.cli, "_tokenizer", lambda model, path: seen.append(real(model, path)) or seen[-1])
+    res = _run("generate", looped_with_tokenizer, "--budget", "2", "-p", "We", "--max-new-tokens", "24", "--stream")
+    assert res.exit_code == 0, res.output
+    model = looptool.load(looped_with_tokenizer)
+    tok = model.tokenizer
+    ids = tok(["We"], return_tensors="pt")["input_ids"]
+    seqs = model.generate(ids, budget=2, max_new_tokens=24, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    assert res.stdout.startswith("We" + tok.decode(seqs[0, ids.shape[1]:], skip_special_tokens=True) + "\n")
+    state = (seen[0].padding_side, seen[0].pad_token)
+    res = _run("generate", looped_with_tokenizer, "--budget", "1", "-p", "We", "-p", "The", "--max-new-tokens", "2")
+    assert res.exit_code == 0, res.output
+    assert (seen[1].padding_side, seen[1].pad_token) == state == (tok.padding_side, tok.pad_token)
+
+
+def test_export_is_quiet_and_run_names_the_missing_file_of_the_budget_asked(looped_with_tokenizer, tmp_path, capfd):
+    """``looptool export`` prints no torch exporter noise (torchvision notices, training-mode
+    warnings); with one budget's graph deleted, the other budgets still run and running that
+    budget names its file."""
+    engine = tmp_path / "engine"
+    capfd.readouterr()
+    res = _run("export", looped_with_tokenizer, "-o", engine, "--budget", "0,2")
+    assert res.exit_code == 0, res.output
+    noise = res.output + capfd.readouterr().err
+    assert "torchvision is not installed" not in noise and "training mode" not in noise
+    (engine / "budget_2.per-loop.onnx").unlink()
+    res = _run("run", engine, "--budget", "0", "-p", "We", "--max-new-tokens", "2")
+    assert res.exit_code == 0, res.output
+    res = _run("run", engine, "--budget", "2", "-p", "We", "--max-new-tokens", "2")
+    assert res.exit_code == 1 and "budget_2.per-loop.onnx for budget 2" in res.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "{m}", "-p", "x", "--kv", "lastloop"], "--kv 'lastloop' is not a KV cache policy"),
+    (["generate", "{m}", "-p", "x", "--temperature", "-1"], "sampling settings out of range"),
+    (["generate", "{m}", "-p", "x", "--max-new-tokens", "-2"], "max_new_tokens must be a non-negative integer"),
+    (["eval", "{m}", "--data", "{m}/missing.txt"], "data path '{m}/missing.txt' does not exist"),
+    (["eval", "{m}", "--data", "{m}", "--seq-len", "1"], "--seq-len must be at least 2"),
+    (["analyze", "{m}", "--data", "{m}", "--batch", "0"], "--batch must be at least 1"),
+    (["train", "{m}", "--data", "{m}/nope", "-o", "{m}/out"], "data path '{m}/nope' does not exist"),
+    (["export", "{m}", "-o", "{m}/e", "--kv", "per-loop,bogus"], "--kv 'per-loop,bogus' is not a KV cache policy"),
+    (["export", "{m}", "-o", "{m}/e", "--budget", "1,x"], "budget 'x' is not a whole number"),
+    (["convert", "{src}", "-o", "{m}/c", "--window", "1:9"], "window 1:9 is not a non-empty range inside the model's 4 layers"),
+])
+def test_cheap_checks_come_before_the_slow_load(args, message, tiny_dir, tmp_path, monkeypatch):
+    """Settings that need no model fail at once: the load is never reached."""
+    import looptool.serialization
+    import looptool.sources
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before a cheap check")
+
+    monkeypatch.setattr(looptool.serialization, "load", no_load)
+    monkeypatch.setattr(looptool.sources, "load_source", no_load)
+    fill = {"m": str(tmp_path), "src": str(tiny_dir)}
+    res = _run(*[a.format(**fill) for a in args])
+    assert res.exit_code == 1, res.output
+    assert message.format(**fill) in res.output.replace("\n", "")

@@ -5,14 +5,19 @@ budget, and bad teachers are refused."""
 from __future__ import annotations
 
 import json
+import signal
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 import looptool
+from looptool.cli import app
 from looptool.distill import DistillConfig, DistillError, Distiller, parse_teachers, reverse_kl
-from looptool.testing import byte_tokenizer, tiny_model
+from looptool.resume import checkpoint_step
+from looptool.testing import assert_same_weights, byte_tokenizer, kill_after_line, step_log, tiny_model
 
 
 def test_reverse_kl_by_hand():
@@ -106,3 +111,35 @@ def test_bad_teachers_and_domains(dirs, tmp_path):
     with pytest.raises(DistillError, match="domain 'math', which no --teacher covers"):
         Distiller(dirs / "student", DistillConfig(**base, teachers={"copy": str(dirs / "student")}))
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.*"))
+
+
+def _distill_args(root: Path, out: Path, *extra: str) -> list[str]:
+    """``looptool distill`` of a 2-layer ELR student (k = 1, 2) from a perturbed copy: 4 steps."""
+    return ["distill", str(root / "student"), "--teacher", f"copy={root / 'teacher'}", "--data", str(root / "p.jsonl"),
+            "-o", str(out), "--steps", "4", "--prompts", "2", "--rollouts", "2", "--max-new-tokens", "3",
+            "--lr", "1e-2", "--device", "cpu", *extra]
+
+
+def test_distill_resume_after_kill_matches_uninterrupted_run(tmp_path):
+    student = looptool.convert(tiny_model("llama", num_layers=2), looptool.RecurrentLoop(recurrent=(0, 1), max_loops=2),
+                               tokenizer=byte_tokenizer())
+    student.save_pretrained(tmp_path / "student")
+    with torch.no_grad():
+        for _, p in student.named_parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    student.save_pretrained(tmp_path / "teacher")
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p, "domain": "copy"}) + "\n" for p in ("ab", "cd", "e")))
+    killed = tmp_path / "killed"
+    status, lines = kill_after_line(
+        [sys.executable, "-m", "looptool", *_distill_args(tmp_path, killed, "--save-every", "2")], "step 3 ")
+    assert status == -signal.SIGKILL, "the run ended before the kill; the test proves nothing: " + "".join(lines[-5:])
+    assert checkpoint_step(killed) == 2  # killed between checkpoints, with step 3 run past the one at step 2
+    ref = CliRunner().invoke(app, _distill_args(tmp_path, tmp_path / "ref"))  # uninterrupted, checkpoint only at the end
+    assert ref.exit_code == 0, ref.output
+    res = CliRunner().invoke(app, _distill_args(tmp_path, killed, "--save-every", "2", "--resume"))
+    assert res.exit_code == 0, res.output
+    assert step_log(killed / "distill_log.jsonl") == step_log(tmp_path / "ref" / "distill_log.jsonl")
+    assert_same_weights(killed, tmp_path / "ref", tmp_path / "student")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    complete = CliRunner().invoke(app, _distill_args(tmp_path, killed, "--resume"))
+    assert complete.exit_code == 0 and "already complete (4 steps)" in complete.output, complete.output

@@ -222,6 +222,39 @@ def test_cli_lm_eval_writes_table_json_and_plot(looped_dir, task_dir, reference,
     assert (out / "lm_eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cli_lm_eval_results_appear_together_in_the_model_dir_and_git_stays_quiet(looped_dir, task_dir, tmp_path,
+                                                                                    monkeypatch, capfd):
+    """By default the results go into MODEL_DIR beside the model: a failure while plotting
+    leaves none of lm_eval.json/.md/.png (and no staging folder), a success writes all three;
+    run outside a git repository, lm-eval's git call prints nothing on stderr."""
+    import shutil
+
+    import looptool.report
+
+    model = tmp_path / "model"
+    shutil.copytree(looped_dir, model)
+    before = sorted(p.name for p in model.iterdir())
+    monkeypatch.chdir(tmp_path)  # not a git repository
+    args = ["lm-eval", str(model), "--tasks", "lt_choice", "--include-path", str(task_dir), "--budgets", "0",
+            "--limit", "2", "--max-length", "32", "--bootstrap-iters", "0"]
+
+    def broken_plot(*args, **kwargs):
+        raise RuntimeError("plotting failed")
+
+    monkeypatch.setattr(looptool.report, "plot_quality_cost", broken_plot)
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2 and "plotting failed" in res.output
+    assert sorted(p.name for p in model.iterdir()) == before  # nothing half-written, no staging folder left
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in model.iterdir()) == sorted([*before, "lm_eval.json", "lm_eval.md", "lm_eval.png"])
+    assert "not a git repository" not in capfd.readouterr().err
+    assert json.loads((model / "lm_eval.json").read_text())["budgets"][0]["budget"] == 0
+
+
 @pytest.mark.parametrize("args,message", [
     (["--tasks", " , "], "--tasks is empty"),
     (["--tasks", "lt_choice", "--include-path", "no/such/folder"], "--include-path 'no/such/folder' does not exist"),

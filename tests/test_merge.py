@@ -24,6 +24,7 @@ from looptool.merge import (
     merge,
     parameter_groups,
     parse_lambdas,
+    read_merge_config,
     resolve_lambda,
 )
 from looptool.testing import tiny_config, tiny_model
@@ -366,6 +367,13 @@ def test_cli_merge_end_to_end(saved, tmp_path):
     x = ids()
     for k in reloaded.budgets:
         assert torch.equal(reloaded(x, budget=k).logits, in_memory(x, budget=k).logits), k
+    # the merge's recipe is recorded beside it: experts in order, λ specs as given, λ per group
+    config, recorded = read_merge_config(out)
+    assert config["base"] == str(saved / "base") and config["experts"] == [str(saved / "e0"), str(saved / "e1")]
+    assert [s["text"] for s in config["lambdas"]] == specs and recorded == parse_lambdas(specs, 2)
+    assert config["lambda_by_group"]["looped.router"] == [0.25, 1.0] and config["lambda_by_group"]["input.mlp"] == [0.5, 0.5]
+    replayed = merge(base, experts, recorded)
+    assert all(torch.equal(params(replayed)[n], t) for n, t in params(reloaded).items())
     res = _run("merge", saved / "base", saved / "e0", "-o", out, "--lambda", "1")
     assert res.exit_code == 1 and "already exists" in res.output  # --overwrite needed
     res = _run("merge", saved / "base", saved / "e0", "-o", out, "--lambda", "1", "--overwrite")

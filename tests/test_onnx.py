@@ -252,8 +252,10 @@ def test_tampered_weights_refused(engine_copy):
 def test_tampered_graph_refused(engine_copy):
     path = engine_copy / "budget_1.last-loop.onnx"
     path.write_bytes(path.read_bytes()[:-1] + b"\0")
+    rt = Runtime(engine_copy)  # graphs are checked per budget, when first run
+    rt.session(1, "per-loop")
     with pytest.raises(EngineError, match=r"budget_1.last-loop.onnx does not match the sha256"):
-        Runtime(engine_copy)
+        rt.session(1, "last-loop")
 
 
 def test_manifest_without_cache_layout_refused(engine_copy):
@@ -289,7 +291,7 @@ def test_external_data_outside_engine_refused(engine_copy, tmp_path):
     manifest["budgets"]["0"]["per-loop"]["sha256"] = sha256_file(path)  # a consistent but hostile engine
     (engine_copy / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(EngineError, match="outside the engine directory"):
-        Runtime(engine_copy)
+        Runtime(engine_copy).session(0, "per-loop")
 
 
 def test_runtime_bad_input_and_lazy_sessions(engines, tmp_path):

@@ -5,17 +5,22 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 import looptool
+from looptool.cli import app
+from looptool.resume import checkpoint_step
 from looptool.rewards import RewardError, exact_match, load_reward, numeric, score
 from looptool.rl import GRPO, RLConfig, RLError, grpo_loss, leave_one_out_advantages
 from looptool.rollout import encode_prompt, sample, token_logprobs
 from looptool.sampling import assign_budgets, ratio_counts
-from looptool.testing import byte_tokenizer, tiny_model
+from looptool.testing import assert_same_weights, byte_tokenizer, kill_after_line, step_log, tiny_model
 
 
 # ---------------------------------------------------------------------------- rewards
@@ -181,3 +186,73 @@ def test_cli_rl_reward_that_raises_exits_1_without_output(elr, tmp_path):
     assert res.exit_code == 1, res.output
     assert "the reward function r raised KeyError" in res.output
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.*"))
+
+
+
+# ---------------------------------------------------------------------------- checkpoints and resume
+# a reward that varies (so every step updates the weights) and, with STOP_AT=N in the
+# environment, raises KeyboardInterrupt at its (N+1)-th call: a Ctrl-C at a known point
+_REWARD = """import os
+calls = 0
+def parity(prompt, completion, example):
+    global calls
+    calls += 1
+    if os.environ.get("STOP_AT") and calls > int(os.environ["STOP_AT"]):
+        raise KeyboardInterrupt
+    return float(sum(completion.encode()) % 2)
+"""
+
+
+@pytest.fixture
+def small(tmp_path) -> Path:
+    """The smallest ELR model that has two budgets (2 layers, k = 1, 2), saved in ``tmp_path``."""
+    model = looptool.convert(tiny_model("llama", num_layers=2), looptool.RecurrentLoop(recurrent=(0, 1), max_loops=2),
+                             tokenizer=byte_tokenizer())
+    with torch.no_grad():
+        for _, p in model.new_parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(tmp_path / "m")
+    (tmp_path / "parity.py").write_text(_REWARD)
+    return tmp_path / "m"
+
+
+def _rl_args(tmp_path: Path, out: Path, *extra: str) -> list[str]:
+    """``looptool rl`` on the ``small`` model: 4 steps of 2 prompts (one per budget, routed by
+    the pass-rate curriculum) × 2 rollouts."""
+    return ["rl", str(tmp_path / "m"), "--data", str(_prompts(tmp_path)), "-o", str(out),
+            "--reward", f"{tmp_path / 'parity.py'}:parity", "--steps", "4", "--prompts", "2", "--rollouts", "2",
+            "--ratio", "1:1", "--max-new-tokens", "3", "--lr", "1e-2", "--device", "cpu", *extra]
+
+
+def test_rl_resume_after_kill_matches_uninterrupted_run(small, tmp_path):
+    killed = tmp_path / "killed"
+    status, lines = kill_after_line([sys.executable, "-m", "looptool", *_rl_args(tmp_path, killed, "--save-every", "2")],
+                                    "step 3 ")
+    assert status == -signal.SIGKILL, "the run ended before the kill; the test proves nothing: " + "".join(lines[-5:])
+    assert checkpoint_step(killed) == 2  # killed between checkpoints, with step 3 run past the one at step 2
+    ref = CliRunner().invoke(app, _rl_args(tmp_path, tmp_path / "ref"))  # uninterrupted, checkpoint only at the end
+    assert ref.exit_code == 0, ref.output
+    again = CliRunner().invoke(app, _rl_args(tmp_path, killed))
+    assert again.exit_code == 1 and "already exists" in again.output, again.output
+    changed = CliRunner().invoke(app, _rl_args(tmp_path, killed, "--resume", "--temperature", "0.5"))
+    assert changed.exit_code == 1 and "these settings differ: temperature" in changed.output, changed.output
+    res = CliRunner().invoke(app, _rl_args(tmp_path, killed, "--save-every", "2", "--resume"))
+    assert res.exit_code == 0, res.output
+    assert step_log(killed / "rl_log.jsonl") == step_log(tmp_path / "ref" / "rl_log.jsonl")  # budgets, rewards, losses
+    assert_same_weights(killed, tmp_path / "ref", small)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    log = (killed / "rl_log.jsonl").read_text()
+    complete = CliRunner().invoke(app, _rl_args(tmp_path, killed, "--resume"))
+    assert complete.exit_code == 0 and "already complete (4 steps); nothing to resume" in complete.output, complete.output
+    assert (killed / "rl_log.jsonl").read_text() == log  # nothing re-ran
+
+
+def test_rl_ctrl_c_before_the_first_checkpoint_and_resume_without_one(small, tmp_path):
+    res = CliRunner().invoke(app, _rl_args(tmp_path, tmp_path / "o", "--save-every", "2"), env={"STOP_AT": "2"})
+    assert res.exit_code == 130, res.output
+    assert "interrupted before the first checkpoint; nothing was saved" in res.output
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.*"))
+    with pytest.raises(looptool.LooptoolError, match="holds no checkpoint to resume"):  # a model, not a run
+        GRPO(small, RLConfig(data=[str(_prompts(tmp_path))], output=str(small), resume=True))
+    with pytest.raises(looptool.LooptoolError, match="save_every must be at least 0"):
+        GRPO(small, RLConfig(data=[str(_prompts(tmp_path))], output=str(tmp_path / "o"), save_every=-1))

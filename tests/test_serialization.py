@@ -102,6 +102,9 @@ def test_refuses_missing_and_corrupted_weights(saved):
 def test_refuses_mismatched_tensors(saved, tmp_path):
     from safetensors.torch import load_file, save_file
 
+    meta = json.loads((saved / "looptool.json").read_text())
+    del meta["files"]  # the sha256 check would refuse first; these are the header checks
+    (saved / "looptool.json").write_text(json.dumps(meta))
     tensors = load_file(saved / "model.safetensors")
     name = "loop.prefix.1.attention_gate"
     tensors[name] = torch.zeros(7)
@@ -139,3 +142,80 @@ def test_loaded_tensors_are_aligned(tmp_path):
     with torch.no_grad():
         for k in model.budgets:
             assert torch.equal(model(ids, budget=k).logits, loaded(ids, budget=k).logits)
+
+
+@pytest.fixture(scope="module")
+def saved_4mb(tmp_path_factory):
+    """A looped tiny Llama with a 8192-token vocabulary (4.8 MB of weights) and a tokenizer."""
+    from looptool.testing import byte_tokenizer
+
+    path = tmp_path_factory.mktemp("saved") / "m"
+    looptool.convert(tiny_model("llama", vocab_size=8192), TINY_PLAN, tokenizer=byte_tokenizer()).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def corrupted(saved_4mb, tmp_path):
+    """A copy of ``saved_4mb`` with 1 MiB in the middle of model.safetensors overwritten
+    (the header, and so every shape and dtype, intact)."""
+    import shutil
+
+    path = shutil.copytree(saved_4mb, tmp_path / "m")
+    weights = path / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.seek(size // 2 - (1 << 19))
+        f.write(torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).numpy().tobytes())
+    assert weights.stat().st_size == size
+    return path
+
+
+def test_records_sha256_of_weights(saved_4mb):
+    import hashlib
+
+    files = json.loads((saved_4mb / "looptool.json").read_text())["files"]
+    data = (saved_4mb / "model.safetensors").read_bytes()
+    assert files == {"model.safetensors": {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+
+
+def test_refuses_corrupted_weight_data(corrupted):
+    with pytest.raises(CheckpointError, match=r"model.safetensors is corrupt: its contents differ from the sha256 recorded in looptool.json"):
+        looptool.load(corrupted)
+    assert looptool.load(corrupted, device="meta").budgets == (0, 1, 2)  # inspect reads headers only: not checked
+
+
+def test_cli_generate_refuses_corrupted_weights(corrupted):
+    from typer.testing import CliRunner
+
+    from looptool.cli import app
+
+    res = CliRunner().invoke(app, ["generate", str(corrupted), "-p", "We", "--max-new-tokens", "2"])
+    text = " ".join(res.output.split())  # rich wraps long lines
+    assert res.exit_code == 1 and text.count("error:") == 1 and "is corrupt" in text, res.output
+
+
+def test_loads_model_saved_without_checksums(saved, input_ids):
+    meta = json.loads((saved / "looptool.json").read_text())
+    del meta["files"]  # as written before checksums were recorded
+    (saved / "looptool.json").write_text(json.dumps(meta))
+    _, looped = _converted_llama()
+    with torch.no_grad():
+        assert torch.equal(looptool.load(saved)(input_ids, budget=2).logits, looped(input_ids, budget=2).logits)
+
+
+@pytest.mark.parametrize("umask, dirs, files", [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640)], ids=["022", "027"])
+def test_saved_model_gets_the_umask(tmp_path, umask, dirs, files):
+    """Not mkdtemp's 0700 nor safetensors' 0600: colleagues on a shared machine can read it."""
+    import os
+    import stat
+
+    _, looped = _converted_llama()
+    previous = os.umask(umask)
+    try:
+        path = looped.save_pretrained(tmp_path / "m")
+        looped.save_pretrained(path, overwrite=True)  # replacing goes through the same helper
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(path.stat().st_mode) == dirs
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in path.iterdir()} == {p.name: files for p in path.iterdir()}
+    assert "model.safetensors" in {p.name for p in path.iterdir()}

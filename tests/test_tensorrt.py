@@ -51,17 +51,51 @@ def prefix_model():
 
 
 @pytest.fixture(scope="module")
-def on_target(prefix_model, tmp_path_factory):
+def exported(prefix_model, tmp_path_factory):
+    """The default precision (fp16) of an fp32 model: a rebuilt fp16 copy is exported and
+    every graph validated in onnxruntime against that copy's PyTorch path."""
     out = tmp_path_factory.mktemp("trt") / "engine"
-    export_tensorrt(prefix_model, out, [0, 2], precision="fp32", build_on_target=True, validate=False,
-                    max_batch=4, max_prefill=64, max_capacity=128)
-    return out
+    report = export_tensorrt(prefix_model, out, [0, 2], build_on_target=True, max_batch=4, max_prefill=64,
+                             max_capacity=128)
+    return out, report
+
+
+@pytest.fixture(scope="module")
+def on_target(exported):
+    return exported[0]
+
+
+def test_default_precision_exports_and_validates_an_fp16_copy(exported, prefix_model):
+    from looptool.backends.onnx import FP16_ATOL
+
+    out, report = exported
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["tensorrt"]["precision"] == "fp16"
+    dtypes = {name: t["dtype"] for name, t in manifest["weights"]["tensors"].items()}
+    assert all(d == "FLOAT16" or "inv_freq" in n for n, d in dtypes.items()), dtypes  # rotary stays fp32, as in HF
+    assert next(prefix_model.parameters()).dtype == torch.float32  # the model itself is untouched
+    for b in report.budgets:
+        assert set(b.max_abs_diff) == {"random", "real"}  # validated on both prompts
+        assert 0 < max(b.max_abs_diff.values()) < FP16_ATOL * 20  # fp16 rounding, within the limit
+    for entry in manifest["tensorrt"]["graphs"].values():
+        onnx.checker.check_model(onnx.load(str(out / entry["per-loop"]["file"])))
+
+
+def test_bf16_precision_writes_valid_bf16_graphs(prefix_model, tmp_path):
+    out = tmp_path / "bf16"
+    export_tensorrt(prefix_model, out, [2], precision="bf16", build_on_target=True)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["tensorrt"]["precision"] == "bf16"
+    dtypes = {name: t["dtype"] for name, t in manifest["weights"]["tensors"].items()}
+    assert all(d == "BFLOAT16" or "inv_freq" in n for n, d in dtypes.items()), dtypes
+    for path in out.glob("*.onnx"):
+        onnx.checker.check_model(onnx.load(str(path)))
 
 
 def test_build_on_target_writes_variants_manifest_and_build_script(on_target):
     manifest = json.loads((on_target / MANIFEST).read_text())
     section = manifest["tensorrt"]
-    assert section["precision"] == "fp32" and "engines" not in section
+    assert section["precision"] == "fp16" and "engines" not in section
     assert section["profiles"] == {"max_batch": 4, "max_prefill": 64, "max_capacity": 128}
     entry = section["graphs"]["2"]["per-loop"]
     variant = onnx.load(str(on_target / entry["file"]))
@@ -91,7 +125,7 @@ def test_runtime_checks_before_it_needs_tensorrt(on_target, tmp_path):
     copy = tmp_path / "e"
     shutil.copytree(on_target, copy)
     manifest = json.loads((copy / MANIFEST).read_text())
-    manifest["tensorrt"]["engines"] = {"2": {"per-loop": {"file": "budget_2.per-loop.fp32.engine", "sha256": "0"}}}
+    manifest["tensorrt"]["engines"] = {"2": {"per-loop": {"file": "budget_2.per-loop.fp16.engine", "sha256": "0"}}}
     manifest["tensorrt"]["built_on"] = {"gpu": "NVIDIA H200", "compute_capability": [9, 0], "tensorrt": "11.0"}
     (copy / MANIFEST).write_text(json.dumps(manifest))
     with open(copy / WEIGHTS, "r+b") as f:  # one byte changed: same size, other sha256

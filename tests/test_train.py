@@ -154,6 +154,53 @@ def test_resume_requires_same_command(model_dir, tmp_path):
         Trainer(model_dir, changed)
 
 
+def _train_args(model_dir, out, *extra: str) -> list[str]:
+    return ["train", str(model_dir), "--data", str(SOTU / "1790*.txt"), "-o", str(out), "--seq-len", "64", "--batch", "4",
+            "--lr", "1e-3", "--device", "cpu", *extra]
+
+
+def test_train_ctrl_c_names_the_last_checkpoint(model_dir, tmp_path, monkeypatch):
+    """Ctrl-C at step 3 of a run of the default length (2M tokens: 7812 steps of 4 × 64)."""
+    import looptool.train as train_module
+    from typer.testing import CliRunner
+
+    from looptool.cli import app
+
+    def lr_factor(step: int, *args) -> float:
+        if step == 3:
+            raise KeyboardInterrupt
+        return original(step, *args)
+
+    original = train_module.lr_factor
+    monkeypatch.setattr(train_module, "lr_factor", lr_factor)
+    res = CliRunner().invoke(app, _train_args(model_dir, tmp_path / "run", "--save-every", "2"))
+    assert res.exit_code == 130, res.output
+    assert f"the last checkpoint (after step 2) is in '{tmp_path / 'run'}'" in res.output
+    assert "rerun the same command with --resume to continue from it" in res.output
+    assert "/7812" in res.output  # the progress bar's total: --tokens 2M by default
+
+
+def test_train_steps_and_resume_of_a_complete_run(model_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from looptool.cli import app
+
+    out = tmp_path / "run"
+    both = CliRunner().invoke(app, _train_args(model_dir, out, "--steps", "3", "--tokens", "1k"))
+    assert both.exit_code == 1 and "--tokens and --steps both set the length of the run; give one of them" in both.output
+    with pytest.raises(TrainingError, match="tokens and steps both set the length of the run"):
+        TrainConfig(data=[], output=str(out), tokens=1000, steps=3).check()
+    res = CliRunner().invoke(app, _train_args(model_dir, out, "--steps", "3"))
+    assert res.exit_code == 0, res.output
+    log = (out / "train_log.jsonl").read_text()
+    assert [json.loads(line)["step"] for line in log.splitlines()] == [0, 1, 2]
+    done = CliRunner().invoke(app, _train_args(model_dir, out, "--steps", "3", "--resume"))
+    assert done.exit_code == 0 and f"the run in '{out}' is already complete (3 steps); nothing to resume" in done.output
+    assert (out / "train_log.jsonl").read_text() == log  # not re-run, not rewritten
+    longer = CliRunner().invoke(app, _train_args(model_dir, out, "--steps", "4", "--resume"))
+    assert longer.exit_code == 1 and "these settings differ: steps" in longer.output, longer.output
+
+
 def test_nan_loss_stops_with_step_and_budget(model_dir, tmp_path):
     out = tmp_path / "nan"
     cfg = TrainConfig(data=[str(SOTU / "179*.txt")], output=str(out), tokens=64 * 4 * 6, seq_len=64, batch=4,

@@ -27,7 +27,7 @@ import torch
 
 import looptool
 from looptool.data import PackedTokens, find_files, tokenize_files
-from looptool.evaluate import mean_loss, plot_frontier
+from looptool.evaluate import gain_shares, mean_loss, plot_frontier
 from looptool.sources import load_source
 from looptool.train import TrainConfig, Trainer
 
@@ -80,9 +80,9 @@ def main() -> None:
         losses = {k: mean_loss(lambda ids, k=k: mixed(ids, labels=ids, budget=k).loss, val, 4) for k in mixed.budgets}
         plain_loss = mean_loss(lambda ids: plain(ids, labels=ids, budget=0).loss, val, 4)
     ks = mixed.budgets
-    gain = losses[ks[0]] - losses[ks[-1]]
+    shares = gain_shares(losses)
     rows = [{"budget": k, "loss": losses[k], "delta_vs_plain": losses[k] - plain_loss,
-             "share_of_endpoint_gain": (losses[ks[0]] - losses[k]) / gain if abs(gain) > 1e-4 else None} for k in ks]
+             "share_of_endpoint_gain": shares[k]} for k in ks]
     L = 30
     exp = runs["mixed"]["summary"]["expected"]
     result = {
@@ -96,10 +96,10 @@ def main() -> None:
         "realised": runs["mixed"]["summary"].get("realised"), "expected": exp,
     }
     (work / "bench_quality.json").write_text(json.dumps(result, indent=2))
-    plot_frontier({"budgets": [{"budget": k, "loss": losses[k], "latency_ratio": (L + k) / L} for k in ks],
+    plot_frontier({"budgets": [{"budget": k, "loss": losses[k], "ideal_layer_ratio": (L + k) / L} for k in ks],
                    "source_loss": plain_loss}, work / "quality_frontier.png",
                   title="SmolLM2, window 8:20, mixed-depth retrofit", reference_label="plain fine-tune",
-                  xlabel="layer executions ÷ budget 0, (L+k)/L")
+                  x="ideal_layer_ratio", xlabel="layer executions ÷ budget 0, (L+k)/L")
     print(json.dumps(result))
 
 
