@@ -10,7 +10,7 @@ from torch import nn
 
 from looptool.capture import build_skeleton, capture, num_layers_of
 from looptool.errors import LooptoolError
-from looptool.graph import dtype_from_str
+from looptool.graph import dtype_from_str, float_dtype
 from looptool.model import LoopedModel, bind_tensors, graph_tensors
 from looptool.passes import PassManager
 from looptool.plan import LoopPlan, PrefixLoop, RecurrentLoop
@@ -69,7 +69,7 @@ def rebuild(config, recipe, *, dtype: torch.dtype, device: str, attn_implementat
     return LoopedModel(lg, tokenizer=tokenizer)
 
 
-def cast(model: LoopedModel, dtype: torch.dtype) -> LoopedModel:
+def cast(model: LoopedModel, dtype: torch.dtype | str) -> LoopedModel:
     """A copy of ``model`` whose graphs and weights are in ``dtype``; ``model`` is untouched.
 
     A captured graph is specialised to its dtype, so an in-place ``model.to(dtype)`` is
@@ -80,10 +80,9 @@ def cast(model: LoopedModel, dtype: torch.dtype) -> LoopedModel:
     Returns ``model`` itself when it is already in ``dtype``.
     """
     source = model.layer_graph.source
+    dtype = float_dtype(dtype)
     if dtype_from_str(source.dtype) == dtype:
         return model
-    if not dtype.is_floating_point:
-        raise LooptoolError(f"a looped model can be cast to a floating-point dtype, not {dtype}.")
     device = source.device
     new = rebuild(model.config, model.recipe, dtype=dtype, device=device,
                   attn_implementation=source.attn_implementation, tokenizer=model.tokenizer)

@@ -205,6 +205,24 @@ def dtype_from_str(name: str) -> torch.dtype:
     return dtype
 
 
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def float_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``dtype`` (a torch dtype or its name) as a floating-point dtype a looped model can run
+    in, or one sentence (a :class:`~looptool.errors.LooptoolError`)."""
+    from looptool.errors import LooptoolError
+
+    try:
+        value = dtype_from_str(dtype) if isinstance(dtype, str) else dtype
+    except ValueError:
+        value = None
+    if value not in FLOAT_DTYPES:
+        raise LooptoolError(f"dtype {dtype!r} is not a floating-point dtype a looped model can run in; "
+                            "use float32, float16 or bfloat16.")
+    return value
+
+
 def copy_graph(graph: fx.Graph, transform=None) -> fx.Graph:
     """A new graph with the same nodes (meta shallow-copied, annotations preserved).
 

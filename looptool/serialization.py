@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from looptool.errors import CheckpointError, LooptoolError
-from looptool.graph import dtype_from_str
+from looptool.graph import dtype_from_str, float_dtype
 from looptool.model import LoopedModel, bind_tensors, graph_tensors
 from looptool.plan import plan_from_dict
 
@@ -235,7 +235,7 @@ def load(directory: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtyp
     plan_from_dict(meta["plan"])  # refuses unknown kinds / versions with a clear message
     src = meta["source"]
     saved = dtype_from_str(src["dtype"])
-    dtype = saved if dtype is None else _float_dtype(dtype)
+    dtype = saved if dtype is None else float_dtype(dtype)
     check_dtype(torch.device(device), dtype)  # e.g. a bf16 checkpoint on a GPU without bf16
     try:
         config = transformers.AutoConfig.from_pretrained(directory)
@@ -269,17 +269,6 @@ def verify_files(directory: Path, meta: dict) -> None:
             raise CheckpointError(f"{path} is corrupt: its contents differ from the sha256 recorded in "
                                   f"{LOOPTOOL_JSON} at save; re-save or re-copy the model.")
 
-
-def _float_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """``dtype`` (a torch dtype or its name) as a floating-point torch dtype, or one sentence."""
-    try:
-        value = dtype_from_str(dtype) if isinstance(dtype, str) else dtype
-    except ValueError:
-        value = None
-    if value not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-        raise LooptoolError(f"dtype {dtype!r} is not a floating-point dtype a looped model can run in; "
-                            "use float32, float16 or bfloat16.")
-    return value
 
 
 def check_weights(model: LoopedModel, path: Path, *, cast: bool = False) -> dict[str, str]:

@@ -71,6 +71,28 @@ def test_to_cuda_and_load_on_cuda(tmp_path):
             torch.testing.assert_close(moved.cpu(), on_cpu[k], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cast_and_load_in_a_dtype_on_cuda(dtype, tmp_path):
+    """A bf16/fp16 copy of an fp32 model on CUDA (looptool.cast, load(dtype=)) equals the
+    source converted in that dtype on CUDA, at every budget, with trained new parameters."""
+    source = tiny_model("llama")
+    source.save_pretrained(tmp_path / "src")
+    model = looptool.convert(source, SCHEMES["prefix"]).to("cuda")
+    with torch.no_grad():
+        for _, p in model.new_parameters():
+            p.add_(0.1)
+    model.save_pretrained(tmp_path / "m")
+    cast, loaded = looptool.cast(model, dtype), looptool.load(tmp_path / "m", device="cuda", dtype=dtype)
+    ref = looptool.convert(str(tmp_path / "src"), SCHEMES["prefix"], dtype=dtype, device="cuda")
+    with torch.no_grad():
+        for (_, p), (_, q) in zip(model.new_parameters(), ref.new_parameters(), strict=True):
+            q.copy_(p.to(dtype))
+        for k in model.budgets:
+            want = ref(_ids(), budget=k).logits
+            assert torch.equal(cast(_ids(), budget=k).logits, want), k
+            assert torch.equal(loaded(_ids(), budget=k).logits, want), k
+
+
 def test_checkpointing_on_cuda_matches():
     model = looptool.convert(tiny_model("llama").to("cuda"), SCHEMES["prefix"])
     with torch.no_grad():
