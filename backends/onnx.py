@@ -302,6 +302,8 @@ def export_program(gm: torch.fx.GraphModule, args, dynamic_shapes, *, input_name
     try:
         with warnings.catch_warnings():  # the exporter warns that inputs share axis names
             warnings.filterwarnings("ignore", message=".*axis name.*", category=UserWarning)
+            # and torch.export's own pytree deprecation notice (torch's code, not the user's)
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             return torch.onnx.export(
                 gm, tuple(args), dynamo=True, external_data=True, optimize=False, opset_version=OPSET,
                 dynamic_shapes=tuple(dynamic_shapes), input_names=input_names, output_names=output_names,

@@ -232,6 +232,9 @@ class Runtime:
             sess = self._sessions.get(key)
             if sess is None:
                 options = ort.SessionOptions()
+                # errors only: its warnings (e.g. "can't constant fold" an fp16 node it has no
+                # CPU kernel to fold with) are about its own optimiser and not actionable
+                options.log_severity_level = 3
                 if not self.prepack:  # packed copies are per session: one copy of the weights needs them off
                     options.add_session_config_entry("session.disable_prepacking", "1")
                 # idle ORT threads must not spin: they would starve PyTorch or other sessions

@@ -89,35 +89,6 @@ def _stage(progress: Progress, text: str) -> Iterator[None]:
     progress.update(task, total=1, completed=1, description=f"[green]✓[/] {text}")
 
 
-@contextmanager
-def _result_files(folder: Path) -> Iterator[Path]:
-    """Yield a staging folder for a command's result files; when the block ends they all
-    appear in ``folder`` together, on a failure none does. ``folder`` is often a model
-    directory (the default of eval and lm-eval), so the unit is the set of files, not the
-    folder: a new folder is staged whole and renamed in (:func:`commit_output_dir`); in an
-    existing one the files are staged in a hidden folder inside it (same file system) and
-    each moved over its old version with ``os.replace``, leaving the model's files alone."""
-    import shutil
-    import tempfile
-
-    from looptool.serialization import commit_output_dir, prepare_output_dir
-
-    if folder.exists() and not folder.is_dir():
-        raise LooptoolError(f"output path '{folder}' exists and is not a directory; choose another path.")
-    fresh = not folder.exists()
-    staging = prepare_output_dir(folder, overwrite=False)[1] if fresh else Path(
-        tempfile.mkdtemp(prefix=".results.", suffix=".tmp", dir=folder))
-    try:
-        yield staging
-        if fresh:
-            commit_output_dir(folder, staging)
-        else:
-            for path in sorted(staging.iterdir()):
-                os.replace(path, folder / path.name)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
 def _progress() -> Progress:
     return Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=False)
 
@@ -577,7 +548,7 @@ def eval_(
     from rich.table import Table
 
     from looptool.evaluate import evaluate, format_share, plot_frontier
-    from looptool.serialization import load
+    from looptool.serialization import load, result_files
     from looptool.sources import load_source
 
     from looptool.data import find_files
@@ -600,7 +571,7 @@ def eval_(
                           on_progress=lambda text: progress.update(task, description=text))
         progress.update(task, total=1, completed=1, description="[green]✓[/] evaluated")
     target = output or model_dir
-    with _result_files(target) as staging:
+    with result_files(target) as staging:
         (staging / "eval.json").write_text(json.dumps(result, indent=2))
         plot_frontier(result, staging / "frontier.png", title=f"{model_dir.name}: loss vs cost")
     table = Table(title=f"{result['tokens']:,} held-out tokens · {result['sequences']} × {result['seq_len']}", title_justify="left")
@@ -991,6 +962,7 @@ def lm_eval_cmd(
 
     from looptool.plan import parse_budgets
     from looptool.report import plot_quality_cost
+    from looptool.serialization import result_files
 
     task_names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not task_names:
@@ -1011,7 +983,7 @@ def lm_eval_cmd(
         bar.update(task, completed=len(result["budgets"]), description="[green]✓[/] evaluated")
     target = output or model_dir
     series = quality_series(result)
-    with _result_files(target) as staging:
+    with result_files(target) as staging:
         (staging / "lm_eval.json").write_text(json.dumps(result, indent=2))
         (staging / "lm_eval.md").write_text(markdown_table(result))
         plot_quality_cost(series, staging / "lm_eval.png", title=f"{model_dir.name}: lm-eval quality vs cost")

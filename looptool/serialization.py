@@ -12,11 +12,13 @@ unchecked; ``device="meta"`` reads no tensor data and skips the check).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -112,6 +114,32 @@ def apply_umask(root: Path) -> None:
             if not path.is_symlink():
                 full = 0o777 if path.stat().st_mode & 0o111 else 0o666
                 path.chmod(full & ~mask)
+
+
+@contextlib.contextmanager
+def result_files(folder: str | os.PathLike) -> Iterator[Path]:
+    """Yield a staging folder for a command's result files; when the block ends they all
+    appear in ``folder`` together, on a failure none does. ``folder`` is often a model
+    directory (the default of eval and lm-eval), so the unit is the set of files, not the
+    folder: a new folder is staged whole and renamed in (:func:`commit_output_dir`); in an
+    existing one the files are staged in a hidden folder inside it (same file system) and
+    each moved over its old version with ``os.replace``, leaving the model's files alone."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise LooptoolError(f"output path '{folder}' exists and is not a directory; choose another path.")
+    fresh = not folder.exists()
+    staging = prepare_output_dir(folder, overwrite=False)[1] if fresh else Path(
+        tempfile.mkdtemp(prefix=".results.", suffix=".tmp", dir=folder))
+    try:
+        yield staging
+        if fresh:
+            commit_output_dir(folder, staging)
+        else:
+            apply_umask(staging)  # the files get the modes a plain write would give them
+            for path in sorted(staging.iterdir()):
+                os.replace(path, folder / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def recover_interrupted_commit(final: Path) -> None:
