@@ -252,7 +252,7 @@ def _interface_types(sg: ServingGraph) -> dict[str, tuple]:
     """ONNX element type and symbolic shape of every interface input and output."""
     import onnx_ir as ir
 
-    float_type = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16}[sg.layout.dtype]
+    float_type = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}[sg.layout.dtype]
     placeholders = [n for n in sg.module.graph.nodes if n.op == "placeholder"]
     mask = ir.DataType.from_numpy(np.dtype(str(placeholders[1].meta["val"].dtype).removeprefix("torch.")))
     out = {

@@ -83,7 +83,8 @@ def test_default_precision_exports_and_validates_an_fp16_copy(exported, prefix_m
 
 def test_bf16_precision_writes_valid_bf16_graphs(prefix_model, tmp_path):
     out = tmp_path / "bf16"
-    export_tensorrt(prefix_model, out, [2], precision="bf16", build_on_target=True)
+    report = export_tensorrt(prefix_model, out, [2], precision="bf16", build_on_target=True)
+    assert all(b.composed for b in report.budgets)  # from layer functions, not the flat fallback
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["tensorrt"]["precision"] == "bf16"
     dtypes = {name: t["dtype"] for name, t in manifest["weights"]["tensors"].items()}
