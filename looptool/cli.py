@@ -1141,7 +1141,7 @@ def _export_engines(model_dir: Path, output: Path, backend: str, budget: str, va
         calls = f"{sum(b.layer_calls.values())} of {len(b.layer_calls)}" if b.composed else "flat"
         diff = b.max_abs_diff
         table.add_row(str(b.budget), b.kv, b.file, human_bytes(b.bytes), calls, fused,
-                      f"{diff.get('random', float('nan')):.2e}", f"{diff.get('real', float('nan')):.2e}", f"{b.seconds:.1f}")
+                      *(f"{diff[k]:.2e}" if k in diff else "not validated" for k in ("random", "real")), f"{b.seconds:.1f}")
     out.print(table)
     if report.layer_functions:
         out.print(f"{report.layer_functions} distinct bodies exported once each ({report.layer_seconds:.1f} s); "
