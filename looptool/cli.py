@@ -738,7 +738,7 @@ def _check_kv_names(kv: str, allow_all: bool = False) -> None:
     unknown = [p for p in names if p not in KV_POLICIES]
     if unknown or not names:
         choices = ", ".join([*KV_POLICIES, *(["all"] if allow_all else [])])
-        raise LooptoolError(f"--kv {kv!r} is not a KV cache policy; use {choices}.")
+        raise LooptoolError(f"unknown KV cache policy --kv {kv!r}; use {choices}.")
 
 
 def _check_sizes(**sizes: int) -> None:

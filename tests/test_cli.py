@@ -364,14 +364,14 @@ def test_export_is_quiet_and_run_names_the_missing_file_of_the_budget_asked(loop
 
 
 @pytest.mark.parametrize("args, message", [
-    (["generate", "{m}", "-p", "x", "--kv", "lastloop"], "--kv 'lastloop' is not a KV cache policy"),
+    (["generate", "{m}", "-p", "x", "--kv", "lastloop"], "unknown KV cache policy --kv 'lastloop'"),
     (["generate", "{m}", "-p", "x", "--temperature", "-1"], "sampling settings out of range"),
     (["generate", "{m}", "-p", "x", "--max-new-tokens", "-2"], "max_new_tokens must be a non-negative integer"),
     (["eval", "{m}", "--data", "{m}/missing.txt"], "data path '{m}/missing.txt' does not exist"),
     (["eval", "{m}", "--data", "{m}", "--seq-len", "1"], "--seq-len must be at least 2"),
     (["analyze", "{m}", "--data", "{m}", "--batch", "0"], "--batch must be at least 1"),
     (["train", "{m}", "--data", "{m}/nope", "-o", "{m}/out"], "data path '{m}/nope' does not exist"),
-    (["export", "{m}", "-o", "{m}/e", "--kv", "per-loop,bogus"], "--kv 'per-loop,bogus' is not a KV cache policy"),
+    (["export", "{m}", "-o", "{m}/e", "--kv", "per-loop,bogus"], "unknown KV cache policy --kv 'per-loop,bogus'"),
     (["export", "{m}", "-o", "{m}/e", "--budget", "1,x"], "budget 'x' is not a whole number"),
     (["convert", "{src}", "-o", "{m}/c", "--window", "1:9"], "window 1:9 is not a non-empty range inside the model's 4 layers"),
 ])
