@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from looptool.errors import CheckpointError, LooptoolError
-from looptool.graph import dtype_from_str, float_dtype
+from looptool.graph import FLOAT_DTYPES, dtype_from_str, float_dtype
 from looptool.model import LoopedModel, bind_tensors, graph_tensors
 from looptool.plan import plan_from_dict
 
@@ -330,7 +330,7 @@ def check_weights(model: LoopedModel, path: Path, *, cast: bool = False) -> dict
 
 
 _ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64", "I32": "int32", "BOOL": "bool", "U8": "uint8", "I8": "int8"}
-_ST_FLOATS = ("float32", "float16", "bfloat16", "float64")
+_ST_FLOATS = tuple(str(d).removeprefix("torch.") for d in FLOAT_DTYPES)  # the dtypes a cast load accepts
 
 
 _ALIGN = 64  # bytes: what torch's CPU allocator guarantees
