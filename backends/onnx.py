@@ -52,7 +52,7 @@ from looptool.backends.onnx_optimize import simplify, strip_metadata
 from looptool.backends.onnx_outline import outline_looptool_functions
 from looptool.backends.onnx_store import INLINE_LIMIT, WeightStore, externalize, to_numpy
 from looptool.backends.onnx_validate import DEFAULT_ATOL, FP16_ATOL, default_atol, validate_engine, validation_prompts
-from looptool.errors import require_extra
+from looptool.core.errors import require_extra
 
 __all__ = [  # the engine format, store, optimisation and validation names stay importable from here
     "DEFAULT_ATOL", "FP16_ATOL", "FORMAT", "FORMAT_VERSION", "INLINE_LIMIT", "MANIFEST", "WEIGHTS", "BudgetExport", "EngineError",
@@ -137,7 +137,7 @@ def resolve_budgets(model, budgets: int | str | Iterable[int] | None) -> tuple[i
 def resolve_policies(model, kv: str | Iterable[str]) -> tuple[str, ...]:
     """KV policies to export: one, a comma-separated list, or ``all`` (every policy the
     model supports: last-loop only where some budget repeats a layer)."""
-    from looptool.generation import check_policy, repeats_layers
+    from looptool.runtime.generation import check_policy, repeats_layers
     from looptool.passes.kv_cache import KV_POLICIES
 
     if kv == "all":
@@ -178,7 +178,7 @@ def export_onnx(
     require_extra("onnx", "ONNX export", "onnx", "onnxscript", "onnx_ir", *(("onnxruntime",) if validate else ()))
     from looptool.backends.onnx_layers import LayerLibrary
     from looptool.backends.serving import serving_graph
-    from looptool.serialization import commit_output_dir, prepare_output_dir
+    from looptool.storage.files import commit_output_dir, prepare_output_dir
 
     say = on_progress or (lambda text: None)
     chosen = resolve_budgets(model, budgets)
@@ -244,7 +244,7 @@ def _check_exportable(model, dtypes: tuple[torch.dtype, ...] = _SUPPORTED_DTYPES
 def _model_tensor_digests(model) -> dict[str, str]:
     """sha256 of every tensor the budget paths read, by name (to tell weights from
     exporter-made constants)."""
-    from looptool.serialization import graph_tensors
+    from looptool.runtime.tensors import graph_tensors
 
     out: dict[str, str] = {}
     seen: dict[int, str] = {}

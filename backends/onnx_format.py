@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from looptool.errors import LooptoolError
+from looptool.storage.files import sha256_file
+from looptool.core.errors import LooptoolError
 
 if TYPE_CHECKING:
     from looptool.backends.onnx_store import WeightStore
@@ -37,22 +37,13 @@ def budget_file(budget: int, kv: str = "per-loop") -> str:
 
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file, streamed."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 
 def write_manifest(model, directory: Path, store: WeightStore, graphs: dict[tuple[int, str], dict],
                     functions: dict[str, dict[str, int]], ort_fusions: bool) -> None:
     from looptool.backends.onnx_functions import DOMAIN, DOMAIN_VERSION, OPSET
     from looptool.backends.serving import INPUTS, LOGITS
 
-    from looptool import __version__
+    from looptool.core.version import __version__
 
     budgets: dict[str, dict] = {}
     for (budget, policy), info in sorted(graphs.items()):

@@ -36,7 +36,7 @@ from torch import fx
 
 from looptool.backends.onnx_store import to_numpy
 from looptool.backends.serving import LOGITS, ServingGraph
-from looptool.errors import LooptoolError
+from looptool.core.errors import LooptoolError
 
 log = logging.getLogger(__name__)
 

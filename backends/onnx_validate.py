@@ -54,7 +54,7 @@ def validate_engine(model, directory: str | os.PathLike, *, atol: float | None =
     prompt, raising :class:`ExportError` above ``atol × max(1, max |logits|)`` (``atol``
     default: :func:`default_atol` of the model's dtype) or when the greedy tokens differ."""
     from looptool.backends.ort import Runtime
-    from looptool.generation import generate
+    from looptool.runtime.generation import generate
 
     atol = default_atol(model) if atol is None else atol
     rt = Runtime(directory)

@@ -31,7 +31,7 @@ from looptool.backends.onnx_format import (
     sha256_file,
 )
 from looptool.backends.serving import INPUTS, LOGITS, CacheLayout
-from looptool.errors import require_extra
+from looptool.core.errors import require_extra
 
 log = logging.getLogger(__name__)
 
@@ -292,14 +292,14 @@ class Runtime:
         on_step=None,
         output_logits: bool = False,
     ):
-        """Generate with the engine's KV cache, like :func:`looptool.generation.generate`
-        (same sampling, EOS handling and :class:`~looptool.generation.GenerationOutput`).
+        """Generate with the engine's KV cache, like :func:`looptool.runtime.generation.generate`
+        (same sampling, EOS handling and :class:`~looptool.runtime.generation.GenerationOutput`).
 
         ``input_ids [batch, prompt]`` may be left-padded (``attention_mask`` 0 on
         padding). The caches hold ``capacity`` tokens (default: prompt + new tokens) and
         are bound in place for the whole call.
         """
-        from looptool.generation import decode_loop
+        from looptool.runtime.generation import decode_loop
 
         budget, kv = self._check_budget(budget), self._check_policy(kv)
         ids, mask, capacity = check_request(self.manifest, input_ids, attention_mask, max_new_tokens, capacity,
@@ -336,7 +336,7 @@ def check_request(manifest: dict, input_ids, attention_mask, max_new_tokens: int
     sentence for each thing that is wrong."""
     import torch
 
-    from looptool.generation import check_generation_args
+    from looptool.runtime.generation import check_generation_args
 
     vocab_size = manifest.get("source_config", {}).get("vocab_size")
     ids = input_ids.detach().cpu() if isinstance(input_ids, torch.Tensor) else torch.from_numpy(np.asarray(input_ids))

@@ -22,7 +22,7 @@ buffer ``past`` was read from (onnxruntime IOBinding), so nothing is copied per 
 loop ``i`` of a recurrent block) it serves.
 
 :func:`serving_graph` builds that graph from the cached budget path
-(:func:`looptool.generation.cached_paths`, whose head already reads only the last
+(:func:`looptool.runtime.generation.cached_paths`, whose head already reads only the last
 position): the in-place cache writes become functional writes whose results are returned,
 and the fused ops replace their subgraphs. The arithmetic is the cached path's, op for op.
 """
@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import fx
 
-from looptool.errors import LooptoolError
-from looptool.graph import annotation, copy_graph
+from looptool.core.errors import LooptoolError
+from looptool.core.graph import annotation, copy_graph
 
 INPUTS = ("input_ids", "attention_mask", "position_ids", "cache_position")
 LOGITS = "logits"
@@ -115,8 +115,8 @@ class ServingGraph:
 def serving_graph(model, budget: int, kv: str = "per-loop", *, fuse: bool = True) -> ServingGraph:
     """The decode-interface graph of ``model`` at ``budget`` under KV policy ``kv``, reading
     the model's own tensors (nothing is copied)."""
-    from looptool.generation import cached_paths
-    from looptool.graph import shared_graph_module
+    from looptool.runtime.generation import cached_paths
+    from looptool.core.graph import shared_graph_module
     from looptool.passes.fuse import fuse_graph
 
     path = cached_paths(model, kv)[model.check_budget(budget)]

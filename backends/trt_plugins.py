@@ -3,7 +3,7 @@
 
 * ``looptool::GatedResidual``, ``looptool::AdaptiveDeltaUpdate``, ``looptool::Modulate``:
   AOT plugins. Their PTX is compiled from the Triton kernels of :mod:`looptool.ops.kernels`
-  when the engine is built (:func:`looptool.backends.tensorrt.aot_compile`) and stored in the
+  when the engine is built (:func:`looptool.backends.trt_kernels.aot_compile`) and stored in the
   engine, so a built engine runs without Python.
 * ``looptool::Moe``: a Python plugin (``tensorrt.plugin.impl``): routing and the two grouped
   GEMMs are several launches, and an AOT plugin carries one kernel. It calls the same
@@ -48,7 +48,7 @@ def register() -> None:
         return
     import tensorrt.plugin as trtp
 
-    from looptool.backends.tensorrt import aot_compile
+    from looptool.backends.trt_kernels import aot_compile
 
     @trtp.register("looptool::GatedResidual")
     def gated_residual_desc(x: trtp.TensorDesc, gate: trtp.TensorDesc, f: trtp.TensorDesc) -> trtp.TensorDesc:

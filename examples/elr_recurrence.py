@@ -11,7 +11,7 @@ import tempfile
 import torch
 
 import looptool
-from looptool.report import summary
+from looptool.report.tables import summary
 from looptool.testing import tiny_model
 
 source = tiny_model("qwen3_moe", num_layers=6)

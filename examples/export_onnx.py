@@ -16,7 +16,7 @@ from looptool.backends.onnx import export_onnx
 from looptool.backends.ort import Runtime
 
 import looptool
-from looptool.generation import generate
+from looptool.runtime.generation import generate
 from looptool.testing import tiny_model
 
 source = tiny_model("qwen3_moe", num_layers=3)

@@ -11,7 +11,7 @@ import tempfile
 import torch
 
 import looptool
-from looptool.generation import generate
+from looptool.runtime.generation import generate
 from looptool.testing import byte_tokenizer, tiny_model
 
 source = tiny_model("llama", num_layers=6)

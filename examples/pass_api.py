@@ -8,7 +8,7 @@ import collections
 import torch
 
 from looptool import LoopedModel, capture
-from looptool.graph import annotation
+from looptool.core.graph import annotation
 from looptool.passes import PassManager, registered_passes
 from looptool.testing import tiny_model
 

@@ -33,12 +33,12 @@ from pathlib import Path
 import torch
 
 import looptool
-from looptool.distill import DistillConfig, Distiller
-from looptool.merge import merge, parse_lambdas
-from looptool.rewards import numeric
-from looptool.rl import GRPO, RLConfig
-from looptool.rollout import encode_prompt
-from looptool.train import TrainConfig, Trainer
+from looptool.posttrain.distill import DistillConfig, Distiller
+from looptool.posttrain.merge import merge, parse_lambdas
+from looptool.posttrain.rewards import numeric
+from looptool.posttrain.rl import GRPO, RLConfig
+from looptool.posttrain.rollout import encode_prompt
+from looptool.train.trainer import TrainConfig, Trainer
 
 WORDS = ("apple river stone cloud tiger piano garden silver candle forest planet window "
          "orange bridge rocket castle pencil island marble shadow winter summer dragon yellow "

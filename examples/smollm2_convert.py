@@ -10,8 +10,8 @@ import tempfile
 import torch
 
 import looptool
-from looptool.report import summary
-from looptool.sources import load_source
+from looptool.report.tables import summary
+from looptool.capture.sources import load_source
 
 src = load_source("smollm2")
 model = looptool.convert(src.model, looptool.PrefixLoop(window=(8, 20), budgets=(0, 3, 6, 9, 12)), tokenizer=src.tokenizer)

@@ -8,18 +8,17 @@ Python API::
     fp16 = looptool.cast(model, torch.float16)   # or looptool.load("looped", dtype=torch.float16)
 
 Beneath it, the pass API: :func:`looptool.capture.capture` a model into a
-:class:`~looptool.graph.LayerGraph`, run named passes with
+:class:`~looptool.core.graph.LayerGraph`, run named passes with
 :class:`looptool.passes.PassManager`, inspect node roles, build a :class:`LoopedModel`.
 """
 
-__version__ = "0.1.0"
-
 from looptool.capture import capture
-from looptool.convert import cast, convert
-from looptool.errors import LooptoolError
-from looptool.graph import LayerGraph
-from looptool.model import LoopedModel
-from looptool.plan import PrefixLoop, RecurrentLoop
-from looptool.serialization import load
+from looptool.runtime.convert import cast, convert
+from looptool.core.errors import LooptoolError
+from looptool.core.version import __version__
+from looptool.core.graph import LayerGraph
+from looptool.runtime.model import LoopedModel
+from looptool.core.plan import PrefixLoop, RecurrentLoop
+from looptool.storage.load import load
 
 __all__ = ["LayerGraph", "LoopedModel", "LooptoolError", "PrefixLoop", "RecurrentLoop", "capture", "cast", "convert", "load", "__version__"]

@@ -23,8 +23,8 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
-from looptool.errors import PassError
-from looptool.graph import ROLE_GATE, ROLE_RESIDUAL, LayerGraph, annotation, copy_graph
+from looptool.core.errors import PassError
+from looptool.core.graph import ROLE_GATE, ROLE_RESIDUAL, LayerGraph, annotation, copy_graph
 from looptool.passes.manager import register_pass
 
 _ASSERT = torch.ops.aten._assert_tensor_metadata.default

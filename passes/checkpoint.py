@@ -25,8 +25,8 @@ import torch
 import torch.fx as fx
 import torch.utils.checkpoint
 
-from looptool.errors import PassError
-from looptool.graph import META_KEY, ROLE_LAYER, LayerGraph, annotation, shared_graph_module
+from looptool.core.errors import PassError
+from looptool.core.graph import META_KEY, ROLE_LAYER, LayerGraph, annotation, shared_graph_module
 from looptool.passes.kv_cache import execution_of
 from looptool.passes.manager import register_pass
 

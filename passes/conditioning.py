@@ -35,8 +35,8 @@ import math
 import torch
 import torch.fx as fx
 
-from looptool.errors import PlanError
-from looptool.graph import ROLE_STATE, LayerGraph, LayerInfo, NewParam, Write, annotate
+from looptool.core.errors import PlanError
+from looptool.core.graph import ROLE_STATE, LayerGraph, LayerInfo, NewParam, Write, annotate
 
 _aten = torch.ops.aten
 PREFIX = "loop.cond."

@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 
 import torch.fx as fx
 
-from looptool.errors import PassError
-from looptool.graph import META_KEY, LayerGraph, LayerInfo, Write, annotation
+from looptool.core.errors import PassError
+from looptool.core.graph import META_KEY, LayerGraph, LayerInfo, Write, annotation
 
 # Called for each write of an emitted layer with (graph, layer info, write, new write node);
 # returns the node the residual add should use instead (e.g. a gated write).

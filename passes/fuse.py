@@ -33,8 +33,8 @@ from torch import fx
 
 import looptool.ops  # noqa: F401  (registers torch.ops.looptool.*)
 from looptool.capture.experts import EXPERTS_KEY, OPERANDS
-from looptool.errors import PassError
-from looptool.graph import (
+from looptool.core.errors import PassError
+from looptool.core.graph import (
     ROLE_GATE,
     ROLE_MOE,
     ROLE_RESIDUAL,

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from torch import fx
 
-from looptool.errors import PassError, PlanError
-from looptool.graph import META_KEY, LayerGraph, annotation, copy_graph
+from looptool.core.errors import PassError, PlanError
+from looptool.core.graph import META_KEY, LayerGraph, annotation, copy_graph
 from looptool.passes.manager import register_pass
 
 KV_POLICIES = ("per-loop", "last-loop")

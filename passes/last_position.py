@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from looptool.errors import PassError
-from looptool.graph import ROLE_HEAD, LayerGraph, annotation, copy_graph
+from looptool.core.errors import PassError
+from looptool.core.graph import ROLE_HEAD, LayerGraph, annotation, copy_graph
 from looptool.passes.manager import register_pass
 
 _END = 9223372036854775807  # what torch.export records for an open slice end

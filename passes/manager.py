@@ -6,8 +6,8 @@ import json
 import logging
 from collections.abc import Callable, Iterable
 
-from looptool.errors import InternalError, LooptoolError, PassError
-from looptool.graph import LayerGraph, verify_layer_graph
+from looptool.core.errors import InternalError, LooptoolError, PassError
+from looptool.core.graph import LayerGraph, verify_layer_graph
 
 log = logging.getLogger(__name__)
 

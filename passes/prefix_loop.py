@@ -1,6 +1,6 @@
 """The ``prefix_loop`` pass: fixed-prefix layer looping (Accordion, seed 000).
 
-For every budget ``k`` of a :class:`~looptool.plan.PrefixLoop` it builds one straight-line
+For every budget ``k`` of a :class:`~looptool.core.plan.PrefixLoop` it builds one straight-line
 FX graph from the captured graph in which each layer of the prefix ``S_k`` (Eq. 1) runs a
 second time right after its first pass, reading the first pass's output, reusing the same
 parameter nodes (weights, norms, MoE router), and writing each branch into the residual
@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from looptool.graph import ROLE_GATE, LayerGraph, LayerInfo, NewParam, Write, annotate
+from looptool.core.graph import ROLE_GATE, LayerGraph, LayerInfo, NewParam, Write, annotate
 from looptool.passes.emit import emit_layers, last_node, resolve_plan
 from looptool.passes.manager import register_pass
-from looptool.plan import PrefixLoop
+from looptool.core.plan import PrefixLoop
 
 _aten = torch.ops.aten
 

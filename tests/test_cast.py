@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import looptool
-from looptool.errors import LooptoolError
-from looptool.model import graph_tensors
+from looptool.core.errors import LooptoolError
+from looptool.runtime.tensors import graph_tensors
 from looptool.testing import tiny_model
 
 CASES = {

@@ -191,12 +191,12 @@ def test_generate_cli_bad_input(looped_with_tokenizer, extra, message):
 def test_internal_errors_say_bug_and_debug_shows_the_traceback(tiny_dir, tmp_path, monkeypatch):
     """A user error exits 1 with one line; a crash inside looptool exits 2 with one line that
     says it is a bug, and ``--debug`` lets the exception through with its traceback."""
-    import looptool.sources
+    from looptool.capture import sources
 
     def crash(*args, **kwargs):
         raise ZeroDivisionError("boom")
 
-    monkeypatch.setattr(looptool.sources, "load_source", crash)
+    monkeypatch.setattr(sources, "load_source", crash)
     res = runner.invoke(app, ["convert", str(tiny_dir), "-o", str(tmp_path / "out")])
     assert res.exit_code == 2, res.output
     assert "internal error: ZeroDivisionError: boom" in res.output and "looptool bug" in res.output
@@ -217,22 +217,22 @@ def test_eval_cli_says_no_gain_and_writes_its_results_together(looped_with_token
     a failing plot leaves neither behind."""
     import shutil
 
-    import looptool.evaluate
+    import looptool.eval.evaluate
 
     model = tmp_path / "model"
     shutil.copytree(looped_with_tokenizer, model)
     before = sorted(p.name for p in model.iterdir())
     args = ["eval", model, "--data", SOTU_1790, "--max-tokens", "256", "--seq-len", "32", "--device", "cpu"]
-    real_plot = looptool.evaluate.plot_frontier
+    real_plot = looptool.eval.evaluate.plot_frontier
 
     def broken_plot(*args, **kwargs):
         raise RuntimeError("plotting failed")
 
-    monkeypatch.setattr(looptool.evaluate, "plot_frontier", broken_plot)
+    monkeypatch.setattr(looptool.eval.evaluate, "plot_frontier", broken_plot)
     res = _run(*args)
     assert res.exit_code == 2 and "plotting failed" in res.output
     assert sorted(p.name for p in model.iterdir()) == before
-    monkeypatch.setattr(looptool.evaluate, "plot_frontier", real_plot)
+    monkeypatch.setattr(looptool.eval.evaluate, "plot_frontier", real_plot)
     res = _run(*args)
     assert res.exit_code == 0, res.output
     assert sorted(p.name for p in model.iterdir()) == sorted([*before, "eval.json", "frontier.png"])
@@ -247,7 +247,7 @@ def test_eval_cli_bad_max_tokens_names_its_option(looped_with_tokenizer):
 
 
 def test_gain_shares_only_when_the_deepest_budget_improves():
-    from looptool.evaluate import format_share, gain_shares
+    from looptool.eval.evaluate import format_share, gain_shares
 
     assert gain_shares({0: 2.0, 3: 2.0015, 6: 2.004, 9: 2.0084}) == {0: None, 3: None, 6: None, 9: None}  # deeper is worse
     assert gain_shares({0: 2.0, 1: 2.0, 2: 2.0}) == {0: None, 1: None, 2: None}
@@ -260,7 +260,7 @@ def test_frontier_plots_loss_against_the_cost_table(looped_with_tokenizer, tmp_p
     latency measurement per budget; the measured latency sits in its own panel with min–max bars."""
     import matplotlib.figure
 
-    from looptool.evaluate import evaluate, plot_frontier
+    from looptool.eval.evaluate import evaluate, plot_frontier
 
     model = looptool.load(looped_with_tokenizer)
     result = evaluate(model, SOTU_1790, seq_len=32, max_tokens=128, batch=2, timing_rounds=2)
@@ -377,14 +377,14 @@ def test_export_is_quiet_and_run_names_the_missing_file_of_the_budget_asked(loop
 ])
 def test_cheap_checks_come_before_the_slow_load(args, message, tiny_dir, tmp_path, monkeypatch):
     """Settings that need no model fail at once: the load is never reached."""
-    import looptool.serialization
-    import looptool.sources
+    import looptool.storage.load
+    from looptool.capture import sources
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before a cheap check")
 
-    monkeypatch.setattr(looptool.serialization, "load", no_load)
-    monkeypatch.setattr(looptool.sources, "load_source", no_load)
+    monkeypatch.setattr(looptool.storage.load, "load", no_load)
+    monkeypatch.setattr(sources, "load_source", no_load)
     fill = {"m": str(tmp_path), "src": str(tiny_dir)}
     res = _run(*[a.format(**fill) for a in args])
     assert res.exit_code == 1, res.output

@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 
 import looptool
 from looptool.cli import app
-from looptool.devices import DeviceError, resolve_device
-from looptool.errors import LooptoolError
+from looptool.runtime.devices import DeviceError, resolve_device
+from looptool.core.errors import LooptoolError
 from looptool.testing import byte_tokenizer, tiny_model
-from looptool.train import TrainConfig, Trainer, TrainingError
+from looptool.train.trainer import TrainConfig, Trainer, TrainingError
 
 SOTU = Path(__file__).resolve().parent / "data" / "sotu"
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 import looptool
 from looptool.cli import app
-from looptool.distill import DistillConfig, DistillError, Distiller, parse_teachers, reverse_kl
-from looptool.resume import checkpoint_step
+from looptool.posttrain.distill import DistillConfig, DistillError, Distiller, parse_teachers, reverse_kl
+from looptool.storage.resume import checkpoint_step
 from looptool.testing import assert_same_weights, byte_tokenizer, kill_after_line, step_log, tiny_model
 
 
@@ -70,7 +70,7 @@ def test_teacher_equal_to_student_has_zero_loss_and_gradient(dirs, tmp_path):
                         output=str(tmp_path / "o"), steps=1, prompts=3, rollouts=2, max_new_tokens=4)
     d = Distiller(dirs / "student", cfg)
     assert d.teachers["copy"] is d.teachers["math"]  # one teacher for two domains is loaded once
-    from looptool.rollout import sample
+    from looptool.posttrain.rollout import sample
 
     for k in (1, 3):
         ro = sample(d.model, d.tokenizer, d.prompts, budget=k, n=2, max_new_tokens=4, temperature=1.0, seed=0)

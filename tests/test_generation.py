@@ -11,8 +11,8 @@ import torch
 from conftest import converted
 
 import looptool
-from looptool.errors import LooptoolError
-from looptool.generation import (
+from looptool.core.errors import LooptoolError
+from looptool.runtime.generation import (
     allocate_cache,
     cached_paths,
     generate,
@@ -179,7 +179,7 @@ def test_bad_generation_input():
 
 
 def test_kv_cache_pass_routes_every_attention_execution():
-    from looptool.errors import PassError
+    from looptool.core.errors import PassError
     from looptool.passes import PassManager
 
     _, looped = converted("llama")

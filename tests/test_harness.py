@@ -1,4 +1,4 @@
-"""lm-evaluation-harness at every budget: the ``looptool`` lm-eval model (``looptool.harness``)
+"""lm-evaluation-harness at every budget: the ``looptool`` lm-eval model (``looptool.eval.harness``)
 against lm-eval's own ``hf`` model on the source, on three tasks defined here over local
 JSONL files (multiple choice, rolling log-likelihood, generate_until), and ``looptool lm-eval``."""
 
@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import looptool
 from looptool.cli import app
-from looptool.errors import MissingExtraError
+from looptool.core.errors import MissingExtraError
 from looptool.testing import byte_tokenizer, tiny_model
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'looptool[eval]')")
@@ -187,14 +187,14 @@ def test_generate_until_stops_at_until(looped_lm, monkeypatch):
 
 
 def test_python_m_harness_is_lm_evals_cli_with_looptool(monkeypatch):
-    """``python -m looptool.harness ARGS`` is lm-eval's own command line on ARGS, with the
+    """``python -m looptool.eval.harness ARGS`` is lm-eval's own command line on ARGS, with the
     ``looptool`` model registered (lm-eval 0.4.13 has no plug-in entry points for models)."""
     import lm_eval.__main__
     from lm_eval.api.registry import get_model
 
     seen = {}
     monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: seen.update(argv=sys.argv[1:], model=get_model("looptool")))
-    monkeypatch.setattr(sys, "argv", ["looptool.harness"])
+    monkeypatch.setattr(sys, "argv", ["looptool.eval.harness"])
     harness.main(["--model", "looptool", "--tasks", "lt_choice"])
     assert seen == {"argv": ["--model", "looptool", "--tasks", "lt_choice"], "model": harness.LooptoolLM}
     assert get_model("hf").__name__ == "HFLM"  # lm-eval's own models stay reachable
@@ -229,7 +229,7 @@ def test_cli_lm_eval_results_appear_together_in_the_model_dir_and_git_stays_quie
     run outside a git repository, lm-eval's git call prints nothing on stderr."""
     import shutil
 
-    import looptool.report
+    import looptool.report.tables
 
     model = tmp_path / "model"
     shutil.copytree(looped_dir, model)
@@ -241,7 +241,7 @@ def test_cli_lm_eval_results_appear_together_in_the_model_dir_and_git_stays_quie
     def broken_plot(*args, **kwargs):
         raise RuntimeError("plotting failed")
 
-    monkeypatch.setattr(looptool.report, "plot_quality_cost", broken_plot)
+    monkeypatch.setattr(looptool.report.tables, "plot_quality_cost", broken_plot)
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 2 and "plotting failed" in res.output
     assert sorted(p.name for p in model.iterdir()) == before  # nothing half-written, no staging folder left
@@ -269,8 +269,8 @@ def test_cli_lm_eval_bad_input_is_one_sentence(tmp_path, args, message):
 def test_missing_lm_eval_names_the_extra(monkeypatch, tmp_path):
     """Without lm-eval, importing the adapter and ``looptool lm-eval`` end in one sentence naming the extra."""
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed
-    monkeypatch.delitem(sys.modules, "looptool.harness")
+    monkeypatch.delitem(sys.modules, "looptool.eval.harness")
     with pytest.raises(MissingExtraError, match=r"pip install 'looptool\[eval\]'"):
-        importlib.import_module("looptool.harness")
+        importlib.import_module("looptool.eval.harness")
     res = CliRunner().invoke(app, ["lm-eval", str(tmp_path), "--tasks", "x"])
     assert res.exit_code == 1 and "pip install 'looptool[eval]'" in res.output

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 
 import looptool
 from looptool.cli import app
-from looptool.errors import SourceError
-from looptool.sources import load_source, parse_hub_id
+from looptool.core.errors import SourceError
+from looptool.capture.sources import load_source, parse_hub_id
 from looptool.testing import save_to_hub_cache, tiny_model
 
 from conftest import TINY_PLAN
@@ -106,7 +106,7 @@ def test_hub_home_from_the_environment(cached_repo, hub_cache):
     """A fresh process finds the cache through HF_HOME alone, as transformers would."""
     env = {**os.environ, "HF_HOME": str(hub_cache.parent), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
-    code = "from looptool.sources import load_source; print(load_source('org/tiny@v1').origin)"
+    code = "from looptool.capture.sources import load_source; print(load_source('org/tiny@v1').origin)"
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split()[-1] == f"org/tiny@{V1}"

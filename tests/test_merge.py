@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 import looptool
 from looptool.cli import app
-from looptool.merge import (
+from looptool.posttrain.merge import (
     BLOCKS,
     KINDS,
     LambdaSpec,

@@ -27,7 +27,7 @@ from looptool.backends.ort import Runtime, _Binding
 from looptool.backends.serving import serving_graph
 
 import looptool
-from looptool.generation import generate
+from looptool.runtime.generation import generate
 from looptool.testing import tiny_model
 
 CASES = {

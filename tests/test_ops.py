@@ -8,8 +8,8 @@ from looptool.passes import PassManager
 from looptool.passes.fuse import fuse_graph
 
 import looptool
-from looptool.errors import PassError
-from looptool.graph import annotation, shared_graph_module
+from looptool.core.errors import PassError
+from looptool.core.graph import annotation, shared_graph_module
 from looptool.testing import tiny_model
 
 MOE = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")

@@ -9,7 +9,7 @@ from looptool.backends.onnx import export_onnx
 from looptool.backends.ort import Runtime
 
 import looptool
-from looptool.generation import generate
+from looptool.runtime.generation import generate
 from looptool.testing import tiny_model
 
 CASES = {  # dense, parallel residual, post-norm (sandwich norms, sliding windows), MoE via looptool::moe

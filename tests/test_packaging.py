@@ -54,7 +54,7 @@ from looptool.testing import tiny_model
 from looptool.backends.onnx import export_onnx
 from looptool.backends.ort import Runtime
 from looptool.backends.tensorrt import export_tensorrt
-from looptool.errors import MissingExtraError
+from looptool.core.errors import MissingExtraError
 m = looptool.convert(tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)))
 for f in (lambda: export_onnx(m, sys.argv[1] + "/a"), lambda: Runtime(sys.argv[1]),
           lambda: export_tensorrt(m, sys.argv[1] + "/b", build_on_target=True)):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from looptool.errors import PlanError
-from looptool.plan import (
+from looptool.core.errors import PlanError
+from looptool.core.plan import (
     ModelDims,
     PrefixLoop,
     cost_table,

@@ -9,8 +9,8 @@ import torch
 
 import looptool
 from looptool.capture import capture
-from looptool.errors import InternalError, LooptoolError, PassError
-from looptool.graph import annotation
+from looptool.core.errors import InternalError, LooptoolError, PassError
+from looptool.core.graph import annotation
 from looptool.passes import PassManager, register_pass, unregister_pass
 from looptool.testing import tiny_model
 

@@ -10,11 +10,11 @@ from torch.fx import Interpreter
 
 import looptool
 from looptool.capture import capture
-from looptool.errors import PlanError
-from looptool.graph import annotation
-from looptool.model import LoopedModel
+from looptool.core.errors import PlanError
+from looptool.core.graph import annotation
+from looptool.runtime.model import LoopedModel
 from looptool.passes import PassManager
-from looptool.plan import UPDATE_RULES, RecurrentLoop
+from looptool.core.plan import UPDATE_RULES, RecurrentLoop
 from looptool.testing import tiny_model
 
 MOE = {"mixtral", "qwen3_moe", "olmoe", "qwen2_moe"}

@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from looptool.capture import capture
-from looptool.model import LoopedModel
+from looptool.runtime.model import LoopedModel
 from looptool.passes import PassManager
-from looptool.plan import UPDATE_RULES, PrefixLoop, RecurrentLoop
+from looptool.core.plan import UPDATE_RULES, PrefixLoop, RecurrentLoop
 from looptool.testing import tiny_model
 
 TOL = dict(rtol=1e-4, atol=1e-5)

@@ -15,11 +15,11 @@ from typer.testing import CliRunner
 
 import looptool
 from looptool.cli import app
-from looptool.resume import checkpoint_step
-from looptool.rewards import RewardError, exact_match, load_reward, numeric, score
-from looptool.rl import GRPO, RLConfig, RLError, grpo_loss, leave_one_out_advantages
-from looptool.rollout import encode_prompt, sample, token_logprobs
-from looptool.sampling import assign_budgets, ratio_counts
+from looptool.storage.resume import checkpoint_step
+from looptool.posttrain.rewards import RewardError, exact_match, load_reward, numeric, score
+from looptool.posttrain.rl import GRPO, RLConfig, RLError, grpo_loss, leave_one_out_advantages
+from looptool.posttrain.rollout import encode_prompt, sample, token_logprobs
+from looptool.train.sampling import assign_budgets, ratio_counts
 from looptool.testing import assert_same_weights, byte_tokenizer, kill_after_line, step_log, tiny_model
 
 
@@ -40,7 +40,7 @@ def test_reward_loading_and_bad_rewards(tmp_path):
         "def text(prompt, completion, example):\n    return 'yes'\n")
     fn = load_reward(f"{tmp_path / 'myreward.py'}:length")
     assert score(fn, "p", "abc", {}) == 3.0
-    assert load_reward("looptool.rewards:numeric") is numeric
+    assert load_reward("looptool.posttrain.rewards:numeric") is numeric
     with pytest.raises(RewardError, match="raised KeyError"):
         score(load_reward(f"{tmp_path / 'myreward.py'}:boom"), "p", "c", {})
     with pytest.raises(RewardError, match="returned 'yes'; it must return a finite number"):
@@ -50,7 +50,7 @@ def test_reward_loading_and_bad_rewards(tmp_path):
     with pytest.raises(RewardError, match="neither a built-in"):
         load_reward("nope")
     with pytest.raises(RewardError, match="has no function 'missing'"):
-        load_reward("looptool.rewards:missing")
+        load_reward("looptool.posttrain.rewards:missing")
     with pytest.raises(RewardError, match="could not be imported"):
         load_reward("no_such_module_xyz:f")
 

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 import looptool
-from looptool.errors import CheckpointError, LooptoolError
+from looptool.core.errors import CheckpointError, LooptoolError
 from looptool.testing import tiny_model
 
 from conftest import TINY_PLAN

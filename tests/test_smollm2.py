@@ -85,10 +85,10 @@ def test_gguf_file_source(smollm2, smollm2_gguf, monkeypatch):
 
 def test_elr_every_update_rule_and_conditioning(smollm2, ids):
     from looptool.capture import capture
-    from looptool.model import LoopedModel
+    from looptool.runtime.model import LoopedModel
     from looptool.passes import PassManager
     from looptool.passes.conditioning import conditioning_param_count
-    from looptool.plan import UPDATE_RULES
+    from looptool.core.plan import UPDATE_RULES
 
     lg = capture(smollm2.model)
     with torch.no_grad():
@@ -112,7 +112,7 @@ def test_elr_every_update_rule_and_conditioning(smollm2, ids):
 
 
 def test_cached_decoding_equals_recompute_after_training_moves_gates(looped, ids):
-    from looptool.generation import generate
+    from looptool.runtime.generation import generate
 
     with torch.no_grad():
         for _, p in looped.new_parameters():

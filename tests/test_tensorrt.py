@@ -180,7 +180,7 @@ def test_cli_backend_tensorrt_errors(prefix_model, tmp_path):
 
 _AOT_SCRIPT = """
 import json, re, sys
-from looptool.backends.tensorrt import AOT_OPS, aot_compile
+from looptool.backends.trt_kernels import AOT_OPS, aot_compile
 out = []
 for op in AOT_OPS:
     for dtype in ("fp32", "bf16"):

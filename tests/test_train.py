@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import looptool
-from looptool.data import (
+from looptool.train.data import (
     IGNORE,
     CompletionExamples,
     DataError,
@@ -26,9 +26,9 @@ from looptool.data import (
     tokenize_files,
     training_rows,
 )
-from looptool.sampling import BudgetSampler
+from looptool.train.sampling import BudgetSampler
 from looptool.testing import byte_tokenizer
-from looptool.train import TrainConfig, Trainer, TrainingError
+from looptool.train.trainer import TrainConfig, Trainer, TrainingError
 
 SOTU = Path(__file__).resolve().parent / "data" / "sotu"  # in-repo subset (tests/data/sotu/README.md)
 
@@ -161,7 +161,7 @@ def _train_args(model_dir, out, *extra: str) -> list[str]:
 
 def test_train_ctrl_c_names_the_last_checkpoint(model_dir, tmp_path, monkeypatch):
     """Ctrl-C at step 3 of a run of the default length (2M tokens: 7812 steps of 4 × 64)."""
-    import looptool.train as train_module
+    import looptool.train.trainer as train_module
     from typer.testing import CliRunner
 
     from looptool.cli import app
@@ -341,7 +341,7 @@ def test_exit_loss_is_the_weighted_mean_of_exit_losses(tmp_path):
     out = model(ids, labels=labels, budget=3, output_exit_logits=True)
     ce = [torch.nn.functional.cross_entropy(lg[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE)
           for lg in (*out.exit_logits, out.logits)]
-    from looptool.train import exit_weighted_loss
+    from looptool.train.trainer import exit_weighted_loss
 
     torch.testing.assert_close(exit_weighted_loss(out, labels, 0.5), (0.5 * ce[0] + 0.5 * ce[1] + ce[2]) / 2)
     model.save_pretrained(tmp_path / "elr")
@@ -390,7 +390,7 @@ def _chat_tokenizer(markers: bool = False):
 @pytest.mark.parametrize("markers", [False, True], ids=["bytes", "marker-tokens"])
 def test_chat_sft_masks_match_the_chat_template_token_by_token(tmp_path, markers):
     """SFT loss masks verified token by token against the chat template on a tiny tokenizer."""
-    from looptool.data import ChatExamples
+    from looptool.train.data import ChatExamples
 
     tok = _chat_tokenizer(markers)
     path = _jsonl(tmp_path / "chat.jsonl", [{"id": 7, "messages": DIALOGUE}])  # extra fields are ignored
@@ -440,7 +440,7 @@ def test_chat_data_errors(tmp_path, records, message):
 
 
 def test_chat_format_needs_jsonl_a_chat_template_and_a_fast_tokenizer(tmp_path):
-    from looptool.data import ChatExamples
+    from looptool.train.data import ChatExamples
 
     (tmp_path / "a.txt").write_text("plain text")
     with pytest.raises(DataError, match=r"is not a \.jsonl file; --format chat reads JSONL lines with a 'messages'"):

@@ -2,7 +2,7 @@
 
 ``torch.export`` (dynamic batch and sequence) produces the graph; the unlifted
 ``GraphModule`` holds the *source's own* parameter objects, so nothing is copied. Then every
-node is annotated with its layer and role (:mod:`looptool.graph`). This package is the only
+node is annotated with its layer and role (:mod:`looptool.core.graph`). This package is the only
 place that knows about architectures: it finds the decoder-layer list, and identifies each
 layer's residual stream by data flow:
 
@@ -15,7 +15,7 @@ layer's residual stream by data flow:
 
 Pre-norm (Llama), branch-post-norm (OLMo2, Gemma3), Conv1D (GPT-2), parallel residual
 (GPT-NeoX, Cohere) and MoE (Mixtral, Qwen-MoE, OLMoE) layers all reduce to this form. A layer that
-does not is refused with a :class:`~looptool.errors.CaptureError` naming what was missing.
+does not is refused with a :class:`~looptool.core.errors.CaptureError` naming what was missing.
 
 Its modules, one job each: :mod:`~looptool.capture.export` (``torch.export`` of the forward
 and of a cached decode step), :mod:`~looptool.capture.clean` (plain inputs, one output,
@@ -39,8 +39,8 @@ from looptool.capture.facts import (
     find_layers_path, hidden_size_of, kv_shape_of, moe_shape_of, module_path, norm_eps_of, num_layers_of,
 )
 from looptool.capture.residual import NORM_TARGETS
-from looptool.errors import CaptureError
-from looptool.graph import LayerGraph, SourceInfo
+from looptool.core.errors import CaptureError
+from looptool.core.graph import LayerGraph, SourceInfo
 
 __all__ = [
     "CAST_TARGETS", "NORM_TARGETS", "annotate_cache", "annotate_graph", "build_skeleton", "capture",

@@ -1,5 +1,5 @@
 """Annotating a cleaned graph: every node's layer and role, and the KV-cache inputs of a
-decode step (:mod:`looptool.graph` defines the roles)."""
+decode step (:mod:`looptool.core.graph` defines the roles)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 import torch.fx as fx
 
 from looptool.capture.residual import analyse_layer, innermost_path, is_shape
-from looptool.errors import CaptureError
-from looptool.graph import (
+from looptool.core.errors import CaptureError
+from looptool.core.graph import (
     ROLE_EMBEDDING, ROLE_FINAL_NORM, ROLE_HEAD, ROLE_INPUT, ROLE_OUTPUT, ROLE_PARAM, ROLE_PROLOGUE, ROLE_SHAPE,
     LayerInfo, annotate, annotation,
 )

@@ -8,10 +8,10 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
-from looptool.errors import CaptureError
+from looptool.core.errors import CaptureError
 
 
-CAST_TARGETS = {  # dtype/device casts (also read by looptool.merge)
+CAST_TARGETS = {  # dtype/device casts (also read by looptool.posttrain.merge)
     torch.ops.aten.to.dtype,
     torch.ops.aten.to.device,
     torch.ops.aten.to.dtype_layout,

@@ -17,7 +17,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from looptool.graph import META_KEY, ROLE_MOE, ROLE_ROUTER, annotation, is_call, value_users
+from looptool.core.graph import META_KEY, ROLE_MOE, ROLE_ROUTER, annotation, is_call, value_users
 
 _aten = torch.ops.aten
 EXPERTS_KEY = "experts"

@@ -13,7 +13,7 @@ from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from looptool.capture.facts import kv_shape_of, num_layers_of
-from looptool.errors import CaptureError
+from looptool.core.errors import CaptureError
 
 
 INPUT_NAMES = ("input_ids", "attention_mask")

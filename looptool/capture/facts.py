@@ -1,11 +1,11 @@
 """Architecture facts read from a Hugging Face config or module tree (the only place that
-reads them: the rest of looptool reads :class:`~looptool.graph.SourceInfo`)."""
+reads them: the rest of looptool reads :class:`~looptool.core.graph.SourceInfo`)."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from looptool.errors import CaptureError
+from looptool.core.errors import CaptureError
 
 
 def num_layers_of(config) -> int:

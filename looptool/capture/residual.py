@@ -8,8 +8,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from looptool.errors import CaptureError
-from looptool.graph import (
+from looptool.core.errors import CaptureError
+from looptool.core.graph import (
     FORM_PARALLEL, FORM_SEQUENTIAL, ROLE_ATTENTION, ROLE_LAYER, ROLE_MLP, ROLE_MOE, ROLE_RESIDUAL, ROLE_ROUTER,
     LayerInfo, Write,
 )
@@ -28,7 +28,7 @@ _ATTENTION_TARGETS = {
 _TOPK_TARGETS = {torch.ops.aten.topk.default}
 
 
-NORM_TARGETS = {  # normalisation ops (also read by looptool.merge to find norm parameters)
+NORM_TARGETS = {  # normalisation ops (also read by looptool.posttrain.merge to find norm parameters)
     torch.ops.aten.rsqrt.default,
     torch.ops.aten.layer_norm.default,
     torch.ops.aten.native_layer_norm.default,

@@ -24,9 +24,9 @@ from pathlib import Path
 
 
 import looptool
-from looptool.generation import generate
-from looptool.sources import load_source
-from looptool.train import TrainConfig, Trainer
+from looptool.runtime.generation import generate
+from looptool.capture.sources import load_source
+from looptool.train.trainer import TrainConfig, Trainer
 
 
 def problems(n: int, seed: int) -> list[tuple[str, str]]:

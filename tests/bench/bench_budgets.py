@@ -20,8 +20,8 @@ import platform
 import torch
 
 import looptool
-from looptool.sources import load_source
-from looptool.timing import interleaved
+from looptool.capture.sources import load_source
+from looptool.eval.timing import interleaved
 
 
 def main() -> None:

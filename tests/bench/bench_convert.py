@@ -1,9 +1,9 @@
 """Conversion cost.
 
-1. SmolLM2-135M: ``looptool.convert`` time ÷ one plain ``torch.export`` of the source,
+1. SmolLM2-135M: ``looptool.runtime.convert`` time ÷ one plain ``torch.export`` of the source,
    interleaved in the same run (target ≤ 1.3).
 2. A Llama-3-70B-shaped config (80 layers, hidden 8192) on ``meta``: wall time and peak
-   RSS of ``looptool.convert`` in a fresh process (targets ≤ 90 s, ≤ 4 GB).
+   RSS of ``looptool.runtime.convert`` in a fresh process (targets ≤ 90 s, ≤ 4 GB).
 
 Run: python tests/bench/bench_convert.py [--rounds 3] [--skip-70b]. Prints one JSON line.
 """
@@ -21,7 +21,7 @@ import torch
 
 import looptool
 from looptool.capture import export_source
-from looptool.sources import load_source
+from looptool.capture.sources import load_source
 
 _70B_SCRIPT = r"""
 import json, resource, time, torch, transformers, looptool

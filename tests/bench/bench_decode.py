@@ -29,8 +29,8 @@ from shapes import NAMES, source_model
 from transformers.generation.streamers import BaseStreamer
 
 import looptool
-from looptool.generation import cached_paths, generate, kv_bytes_per_token
-from looptool.devices import resolve_device
+from looptool.runtime.generation import cached_paths, generate, kv_bytes_per_token
+from looptool.runtime.devices import resolve_device
 
 SOTU = Path(__file__).resolve().parents[1] / "data" / "sotu"  # the in-repo subset
 

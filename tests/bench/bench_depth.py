@@ -240,12 +240,12 @@ def _arm_setup(arm: str, base):
 
 def run_arm(arm: str, base_dir: str, data: str, test: tuple, steps: int, batch: int, lr: float, new_lr: float,
             seed: int) -> dict:
-    """Convert, train with ``looptool.train.Trainer`` (completion format), evaluate every budget."""
+    """Convert, train with ``looptool.train.trainer.Trainer`` (completion format), evaluate every budget."""
     torch.set_num_threads(1)
     from transformers import LlamaForCausalLM
 
     import looptool
-    from looptool.train import TrainConfig, Trainer
+    from looptool.train.trainer import TrainConfig, Trainer
 
     base = LlamaForCausalLM.from_pretrained(base_dir).eval()
     tok = tokenizer()
@@ -352,7 +352,7 @@ def main() -> None:
     parser.add_argument("--merge", action="store_true", help="keep the arms already in --out (same settings)")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, args.workers)))
-    from looptool.sources import cache_dir
+    from looptool.capture.sources import cache_dir
 
     base_dir = cache_dir() / f"depth-base-{args.base_steps}-{args.batch}-{args.seed}"
     tok = tokenizer()

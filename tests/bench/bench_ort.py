@@ -5,7 +5,7 @@ policies to one engine directory. Measured in one run:
 
 * KV-cached generation, batch 1, a ``--prompt``-token prompt of real text (SOTU), ``--new``
   greedy tokens: onnxruntime (``Runtime.generate``, IOBinding; and with ``prepack=True``,
-  a packed weight copy per session) and PyTorch eager (``looptool.generation.generate``)
+  a packed weight copy per session) and PyTorch eager (``looptool.runtime.generation.generate``)
   at every budget, interleaved over ``--rounds`` rounds:
   prefill ms and decode ms/token (min/median/max), ORT ÷ eager, and whether the tokens are
   identical; the same for last-loop caches (tokens only);
@@ -38,8 +38,8 @@ from looptool.backends.onnx import export_onnx
 from looptool.backends.ort import Runtime
 
 import looptool
-from looptool.generation import generate
-from looptool.sources import load_source
+from looptool.runtime.generation import generate
+from looptool.capture.sources import load_source
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_ort.json"
 SOTU = Path(__file__).resolve().parents[1] / "data" / "sotu"

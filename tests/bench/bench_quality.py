@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 import looptool
-from looptool.data import PackedTokens, find_files, tokenize_files
-from looptool.evaluate import gain_shares, mean_loss, plot_frontier
-from looptool.sources import load_source
-from looptool.train import TrainConfig, Trainer
+from looptool.train.data import PackedTokens, find_files, tokenize_files
+from looptool.eval.evaluate import gain_shares, mean_loss, plot_frontier
+from looptool.capture.sources import load_source
+from looptool.train.trainer import TrainConfig, Trainer
 
 SOTU = Path(__file__).resolve().parents[1] / "data" / "sotu"  # the in-repo subset; --data for more
 

@@ -7,7 +7,7 @@ machine noise hits them alike (min / median / max of the per-round tokens/s):
   and loss, AdamW, clipping) — the baseline;
 * ``budget_k``: the looped model at each budget (fixed-prefix) or loop count (ELR);
 * ``mixed``: mixed-depth training, one budget per micro-batch drawn uniformly as the
-  trainer draws it (:class:`looptool.sampling.BudgetSampler`).
+  trainer draws it (:class:`looptool.train.sampling.BudgetSampler`).
 
 Predictions next to the measurements: budget ``k`` ÷ plain ≈ C(0)/C(k) (Accordion Eq. 6 /
 ELR D_eff, from the model's FLOPs cost table), mixed ÷ plain ≈ C(0)/mean C(k) over the
@@ -43,8 +43,8 @@ import transformers
 from shapes import NAMES, source_model
 
 import looptool
-from looptool.devices import resolve_device
-from looptool.sampling import BudgetSampler
+from looptool.runtime.devices import resolve_device
+from looptool.train.sampling import BudgetSampler
 
 # H100/H200 SXM dense bf16 tensor-core peak, FLOP/s (for MFU); CPU runs report no MFU.
 PEAK_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12}

@@ -18,7 +18,7 @@ import onnxruntime as ort
 
 import looptool
 from looptool.backends.tensorrt import export_tensorrt, weight_arrays
-from looptool.sources import load_source
+from looptool.capture.sources import load_source
 
 
 def main() -> None:

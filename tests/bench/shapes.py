@@ -23,7 +23,7 @@ NAMES = ("smollm2", "tiny", *SHAPES)
 def source_model(shape: str, device: torch.device, dtype: torch.dtype = torch.float32):
     """``(model, tokenizer or None)``: the source HF causal LM of ``shape`` on ``device``."""
     if shape == "smollm2":
-        from looptool.sources import load_source
+        from looptool.capture.sources import load_source
 
         src = load_source("smollm2", dtype=dtype, device=str(device))
         return src.model, src.tokenizer

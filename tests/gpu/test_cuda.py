@@ -13,7 +13,7 @@ import torch
 
 import looptool
 from looptool.testing import byte_tokenizer, tiny_model
-from looptool.train import TrainConfig, Trainer
+from looptool.train.trainer import TrainConfig, Trainer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -140,9 +140,9 @@ def test_post_training_on_cuda(tmp_path):
     CUDA score to the sampler's log-probs, and the outputs reload."""
     import json
 
-    from looptool.distill import DistillConfig, Distiller
-    from looptool.rl import GRPO, RLConfig
-    from looptool.rollout import sample, token_logprobs
+    from looptool.posttrain.distill import DistillConfig, Distiller
+    from looptool.posttrain.rl import GRPO, RLConfig
+    from looptool.posttrain.rollout import sample, token_logprobs
 
     tok = byte_tokenizer()
     model = looptool.convert(tiny_model("llama"), SCHEMES["recurrent"], tokenizer=tok).to("cuda")

@@ -1,4 +1,4 @@
-"""``looptool.convert``: source model → looped model, in one call."""
+"""``looptool.runtime.convert``: source model → looped model, in one call."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import torch
 from torch import nn
 
 from looptool.capture import build_skeleton, capture, num_layers_of
-from looptool.errors import LooptoolError
-from looptool.graph import dtype_from_str, float_dtype
-from looptool.model import LoopedModel, bind_tensors, graph_tensors
+from looptool.core.errors import LooptoolError
+from looptool.core.graph import dtype_from_str, float_dtype
+from looptool.runtime.model import LoopedModel
+from looptool.runtime.tensors import bind_tensors, graph_tensors
 from looptool.passes import PassManager
-from looptool.plan import LoopPlan, PrefixLoop, RecurrentLoop
-from looptool.sources import load_source
+from looptool.core.plan import LoopPlan, PrefixLoop, RecurrentLoop
+from looptool.capture.sources import load_source
 
 log = logging.getLogger(__name__)
 

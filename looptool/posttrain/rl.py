@@ -7,7 +7,7 @@ option of :class:`RLConfig`:
   all rollouts of a prompt at the *same* loop count;
 * prompts are split across the budget menu by ``ratio`` (4:1:1:1 over k = 1..4); with the
   pass-rate ``curriculum`` the prompts the model solves least often go to the deepest
-  budgets (:func:`looptool.sampling.assign_budgets`);
+  budgets (:func:`looptool.train.sampling.assign_budgets`);
 * the advantage of rollout ``i`` of a prompt is its reward minus the leave-one-out mean of
   the prompt's other rewards, divided by the standard deviation of the prompt's rewards
   (reward normalisation; :func:`leave_one_out_advantages`);
@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
-from looptool.errors import LooptoolError
-from looptool.rewards import load_reward, score
-from looptool.rollout import PostTrainingRun, encode_prompt, prompt_batch, prompt_text, read_prompts, sample, token_logprobs
-from looptool.sampling import assign_budgets
+from looptool.core.errors import LooptoolError
+from looptool.posttrain.rewards import load_reward, score
+from looptool.posttrain.rollout import PostTrainingRun, encode_prompt, prompt_batch, prompt_text, read_prompts, sample, token_logprobs
+from looptool.train.sampling import assign_budgets
 
 LOG_FILE = "rl_log.jsonl"
 ARGS_FILE = "rl_args.json"

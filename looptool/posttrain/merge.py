@@ -25,7 +25,7 @@ facts that live only in :mod:`looptool.capture`):
   (the layers after it, the final norm, the head) and ``loop`` (the ``loop.*``
   parameters).
 
-A parameter's kind is the role (:func:`looptool.graph.annotation`) of the graph nodes that
+A parameter's kind is the role (:func:`looptool.core.graph.annotation`) of the graph nodes that
 read it: embedding/head → ``embed_head``, attention → ``attention``, MLP/MoE → ``mlp``,
 router → ``router``, final norm → ``norm``. Capture gives a norm inside a layer the role of
 the branch it belongs to (a pre-norm is part of the attention or MLP branch, and post- and
@@ -62,8 +62,8 @@ import torch
 from torch import fx, nn
 
 from looptool.capture import CAST_TARGETS, NORM_TARGETS
-from looptool.errors import LooptoolError
-from looptool.graph import (
+from looptool.core.errors import LooptoolError
+from looptool.core.graph import (
     ROLE_ATTENTION,
     ROLE_EMBEDDING,
     ROLE_FINAL_NORM,
@@ -75,7 +75,7 @@ from looptool.graph import (
     ROLE_ROUTER,
     annotation,
 )
-from looptool.model import LoopedModel
+from looptool.runtime.model import LoopedModel
 
 KINDS = ("embed_head", "attention", "mlp", "router", "norm", "loop")
 BLOCKS = ("input", "looped", "output", "loop")
@@ -468,7 +468,7 @@ def merge_config(base: LoopedModel, specs: Sequence[LambdaSpec], *, base_path: s
     """What a merge was made of, JSON-ready: the base and expert paths (expert ``j`` is
     ``experts[j]``), the lambda specs as given and parsed, and the lambda every ``BLOCK.KIND``
     group of ``base`` got from each expert. :func:`read_merge_config` reads it back."""
-    from looptool import __version__
+    from looptool.core.version import __version__
 
     n = len(expert_paths)
     return {

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from looptool.data import PackedTokens, find_files, tokenize_files
-from looptool.devices import device_of
-from looptool.model import LoopedModel
-from looptool.timing import interleaved
+from looptool.train.data import PackedTokens, find_files, tokenize_files
+from looptool.runtime.devices import device_of
+from looptool.runtime.model import LoopedModel
+from looptool.eval.timing import interleaved
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def plot_training(log_path: str | Path, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from looptool.train import record_budgets
+    from looptool.train.trainer import record_budgets
 
     series: dict[int, list[tuple[int, float]]] = {}
     for line in Path(log_path).read_text().splitlines():

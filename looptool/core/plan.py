@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from looptool.errors import PlanError
+from looptool.core.errors import PlanError
 
 PLAN_FORMAT_VERSION = 1
 

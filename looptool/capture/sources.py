@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from looptool.errors import SourceError
+from looptool.core.errors import SourceError
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Mixed-depth training of a looped model (Accordion Eq. 2-3; ELR Sec. 3.2, 3.4, App. A.2-A.3).
 
-One budget per micro-batch from :class:`~looptool.sampling.BudgetSampler` (uniform, with
+One budget per micro-batch from :class:`~looptool.train.sampling.BudgetSampler` (uniform, with
 the shallowest-budget override), an optional delayed start (ELR Eq. 5: the first ``delay``
 fraction of steps at the shallowest budget; optimizer state and LR schedule carry over),
 next-token loss plus, for MoE, a sequence-level load-balance loss (lambda = 1e-4, counted
@@ -31,14 +31,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from looptool.data import FORMATS, find_files, training_rows
-from looptool.devices import check_dtype, resolve_device
-from looptool.errors import LooptoolError
-from looptool.graph import ROLE_EMBEDDING, ROLE_HEAD, dtype_from_str, parameter_reader_roles
-from looptool.model import LoopedModel
-from looptool.resume import has_checkpoint, resumable_state, rng_states, set_rng_states, write_checkpoint
-from looptool.sampling import BudgetSampler
-from looptool.serialization import LOOPTOOL_JSON, load, read_looptool_json
+from looptool.train.data import FORMATS, find_files, training_rows
+from looptool.runtime.devices import check_dtype, resolve_device
+from looptool.core.errors import LooptoolError
+from looptool.core.graph import ROLE_EMBEDDING, ROLE_HEAD, dtype_from_str, parameter_reader_roles
+from looptool.runtime.model import LoopedModel
+from looptool.storage.resume import has_checkpoint, resumable_state, rng_states, set_rng_states, write_checkpoint
+from looptool.train.sampling import BudgetSampler
+from looptool.storage.load import load, read_looptool_json
+from looptool.storage.save import LOOPTOOL_JSON
 
 log = logging.getLogger(__name__)
 ARGS_FILE = "train_args.json"

@@ -5,7 +5,7 @@ Prompts come from JSONL: each line has a string ``prompt`` (plain text, or with
 its generation prompt) or a ``messages`` list (rendered with the chat template), plus any
 fields a reward or a teacher map reads (``answer``, ``domain``, ...).
 
-Sampling runs the budget's cached path (:func:`looptool.generation.generate`) on the
+Sampling runs the budget's cached path (:func:`looptool.runtime.generation.generate`) on the
 prompts left-padded; each rollout is then re-laid out right-padded (prompt tokens, then
 the completion up to and including its EOS) so the training forward sees the same
 positions as the sampler did, and :func:`token_logprobs` scores it with the plain
@@ -23,14 +23,14 @@ from pathlib import Path
 
 import torch
 
-from looptool.data import DataError, _jsonl_records, _read_text, find_files
-from looptool.generation import generate
-from looptool.model import LoopedModel
-from looptool.devices import resolve_device
-from looptool.errors import LooptoolError
-from looptool.resume import open_output, resumable_state, rng_states, set_rng_states, write_checkpoint
-from looptool.serialization import load
-from looptool.train import adamw
+from looptool.train.data import DataError, _jsonl_records, _read_text, find_files
+from looptool.runtime.generation import generate
+from looptool.runtime.model import LoopedModel
+from looptool.runtime.devices import resolve_device
+from looptool.core.errors import LooptoolError
+from looptool.storage.resume import open_output, resumable_state, rng_states, set_rng_states, write_checkpoint
+from looptool.storage.load import load
+from looptool.train.trainer import adamw
 
 # may differ between a run and its resume (checkpointing is exact; the device is where it runs)
 RESUME_FREE = {"resume", "save_every", "output", "device", "overwrite"}
@@ -161,7 +161,7 @@ def shifted_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float
 class PostTrainingRun:
     """The step loop shared by ``looptool rl`` and ``looptool distill``, with the trainer's
     checkpoints: every ``save_every`` steps and at the end the output directory is rebuilt
-    atomically (model, settings, step log and :data:`~looptool.resume.STATE_FILE`), and
+    atomically (model, settings, step log and :data:`~looptool.storage.resume.STATE_FILE`), and
     ``resume`` continues a killed run to the same weights as an uninterrupted one.
 
     A subclass calls :meth:`_start`, sets itself up, calls :meth:`_begin` (the optimizer,
@@ -178,7 +178,7 @@ class PostTrainingRun:
     def _start(self, model_dir, config, tokenizer, on_step) -> None:
         """Check ``config`` and the output directory, load the model (from the checkpoint
         when resuming) and its tokenizer. Resuming a run that has run all its steps raises
-        :class:`~looptool.resume.RunComplete`."""
+        :class:`~looptool.storage.resume.RunComplete`."""
         config.check()
         if config.save_every < 0:
             raise LooptoolError("save_every must be at least 0 (0: checkpoint only at the end).")

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from looptool.errors import LooptoolError
+from looptool.core.errors import LooptoolError
 
 AUTO = "auto"
 

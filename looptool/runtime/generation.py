@@ -10,6 +10,8 @@ attention code.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import logging
 import time
 from collections.abc import Callable
@@ -25,11 +27,13 @@ from transformers import (
 )
 
 from looptool.capture import build_skeleton, capture
-from looptool.errors import LooptoolError
-from looptool.graph import annotation, dtype_from_str, shared_graph_module
-from looptool.model import LoopedModel
+from looptool.core.errors import LooptoolError
+from looptool.core.graph import annotation, dtype_from_str, shared_graph_module
 from looptool.passes import PassManager
 from looptool.passes.kv_cache import KV_POLICIES
+
+if TYPE_CHECKING:
+    from looptool.runtime.model import LoopedModel
 
 log = logging.getLogger(__name__)
 

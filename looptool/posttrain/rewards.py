@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from looptool.errors import LooptoolError
+from looptool.core.errors import LooptoolError
 
 RewardFn = Callable[[str, str, dict], float]
 _NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from looptool.errors import LooptoolError
+from looptool.core.errors import LooptoolError
 
 app = typer.Typer(
     name="looptool",
@@ -96,7 +96,7 @@ def _progress() -> Progress:
 def _dtype(name: str):
     import torch
 
-    from looptool.graph import dtype_from_str
+    from looptool.core.graph import dtype_from_str
 
     try:
         dtype = dtype_from_str(name)
@@ -109,7 +109,7 @@ def _dtype(name: str):
 
 def _device(name: str, dtype=None):
     """``--device`` as a checked ``torch.device`` (``auto``: cuda when available)."""
-    from looptool.devices import check_dtype, resolve_device
+    from looptool.runtime.devices import check_dtype, resolve_device
 
     device = resolve_device(name)
     if dtype is not None:
@@ -119,7 +119,7 @@ def _device(name: str, dtype=None):
 
 def _make_plan(mode: str, window: str | None = None, budgets: str | None = None, **recurrent):
     """Build the plan for ``--mode``; options of the other mode are refused, not ignored."""
-    from looptool.plan import PrefixLoop, RecurrentLoop, parse_budgets, parse_window
+    from looptool.core.plan import PrefixLoop, RecurrentLoop, parse_budgets, parse_window
 
     rec_given = {k: v for k, v in recurrent.items() if v is not None}
     if mode == "prefix":
@@ -162,8 +162,8 @@ def convert(
 ) -> None:
     """Convert a pretrained decoder into a looped model and save it."""
     import looptool
-    from looptool.serialization import check_output_dir
-    from looptool.sources import load_source
+    from looptool.storage.files import check_output_dir
+    from looptool.capture.sources import load_source
 
     plan = _make_plan(
         mode, window, budgets, recurrent=recurrent, max_loops=max_loops, update=update, reinject=reinject,
@@ -185,7 +185,7 @@ def convert(
             model = looptool.convert(src.model, plan, tokenizer=src.tokenizer)
         with _stage(progress, f"saving to {output}"):
             model.save_pretrained(output, overwrite=overwrite)
-    from looptool.report import plan_table, summary
+    from looptool.report.tables import plan_table, summary
 
     out.print(plan_table(summary(model)))
     out.print(f"saved looped model to [bold]{output}[/]")
@@ -198,8 +198,8 @@ def inspect(
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Show a looped model's plan, per-budget execution path and cost table."""
-    from looptool.report import plan_table, summary
-    from looptool.serialization import load
+    from looptool.report.tables import plan_table, summary
+    from looptool.storage.load import load
 
     with _progress() as progress, _stage(progress, f"rebuilding {model_dir} on meta"):
         model = load(model_dir, device="meta")
@@ -226,9 +226,9 @@ def demo(
     import torch
 
     import looptool
-    from looptool.report import plan_table, summary
-    from looptool.sources import load_source
-    from looptool.timing import interleaved
+    from looptool.report.tables import plan_table, summary
+    from looptool.capture.sources import load_source
+    from looptool.eval.timing import interleaved
 
     if tokens < 1 or repeats < 1:
         raise LooptoolError("--tokens and --repeats must be at least 1.")
@@ -327,8 +327,8 @@ def train(
     """Mixed-depth training: one budget per micro-batch, shallowest-budget overrides."""
     from rich.progress import BarColumn, MofNCompleteColumn, TimeRemainingColumn
 
-    from looptool.plan import parse_budgets
-    from looptool.train import TrainConfig, Trainer
+    from looptool.core.plan import parse_budgets
+    from looptool.train.trainer import TrainConfig, Trainer
 
     if tokens is not None and steps is not None:
         raise LooptoolError("--tokens and --steps both set the length of the run; give one of them.")
@@ -383,7 +383,7 @@ def _resumable(output: Path, report: bool = True) -> Iterator[None]:
     last checkpoint is and that ``--resume`` continues it, then exit 130 (as an interrupted
     command does). A resume of a run that is already complete: say so, and end the ``with``
     block without error (exit 0)."""
-    from looptool.resume import RunComplete
+    from looptool.storage.resume import RunComplete
 
     try:
         yield
@@ -392,7 +392,7 @@ def _resumable(output: Path, report: bool = True) -> Iterator[None]:
             out.print(escape(str(exc)), highlight=False, soft_wrap=True)
     except KeyboardInterrupt:
         if report:
-            from looptool.resume import checkpoint_step
+            from looptool.storage.resume import checkpoint_step
 
             step = checkpoint_step(output)
             console.print(
@@ -403,7 +403,7 @@ def _resumable(output: Path, report: bool = True) -> Iterator[None]:
 
 
 def _run_steps(runner, describe: Callable[[dict], str]) -> dict:
-    """Run a post-training runner (:class:`~looptool.rollout.PostTrainingRun`) under a
+    """Run a post-training runner (:class:`~looptool.posttrain.rollout.PostTrainingRun`) under a
     progress bar (from its first step, or the one it resumes at)."""
     from rich.progress import BarColumn, MofNCompleteColumn, TimeRemainingColumn
 
@@ -459,8 +459,8 @@ def rl(
     resume: Annotated[bool, typer.Option(help="Continue the interrupted run checkpointed in OUTPUT.")] = False,
 ) -> None:
     """RL from verifiable rewards: GRPO with every prompt's rollouts at one loop count."""
-    from looptool.plan import parse_budgets
-    from looptool.rl import GRPO, RLConfig
+    from looptool.core.plan import parse_budgets
+    from looptool.posttrain.rl import GRPO, RLConfig
 
     clip = _floats(is_clip, "--is-clip")
     if len(clip) != 2:
@@ -513,8 +513,8 @@ def distill(
     resume: Annotated[bool, typer.Option(help="Continue the interrupted run checkpointed in OUTPUT.")] = False,
 ) -> None:
     """Budget-matched multi-teacher on-policy distillation (reverse KL on the student's samples)."""
-    from looptool.distill import DistillConfig, Distiller, parse_teachers
-    from looptool.plan import parse_budgets
+    from looptool.posttrain.distill import DistillConfig, Distiller, parse_teachers
+    from looptool.core.plan import parse_budgets
 
     config = DistillConfig(data=list(data), teachers=parse_teachers(teacher), output=str(output), steps=steps,
                            prompts=prompts, rollouts=rollouts, budgets=list(parse_budgets(budgets)) if budgets else None,
@@ -547,11 +547,12 @@ def eval_(
     """Held-out loss, perplexity, gain share and measured cost of every budget."""
     from rich.table import Table
 
-    from looptool.evaluate import evaluate, format_share, plot_frontier
-    from looptool.serialization import load, result_files
-    from looptool.sources import load_source
+    from looptool.eval.evaluate import evaluate, format_share, plot_frontier
+    from looptool.storage.files import result_files
+    from looptool.storage.load import load
+    from looptool.capture.sources import load_source
 
-    from looptool.data import find_files
+    from looptool.train.data import find_files
 
     count = _parse_count(max_tokens, "--max-tokens")  # these before the slow load
     _check_sizes(seq_len=seq_len, batch=batch)
@@ -610,11 +611,12 @@ def analyze(
     """Second-pass writes, expert overlap, residual cosines, Hydra effect, ELR states and logit lens."""
     from rich.progress import BarColumn, MofNCompleteColumn, TimeRemainingColumn
 
-    from looptool.analyze import analyze as run_analysis
-    from looptool.report import plot_analysis
-    from looptool.serialization import commit_output_dir, load, prepare_output_dir
+    from looptool.eval.analyze import analyze as run_analysis
+    from looptool.report.tables import plot_analysis
+    from looptool.storage.files import commit_output_dir, prepare_output_dir
+    from looptool.storage.load import load
 
-    from looptool.data import find_files
+    from looptool.train.data import find_files
 
     count = _parse_count(tokens, "--tokens")  # these before the slow load
     _check_sizes(seq_len=seq_len, batch=batch, spacing=spacing)
@@ -702,11 +704,11 @@ def generate(
     device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N (default: cuda when available, else cpu).")] = "auto",
 ) -> None:
     """Generate text at one budget with a KV cache; report tokens/s and KV bytes per token."""
-    from looptool.generation import cached_paths
-    from looptool.generation import generate as run_generate
-    from looptool.serialization import load
+    from looptool.runtime.generation import cached_paths
+    from looptool.runtime.generation import generate as run_generate
+    from looptool.storage.load import load
 
-    from looptool.generation import check_sampling
+    from looptool.runtime.generation import check_sampling
 
     _check_prompts(prompt, stream)
     _check_kv_names(kv)
@@ -820,7 +822,7 @@ def _print_generation(tok, prompt: list[str], enc, result, stream: bool, title: 
     """The continuations (unless streamed) and a table of what generation cost."""
     from rich.table import Table
 
-    from looptool.report import human_bytes
+    from looptool.report.tables import human_bytes
 
     if not stream:
         width = enc["input_ids"].shape[1]
@@ -864,8 +866,8 @@ def plot(
     output: Annotated[Path, typer.Option("--output", "-o", help="PNG to write.")] = Path("train_loss.png"),
 ) -> None:
     """Plot training loss per budget over steps."""
-    from looptool.evaluate import plot_training
-    from looptool.train import LOG_FILE
+    from looptool.eval.evaluate import plot_training
+    from looptool.train.trainer import LOG_FILE
 
     path = log_file / LOG_FILE if log_file.is_dir() else log_file
     if not path.exists():
@@ -891,9 +893,11 @@ def merge_cmd(
     theta = theta_base + sum_j lambda_j (theta_j - theta_base), in float32, cast back to the model's dtype."""
     from rich.table import Table
 
-    from looptool.merge import MERGE_CONFIG, group_sizes, merge_config, parameter_groups, parse_lambdas, resolve_lambda
-    from looptool.merge import merge as merge_models
-    from looptool.serialization import check_output_dir, commit_model, load, prepare_output_dir
+    from looptool.posttrain.merge import MERGE_CONFIG, group_sizes, merge_config, parameter_groups, parse_lambdas, resolve_lambda
+    from looptool.posttrain.merge import merge as merge_models
+    from looptool.storage.files import check_output_dir, prepare_output_dir
+    from looptool.storage.load import load
+    from looptool.storage.save import commit_model
 
     experts = list(experts or [])
     if list_groups:
@@ -960,16 +964,16 @@ def lm_eval_cmd(
     from rich.progress import BarColumn, MofNCompleteColumn
     from rich.table import Table
 
-    from looptool.plan import parse_budgets
-    from looptool.report import plot_quality_cost
-    from looptool.serialization import result_files
+    from looptool.core.plan import parse_budgets
+    from looptool.report.tables import plot_quality_cost
+    from looptool.storage.files import result_files
 
     task_names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not task_names:
         raise LooptoolError("--tasks is empty; give lm-eval task names, e.g. --tasks hellaswag,arc_easy.")
     chosen = None if budgets.strip() == "all" else list(parse_budgets(budgets))
     limit = int(limit) if limit is not None and limit >= 1 else limit  # lm-eval: a count, or a share below 1
-    from looptool.harness import evaluate_budgets, markdown_table, quality_series
+    from looptool.eval.harness import evaluate_budgets, markdown_table, quality_series
 
     bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), console=console)
@@ -1023,7 +1027,7 @@ def export_cmd(
     _check_backend(backend)
     _check_kv_names(kv, allow_all=True)
     if budget.strip() != "all":
-        from looptool.plan import parse_budgets
+        from looptool.core.plan import parse_budgets
 
         parse_budgets(budget)  # the syntax now; whether the model has them once it is loaded
     if _device(device).type != "cpu":
@@ -1100,8 +1104,9 @@ def _export_engines(model_dir: Path, output: Path, backend: str, budget: str, va
     from rich.progress import BarColumn, MofNCompleteColumn
     from rich.table import Table
 
-    from looptool.report import human_bytes
-    from looptool.serialization import check_output_dir, load
+    from looptool.report.tables import human_bytes
+    from looptool.storage.files import check_output_dir
+    from looptool.storage.load import load
 
     check_output_dir(output, overwrite)  # fail before the slow load
     from looptool.backends.onnx import export_onnx, resolve_budgets, resolve_policies

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from looptool.errors import LooptoolError
+from looptool.core.errors import LooptoolError
 
 log = logging.getLogger(__name__)
 

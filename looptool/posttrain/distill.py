@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from looptool.errors import LooptoolError
-from looptool.model import LoopedModel
-from looptool.rollout import PostTrainingRun, encode_prompt, prompt_batch, read_prompts, sample
-from looptool.sampling import BudgetSampler
-from looptool.serialization import load
+from looptool.core.errors import LooptoolError
+from looptool.runtime.model import LoopedModel
+from looptool.posttrain.rollout import PostTrainingRun, encode_prompt, prompt_batch, read_prompts, sample
+from looptool.train.sampling import BudgetSampler
+from looptool.storage.load import load
 
 LOG_FILE = "distill_log.jsonl"
 ARGS_FILE = "distill_args.json"

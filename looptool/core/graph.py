@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from looptool.errors import PassError
+from looptool.core.errors import PassError
 
 META_KEY = "looptool"
 
@@ -210,8 +210,8 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 def float_dtype(dtype: torch.dtype | str) -> torch.dtype:
     """``dtype`` (a torch dtype or its name) as a floating-point dtype a looped model can run
-    in, or one sentence (a :class:`~looptool.errors.LooptoolError`)."""
-    from looptool.errors import LooptoolError
+    in, or one sentence (a :class:`~looptool.core.errors.LooptoolError`)."""
+    from looptool.core.errors import LooptoolError
 
     try:
         value = dtype_from_str(dtype) if isinstance(dtype, str) else dtype

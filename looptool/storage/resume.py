@@ -4,7 +4,7 @@
 A checkpoint is the whole output directory: the model (a loadable looped model), the run's
 text files (settings, step log) and :data:`STATE_FILE` (step, optimizer state, every RNG
 state, history and whatever else the run needs to go on), written into a temp directory and
-renamed over the previous one (:func:`~looptool.serialization.commit_output_dir`), so a kill
+renamed over the previous one (:func:`~looptool.storage.files.commit_output_dir`), so a kill
 at any moment leaves the last complete checkpoint. Resuming refuses changed settings: data
 order, budget draws and sampling seeds are functions of the step and the settings, so the
 same settings replay the interrupted run exactly.
@@ -20,9 +20,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from looptool.errors import LooptoolError
-from looptool.model import LoopedModel
-from looptool.serialization import check_output_dir, commit_output_dir, recover_interrupted_commit, write_model
+from looptool.core.errors import LooptoolError
+from looptool.runtime.model import LoopedModel
+from looptool.storage.files import check_output_dir, commit_output_dir, recover_interrupted_commit
+from looptool.storage.save import write_model
 
 STATE_FILE = "trainer_state.pt"
 
@@ -60,7 +61,7 @@ def write_checkpoint(output: Path, model: LoopedModel, state: dict | None, files
 
     ``state=None``: this process does not write (a non-zero rank); it only materialises the
     tensors, which under FSDP is a collective every rank takes part in (``materialize`` as
-    in :func:`~looptool.serialization.write_model`)."""
+    in :func:`~looptool.storage.save.write_model`)."""
     if state is None:
         write_model(model, None, materialize=materialize)
         return

@@ -2,11 +2,11 @@
 
 ``LooptoolLM`` is registered with lm-eval as ``looptool``::
 
-    python -m looptool.harness --model looptool \\
+    python -m looptool.eval.harness --model looptool \\
         --model_args pretrained=./looped,budget=6,kv=last-loop --tasks hellaswag
 
 lm-eval 0.4.13 finds models only in its own registry (no plug-in entry points), so a bare
-``lm_eval --model looptool`` cannot see this class; ``python -m looptool.harness ARGS`` imports
+``lm_eval --model looptool`` cannot see this class; ``python -m looptool.eval.harness ARGS`` imports
 the registration and then runs lm-eval's own command line (``lm_eval.__main__.cli_evaluate``)
 on ``ARGS``: it is exactly ``lm_eval ARGS`` with one more model. From Python, import this
 module and pass ``model="looptool"`` (or a ``LooptoolLM``) to ``lm_eval.simple_evaluate``.
@@ -15,7 +15,7 @@ Scoring mirrors lm-eval's ``hf`` model request for request (same tokenisation ru
 length-sorted batches, right padding, the one-token-continuation logits cache, the same
 rolling windows), with the budget's full-sequence path in place of the HF forward; so at a
 fresh conversion every budget's numbers equal ``hf`` on the source model. ``generate_until``
-runs looptool's own KV-cached generation (:func:`looptool.generation.generate`) on
+runs looptool's own KV-cached generation (:func:`looptool.runtime.generation.generate`) on
 left-padded batches and stops when every row has produced a stop string or EOS.
 """
 
@@ -28,12 +28,12 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from looptool.errors import LooptoolError, MissingExtraError, require_extra
+from looptool.core.errors import LooptoolError, MissingExtraError, require_extra
 
 try:
     require_extra("eval", "lm-evaluation-harness support", "lm_eval")
 except MissingExtraError as _exc:
-    if __name__ == "__main__":  # python -m looptool.harness without lm-eval: one sentence, no traceback
+    if __name__ == "__main__":  # python -m looptool.eval.harness without lm-eval: one sentence, no traceback
         raise SystemExit(f"error: {_exc}") from None
     raise
 
@@ -55,9 +55,9 @@ from lm_eval.models.utils import (  # noqa: E402
 )
 from lm_eval.models.utils_hf import pad_and_concat  # noqa: E402
 
-from looptool.generation import check_policy, generate  # noqa: E402
-from looptool.model import LoopedModel  # noqa: E402
-from looptool.serialization import load  # noqa: E402
+from looptool.runtime.generation import check_policy, generate  # noqa: E402
+from looptool.runtime.model import LoopedModel  # noqa: E402
+from looptool.storage.load import load  # noqa: E402
 
 MODEL_NAME = "looptool"
 _SAMPLING_KWARGS = frozenset({"do_sample", "temperature", "top_k", "top_p"})
@@ -382,7 +382,7 @@ def evaluate_budgets(
 
     from lm_eval import simple_evaluate
 
-    from looptool.report import summary
+    from looptool.report.tables import summary
 
     manager = task_manager(tasks, include_path)
     lm = LooptoolLM(model, kv=kv, batch_size=batch_size, device=device, max_length=max_length)
@@ -506,7 +506,7 @@ if __name__ != "__main__":  # under python -m, main() imports this module, which
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m looptool.harness ARGS``: lm-eval's own command line (``lm_eval ARGS``) with
+    """``python -m looptool.eval.harness ARGS``: lm-eval's own command line (``lm_eval ARGS``) with
     the ``looptool`` model registered."""
     from lm_eval.__main__ import cli_evaluate
 
@@ -516,6 +516,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    import looptool.harness
+    import looptool.eval.harness
 
-    looptool.harness.main()
+    looptool.eval.harness.main()

@@ -35,15 +35,15 @@ import torch.fx as fx
 import torch.nn.functional as F
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from looptool.data import PackedTokens, find_files, tokenize_files
-from looptool.devices import device_of
-from looptool.errors import LooptoolError
-from looptool.evaluate import mean_loss
-from looptool.graph import (
+from looptool.train.data import PackedTokens, find_files, tokenize_files
+from looptool.runtime.devices import device_of
+from looptool.core.errors import LooptoolError
+from looptool.eval.evaluate import mean_loss
+from looptool.core.graph import (
     ROLE_FINAL_NORM, ROLE_GATE, ROLE_HEAD, ROLE_RESIDUAL, ROLE_ROUTER, ROLE_SHAPE, WRITE_KINDS, annotation,
     dtype_from_str, shared_graph_module,
 )
-from looptool.model import LoopedModel
+from looptool.runtime.model import LoopedModel
 from looptool.passes.ablate import ablate_repetitions
 from looptool.passes.checkpoint import application_members, bind_regions
 from looptool.passes.recurrent_loop import EXIT_KEY

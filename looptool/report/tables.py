@@ -6,8 +6,8 @@ import collections
 
 from rich.table import Table
 
-from looptool.model import LoopedModel
-from looptool.plan import LoopPlan
+from looptool.runtime.model import LoopedModel
+from looptool.core.plan import LoopPlan
 
 
 def execution_path(plan: LoopPlan, budget: int, num_layers: int) -> str:
@@ -131,7 +131,7 @@ def plot_quality_cost(series: dict[str, list[tuple[float, float, str]]], path, *
 
 
 def plot_analysis(result: dict, directory) -> list:
-    """The PNGs of a ``looptool analyze`` result (:func:`looptool.analyze.analyze`), one per
+    """The PNGs of a ``looptool analyze`` result (:func:`looptool.eval.analyze.analyze`), one per
     family of statistics present: ``writes.png`` (second- vs first-pass writes, expert
     overlap), ``residual_cosines.png``, ``hydra.png``, ``logit_lens.png`` and
     ``elr_states.png``. Returns the paths written."""

@@ -1,17 +1,17 @@
 """The runtime looped model: shared parameters plus one FX graph per budget.
 
-The model knows no files and no decoding loop: generation (:mod:`looptool.generation`) and
-persistence (:mod:`looptool.serialization`) build on it and import it, never the reverse. The
-two Hugging Face-style conveniences ``generate`` and ``save_pretrained`` are one-line
-delegations whose imports happen at call time, so importing this module imports neither;
-whatever those modules keep with a model lives in :attr:`LoopedModel.derived`.
+The model holds no file format and no decoding loop. Its two Hugging Face-style conveniences,
+``generate`` and ``save_pretrained``, delegate to :mod:`looptool.runtime.generation` and
+:mod:`looptool.storage.save`; those modules see the model only through its attributes (their
+import of this module is for type checking only), so the dependency runs one way. Whatever they
+keep with a model lives in :attr:`LoopedModel.derived`.
 """
 
 from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,9 +21,9 @@ from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-from looptool.devices import resolve_device
-from looptool.errors import LooptoolError, PassError
-from looptool.graph import (
+from looptool.runtime.devices import resolve_device
+from looptool.core.errors import LooptoolError, PassError
+from looptool.core.graph import (
     ROLE_HEAD,
     ROLE_MOE,
     LayerGraph,
@@ -36,7 +36,9 @@ from looptool.graph import (
 from looptool.passes import PassManager
 from looptool.passes.checkpoint import bind_regions, checkpoint_regions
 from looptool.passes.recurrent_loop import with_exit_outputs
-from looptool.plan import BudgetCost, LoopPlan, ModelDims, cost_table
+from looptool.core.plan import BudgetCost, LoopPlan, ModelDims, cost_table
+from looptool.runtime.generation import generate
+from looptool.storage.save import save
 
 log = logging.getLogger(__name__)
 
@@ -292,10 +294,8 @@ class LoopedModel(nn.Module):
 
         Greedy by default; ``temperature``, ``top_k``, ``top_p``, ``seed``,
         ``attention_mask`` (left padding), ``eos_token_id`` (default: the config's) and
-        ``pad_token_id`` are passed to :func:`looptool.generation.generate`.
+        ``pad_token_id`` are passed to :func:`looptool.runtime.generation.generate`.
         """
-        from looptool.generation import generate  # the one upward call: HF-style convenience (see module doc)
-
         kwargs.setdefault("eos_token_id", getattr(self.config, "eos_token_id", None))
         out = generate(self, input_ids, budget=budget, max_new_tokens=max_new_tokens, kv=kv, **kwargs)
         return out.sequences
@@ -316,8 +316,6 @@ class LoopedModel(nn.Module):
     # ------------------------------------------------------------------ persistence
     def save_pretrained(self, directory: str | Path, *, overwrite: bool = False) -> Path:
         """Write config.json, looptool.json, model.safetensors and the tokenizer (atomic)."""
-        from looptool.serialization import save  # the other upward call (see module doc)
-
         return save(self, directory, overwrite=overwrite)
 
 
@@ -390,42 +388,6 @@ class _Compiled:
             out = self.fn(*args)
         self.checked = True
         return out
-
-
-def graph_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every tensor a budget path reads (parameters and buffers, persistent or not), by name;
-    a tied tensor appears under each of its names."""
-    out = dict(model.named_parameters(remove_duplicate=False))
-    out.update(dict(model.named_buffers(remove_duplicate=False)))
-    return out
-
-
-def bind_tensors(model: LoopedModel, tensor_for: Callable[[str, torch.Tensor], torch.Tensor], *,
-                 trainable: Collection[str] | None = None) -> None:
-    """Replace every tensor of ``model`` (typically its ``meta`` placeholders) with
-    ``tensor_for(name, placeholder)``.
-
-    Names for which ``tensor_for`` returns the same tensor object stay tied (one object, one
-    copy). Parameters become ``nn.Parameter`` objects that require grad when ``trainable``
-    is None or names them.
-    """
-    trainable = set(trainable) if trainable is not None else None
-    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    bound: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(returned) → (returned, kept alive; bound object)
-    for name, placeholder in graph_tensors(model).items():
-        raw = tensor_for(name, placeholder)
-        if id(raw) not in bound:
-            obj = nn.Parameter(raw, requires_grad=trainable is None or name in trainable) if name in params else raw
-            bound[id(raw)] = (raw, obj)
-        obj = bound[id(raw)][1]
-        *path, leaf = name.split(".")
-        mod = model
-        for part in path:
-            mod = mod._modules[part]
-        if name in params:
-            mod._parameters[leaf] = obj
-        else:
-            mod._buffers[leaf] = obj
 
 
 def _router_logit_nodes(graph: fx.Graph) -> list[fx.Node]:

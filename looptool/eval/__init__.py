@@ -1,0 +1,1 @@
+"""Evaluation: per-budget loss and timing, mechanistic analysis, the lm-evaluation-harness adapter."""

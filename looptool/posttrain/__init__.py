@@ -1,0 +1,1 @@
+"""Post-training: rollouts, RL with verifiable rewards, distillation and parameter-group merging."""

@@ -1,0 +1,1 @@
+"""Reporting: rich tables, their JSON twins, and every plot."""

@@ -1,0 +1,2 @@
+"""Running a looped model: building it (``convert``, ``cast``), the model itself, its cached
+decode paths and decode loop, and device handling."""

@@ -1,0 +1,1 @@
+"""Files: saving and loading looped models, atomic output directories, resumable checkpoints."""

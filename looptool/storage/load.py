@@ -1,0 +1,174 @@
+"""Loading a saved looped model (the files :mod:`looptool.storage.save` writes).
+
+Loading rebuilds the source architecture on ``meta``, captures it,
+replays the recipe, retargets the device and binds the stored tensors: no network, no
+weight materialised twice, bit-identical outputs. A weight file whose sha256 differs from
+the one recorded is refused as corrupt (models saved before checksums were recorded load
+unchecked; ``device="meta"`` reads no tensor data and skips the check).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from looptool.core.errors import CheckpointError
+from looptool.core.graph import FLOAT_DTYPES, dtype_from_str, float_dtype
+from looptool.runtime.model import LoopedModel
+from looptool.runtime.tensors import bind_tensors, graph_tensors
+from looptool.storage.files import sha256_file
+from looptool.storage.save import FORMAT_VERSION, LOOPTOOL_JSON, WEIGHTS
+from looptool.core.plan import plan_from_dict
+
+log = logging.getLogger(__name__)
+
+
+def read_looptool_json(directory: Path) -> dict:
+    """Parse and version-check ``looptool.json``."""
+    path = directory / LOOPTOOL_JSON
+    if not path.exists():
+        raise CheckpointError(f"'{directory}' has no {LOOPTOOL_JSON}; it is not a looped model saved by looptool.")
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}); re-save the model.") from exc
+    if not isinstance(meta, dict) or "format_version" not in meta:
+        raise CheckpointError(f"{path} has no format_version; re-save the model with looptool.")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has format version {meta['format_version']}, this looptool reads "
+            f"version {FORMAT_VERSION}; use a matching looptool version."
+        )
+    for key in ("plan", "recipe", "source", "tensors"):
+        if key not in meta:
+            raise CheckpointError(f"{path} lacks the '{key}' entry; re-save the model.")
+    return meta
+
+
+def load(directory: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype | str | None = None) -> LoopedModel:
+    """Rebuild a saved looped model on ``device`` (bit-identical to the one saved); the
+    weights are read straight onto the device (``"auto"``: cuda when available).
+
+    ``dtype`` (default: the saved dtype) rebuilds the graphs in another floating-point dtype
+    and casts each weight to it as it is read, e.g. an fp16 copy of an fp32 model for
+    deployment (captured graphs are dtype-specialised, so this is a rebuild, not ``.to``).
+
+    ``device="meta"`` rebuilds the structure only (plan, graphs, shapes) without reading
+    weights, which is what ``looptool inspect`` needs.
+    """
+    import transformers
+
+    from looptool.runtime.convert import rebuild
+    from looptool.runtime.devices import check_dtype, resolve_device
+
+    device = str(resolve_device(device))
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"'{directory}' is not a directory; pass the folder written by save_pretrained or looptool convert.")
+    meta = read_looptool_json(directory)
+    weights = directory / WEIGHTS
+    if not weights.exists():
+        raise CheckpointError(f"'{directory}' has no {WEIGHTS}; the save was incomplete, re-save the model.")
+    if torch.device(device).type != "meta":  # meta (inspect) reads only headers: stays cheap
+        verify_files(directory, meta)  # before the slow rebuild: a corrupt file fails fast
+    plan_from_dict(meta["plan"])  # refuses unknown kinds / versions with a clear message
+    src = meta["source"]
+    saved = dtype_from_str(src["dtype"])
+    dtype = saved if dtype is None else float_dtype(dtype)
+    check_dtype(torch.device(device), dtype)  # e.g. a bf16 checkpoint on a GPU without bf16
+    try:
+        config = transformers.AutoConfig.from_pretrained(directory)
+    except Exception as exc:
+        raise CheckpointError(f"config.json in '{directory}' could not be read ({exc}).") from exc
+    tokenizer = None
+    if any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    model = rebuild(config, meta["recipe"], dtype=dtype, device=device,
+                    attn_implementation=src.get("attn_implementation"), tokenizer=tokenizer)
+    if torch.device(device).type == "meta":  # structure only (looptool inspect): header checked, no data read
+        check_weights(model, weights, cast=dtype != saved)
+        return model.eval()
+    bind_weights(model, weights, device=device, trainable=meta.get("trainable"), cast=dtype != saved)
+    return model.eval()
+
+
+def verify_files(directory: Path, meta: dict) -> None:
+    """Refuse a file of ``directory`` whose size or sha256 differs from the one recorded in
+    ``meta["files"]`` (looptool.json); models saved without checksums pass unchecked."""
+    for name, want in meta.get("files", {}).items():
+        path = directory / name
+        if not path.exists() or path.stat().st_size != want["bytes"] or sha256_file(path) != want["sha256"]:
+            raise CheckpointError(f"{path} is corrupt: its contents differ from the sha256 recorded in "
+                                  f"{LOOPTOOL_JSON} at save; re-save or re-copy the model.")
+
+
+def check_weights(model: LoopedModel, path: Path, *, cast: bool = False) -> dict[str, str]:
+    """Check the safetensors header (names, shapes, dtypes) against ``model`` without
+    reading tensor data; returns the alias map (tied name → stored name). With ``cast``
+    (a load in another dtype) a stored floating-point tensor may have any floating dtype."""
+    expected = graph_tensors(model)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            aliases = json.loads((f.metadata() or {}).get("looptool_aliases", "{}"))
+            slices = {n: f.get_slice(n) for n in f.keys()}
+            header = {n: (tuple(sl.get_shape()), sl.get_dtype()) for n, sl in slices.items()}
+    except Exception as exc:  # safetensors raises its own error types on corrupt files
+        raise CheckpointError(f"{path} could not be read as safetensors ({exc}); the file is corrupt, re-save the model.") from exc
+    missing = [n for n in expected if aliases.get(n, n) not in header]
+    extra = sorted(set(header) - {aliases.get(n, n) for n in expected})
+    if missing or extra:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"
+        raise CheckpointError(f"{path} does not match the model rebuilt from looptool.json ({what}); re-save the model.")
+    for name, ref in expected.items():
+        shape, dtype = header[aliases.get(name, name)]
+        want, have = str(ref.dtype).removeprefix("torch."), _ST_DTYPES.get(dtype, dtype)
+        if cast and ref.dtype.is_floating_point and have in _ST_FLOATS:
+            have = want
+        if shape != tuple(ref.shape) or have != want:
+            raise CheckpointError(
+                f"tensor '{name}' in {path} has shape {shape} {dtype}, the model expects "
+                f"{tuple(ref.shape)} {want}; re-save the model."
+            )
+    return aliases
+
+
+_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64", "I32": "int32", "BOOL": "bool", "U8": "uint8", "I8": "int8"}
+_ST_FLOATS = tuple(str(d).removeprefix("torch.") for d in FLOAT_DTYPES)  # the dtypes a cast load accepts
+
+
+_ALIGN = 64  # bytes: what torch's CPU allocator guarantees
+
+
+def bind_weights(model: LoopedModel, path: Path, *, device: str, trainable=None, cast: bool = False) -> None:
+    """Replace every (meta) tensor of ``model`` with the one stored in ``path`` (with
+    ``cast``: converted to the dtype of the model's own tensor as it is read)."""
+    aliases = check_weights(model, path, cast=cast)
+    try:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            loaded = {n: f.get_tensor(n) for n in f.keys()}
+    except Exception as exc:
+        raise CheckpointError(f"{path} could not be read as safetensors ({exc}); the file is corrupt, re-save the model.") from exc
+    objects: dict[str, torch.Tensor] = {}
+
+    def tensor_for(name: str, placeholder: torch.Tensor) -> torch.Tensor:
+        key = aliases.get(name, name)
+        if key not in objects:
+            t = loaded.pop(key)
+            if t.dtype != placeholder.dtype:
+                t = t.to(placeholder.dtype)
+            elif t.data_ptr() % _ALIGN:
+                # safetensors may hand back views into one read buffer at any 8-byte offset;
+                # CPU GEMMs take other code paths (other rounding) on such data, so give each
+                # tensor its own aligned storage: outputs then equal the saved model's bit for bit
+                t = t.clone()
+            objects[key] = t
+        return objects[key]
+
+    if trainable is not None:  # a tied name is trainable when its stored name is
+        trainable = set(trainable) | {n for n, key in aliases.items() if key in trainable}
+    bind_tensors(model, tensor_for, trainable=trainable)

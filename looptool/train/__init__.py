@@ -1,0 +1,1 @@
+"""Mixed-depth training: text data, budget sampling and the trainer."""
