@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from looptool.cli.hints import option_hint
 from looptool.core.errors import LooptoolError
 
 app = typer.Typer(
@@ -62,7 +63,7 @@ def _friendly(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except LooptoolError as exc:
-            console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)  # '[x]' is text
+            console.print(f"[bold red]error:[/] {escape(str(exc) + option_hint(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(code=1) from None
         except (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.ClickException,
                 KeyboardInterrupt):

@@ -12,7 +12,16 @@ from __future__ import annotations
 
 
 class LooptoolError(Exception):
-    """Base class for errors caused by user input; the message says what to change."""
+    """Base class for errors caused by user input; the message says what to change.
+
+    Messages name the Python parameter at fault (``seq_len``, ``overwrite=True``), never a
+    command-line flag: a Python caller has no flags. ``parameter`` (optional) names that
+    parameter, so the command line can point at its own option for it.
+    """
+
+    def __init__(self, message: str = "", *, parameter: str | None = None):
+        super().__init__(message)
+        self.parameter = parameter
 
 
 class PlanError(LooptoolError, ValueError):
