@@ -128,7 +128,7 @@ def resolve_budgets(model, budgets: int | str | Iterable[int] | None) -> tuple[i
         try:
             budgets = [int(b) for b in budgets.split(",")]
         except ValueError:
-            raise ExportError(f"budget {budgets!r} is not a number; pass e.g. 6, 0,6 or all.") from None
+            raise ExportError(f"budget {budgets!r} is not a number; pass e.g. 6, 0,6 or all.", parameter="budgets") from None
     if isinstance(budgets, int):
         budgets = [budgets]
     return tuple(sorted({model.check_budget(int(b)) for b in budgets}))
@@ -145,7 +145,7 @@ def resolve_policies(model, kv: str | Iterable[str]) -> tuple[str, ...]:
     else:
         chosen = [p.strip() for p in kv.split(",")] if isinstance(kv, str) else list(kv)
     if not chosen:
-        raise ExportError("no KV policy given; pass --kv per-loop, last-loop or all.")
+        raise ExportError("no KV policy given; pass kv='per-loop', 'last-loop' or 'all'.", parameter="kv")
     return tuple(check_policy(model, p) for p in dict.fromkeys(chosen))
 
 
@@ -238,7 +238,8 @@ def _check_exportable(model, dtypes: tuple[torch.dtype, ...] = _SUPPORTED_DTYPES
     if param.device.type != "cpu":
         raise ExportError(f"the model is on {param.device}; load it on the CPU (looptool.load(dir)) before exporting.")
     if param.dtype not in dtypes:
-        raise ExportError(f"ONNX export supports float32 and float16 models, this one is {param.dtype}; convert with --dtype float32.")
+        raise ExportError(f"ONNX export supports float32 and float16 models, this one is {param.dtype}; convert with "
+                          "dtype=torch.float32.", parameter="dtype")
 
 
 def _model_tensor_digests(model) -> dict[str, str]:

@@ -261,7 +261,7 @@ class Runtime:
     def _check_policy(self, kv: str) -> str:
         if kv not in self.kv_policies:
             raise EngineError(f"this engine was exported with KV policies {list(self.kv_policies)}, not {kv!r}; pick one of "
-                              f"those or export again with --kv {kv}.")
+                              f"those or export again with kv={kv!r}.", parameter="kv")
         return kv
 
     # ------------------------------------------------------------------ compute

@@ -114,13 +114,23 @@ class ServingGraph:
 
 def serving_graph(model, budget: int, kv: str = "per-loop", *, fuse: bool = True) -> ServingGraph:
     """The decode-interface graph of ``model`` at ``budget`` under KV policy ``kv``, reading
-    the model's own tensors (nothing is copied)."""
-    from looptool.runtime.generation import cached_paths
+    the model's own tensors (nothing is copied). With ``fuse`` the ``fuse`` pass runs (through
+    the PassManager) on the cached path of ``budget``."""
+    from looptool.runtime.generation import cached_layer_graph, cached_paths
     from looptool.core.graph import shared_graph_module
-    from looptool.passes.fuse import fuse_graph
+    from looptool.passes import PassManager
+    from looptool.passes.fuse import fused_counts
 
-    path = cached_paths(model, kv)[model.check_budget(budget)]
-    graph, counts = fuse_graph(path.module.graph) if fuse else (copy_graph(path.module.graph), {})
+    budget = model.check_budget(budget)
+    path = cached_paths(model, kv)[budget]
+    counts: dict[str, int] = {}
+    if fuse:
+        decode = cached_layer_graph(model, kv)
+        fused = PassManager([("fuse", {})])(decode.replace(paths={budget: decode.paths[budget]}))
+        graph = fused.paths[budget]  # a new graph, this function's own to rewrite
+        counts = fused_counts(graph)
+    else:
+        graph = copy_graph(path.module.graph)
     order = functional_cache_writes(graph)
     by_name = {s.name: s for s in path.slots}
     pairs: list[CachePair] = []

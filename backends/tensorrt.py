@@ -76,7 +76,8 @@ def require_tensorrt(purpose: str):
         import tensorrt
     except (ImportError, OSError) as exc:  # the bindings wheel alone fails with OSError on missing libraries
         raise ExportError(f"{purpose} needs TensorRT, which is not installed here ({type(exc).__name__}: {exc}); "
-                          f"{INSTALL_HINT} on a machine with an NVIDIA GPU, or export with --build-on-target.") from exc
+                          f"{INSTALL_HINT} on a machine with an NVIDIA GPU, or export with build_on_target=True.",
+                          parameter="build_on_target") from exc
     return tensorrt
 
 
@@ -108,7 +109,8 @@ def tensorrt_variant(model):
         if node.domain != DOMAIN:
             continue
         if node.op_type not in AOT_OPS + JIT_OPS:
-            raise ExportError(f"the graph has a looptool node {node.op_type!r} with no TensorRT plugin; export with --backend onnx.")
+            raise ExportError(f"the graph has a looptool node {node.op_type!r} with no TensorRT plugin; export with the "
+                              "onnx backend (export_onnx) instead.", parameter="backend")
         node.attribute.extend([helper.make_attribute("plugin_namespace", PLUGIN_NAMESPACE),
                                helper.make_attribute("plugin_version", PLUGIN_VERSION)])
         if node.op_type in AOT_OPS:
@@ -224,7 +226,8 @@ def export_tensorrt(
         require_tensorrt("building TensorRT engines")
         if not torch.cuda.is_available():
             raise ExportError("building TensorRT engines needs an NVIDIA GPU, and torch sees none here; "
-                              "export with --build-on-target and run build.py on the GPU machine.")
+                              "export with build_on_target=True and run build.py on the GPU machine.",
+                              parameter="build_on_target")
     final = check_output_dir(output, overwrite)
     say = on_progress or (lambda text: None)
     source = model
@@ -301,7 +304,8 @@ def build_engines(directory: str | os.PathLike, *, on_progress: Callable[[str], 
     manifest = json.loads((directory / MANIFEST).read_text())
     section = manifest.get("tensorrt")
     if not section:
-        raise ExportError(f"{directory} has no TensorRT variants; export it with --backend tensorrt.")
+        raise ExportError(f"{directory} has no TensorRT variants; export it with the tensorrt backend (export_tensorrt).",
+                          parameter="backend")
     trt_plugins.register()
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)

@@ -3,10 +3,14 @@
 A pass is a pure function ``(LayerGraph, config: dict) -> LayerGraph`` registered by name.
 :class:`PassManager` runs a list of ``(name, config)`` steps, verifies the graph and the
 role annotations after each one (naming the pass that broke them), and records the steps
-in ``LayerGraph.recipe`` so a saved model can replay them on load.
+in ``LayerGraph.recipe`` so a saved model can replay them on load. Ordering between passes
+is declared where each pass is registered (``requires``, ``before``, ``after``) and checked
+by the manager against its steps and the passes already applied (``LayerGraph.applied``).
 """
 
-from looptool.passes.manager import PassManager, get_pass, register_pass, registered_passes, unregister_pass
+from looptool.passes.manager import (
+    PassManager, check_order, get_pass, must_precede, register_pass, registered_passes, unregister_pass,
+)
 from looptool.passes import prefix_loop as _prefix_loop  # noqa: F401  (registers)
 from looptool.passes import recurrent_loop as _recurrent_loop  # noqa: F401  (registers)
 from looptool.passes import retarget_device as _retarget_device  # noqa: F401  (registers)
@@ -15,5 +19,7 @@ from looptool.passes import fuse as _fuse  # noqa: F401  (registers)
 from looptool.passes import checkpoint as _checkpoint  # noqa: F401  (registers)
 from looptool.passes import last_position as _last_position  # noqa: F401  (registers)
 from looptool.passes import ablate as _ablate  # noqa: F401  (registers)
+from looptool.passes import router_outputs as _router_outputs  # noqa: F401  (registers)
 
-__all__ = ["PassManager", "get_pass", "register_pass", "registered_passes", "unregister_pass"]
+__all__ = ["PassManager", "check_order", "get_pass", "must_precede", "register_pass", "registered_passes",
+           "unregister_pass"]

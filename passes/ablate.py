@@ -100,7 +100,8 @@ def _drop_dead(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
-@register_pass("ablate_repetitions")
+# before fuse and checkpoint: both hide the gated writes (fused into one op, outlined into a region)
+@register_pass("ablate_repetitions", requires=("prefix_loop",), before=("fuse", "checkpoint"))
 def ablate_repetitions_pass(lg: LayerGraph, config: dict) -> LayerGraph:
     """``config = {"layers": [i, ...]}``: remove those layers' repetitions from every budget
     path that repeats them (paths that do not repeat a layer are left as they are)."""

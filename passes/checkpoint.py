@@ -28,7 +28,7 @@ import torch.utils.checkpoint
 from looptool.core.errors import PassError
 from looptool.core.graph import META_KEY, ROLE_LAYER, LayerGraph, annotation, shared_graph_module
 from looptool.passes.kv_cache import execution_of
-from looptool.passes.manager import register_pass
+from looptool.passes.manager import LOOPING_PASSES, register_pass
 
 
 class Region:
@@ -79,12 +79,16 @@ class Region:
         return f"Region(layer={self.layer}, execution={self.execution})"
 
 
-@register_pass("checkpoint", replayable=False)
+@register_pass("checkpoint", replayable=False, requires=LOOPING_PASSES)
 def checkpoint(lg: LayerGraph, config: dict) -> LayerGraph:
-    """Outline every layer application of every budget path (``config`` is unused)."""
+    """Outline every layer application of every budget path. ``config``: ``checkpoint``
+    (default True: recompute in backward) and ``shard_layers`` (default False: run each
+    region as a call of its source layer module, for FSDP2; see :class:`Region`)."""
     if not lg.paths:
         raise PassError("checkpoint: the graph has no budget paths; run a looping pass first.")
-    return lg.replace(paths={k: checkpoint_regions(g) for k, g in lg.paths.items()})
+    layers_path = lg.source.layers_path if config.get("shard_layers", False) else None
+    return lg.replace(paths={k: checkpoint_regions(g, checkpoint=config.get("checkpoint", True), layers_path=layers_path)
+                             for k, g in lg.paths.items()})
 
 
 def application_of(node: fx.Node) -> tuple[int, int] | None:

@@ -60,7 +60,7 @@ def conditioned_layers(lg: LayerGraph, start: int, stop: int) -> tuple[LayerInfo
             raise PlanError(
                 f"loop conditioning scales each branch's normalised input, but the {raw[0]} branch "
                 f"of layer {info.index} reads the residual stream without a norm (a post-norm "
-                f"{lg.source.model_type} layer); convert without --conditioning."
+                f"{lg.source.model_type} layer); convert with conditioning=False.", parameter="conditioning"
             )
     return layers
 
@@ -69,7 +69,7 @@ def conditioning_params(lg: LayerGraph, plan, layers: tuple[LayerInfo, ...]) -> 
     """Declare the MLP, entry/exit heads and per-branch heads and adapters."""
     c, r, d = plan.cond_dim, plan.rank, lg.source.hidden_size
     if r > d:
-        raise PlanError(f"conditioning rank {r} exceeds the hidden size {d}; pass --rank {d} or less.")
+        raise PlanError(f"conditioning rank {r} exceeds the hidden size {d}; use rank={d} or less.", parameter="rank")
     params = [
         NewParam(PREFIX + "mlp_in_weight", (c, c), init="normal", value=c ** -0.5),
         NewParam(PREFIX + "mlp_in_bias", (c,), no_decay=True),

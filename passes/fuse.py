@@ -28,7 +28,7 @@ import logging
 from collections import Counter
 
 import torch
-from looptool.passes.manager import register_pass
+from looptool.passes.manager import LOOPING_PASSES, register_pass
 from torch import fx
 
 import looptool.ops  # noqa: F401  (registers torch.ops.looptool.*)
@@ -52,7 +52,8 @@ _aten = torch.ops.aten
 FUSABLE = ("gated_residual", "adaptive_delta", "modulate", "moe")
 
 
-@register_pass("fuse")
+# before checkpoint: the patterns must be visible in the path, not outlined into regions
+@register_pass("fuse", requires=LOOPING_PASSES, before=("checkpoint",))
 def fuse(lg: LayerGraph, config: dict) -> LayerGraph:
     """Fuse every budget path; ``config["ops"]`` picks the patterns (default: all)."""
     ops = tuple(config.get("ops", FUSABLE))
@@ -80,6 +81,13 @@ def fuse_graph(graph: fx.Graph, ops: tuple[str, ...] = FUSABLE) -> tuple[fx.Grap
     new.lint()
     log.debug("fused %s", dict(counts))
     return new, counts
+
+
+def fused_counts(graph: fx.Graph, ops: tuple[str, ...] = FUSABLE) -> dict[str, int]:
+    """How many of each fused op of ``ops`` a path holds (the ``fused`` annotation each
+    replacement carries): after the ``fuse`` pass, the matches per op."""
+    counts = Counter(annotation(n).get("fused") for n in graph.nodes)
+    return {op: counts[op] for op in ops}
 
 
 def _erase_dead(graph: fx.Graph, candidates) -> None:

@@ -22,7 +22,7 @@ from torch import fx
 
 from looptool.core.errors import PassError, PlanError
 from looptool.core.graph import META_KEY, LayerGraph, annotation, copy_graph
-from looptool.passes.manager import register_pass
+from looptool.passes.manager import LOOPING_PASSES, register_pass
 
 KV_POLICIES = ("per-loop", "last-loop")
 
@@ -37,7 +37,8 @@ def execution_of(node: fx.Node) -> int:
     return loop if isinstance(loop, int) else 1
 
 
-@register_pass("kv_cache", replayable=False)
+# before checkpoint: outlined layer applications hide their cache writes from this pass
+@register_pass("kv_cache", replayable=False, requires=LOOPING_PASSES, before=("checkpoint",))
 def kv_cache(lg: LayerGraph, config: dict) -> LayerGraph:
     """``config = {"policy": "per-loop" | "last-loop"}`` (default per-loop)."""
     policy = config.get("policy", "per-loop")

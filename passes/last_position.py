@@ -16,12 +16,12 @@ from torch import fx
 
 from looptool.core.errors import PassError
 from looptool.core.graph import ROLE_HEAD, LayerGraph, annotation, copy_graph
-from looptool.passes.manager import register_pass
+from looptool.passes.manager import LOOPING_PASSES, register_pass
 
 _END = 9223372036854775807  # what torch.export records for an open slice end
 
 
-@register_pass("last_position", replayable=False)
+@register_pass("last_position", replayable=False, requires=LOOPING_PASSES)
 def last_position(lg: LayerGraph, config: dict) -> LayerGraph:
     """Cut the head of every budget path to the last position (``config`` is unused)."""
     if not lg.paths:

@@ -41,7 +41,7 @@ def prefix_loop(lg: LayerGraph, config: dict) -> LayerGraph:
     start, stop = plan.window
     width = lg.source.hidden_size
     new_params = tuple(
-        NewParam(gate_name(info.index, w.kind), (width,), init="zeros", no_decay=True)
+        NewParam(gate_name(info.index, w.kind), (width,), init="zeros", no_decay=True, gate=True)
         for info in lg.layers[start:stop]
         for w in info.writes
     )

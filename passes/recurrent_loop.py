@@ -4,7 +4,7 @@ Layers ``[start, stop)`` form the recurrent block R, run ``k`` times per budget 
 layers before form the input block (``h_in`` is their output) and the layers after the
 output block. Per loop ``i`` (Sec. 3.1, Eq. 2)::
 
-    s~_i = s_{i-1} + h_in                   (input re-injection; s~_i = s_{i-1} with --no-reinject)
+    s~_i = s_{i-1} + h_in                   (input re-injection; s~_i = s_{i-1} with reinject=False)
     r_i  = R(s~_i)
     s_i  = s_{i-1} + e * step_i             step_i by the update rule:
         adaptive-delta: beta_i * (r_i - s_{i-1}),  beta_i = sigmoid(W_b s~_i + b_b) * softplus(gamma)
@@ -59,7 +59,7 @@ def recurrent_params(plan: RecurrentLoop, hidden: int) -> tuple[NewParam, ...]:
     elif plan.update == "delta":
         params.append(NewParam(PREFIX + "delta_rate", (d,), init="fill", value=0.05, no_decay=True))
     if plan.init == "exact" and not plan.conditioning:  # with conditioning, g_exit(c_i) plays this role
-        params.append(NewParam(PREFIX + "exit_gate", (d,), no_decay=True))
+        params.append(NewParam(PREFIX + "exit_gate", (d,), no_decay=True, gate=True))
     return tuple(params)
 
 
@@ -72,7 +72,7 @@ def recurrent_loop(lg: LayerGraph, config: dict) -> LayerGraph:
     if plan.route_replay and not any(w.kind == ROLE_MOE for info in block for w in info.writes):
         raise PlanError(
             f"route replay needs MoE layers in the recurrent block, but layers {start}:{stop} of "
-            f"this {lg.source.model_type} model are dense; drop --route-replay."
+            f"this {lg.source.model_type} model are dense; set route_replay=False.", parameter="route_replay"
         )
     new_params = recurrent_params(plan, lg.source.hidden_size)
     if plan.conditioning:
@@ -90,7 +90,7 @@ def router_nodes(lg: LayerGraph, layers) -> tuple[frozenset[fx.Node], frozenset[
         if any(w.kind == ROLE_MOE for w in info.writes) and not found:
             raise PassError(
                 f"route replay: the router of MoE layer {info.index} could not be told apart "
-                "from its experts; convert without --route-replay."
+                "from its experts; convert with route_replay=False.", parameter="route_replay"
             )
         router |= found
     frontier = {n for n in router if any(u not in router for u in n.users)}
@@ -218,6 +218,16 @@ def _unroll(graph, env, nodes, block, plan, loops, state, cond, router, frontier
             s = state.update(s, r, s_tilde, loop=i, exit=exit)
         s.meta[META_KEY] = {**annotation(s), EXIT_KEY: i}  # the state s_i: an exit point (intermediate-exit loss)
     return s
+
+
+# after checkpoint: an exit re-runs the output block's outlined layer applications as whole
+# regions (run before it, the copies would join those applications and break outlining); after
+# router_outputs: the exit logits go right after the LM logits, before the router logits
+@register_pass("exit_outputs", replayable=False, requires=("recurrent_loop",), after=("checkpoint", "router_outputs"))
+def exit_outputs(lg: LayerGraph, config: dict) -> LayerGraph:
+    """Make every budget path also return the logits at its earlier loop exits
+    (:func:`with_exit_outputs`; ``config`` is unused)."""
+    return lg.replace(paths={k: with_exit_outputs(g) for k, g in lg.paths.items()})
 
 
 def with_exit_outputs(graph: fx.Graph) -> fx.Graph:

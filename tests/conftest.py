@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # looptool never needs the hub; prove it (before huggingface_hub reads it at import)
+if "LOOPTOOL_CACHE" not in os.environ:  # a capture cache of this run's own, shared by its xdist workers (they inherit it)
+    _RUN_CACHE = Path(tempfile.mkdtemp(prefix="looptool-test-cache-"))
+    with contextlib.suppress(OSError):  # but the SmolLM2 download stays in the user's cache, fetched once
+        _smollm2 = Path.home() / ".cache" / "looptool" / "smollm2"
+        _smollm2.mkdir(parents=True, exist_ok=True)
+        (_RUN_CACHE / "smollm2").symlink_to(_smollm2, target_is_directory=True)
+    os.environ["LOOPTOOL_CACHE"] = str(_RUN_CACHE)
+    atexit.register(shutil.rmtree, _RUN_CACHE, ignore_errors=True)
 
 import pytest
 import torch

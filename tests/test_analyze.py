@@ -23,7 +23,7 @@ from looptool.runtime.model import LoopedModel
 from looptool.passes import PassManager
 from looptool.passes.ablate import ablate_repetitions
 from looptool.passes.prefix_loop import gate_name
-from looptool.report.tables import plot_analysis
+from looptool.report.plots import plot_analysis
 from looptool.testing import tiny_model
 
 ATOL = 2e-5

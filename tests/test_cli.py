@@ -80,7 +80,7 @@ def test_convert_refuses_existing_output(tiny_dir, tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     res = _run("convert", tiny_dir, "-o", out)
-    assert res.exit_code == 1 and "already exists; pass --overwrite" in res.output
+    assert res.exit_code == 1 and "already exists; pass overwrite=True to replace it. (option --overwrite)" in res.output
     assert (out / "keep.txt").read_text() == "mine"
     res = _run("convert", tiny_dir, "-o", out, "--overwrite", "--window", "0:2")
     assert res.exit_code == 0, res.output
@@ -217,22 +217,22 @@ def test_eval_cli_says_no_gain_and_writes_its_results_together(looped_with_token
     a failing plot leaves neither behind."""
     import shutil
 
-    import looptool.eval.evaluate
+    import looptool.report.plots
 
     model = tmp_path / "model"
     shutil.copytree(looped_with_tokenizer, model)
     before = sorted(p.name for p in model.iterdir())
     args = ["eval", model, "--data", SOTU_1790, "--max-tokens", "256", "--seq-len", "32", "--device", "cpu"]
-    real_plot = looptool.eval.evaluate.plot_frontier
+    real_plot = looptool.report.plots.plot_frontier
 
     def broken_plot(*args, **kwargs):
         raise RuntimeError("plotting failed")
 
-    monkeypatch.setattr(looptool.eval.evaluate, "plot_frontier", broken_plot)
+    monkeypatch.setattr(looptool.report.plots, "plot_frontier", broken_plot)
     res = _run(*args)
     assert res.exit_code == 2 and "plotting failed" in res.output
     assert sorted(p.name for p in model.iterdir()) == before
-    monkeypatch.setattr(looptool.eval.evaluate, "plot_frontier", real_plot)
+    monkeypatch.setattr(looptool.report.plots, "plot_frontier", real_plot)
     res = _run(*args)
     assert res.exit_code == 0, res.output
     assert sorted(p.name for p in model.iterdir()) == sorted([*before, "eval.json", "frontier.png"])
@@ -260,7 +260,8 @@ def test_frontier_plots_loss_against_the_cost_table(looped_with_tokenizer, tmp_p
     latency measurement per budget; the measured latency sits in its own panel with min–max bars."""
     import matplotlib.figure
 
-    from looptool.eval.evaluate import evaluate, plot_frontier
+    from looptool.eval.evaluate import evaluate
+    from looptool.report.plots import plot_frontier
 
     model = looptool.load(looped_with_tokenizer)
     result = evaluate(model, SOTU_1790, seq_len=32, max_tokens=128, batch=2, timing_rounds=2)
@@ -293,7 +294,7 @@ def test_streamed_text_equals_the_decoded_continuation(kind):
     """Token by token, with tokens that split multi-byte characters (and random bytes that
     are not UTF-8 at all), the streamed pieces join to the final decode; no piece shows a
     half character; the work is linear: each step decodes a short window, not the whole text."""
-    from looptool.cli import IncrementalDecoder
+    from looptool.runtime.text import IncrementalDecoder
     from looptool.testing import byte_tokenizer
 
     tok = byte_tokenizer() if kind == "bytes" else _sentencepiece_like_tokenizer()
@@ -315,7 +316,7 @@ def test_streamed_text_equals_the_decoded_continuation(kind):
 
 
 def test_encode_leaves_the_tokenizer_alone():
-    from looptool.cli import _encode
+    from looptool.runtime.text import encode_prompts as _encode
     from looptool.testing import byte_tokenizer
 
     tok = byte_tokenizer()
@@ -328,11 +329,11 @@ def test_encode_leaves_the_tokenizer_alone():
 
 
 def test_generate_cli_streams_the_continuation_and_keeps_the_tokenizer(looped_with_tokenizer, monkeypatch):
-    import looptool.cli
+    import looptool.runtime.text
 
     seen = []
-    real = looptool.cli._tokenizer
-    monkeypatch.setattr(looptool.cli, "_tokenizer", lambda model, path: seen.append(real(model, path)) or seen[-1])
+    real = looptool.runtime.text.model_tokenizer
+    monkeypatch.setattr(looptool.runtime.text, "model_tokenizer", lambda model, path: seen.append(real(model, path)) or seen[-1])
     res = _run("generate", looped_with_tokenizer, "--budget", "2", "-p", "We", "--max-new-tokens", "24", "--stream")
     assert res.exit_code == 0, res.output
     model = looptool.load(looped_with_tokenizer)

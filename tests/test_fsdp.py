@@ -96,5 +96,6 @@ def test_fsdp_needs_torchrun(model_dir, tmp_path):
     res = subprocess.run([sys.executable, "-m", "looptool", "train", str(model_dir), "-o", str(tmp_path / "x"),
                           "--strategy", "fsdp", *ARGS], capture_output=True, text=True, timeout=300, env=ENV)
     assert res.returncode == 1
-    assert "--strategy fsdp shards the model across processes; launch with torchrun" in res.stderr
+    assert "strategy 'fsdp' shards the model across processes; launch with torchrun" in res.stderr
+    assert "(option --strategy)" in res.stderr
     assert not (tmp_path / "x").exists()

@@ -23,7 +23,7 @@ pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'lo
 import lm_eval  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from looptool import harness  # noqa: E402
+from looptool.eval import harness  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "lm_eval"
 TASKS = ("lt_choice", "lt_rolling", "lt_generate")
@@ -229,7 +229,7 @@ def test_cli_lm_eval_results_appear_together_in_the_model_dir_and_git_stays_quie
     run outside a git repository, lm-eval's git call prints nothing on stderr."""
     import shutil
 
-    import looptool.report.tables
+    import looptool.report.plots
 
     model = tmp_path / "model"
     shutil.copytree(looped_dir, model)
@@ -241,7 +241,7 @@ def test_cli_lm_eval_results_appear_together_in_the_model_dir_and_git_stays_quie
     def broken_plot(*args, **kwargs):
         raise RuntimeError("plotting failed")
 
-    monkeypatch.setattr(looptool.report.tables, "plot_quality_cost", broken_plot)
+    monkeypatch.setattr(looptool.report.plots, "plot_quality_cost", broken_plot)
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 2 and "plotting failed" in res.output
     assert sorted(p.name for p in model.iterdir()) == before  # nothing half-written, no staging folder left
@@ -257,7 +257,8 @@ def test_cli_lm_eval_results_appear_together_in_the_model_dir_and_git_stays_quie
 
 @pytest.mark.parametrize("args,message", [
     (["--tasks", " , "], "--tasks is empty"),
-    (["--tasks", "lt_choice", "--include-path", "no/such/folder"], "--include-path 'no/such/folder' does not exist"),
+    (["--tasks", "lt_choice", "--include-path", "no/such/folder"],
+     "include_path 'no/such/folder' does not exist; pass a folder of lm-eval task YAMLs. (option --include-path)"),
 ])
 def test_cli_lm_eval_bad_input_is_one_sentence(tmp_path, args, message):
     res = CliRunner().invoke(app, ["lm-eval", str(tmp_path), *args, "-o", str(tmp_path / "out")])

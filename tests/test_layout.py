@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import importlib
 import pathlib
+import re
 
 import pytest
 
@@ -137,3 +138,113 @@ def test_every_module_imports(name):
     if name.startswith("looptool.ops.kernels") or name == "looptool.backends.trt_plugins":
         pytest.importorskip("triton", reason="the Triton kernels need triton")
     importlib.import_module(name)
+
+
+# The stages from the bottom up; a module may import its own stage and the stages below it.
+# runtime and storage are one stage: the model's save_pretrained writes through storage.save,
+# and storage.load rebuilds a model (the module graph stays acyclic, tested above).
+LAYERS = (("core",), ("ops",), ("capture",), ("passes",), ("runtime", "storage"), ("backends",), ("train",),
+          ("posttrain",), ("report",), ("eval",), ("serve",), ("cli",))
+
+
+def _stage(module: str) -> int | None:
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None  # the top-level package (the public API) and testing sit outside the stages
+    for rank, names in enumerate(LAYERS):
+        if parts[1] in names:
+            return rank
+    return None
+
+
+def test_imports_point_down_the_stages():
+    upward = sorted(f"{a} -> {b}" for a, targets in import_graph().items() for b in targets
+                    if _stage(a) is not None and _stage(b) is not None and _stage(b) > _stage(a))
+    assert not upward, "imports that point up the stages:\n" + "\n".join(upward)
+
+
+def test_every_subpackage_has_a_stage():
+    packages = {name.split(".")[1] for name in modules() if name.count(".") >= 1}
+    loose = sorted(p for p in packages - {"__main__", "testing"} if not any(p in names for names in LAYERS))
+    assert not loose, f"subpackages or modules outside the stages: {loose}"
+
+
+# ---------------------------------------------------------------------- a thin command line
+CLI_FORBIDDEN_IMPORTS = {"torch", "numpy", "safetensors"}
+WRITE_MODES = set("wax+")
+
+
+def cli_offences(source: str) -> list[str]:
+    """What a ``looptool/cli`` module does that belongs in the library: importing torch, numpy
+    or safetensors (at module level or in a function), or writing a file itself
+    (``.write_text``/``.write_bytes``, ``json.dump``, ``open``/``.open`` in a write mode)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        found += [f"line {node.lineno}: imports {n}" for n in names if n.split(".")[0] in CLI_FORBIDDEN_IMPORTS]
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        attr = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+        if attr in ("write_text", "write_bytes", "dump"):
+            found.append(f"line {node.lineno}: calls {attr}()")
+        elif attr == "open":
+            mode_at = 1 if isinstance(func, ast.Name) else 0  # open(path, mode) / path.open(mode)
+            modes = [a for a in node.args[mode_at:mode_at + 1]] + [k.value for k in node.keywords if k.arg == "mode"]
+            for mode in modes:
+                if not isinstance(mode, ast.Constant) or set(str(mode.value)) & WRITE_MODES:
+                    found.append(f"line {node.lineno}: opens a file for writing")
+    return found
+
+
+def test_cli_modules_only_parse_call_and_print():
+    """A command parses its options, calls the library and prints: the CLI imports no torch,
+    numpy or safetensors and writes no file itself, so what it computes or writes is a library
+    function that Python users get too."""
+    offenders = {path.name: found for path in sorted((ROOT / "looptool" / "cli").glob("*.py"))
+                 if (found := cli_offences(path.read_text()))}
+    assert not offenders, f"cli modules doing library work: {offenders}"
+
+
+def test_the_cli_check_catches_library_work():
+    assert cli_offences("import torch") and cli_offences("from numpy import zeros") and cli_offences("import safetensors.torch")
+    assert cli_offences("def f():\n    import torch.nn")
+    assert cli_offences("p.write_text('x')") and cli_offences("p.write_bytes(b'')") and cli_offences("json.dump(x, f)")
+    assert cli_offences("open(p, 'w')") and cli_offences("open(p, mode='a')") and cli_offences("p.open('wb')")
+    assert cli_offences("open(p, m)")  # a mode only known at run time may write
+    assert not cli_offences("open(p)") and not cli_offences("open(p, 'rb')") and not cli_offences("p.open()")
+    assert not cli_offences("json.dumps(x)") and not cli_offences("import typer\nfrom rich.table import Table")
+
+
+def _docstrings_and_comments(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, text) of every docstring and ``#`` comment of a Python file."""
+    import io
+    import tokenize
+
+    src = path.read_text()
+    out = [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(src).readline)
+           if tok.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node):
+            out.append((node.body[0].lineno, ast.get_docstring(node)))
+    return out
+
+
+def test_docstrings_cite_papers_not_files_and_keep_no_process_notes():
+    """Docstrings and comments read like documentation: no internal issue numbers, no paper
+    file names (cite a paper by title and equation), no notes about how work was done."""
+    forbidden = {
+        "an internal issue number": re.compile(r"\bissues?\s+#?\d", re.I),
+        "a paper's source file": re.compile(r"\bseeds?/|\.pdf\b|\b\d{3}_[0-9a-f]{16}\b", re.I),
+        "a process note": re.compile(r"this session|lack of time|for now\b|\bTODO\b|\bFIXME\b", re.I),
+    }
+    files = [p for folder in (*TREES, "examples", "tests") for p in sorted((ROOT / folder).rglob("*.py"))
+             if p.resolve() != pathlib.Path(__file__).resolve()]
+    offenders = [f"{p.relative_to(ROOT)}:{line}: {what}"
+                 for p in files for line, text in _docstrings_and_comments(p)
+                 for what, pattern in forbidden.items() if pattern.search(text)]
+    assert not offenders, "\n".join(offenders)

@@ -162,7 +162,7 @@ def test_bad_rl_settings(elr, tmp_path):
     data = [str(_prompts(tmp_path))]
     with pytest.raises(RLError, match="leave-one-out baseline needs another rollout"):
         GRPO(tmp_path / "m", RLConfig(data=data, output=str(tmp_path / "o"), rollouts=1))
-    with pytest.raises(RLError, match="--ratio has 2 weights for the 3 budgets"):
+    with pytest.raises(RLError, match="ratio has 2 weights for the 3 budgets"):
         GRPO(tmp_path / "m", RLConfig(data=data, output=str(tmp_path / "o"), ratio=[1, 1]))
     with pytest.raises(RewardError, match="neither a built-in"):
         GRPO(tmp_path / "m", RLConfig(data=data, output=str(tmp_path / "o"), reward="bogus"))

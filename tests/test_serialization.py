@@ -55,7 +55,7 @@ def test_save_refuses_existing_dir_and_leaves_nothing(tmp_path):
     _, looped = _converted_llama()
     target = tmp_path / "m"
     target.mkdir()
-    with pytest.raises(LooptoolError, match="already exists; pass --overwrite"):
+    with pytest.raises(LooptoolError, match="already exists; pass overwrite=True"):
         looped.save_pretrained(target)
     assert list(target.iterdir()) == []
     looped.save_pretrained(target, overwrite=True)

@@ -151,7 +151,7 @@ def test_engines_for_another_gpu_are_refused(tmp_path):
 
 @pytest.mark.skipif(_has_tensorrt(), reason="TensorRT is installed here")
 def test_without_tensorrt_export_fails_in_one_sentence_and_writes_nothing(prefix_model, tmp_path):
-    with pytest.raises(ExportError, match=r'pip install "looptool\[tensorrt\]".*--build-on-target'):
+    with pytest.raises(ExportError, match=r'pip install "looptool\[tensorrt\]".*build_on_target=True'):
         export_tensorrt(prefix_model, tmp_path / "out", [2])
     assert not (tmp_path / "out").exists()
 

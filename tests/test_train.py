@@ -147,7 +147,7 @@ def test_resume_requires_same_command(model_dir, tmp_path):
     out = tmp_path / "run"
     cfg = TrainConfig(data=[str(SOTU / "1790*.txt")], output=str(out), tokens=512, seq_len=64, batch=4, lr=1e-3)
     Trainer(model_dir, cfg).run()
-    with pytest.raises(TrainingError, match="exists; add --resume"):
+    with pytest.raises(TrainingError, match="exists; pass resume=True"):
         Trainer(model_dir, cfg)
     changed = TrainConfig(**{**cfg.__dict__, "lr": 5e-3, "resume": True})
     with pytest.raises(TrainingError, match="settings differ: lr"):
@@ -247,7 +247,7 @@ def test_gate_floor_holds_then_releases(model_dir, tmp_path):
     assert gates and all(float(g.min()) >= 0.3 for g in gates)
     released = Trainer(model_dir, TrainConfig(**base, output=str(tmp_path / "rel"), gate_floor=0.3, gate_floor_until=0.5))
     assert released.floor_steps == 4
-    with pytest.raises(TrainingError, match="--gate-floor must be non-negative"):
+    with pytest.raises(TrainingError, match="gate_floor must be non-negative"):
         TrainConfig(**base, output="x", gate_floor=-1).check()
 
 
@@ -277,7 +277,7 @@ def test_completion_rows_target_only_the_completion(tmp_path):
 @pytest.mark.parametrize("records,message", [
     ([{"prompt": "a"}], "needs string 'prompt' and 'completion'"),
     ([{"prompt": "a", "completion": ""}], "empty completion"),
-    ([{"prompt": "a" * 20, "completion": "b"}], "more than --seq-len 12"),
+    ([{"prompt": "a" * 20, "completion": "b"}], "more than seq_len 12"),
 ])
 def test_completion_data_errors(tmp_path, records, message):
     path = _jsonl(tmp_path / "bad.jsonl", records)
@@ -289,7 +289,7 @@ def test_completion_format_needs_jsonl_and_a_known_format(tmp_path):
     (tmp_path / "a.txt").write_text("plain text")
     with pytest.raises(DataError, match="is not a .jsonl file"):
         training_rows([str(tmp_path / "a.txt")], byte_tokenizer(), seq_len=12, format="completion")
-    with pytest.raises(TrainingError, match="--format 'xml' is unknown; use text, completion, chat"):
+    with pytest.raises(TrainingError, match="format 'xml' is unknown; use text, completion, chat"):
         TrainConfig(data=["x"], output="o", format="xml").check()
 
 
@@ -431,7 +431,7 @@ def test_chat_sft_masks_match_the_chat_template_token_by_token(tmp_path, markers
     ([{"messages": DIALOGUE}, {"messages": [{"role": "user", "content": 3}]}], r"line 2 needs a 'messages' list"),
     ([{"messages": []}], r"needs a 'messages' list"),
     ([{"messages": DIALOGUE[:2]}], r"line 1 has no assistant message; there would be nothing to learn"),
-    ([{"messages": DIALOGUE}], r"line 1 has \d+ tokens, more than --seq-len 40; raise --seq-len"),
+    ([{"messages": DIALOGUE}], r"line 1 has \d+ tokens, more than seq_len 40; raise seq_len"),
 ])
 def test_chat_data_errors(tmp_path, records, message):
     path = _jsonl(tmp_path / "bad.jsonl", records)
@@ -443,10 +443,10 @@ def test_chat_format_needs_jsonl_a_chat_template_and_a_fast_tokenizer(tmp_path):
     from looptool.train.data import ChatExamples
 
     (tmp_path / "a.txt").write_text("plain text")
-    with pytest.raises(DataError, match=r"is not a \.jsonl file; --format chat reads JSONL lines with a 'messages'"):
+    with pytest.raises(DataError, match=r"is not a \.jsonl file; format 'chat' reads JSONL lines with a 'messages'"):
         training_rows([str(tmp_path / "a.txt")], _chat_tokenizer(), seq_len=64, format="chat")
     path = _jsonl(tmp_path / "c.jsonl", [{"messages": DIALOGUE}])
-    with pytest.raises(DataError, match="has no chat template; .*or use --format completion"):
+    with pytest.raises(DataError, match="has no chat template; .*or use format='completion'"):
         training_rows([str(path)], byte_tokenizer(), seq_len=256, format="chat")
 
     class SlowTokenizer:

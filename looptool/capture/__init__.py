@@ -21,7 +21,8 @@ Its modules, one job each: :mod:`~looptool.capture.export` (``torch.export`` of 
 and of a cached decode step), :mod:`~looptool.capture.clean` (plain inputs, one output,
 device-neutral ops), :mod:`~looptool.capture.residual` (residual analysis of one layer),
 :mod:`~looptool.capture.annotate` (roles and layers of every node),
-:mod:`~looptool.capture.experts` (the MoE experts implementation's layout) and
+:mod:`~looptool.capture.experts` (the MoE experts implementation's layout),
+:mod:`~looptool.capture.norms` (which parameters are norm scales/shifts) and
 :mod:`~looptool.capture.facts` (architecture facts of the config); :func:`capture` runs them.
 """
 
@@ -38,6 +39,7 @@ from looptool.capture.export import INPUT_NAMES, build_skeleton, export_decode_s
 from looptool.capture.facts import (
     find_layers_path, hidden_size_of, kv_shape_of, moe_shape_of, module_path, norm_eps_of, num_layers_of,
 )
+from looptool.capture.norms import annotate_norm_parameters
 from looptool.capture.residual import NORM_TARGETS
 from looptool.core.errors import CaptureError
 from looptool.core.graph import LayerGraph, SourceInfo
@@ -78,6 +80,7 @@ def capture(model: nn.Module, *, decode: bool = False) -> LayerGraph:
     annotate_experts(module.graph)
     if decode:
         annotate_cache(module.graph, n_layers)
+    annotate_norm_parameters(module)
     param = next(model.parameters())
     num_experts, experts_per_token = moe_shape_of(config)
     kv_heads, head_dim = kv_shape_of(config)

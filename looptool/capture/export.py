@@ -12,6 +12,7 @@ from torch.export import Dim
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
+from looptool.capture import cache as capture_cache
 from looptool.capture.facts import kv_shape_of, num_layers_of
 from looptool.core.errors import CaptureError
 
@@ -32,6 +33,7 @@ def export_source(model: nn.Module, seq_len: int = 8, batch: int = 2) -> fx.Grap
         model,
         {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False},
         {"input_ids": dims, "attention_mask": dims, "use_cache": None},
+        capture_cache.key_of(model, {"decode": False, "seq_len": seq_len, "batch": batch}),
     )
 
 
@@ -46,6 +48,7 @@ def export_decode_step(model: nn.Module, seq_len: int = 3, cache_len: int = 8, b
     ``cache_position [T]`` and ``2 * layers`` caches ``[B, kv_heads, S, head_dim]``
     (layer ``i``: keys ``caches_{2i}``, values ``caches_{2i+1}``); output: logits.
     """
+    key = capture_cache.key_of(model, {"decode": True, "seq_len": seq_len, "cache_len": cache_len, "batch": batch})
     config = model.config.get_text_config()
     n_layers = num_layers_of(config)
     kv_heads, head_dim = kv_shape_of(config)
@@ -82,7 +85,7 @@ def export_decode_step(model: nn.Module, seq_len: int = 3, cache_len: int = 8, b
 
     model.forward = step  # export traces the step with the model's own parameter names
     try:
-        return _export(model, inputs, shapes)
+        return _export(model, inputs, shapes, key)
     finally:
         del model.forward
 
@@ -116,15 +119,19 @@ def _bind_static_cache(config, caches: list[torch.Tensor], cache_position: torch
     return cache
 
 
-def _export(model: nn.Module, kwargs: dict, dynamic_shapes: dict) -> fx.GraphModule:
-    try:
-        ep = torch.export.export(model, (), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
-    except Exception as exc:  # torch.export raises many types; say which model failed
-        raise CaptureError(
-            f"torch.export could not capture {type(model).__name__} "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0][:300]})."
-        ) from exc
-    return ep.module()
+def _export(model: nn.Module, kwargs: dict, dynamic_shapes: dict, key: dict | None = None) -> fx.GraphModule:
+    """The unlifted export of ``model`` (served by the capture cache under ``key``, if any)."""
+
+    def export() -> torch.export.ExportedProgram:
+        try:
+            return torch.export.export(model, (), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        except Exception as exc:  # torch.export raises many types; say which model failed
+            raise CaptureError(
+                f"torch.export could not capture {type(model).__name__} "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:300]})."
+            ) from exc
+
+    return capture_cache.exported_module(model, key, export)
 
 
 def build_skeleton(config, dtype: torch.dtype, attn_implementation: str | None = None) -> nn.Module:

@@ -44,8 +44,13 @@ class Source:
 
 
 def cache_dir() -> Path:
-    """Where looptool keeps downloads: ``$LOOPTOOL_CACHE`` or ``~/.cache/looptool``."""
-    return Path(os.environ.get("LOOPTOOL_CACHE", Path.home() / ".cache" / "looptool"))
+    """Where looptool keeps downloads (and exported programs, :mod:`looptool.capture.cache`):
+    ``$LOOPTOOL_CACHE`` or ``~/.cache/looptool`` (also when it is ``off``, which turns off
+    the capture cache only)."""
+    value = os.environ.get("LOOPTOOL_CACHE", "").strip()
+    if not value or value.lower() == "off":
+        return Path.home() / ".cache" / "looptool"
+    return Path(value)
 
 
 def fetch_smollm2(say=log.info) -> Path:

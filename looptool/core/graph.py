@@ -48,6 +48,9 @@ ROLES = frozenset(
     }
 )
 WRITE_KINDS = (ROLE_ATTENTION, ROLE_MLP, ROLE_MOE)
+# On a parameter's ``get_attr`` nodes (set by capture): True when the tensor is a normalisation's
+# scale or shift (pre-, post-, q/k- or final norm), so no later stage re-derives it.
+NORM_PARAM_KEY = "norm_param"
 
 FORM_SEQUENTIAL = "sequential"  # u = h + A(h); v = u + M(u)  (pre-norm or post-norm branch)
 FORM_PARALLEL = "parallel"  # v = h + A(h) + M(h)  (GPT-NeoX, GPT-J)
@@ -88,6 +91,9 @@ class NewParam:
     init: str = "zeros"  # "zeros", "fill" (every element = value) or "normal" (std = value)
     no_decay: bool = False
     value: float = 0.0
+    # a gate some looped computation writes through (zero at conversion: that computation is
+    # then the identity); the trainer's gate floor keeps these open (LoopedModel.gate_parameters)
+    gate: bool = False
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,9 @@ class LayerGraph:
     paths: dict[int, fx.Graph] = field(default_factory=dict)
     recipe: tuple[tuple[str, dict], ...] = ()
     plan: Any = None
+    # every pass the PassManager applied, replayable or not, in order: what its ordering
+    # declarations are checked against (the recipe holds the replayable ones with configs)
+    applied: tuple[str, ...] = ()
 
     @property
     def graph(self) -> fx.Graph:

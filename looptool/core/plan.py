@@ -33,6 +33,8 @@ class PrefixLoop:
     window: tuple[int, int] | None = None
     budgets: tuple[int, ...] | None = None
     kind: ClassVar[str] = "prefix"
+    has_loop_exits: ClassVar[bool] = False  # intermediate exits (deep supervision) are ELR's
+    budget_columns: ClassVar[tuple[str, str]] = ("budget", "layers")  # a budget, its layer executions
 
     def resolve(self, num_layers: int) -> PrefixLoop:
         """Fill defaults for a model of ``num_layers`` layers and validate; returns a new plan."""
@@ -87,6 +89,20 @@ class PrefixLoop:
         """Matmul FLOPs per token the plan adds outside the layers (gates are elementwise: 0)."""
         return 0.0
 
+    def looped_layers(self) -> range:
+        """The layers the plan loops: the window (its prefix runs twice)."""
+        self._require_resolved()
+        return range(*self.window)
+
+    def frozen_layers(self) -> range:
+        """The source layers that freezing below the looped block freezes: those before the window."""
+        return range(self.looped_layers().start)
+
+    def caption(self) -> str:
+        """One line for tables: ``window 8:20``."""
+        self._require_resolved()
+        return f"window {self.window[0]}:{self.window[1]}"
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form, with kind and format version."""
         return {
@@ -139,6 +155,8 @@ class RecurrentLoop:
     route_replay: bool = False
     init: str = "exact"
     kind: ClassVar[str] = "recurrent"
+    has_loop_exits: ClassVar[bool] = True  # every loop's state s_i is an exit (intermediate-exit loss)
+    budget_columns: ClassVar[tuple[str, str]] = ("loops", "D_eff")  # a loop count, its effective depth
 
     def resolve(self, num_layers: int) -> RecurrentLoop:
         """Fill defaults for a model of ``num_layers`` layers and validate; returns a new plan."""
@@ -193,6 +211,25 @@ class RecurrentLoop:
             return 0.0
         updates = budget - 1 if self.init == "exact" else budget
         return 2.0 * hidden * hidden * updates
+
+    def looped_layers(self) -> range:
+        """The layers the plan loops: the recurrent block."""
+        if not self.resolved:
+            raise PlanError("this plan has unresolved defaults; call plan.resolve(num_layers) first.")
+        return range(*self.recurrent)
+
+    def frozen_layers(self) -> range:
+        """The source layers that freezing below the looped block freezes: the input block."""
+        return range(self.looped_layers().start)
+
+    def caption(self) -> str:
+        """One line for tables: ``recurrent 8:22 (adaptive-delta, init exact, re-injection, ...)``."""
+        block = self.looped_layers()
+        extras = [self.update, f"init {self.init}"]
+        extras += ["re-injection"] if self.reinject else ["no re-injection"]
+        extras += [f"conditioning d={self.cond_dim} r={self.rank}"] if self.conditioning else []
+        extras += ["route replay"] if self.route_replay else []
+        return f"recurrent {block.start}:{block.stop} ({', '.join(extras)})"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form, with kind and format version."""
@@ -278,7 +315,8 @@ def parse_budgets(text: str) -> tuple[int, ...]:
     for part in text.split(","):
         part = part.strip()
         if not part.lstrip("-").isdigit():
-            raise PlanError(f"budget {part!r} is not a whole number; pass e.g. --budgets 0,3,6,9,12.")
+            raise PlanError(f"budget {part!r} is not a whole number; budgets are comma-separated whole numbers, "
+                            "e.g. '0,3,6,9,12'.", parameter="budgets")
         out.append(int(part))
     return tuple(out)
 

@@ -4,11 +4,9 @@ latency measured side by side, and the quality-against-cost plot."""
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
@@ -114,73 +112,3 @@ def format_share(share: float | None) -> str:
     return "no gain" if share is None else f"{round(100 * share)}%"  # round() gives an int: no "-0"
 
 
-def frontier_points(result: dict, x: str = "ideal_flops_ratio") -> list[tuple[float, float, int]]:
-    """``(cost, loss, budget)`` of each row of an :func:`evaluate` result, in budget order;
-    the cost is the row's ``x`` entry (default: FLOPs per token relative to the shallowest
-    budget, from the plan's cost table: deterministic, unlike a latency measurement)."""
-    return [(r[x], r["loss"], r["budget"]) for r in result["budgets"]]
-
-
-def plot_frontier(result: dict, path: str | Path, title: str = "", *, reference_label: str = "source model",
-                  x: str = "ideal_flops_ratio", xlabel: str = "×FLOPs per token (cost model)") -> Path:
-    """Loss against the cost table (:func:`frontier_points`), one point per budget; when the
-    rows carry measured latencies, a second panel shows them (median, min–max bars) against
-    the same cost; PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = result["budgets"]
-    timed = all("latency" in r for r in rows)
-    fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(11 if timed else 6, 4), dpi=120, squeeze=False)
-    ax = axes[0][0]
-    points = frontier_points(result, x)
-    ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label="looped model")
-    for cost, loss, budget in points:
-        ax.annotate(f"k={budget}", (cost, loss), textcoords="offset points", xytext=(4, 4))
-    if result.get("source_loss") is not None:
-        ax.axhline(result["source_loss"], color="gray", linestyle="--", label=reference_label)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("held-out loss (nats/token)")
-    ax.set_title(title or "quality against cost")
-    ax.legend()
-    if timed:
-        lat = axes[0][1]
-        med = [r["latency"]["median_ms"] for r in rows]
-        spread = [[m - r["latency"]["min_ms"] for m, r in zip(med, rows)], [r["latency"]["max_ms"] - m for m, r in zip(med, rows)]]
-        lat.errorbar([p[0] for p in points], med, yerr=spread, fmt="o", capsize=3)
-        lat.set_xlabel(xlabel)
-        lat.set_ylabel("measured latency, ms (median, min–max)")
-        lat.set_title(f"measured, {rows[0]['latency'].get('n', '?')} rounds per budget", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return Path(path)
-
-
-def plot_training(log_path: str | Path, path: str | Path) -> Path:
-    """Training loss per budget over steps from a ``train_log.jsonl``; PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from looptool.train.trainer import record_budgets
-
-    series: dict[int, list[tuple[int, float]]] = {}
-    for line in Path(log_path).read_text().splitlines():
-        rec = json.loads(line)
-        for k, loss in zip(record_budgets(rec), rec["loss"], strict=False):
-            series.setdefault(k, []).append((rec["step"], loss))
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    for k in sorted(series):
-        pts = series[k]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], ".", alpha=0.5, label=f"budget {k}")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return Path(path)

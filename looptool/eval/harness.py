@@ -55,6 +55,7 @@ from lm_eval.models.utils import (  # noqa: E402
 )
 from lm_eval.models.utils_hf import pad_and_concat  # noqa: E402
 
+from looptool.eval.results import markdown_table, metric_columns, quality_series  # noqa: E402,F401  (moved; names kept)
 from looptool.runtime.generation import check_policy, generate  # noqa: E402
 from looptool.runtime.model import LoopedModel  # noqa: E402
 from looptool.storage.load import load  # noqa: E402
@@ -121,7 +122,7 @@ class LooptoolLM(TemplateLM):
         if dtype in (None, "auto") or str(dtype).removeprefix("torch.") == saved.removeprefix("torch."):
             return
         raise LooptoolError(f"dtype={dtype} differs from the saved model's {saved}; its graphs are specialised to that "
-                            "dtype: drop dtype or convert the source again with looptool convert --dtype.")
+                            "dtype: drop dtype, or convert the source model again in the dtype wanted.", parameter="dtype")
 
     @property
     def budget(self) -> int:
@@ -220,7 +221,7 @@ class LooptoolLM(TemplateLM):
             for _, context, continuation in chunk:
                 if len(continuation) > self.max_length:
                     raise LooptoolError(f"a continuation of {len(continuation)} tokens is longer than max_length "
-                                        f"{self.max_length}; raise max_length.")
+                                        f"{self.max_length}; raise max_length.", parameter="max_length")
                 # the last max_length + 1 tokens, minus the last: its logits would predict nothing
                 inputs.append(torch.tensor((context + continuation)[-(self.max_length + 1):][:-1], dtype=torch.long))
             log_probs = self._log_probs(inputs)
@@ -272,7 +273,7 @@ class LooptoolLM(TemplateLM):
             max_gen_toks = kwargs.pop("max_gen_toks")
             if max_gen_toks >= self.max_length:
                 raise LooptoolError(f"max_gen_toks {max_gen_toks} leaves no room for the prompt within max_length "
-                                    f"{self.max_length}; lower max_gen_toks or raise max_length.")
+                                    f"{self.max_length}; lower max_gen_toks or raise max_length.", parameter="max_length")
             ids, mask = self._encode_prompts(list(contexts), self.max_length - max_gen_toks)
             new_tokens = self._generate(ids, mask, until, max_gen_toks, kwargs)
             for context, gen_kwargs, tokens in zip(contexts, all_kwargs, new_tokens, strict=True):
@@ -312,9 +313,9 @@ def _batch_size(value: int | str | None) -> int:
         size = int(value if value is not None else 1)
     except (TypeError, ValueError):
         raise LooptoolError(f"batch_size={value!r} is not supported by the looptool model; give a positive "
-                            "integer.") from None
+                            "integer.", parameter="batch_size") from None
     if size < 1:
-        raise LooptoolError(f"batch_size must be at least 1, got {size}.")
+        raise LooptoolError(f"batch_size must be at least 1, got {size}.", parameter="batch_size")
     return size
 
 
@@ -348,14 +349,15 @@ def task_manager(tasks: Sequence[str], include_path: Sequence[str] | None = None
     paths = [str(p) for p in include_path or ()]
     missing = [p for p in paths if not Path(p).exists()]
     if missing:
-        raise LooptoolError(f"--include-path '{missing[0]}' does not exist; pass a folder of lm-eval task YAMLs.")
+        raise LooptoolError(f"include_path '{missing[0]}' does not exist; pass a folder of lm-eval task YAMLs.",
+                            parameter="include_path")
     manager = TaskManager(include_path=paths, include_defaults=False) if paths else None
     if manager is None or not set(tasks) <= set(manager.all_tasks):
         manager = TaskManager(include_path=paths or None)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise LooptoolError(f"lm-eval knows no task {', '.join(map(repr, unknown))}; check the name (lm_eval ls tasks) "
-                            "or pass the folder of its YAML with --include-path.")
+                            "or pass the folder of its YAML as include_path.", parameter="tasks")
     return manager
 
 
@@ -451,54 +453,6 @@ def _number(value) -> float | None:
         return float(value)
     except (TypeError, ValueError):
         return None
-
-
-def metric_columns(result: dict) -> list[tuple[str, str]]:
-    """``(task, metric)`` pairs of an :func:`evaluate_budgets` result, in first-seen order."""
-    columns: dict[tuple[str, str], None] = {}
-    for row in result["budgets"]:
-        for task, metrics in row["results"].items():
-            columns.update(dict.fromkeys((task, m) for m in metrics))
-    return list(columns)
-
-
-def quality_series(result: dict) -> dict[str, list[tuple[float, float | None, str]]]:
-    """Per ``"task metric"`` of an :func:`evaluate_budgets` result, one ``(×FLOPs, value, "k=..")``
-    point per budget, in budget order (for the quality-vs-cost plot and tables)."""
-    return {f"{task} {metric}": [(row["cost"]["relative_flops"],
-                                  row["results"].get(task, {}).get(metric, {}).get("value"), f"k={row['budget']}")
-                                 for row in result["budgets"]]
-            for task, metric in metric_columns(result)}
-
-
-def markdown_table(result: dict) -> str:
-    """The result of :func:`evaluate_budgets` as a markdown table: one row per budget, its cost,
-    then one column per task and metric (value ± stderr; ↑/↓: higher/lower is better). KV/token
-    is the cost model's for the KV policy the generation tasks ran with."""
-    columns = metric_columns(result)
-    better = result.get("higher_is_better", {})
-
-    def arrow(task: str, metric: str) -> str:
-        flag = better.get(task, {}).get(metric.split(",")[0])
-        return "" if flag is None else (" ↑" if flag else " ↓")
-
-    header = ["budget", "layers", "×FLOPs", f"KV/tok {result['kv']}", *(f"{t} {m}{arrow(t, m)}" for t, m in columns), "seconds"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
-    for row in result["budgets"]:
-        cost = row["cost"]
-        kv_bytes = cost["kv_bytes_per_token_last_loop" if result["kv"] == "last-loop" else "kv_bytes_per_token"]
-        cells = [str(row["budget"]), str(cost["layer_executions"]), f"{cost['relative_flops']:.3f}", f"{kv_bytes:,.0f} B"]
-        for task, metric in columns:
-            entry = row["results"].get(task, {}).get(metric)
-            if entry is None or entry["value"] is None:
-                cells.append("")
-            else:
-                cells.append(f"{entry['value']:.4g}" + (f" ± {entry['stderr']:.2g}" if entry["stderr"] is not None else ""))
-        cells.append(f"{row['seconds']:.1f}")
-        lines.append("| " + " | ".join(cells) + " |")
-    title = (f"lm-eval {result['lm_eval_version']} · {result.get('model') or 'model'} · tasks {', '.join(result['tasks'])}"
-             f" · limit {result['limit']} · kv {result['kv']}")
-    return f"{title}\n\n" + "\n".join(lines) + "\n"
 
 
 if __name__ != "__main__":  # under python -m, main() imports this module, which registers the class once

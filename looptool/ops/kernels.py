@@ -11,7 +11,7 @@ Numerics: every kernel loads its inputs in their storage dtype, computes in fp32
 in the output dtype. Elementwise kernels therefore equal the fp32 reference to a few ulp,
 and in bf16/fp16 they are *more* precise than the reference (which rounds after each op).
 Why hand-written: torch.compile would generate equivalent elementwise code, but not a
-plugin for TensorRT, and no kept library has a routed MoE grouped GEMM that takes our
+plugin for TensorRT, and no kept library has a routed MoE grouped GEMM that takes looptool's
 ``[E, 2I, d]`` / ``[E, d, I]`` weights in place and runs under Triton's interpreter.
 
 Import cost: this module imports ``triton``; :mod:`looptool.ops.fused` imports it lazily,

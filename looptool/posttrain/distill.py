@@ -63,11 +63,11 @@ class DistillConfig:
         """Refuse settings that cannot work, one sentence each."""
         for name in ("steps", "prompts", "rollouts", "max_new_tokens"):
             if getattr(self, name) < 1:
-                raise DistillError(f"--{name.replace('_', '-')} must be at least 1.")
+                raise DistillError(f"{name} must be at least 1.", parameter=name)
         if not self.teachers:
-            raise DistillError("distillation needs at least one --teacher DOMAIN=PATH.")
+            raise DistillError("distillation needs at least one teacher: teachers={DOMAIN: PATH}.", parameter="teachers")
         if self.temperature <= 0:
-            raise DistillError("--temperature must be positive: the student samples its rollouts.")
+            raise DistillError("temperature must be positive: the student samples its rollouts.", parameter="temperature")
 
 
 def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -91,9 +91,9 @@ def parse_teachers(specs: list[str]) -> dict[str, str]:
     for spec in specs:
         domain, sep, path = spec.partition("=")
         if not sep or not domain or not path:
-            raise DistillError(f"--teacher {spec!r} is not DOMAIN=PATH.")
+            raise DistillError(f"teacher spec {spec!r} is not DOMAIN=PATH.", parameter="teachers")
         if domain in out:
-            raise DistillError(f"--teacher gives domain {domain!r} twice.")
+            raise DistillError(f"the teacher specs give domain {domain!r} twice.", parameter="teachers")
         out[domain] = path
     return out
 
@@ -121,8 +121,8 @@ class Distiller(PostTrainingRun):
         self.records = read_prompts(config.data)
         for number, record in enumerate(self.records, 1):
             if record.get("domain") not in self.teachers:
-                raise DistillError(f"prompt {number} has domain {record.get('domain')!r}, which no --teacher covers "
-                                   f"(teachers: {', '.join(sorted(self.teachers))}).")
+                raise DistillError(f"prompt {number} has domain {record.get('domain')!r}, which no teacher covers "
+                                   f"(teachers: {', '.join(sorted(self.teachers))}).", parameter="teachers")
         self.prompts = [encode_prompt(self.tokenizer, r, config.chat) for r in self.records]
         self._begin()
 

@@ -27,13 +27,10 @@ facts that live only in :mod:`looptool.capture`):
 
 A parameter's kind is the role (:func:`looptool.core.graph.annotation`) of the graph nodes that
 read it: embedding/head → ``embed_head``, attention → ``attention``, MLP/MoE → ``mlp``,
-router → ``router``, final norm → ``norm``. Capture gives a norm inside a layer the role of
-the branch it belongs to (a pre-norm is part of the attention or MLP branch, and post- and
-q/k-norms are not marked at all), so a parameter is a ``norm`` parameter when every node
-reading it is a normalisation op (layer/RMS norm weight or bias) or a pointwise op whose
-other operand comes, through pointwise ops and casts inside the same layer and role, from
-a normalisation op (``rsqrt``, ``layer_norm``, ``rms_norm``: capture's own list). A tensor
-read by several branches takes the first of ``embed_head``, ``router``, ``attention``,
+router → ``router``, final norm → ``norm``. A norm inside a layer has the role of the branch
+it belongs to, so a parameter is a ``norm`` parameter when capture marked it as one (the
+``NORM_PARAM_KEY`` annotation of its ``get_attr`` nodes, :mod:`looptool.capture.norms`:
+every use is a normalisation's scale or shift). A tensor read by several branches takes the first of ``embed_head``, ``router``, ``attention``,
 ``mlp``; its block is the earliest block that reads it (tied embeddings are ``input``).
 ``loop.*`` parameters are recognised by their namespace (:attr:`LayerGraph.new_params`).
 
@@ -61,7 +58,6 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from looptool.capture import CAST_TARGETS, NORM_TARGETS
 from looptool.core.errors import LooptoolError
 from looptool.core.graph import (
     ROLE_ATTENTION,
@@ -73,6 +69,7 @@ from looptool.core.graph import (
     ROLE_MOE,
     ROLE_PROLOGUE,
     ROLE_ROUTER,
+    NORM_PARAM_KEY,
     annotation,
 )
 from looptool.runtime.model import LoopedModel
@@ -123,7 +120,7 @@ def parameter_groups(model: LoopedModel) -> dict[str, str]:
         if node.op == "get_attr" and node.target in all_names:
             attrs[by_id[id(all_names[node.target])]].append(node)
     added = {n for n, _ in model.new_parameters()} | {p.name for p in lg.new_params}  # the passes' loop.* namespace
-    start, stop = looped_range(model)
+    looped = looped_range(model)
     groups: dict[str, str] = {}
     for name in named:
         if name in added:
@@ -135,18 +132,16 @@ def parameter_groups(model: LoopedModel) -> dict[str, str]:
                 f"parameter '{name}' is read by no node of the captured graph, so it belongs to no "
                 "parameter group; this model cannot be merged by groups."
             )
-        kind = "norm" if _is_norm_parameter(attrs[name]) else _kind_of(name, nodes)
-        groups[name] = f"{_block_of(nodes, start, stop)}.{kind}"
+        kind = "norm" if all(annotation(a).get(NORM_PARAM_KEY) for a in attrs[name]) else _kind_of(name, nodes)
+        groups[name] = f"{_block_of(nodes, *looped)}.{kind}"
     return groups
 
 
 def looped_range(model: LoopedModel) -> tuple[int, int]:
-    """``(start, stop)`` of the looped layers: the prefix window or the recurrent block."""
-    plan = model.plan
-    span = plan.window if plan.kind == "prefix" else getattr(plan, "recurrent", None)
-    if span is None:
-        raise MergeError(f"plans of kind {plan.kind!r} have no looped block that merge knows; use a prefix or recurrent plan.")
-    return tuple(span)
+    """``(start, stop)`` of the looped layers (the plan's :meth:`looped_layers`: the prefix
+    window or the recurrent block)."""
+    looped = model.plan.looped_layers()
+    return looped.start, looped.stop
 
 
 def group_sizes(model: LoopedModel) -> list[tuple[str, str, int, int]]:
@@ -185,59 +180,6 @@ def _block_of(nodes: list[fx.Node], start: int, stop: int) -> str:
         else:
             blocks.add("input" if layer < start else "looped" if layer < stop else "output")
     return next(b for b in BLOCKS if b in blocks)
-
-
-def _pointwise(node: fx.Node) -> bool:
-    target = node.target
-    return node.op == "call_function" and (
-        target in CAST_TARGETS or torch.Tag.pointwise in getattr(target, "tags", ())
-    )
-
-
-def _is_norm_parameter(attrs: list[fx.Node]) -> bool:
-    """True when every use of the parameter (read by the ``get_attr`` nodes ``attrs``) is a
-    normalisation's scale or shift (see the module docstring). Pointwise preprocessing of
-    the parameter alone (``1 + w``, casts) is followed to its consumers first."""
-    derived = set(attrs)  # nodes computed from the parameter (and constants) only
-    consumers: list[fx.Node] = []
-    todo = [u for a in attrs for u in a.users]
-    while todo:
-        node = todo.pop()
-        if node in derived or node in consumers or not node.users:
-            continue  # a node nothing reads (export's tensor-metadata asserts) computes nothing
-        if _pointwise(node) and all(i in derived or i.op == "get_attr" for i in node.all_input_nodes):
-            derived.add(node)
-            todo.extend(node.users)
-        else:
-            consumers.append(node)
-    if not consumers:
-        return False
-    for node in consumers:
-        if node.target in NORM_TARGETS:
-            continue  # layer_norm / rms_norm reading it as its weight or bias
-        if not _pointwise(node):
-            return False
-        others = [i for i in node.all_input_nodes if i not in derived and i.op != "get_attr"]
-        if not any(_from_norm(i, annotation(node)) for i in others):
-            return False
-    return True
-
-
-def _from_norm(node: fx.Node, ann: dict) -> bool:
-    """True if ``node`` is computed from a normalisation op through pointwise ops and casts
-    without leaving the (layer, role) of ``ann``."""
-    key = (ann.get("layer"), ann.get("role"))
-    todo, seen = [node], set()
-    while todo:
-        cur = todo.pop()
-        if cur in seen or (annotation(cur).get("layer"), annotation(cur).get("role")) != key:
-            continue
-        seen.add(cur)
-        if cur.target in NORM_TARGETS:
-            return True
-        if _pointwise(cur):
-            todo.extend(cur.all_input_nodes)
-    return False
 
 
 def _split_group(group: str | None) -> tuple[str | None, str | None]:
@@ -281,14 +223,15 @@ class LambdaSpec:
 
 
 def parse_lambdas(specs: Sequence[str], n_experts: int) -> tuple[LambdaSpec, ...]:
-    """Parse ``--lambda`` specs (``VALUE``, ``GROUP=VALUE``, ``EXPERT:GROUP=VALUE``,
+    """Parse lambda specs (``VALUE``, ``GROUP=VALUE``, ``EXPERT:GROUP=VALUE``,
     ``EXPERT:VALUE``) for ``n_experts`` experts; refuses an empty list, malformed specs,
     unknown groups and expert indices out of range, each in one sentence."""
     if isinstance(specs, str):
         specs = [specs]
     if not specs:
         raise MergeError(
-            "give at least one lambda spec (e.g. --lambda 0.5 or --lambda looped=1); groups no spec matches keep the base weights."
+            "give at least one lambda spec (e.g. lambdas=0.5 or lambdas=['looped=1']); groups no spec matches keep the "
+            "base weights.", parameter="lambdas"
         )
     out = []
     for text in map(str, specs):
@@ -481,6 +424,22 @@ def merge_config(base: LoopedModel, specs: Sequence[LambdaSpec], *, base_path: s
         "lambda_by_group": {group: [resolve_lambda(specs, group, j) for j in range(n)]
                             for family, group, _, _ in group_sizes(base) if family == "block.kind"},
     }
+
+
+def merge_counts(base: LoopedModel, lambdas, n_experts: int) -> tuple[int, int]:
+    """``(merged, total)`` tensors of a merge into ``base``: those some expert's lambda changes, of all."""
+    specs, groups = _as_specs(lambdas, n_experts), parameter_groups(base)
+    return sum(1 for g in groups.values() if any(resolve_lambda(specs, g, j) for j in range(n_experts))), len(groups)
+
+
+def save_merge(merged: LoopedModel, directory, config: dict, *, overwrite: bool = False) -> None:
+    """Save ``merged`` with its :func:`merge_config` as :data:`MERGE_CONFIG` beside it, atomically."""
+    import json
+
+    from looptool.storage.files import prepare_output_dir
+    from looptool.storage.save import commit_model
+
+    commit_model(merged, *prepare_output_dir(directory, overwrite), files={MERGE_CONFIG: json.dumps(config, indent=2)})
 
 
 def read_merge_config(directory) -> tuple[dict, tuple[LambdaSpec, ...]]:

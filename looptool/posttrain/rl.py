@@ -83,16 +83,18 @@ class RLConfig:
         """Refuse settings that cannot work, one sentence each."""
         for name in ("steps", "prompts", "max_new_tokens"):
             if getattr(self, name) < 1:
-                raise RLError(f"--{name.replace('_', '-')} must be at least 1.")
+                raise RLError(f"{name} must be at least 1.", parameter=name)
         if self.rollouts < 2:
-            raise RLError("--rollouts must be at least 2: the leave-one-out baseline needs another rollout of the prompt.")
+            raise RLError("rollouts must be at least 2: the leave-one-out baseline needs another rollout of the prompt.",
+                          parameter="rollouts")
         lo, hi = self.is_clip
         if not 0 < lo <= 1 <= hi:
-            raise RLError(f"--is-clip {lo},{hi} must satisfy 0 < low ≤ 1 ≤ high.")
+            raise RLError(f"is_clip ({lo}, {hi}) must satisfy 0 < low ≤ 1 ≤ high.", parameter="is_clip")
         if self.max_mismatch < 1:
-            raise RLError("--max-mismatch is a ratio ≥ 1 (2: mask rollouts off by more than 2x on average).")
+            raise RLError("max_mismatch is a ratio ≥ 1 (2: mask rollouts off by more than 2x on average).",
+                          parameter="max_mismatch")
         if self.temperature <= 0:
-            raise RLError("--temperature must be positive: GRPO samples its rollouts.")
+            raise RLError("temperature must be positive: GRPO samples its rollouts.", parameter="temperature")
         if self.lr <= 0 or (self.new_lr is not None and self.new_lr <= 0):
             raise RLError("learning rates must be positive.")
 
@@ -149,7 +151,8 @@ class GRPO(PostTrainingRun):
             self.model.check_budget(k)
         self.ratio = list(config.ratio) if config.ratio else [4.0] + [1.0] * (len(self.menu) - 1)
         if len(self.ratio) != len(self.menu):
-            raise RLError(f"--ratio has {len(self.ratio)} weights for the {len(self.menu)} budgets {list(self.menu)}.")
+            raise RLError(f"ratio has {len(self.ratio)} weights for the {len(self.menu)} budgets {list(self.menu)}.",
+                          parameter="ratio")
         self.reward_fn = load_reward(config.reward)
         self.records = read_prompts(config.data)
         self.prompts = [encode_prompt(self.tokenizer, r, config.chat) for r in self.records]

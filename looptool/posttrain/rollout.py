@@ -78,7 +78,8 @@ def encode_prompt(tokenizer, record: dict, chat: bool) -> list[int]:
         messages = [{"role": "user", "content": record["prompt"]}]
     if messages is not None:
         if getattr(tokenizer, "chat_template", None) is None:
-            raise DataError("chat prompts need a tokenizer with a chat template; this one has none (drop --chat).")
+            raise DataError("chat prompts need a tokenizer with a chat template; this one has none (set chat=False).",
+                            parameter="chat")
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False).input_ids
     else:
@@ -110,7 +111,7 @@ def sample(model: LoopedModel, tokenizer, prompts: Sequence[list[int]], *, budge
            temperature: float, seed: int, kv: str = "per-loop") -> Rollouts:
     """``n`` rollouts of every prompt at ``budget`` (temperature sampling, cached decode)."""
     if temperature <= 0:
-        raise DataError("rollouts are sampled: --temperature must be positive.")
+        raise DataError("rollouts are sampled: temperature must be positive.", parameter="temperature")
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
     rows = [p for p in prompts for _ in range(n)]
@@ -193,7 +194,8 @@ class PostTrainingRun:
         self.model = load(self.output if self.resuming else model_dir, device=str(self.device))
         self.tokenizer = tokenizer or self.model.tokenizer
         if self.tokenizer is None:
-            raise LooptoolError(f"the model in '{model_dir}' has no tokenizer; pass --tokenizer PATH.")
+            raise LooptoolError(f"the model in '{model_dir}' has no tokenizer; pass one as tokenizer (a Hugging Face "
+                                "tokenizer).", parameter="tokenizer")
 
     def _begin(self) -> None:
         """Create the optimizer; when resuming, restore the checkpoint's optimizer state, RNG

@@ -28,7 +28,7 @@ from transformers import (
 
 from looptool.capture import build_skeleton, capture
 from looptool.core.errors import LooptoolError
-from looptool.core.graph import annotation, dtype_from_str, shared_graph_module
+from looptool.core.graph import LayerGraph, annotation, dtype_from_str, shared_graph_module
 from looptool.passes import PassManager
 from looptool.passes.kv_cache import KV_POLICIES
 
@@ -87,32 +87,43 @@ def repeats_layers(model: LoopedModel) -> bool:
 def check_policy(model: LoopedModel, kv: str) -> str:
     """Validate a KV cache policy for ``model``."""
     if kv not in KV_POLICIES:
-        raise LooptoolError(f"unknown KV cache policy {kv!r}; use one of {list(KV_POLICIES)}.")
+        raise LooptoolError(f"unknown KV cache policy {kv!r}; use one of {list(KV_POLICIES)}.", parameter="kv")
     if kv == "last-loop":
         if not repeats_layers(model):
             raise LooptoolError(
-                f"--kv last-loop shares one cache slot between repeated attention executions, but no budget "
-                f"of this model ({list(model.budgets)}) repeats a layer; use --kv per-loop."
+                f"kv 'last-loop' shares one cache slot between repeated attention executions, but no budget "
+                f"of this model ({list(model.budgets)}) repeats a layer; use kv='per-loop'.", parameter="kv"
             )
     return kv
 
 
-def cached_paths(model: LoopedModel, kv: str = "per-loop") -> dict[int, CachedPath]:
-    """The cached budget paths of ``model`` under KV policy ``kv`` (built once per model
-    and policy: a ``meta`` capture of the decode step, the model's recipe replayed, the
-    ``kv_cache`` pass, the head cut to the last position by the ``last_position`` pass,
-    bound to the model's own tensors). Each returns ``logits [batch, 1, vocab]``."""
+def cached_layer_graph(model: LoopedModel, kv: str = "per-loop") -> LayerGraph:
+    """The decode-step LayerGraph of ``model`` under KV policy ``kv``, whose budget paths are
+    the cached paths before binding (built once per model and policy, every rewrite a pass
+    run by the PassManager: a ``meta`` capture of the decode step, the model's recipe
+    replayed, ``kv_cache``, ``last_position`` and ``retarget_device``); later rewrites of
+    the cached paths (the serving graph's ``fuse``) start from it."""
     kv = check_policy(model, kv)
     store = model.derived.setdefault("cached_paths", {})
-    if kv not in store:
+    if ("layer_graph", kv) not in store:
         if "decode" not in store:  # the captured decode step with the recipe replayed, shared by the policies
             lg = model.layer_graph
             skeleton = build_skeleton(lg.config, dtype_from_str(lg.source.dtype), lg.source.attn_implementation)
             store["decode"] = PassManager(model.recipe)(capture(skeleton, decode=True))
         param = next(model.parameters())
         steps = [("kv_cache", {"policy": kv}), ("last_position", {}), ("retarget_device", {"to": str(param.device)})]
-        decode = PassManager(steps)(store["decode"])
-        store[kv] = {b: _bind(model, g) for b, g in decode.paths.items()}
+        store[("layer_graph", kv)] = PassManager(steps)(store["decode"])
+    return store[("layer_graph", kv)]
+
+
+def cached_paths(model: LoopedModel, kv: str = "per-loop") -> dict[int, CachedPath]:
+    """The cached budget paths of ``model`` under KV policy ``kv``: the paths of
+    :func:`cached_layer_graph` bound to the model's own tensors (built once per model and
+    policy). Each returns ``logits [batch, 1, vocab]``."""
+    kv = check_policy(model, kv)
+    store = model.derived.setdefault("cached_paths", {})
+    if kv not in store:
+        store[kv] = {b: _bind(model, g) for b, g in cached_layer_graph(model, kv).paths.items()}
     return store[kv]
 
 

@@ -29,13 +29,12 @@ from looptool.core.graph import (
     LayerGraph,
     NewParam,
     annotation,
-    copy_graph,
     dtype_from_str,
     shared_graph_module,
 )
 from looptool.passes import PassManager
-from looptool.passes.checkpoint import bind_regions, checkpoint_regions
-from looptool.passes.recurrent_loop import with_exit_outputs
+from looptool.passes.checkpoint import bind_regions
+from looptool.passes.router_outputs import router_logit_nodes
 from looptool.core.plan import BudgetCost, LoopPlan, ModelDims, cost_table
 from looptool.runtime.generation import generate
 from looptool.storage.save import save
@@ -109,21 +108,22 @@ class LoopedModel(nn.Module):
         With ``router_logits=True`` the path also returns every MoE router evaluation's
         logits (after the LM logits), in execution order, for a load-balancing loss. With
         ``exits=True`` (ELR only) it returns the logits at loop exits ``1..k-1`` right after
-        the LM logits (see :func:`looptool.passes.recurrent_loop.with_exit_outputs`).
+        the LM logits (see :func:`looptool.passes.recurrent_loop.with_exit_outputs`). Each is
+        a pass (``router_outputs``, ``checkpoint``, ``exit_outputs``) run by the PassManager on
+        this budget's path alone.
         """
         budget = self.check_budget(budget)
-        if exits and self.plan.kind != "recurrent":
+        if exits and not self.plan.has_loop_exits:
             raise LooptoolError(f"intermediate loop exits exist only in ELR models; this one is {self.plan.kind}.")
         key = (budget, router_logits, exits, self.activation_checkpointing, self.shard_layers)
         if key not in self._paths:
-            graph = self.layer_graph.paths[budget]
-            if router_logits:
-                graph = _with_router_outputs(graph)
+            steps: list[tuple[str, dict]] = [("router_outputs", {})] if router_logits else []
             if self.activation_checkpointing or self.shard_layers:
-                layers_path = self.layer_graph.source.layers_path if self.shard_layers else None
-                graph = checkpoint_regions(graph, checkpoint=self.activation_checkpointing, layers_path=layers_path)
+                steps.append(("checkpoint", {"checkpoint": self.activation_checkpointing, "shard_layers": self.shard_layers}))
             if exits:
-                graph = with_exit_outputs(graph)
+                steps.append(("exit_outputs", {}))
+            lg = self.layer_graph.replace(paths={budget: self.layer_graph.paths[budget]})
+            graph = (PassManager(steps)(lg) if steps else lg).paths[budget]
             gm = bind_regions(shared_graph_module(self, graph), self)
             self._paths[key] = gm if self.compile_options is None else _Compiled(gm, self.compile_options, budget)
         return self._paths[key]
@@ -214,7 +214,7 @@ class LoopedModel(nn.Module):
             replayed = set(range(*plan.recurrent))
         return tuple(
             budget if annotation(n).get("layer") in replayed else 1
-            for n in _router_logit_nodes(self.layer_graph.paths[budget])
+            for n in router_logit_nodes(self.layer_graph.paths[budget])
         )
 
     def check_budget(self, budget: int | None) -> int:
@@ -231,6 +231,12 @@ class LoopedModel(nn.Module):
     def no_decay_parameter_names(self) -> set[str]:
         """Names of parameters that take no weight decay (tagged by the passes)."""
         return {p.name for p in self.layer_graph.new_params if p.no_decay}
+
+    def gate_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The new parameters the passes declared as gates (``NewParam.gate``: prefix-loop
+        gates, the ELR exit gate), found by that declaration, not by name."""
+        params = dict(self.named_parameters())
+        return [(spec.name, params[spec.name]) for spec in self.layer_graph.new_params if spec.gate]
 
     def new_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The parameters the passes added (``loop.*``)."""
@@ -388,18 +394,6 @@ class _Compiled:
             out = self.fn(*args)
         self.checked = True
         return out
-
-
-def _router_logit_nodes(graph: fx.Graph) -> list[fx.Node]:
-    return [n for n in graph.nodes if annotation(n).get("router_logits")]
-
-
-def _with_router_outputs(graph: fx.Graph) -> fx.Graph:
-    """A copy of ``graph`` that returns ``(logits, *router_logits)``."""
-    new = copy_graph(graph)
-    output = next(n for n in new.nodes if n.op == "output")
-    output.args = ((output.args[0], *_router_logit_nodes(new)),)
-    return new
 
 
 def _build_new_params(specs: tuple[NewParam, ...], dtype: torch.dtype, device: torch.device) -> nn.Module:

@@ -20,9 +20,11 @@ def check_output_dir(directory: str | os.PathLike, overwrite: bool) -> Path:
     run this before slow work so a bad target fails fast."""
     final = Path(directory)
     if final.exists() and not overwrite:
-        raise LooptoolError(f"output directory '{final}' already exists; pass --overwrite (overwrite=True) to replace it.")
+        raise LooptoolError(f"output directory '{final}' already exists; pass overwrite=True to replace it.",
+                            parameter="overwrite")
     if final.exists() and not final.is_dir():
-        raise LooptoolError(f"output path '{final}' exists and is not a directory; choose another path.")
+        raise LooptoolError(f"output path '{final}' exists and is not a directory; choose another path.",
+                            parameter="directory")
     return final
 
 

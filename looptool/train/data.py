@@ -97,11 +97,13 @@ def read_documents(path: Path) -> list[str]:
 def read_completions(path: Path) -> list[tuple[str, str]]:
     """``(prompt, completion)`` of every line of a JSONL file."""
     if path.suffix.lower() not in JSONL_SUFFIXES:
-        raise DataError(f"'{path}' is not a .jsonl file; --format completion reads JSONL lines with 'prompt' and 'completion'.")
+        raise DataError(f"'{path}' is not a .jsonl file; format 'completion' reads JSONL lines with 'prompt' and "
+                        "'completion'.", parameter="format")
     pairs = []
     for number, record in _jsonl_records(path, _read_text(path)):
         if not (isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str)):
-            raise DataError(f"'{path}' line {number} needs string 'prompt' and 'completion' fields (--format completion).")
+            raise DataError(f"'{path}' line {number} needs string 'prompt' and 'completion' fields (format 'completion').",
+                            parameter="format")
         if not record["completion"]:
             raise DataError(f"'{path}' line {number} has an empty completion; there would be nothing to learn from it.")
         pairs.append((record["prompt"], record["completion"]))
@@ -123,7 +125,7 @@ def _check_messages(messages: object, origin: str) -> list[dict]:
             isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages)):
         raise DataError(f"{origin} needs a 'messages' list of objects with string 'role' and 'content' fields "
-                        "(--format chat).")
+                        "(format 'chat').", parameter="format")
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{origin} has no assistant message; there would be nothing to learn from it.")
     return [dict(m) for m in messages]
@@ -132,7 +134,8 @@ def _check_messages(messages: object, origin: str) -> list[dict]:
 def read_conversations(path: Path) -> list[Conversation]:
     """The conversation of every line of a JSONL file (its ``messages``; other fields are ignored)."""
     if path.suffix.lower() not in JSONL_SUFFIXES:
-        raise DataError(f"'{path}' is not a .jsonl file; --format chat reads JSONL lines with a 'messages' list.")
+        raise DataError(f"'{path}' is not a .jsonl file; format 'chat' reads JSONL lines with a 'messages' list.",
+                        parameter="format")
     conversations = []
     for number, record in _jsonl_records(path, _read_text(path)):
         origin = f"'{path}' line {number}"
@@ -160,7 +163,8 @@ def split_files(files: Sequence[Path], val_fraction: float, seed: int) -> tuple[
 def tokenize_files(files: Iterable[Path], tokenizer) -> torch.Tensor:
     """All documents of ``files`` tokenised and joined with EOS, as one 1-D LongTensor."""
     if tokenizer is None:
-        raise DataError("this model has no tokenizer; pass --tokenizer PATH (a Hugging Face tokenizer folder).")
+        raise DataError("this model has no tokenizer; pass one as tokenizer (a Hugging Face tokenizer, e.g. "
+                        "AutoTokenizer.from_pretrained(folder)).", parameter="tokenizer")
     eos = tokenizer.eos_token_id
     ids: list[int] = []
     for path in files:
@@ -204,11 +208,11 @@ class PackedTokens(_SeededRows):
 
     def __post_init__(self):
         if self.seq_len < 2:
-            raise DataError(f"--seq-len {self.seq_len} is too short; use at least 2.")
+            raise DataError(f"seq_len {self.seq_len} is too short; use at least 2.", parameter="seq_len")
         if len(self) == 0:
             raise DataError(
                 f"the data holds {self.tokens.numel()} tokens, fewer than one sequence of "
-                f"{self.seq_len}; add text or lower --seq-len."
+                f"{self.seq_len}; add text or lower seq_len.", parameter="seq_len"
             )
 
     def __len__(self) -> int:
@@ -252,8 +256,8 @@ class _LabeledRows(_SeededRows):
         self.labels = torch.full((len(examples), seq_len), IGNORE, dtype=torch.long)
         for row, ((ids, labels), name) in enumerate(zip(examples, names, strict=True)):
             if len(ids) > seq_len:
-                raise DataError(f"{name} has {len(ids)} tokens, more than --seq-len {seq_len}; raise --seq-len or "
-                                "shorten it.")
+                raise DataError(f"{name} has {len(ids)} tokens, more than seq_len {seq_len}; raise seq_len or "
+                                "shorten it.", parameter="seq_len")
             self.ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
             self.labels[row, :len(labels)] = torch.tensor(labels, dtype=torch.long)
 
@@ -272,7 +276,8 @@ class CompletionExamples(_LabeledRows):
 
     def __init__(self, pairs: Sequence[tuple[str, str]], tokenizer, seq_len: int, source: str = "the data"):
         if tokenizer is None:
-            raise DataError("this model has no tokenizer; pass --tokenizer PATH (a Hugging Face tokenizer folder).")
+            raise DataError("this model has no tokenizer; pass one as tokenizer (a Hugging Face tokenizer, e.g. "
+                            "AutoTokenizer.from_pretrained(folder)).", parameter="tokenizer")
         if not pairs:
             raise DataError(f"{source} holds no prompt/completion examples.")
         eos = tokenizer.eos_token_id
@@ -309,13 +314,15 @@ class ChatExamples(_LabeledRows):
     def __init__(self, conversations: Sequence[Conversation | Sequence[Mapping]], tokenizer, seq_len: int,
                  source: str = "the data"):
         if tokenizer is None:
-            raise DataError("this model has no tokenizer; pass --tokenizer PATH (a Hugging Face tokenizer folder).")
+            raise DataError("this model has no tokenizer; pass one as tokenizer (a Hugging Face tokenizer, e.g. "
+                            "AutoTokenizer.from_pretrained(folder)).", parameter="tokenizer")
         if not getattr(tokenizer, "chat_template", None):
-            raise DataError("this tokenizer has no chat template; pass --tokenizer PATH with a tokenizer that has "
-                            "one, or use --format completion.")
+            raise DataError("this tokenizer has no chat template; pass a tokenizer that has one as tokenizer, or use "
+                            "format='completion'.", parameter="tokenizer")
         if not getattr(tokenizer, "is_fast", False):
-            raise DataError("--format chat needs a fast tokenizer (one with token offsets) to find the assistant "
-                            "tokens; pass --tokenizer PATH with a tokenizer.json.")
+            raise DataError("format 'chat' needs a fast tokenizer (one with token offsets) to find the assistant "
+                            "tokens; pass a fast tokenizer (one with a tokenizer.json) as tokenizer.",
+                            parameter="tokenizer")
         if not conversations:
             raise DataError(f"{source} holds no conversations.")
         examples, names = [], []
@@ -337,7 +344,7 @@ def _render_chat(tokenizer, messages: list[dict], origin: str, add_generation_pr
         return tokenizer.apply_chat_template([messages], tokenize=False, add_generation_prompt=add_generation_prompt)[0]
     except TemplateError as exc:
         raise DataError(f"the chat template cannot render {origin} ({exc}); fix that conversation or use "
-                        "--format completion.") from None
+                        "format='completion'.", parameter="format") from None
 
 
 def _chat_tokens(conversation: Conversation, tokenizer) -> tuple[list[int], list[int]]:
@@ -354,7 +361,7 @@ def _chat_tokens(conversation: Conversation, tokenizer) -> tuple[list[int], list
         if not (text.startswith(before) and text.startswith(through)):
             raise DataError(f"the chat template does not render {origin} turn by turn (the text before message "
                             f"{i + 1} is not a prefix of the whole conversation), so its assistant tokens cannot "
-                            "be found; use --format completion.")
+                            "be found; use format='completion'.", parameter="format")
         spans.append((len(before), len(through)))
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc.input_ids)
@@ -374,7 +381,7 @@ FORMATS = ("text", "completion", "chat")
 def training_rows(specs, tokenizer, seq_len: int, format: str = "text") -> PackedTokens | CompletionExamples | ChatExamples:
     """The rows a run trains on, in any of the :data:`FORMATS`."""
     if format not in FORMATS:
-        raise DataError(f"--format {format!r} is unknown; use {', '.join(FORMATS)}.")
+        raise DataError(f"format {format!r} is unknown; use {', '.join(FORMATS)}.", parameter="format")
     files = find_files(specs)
     if format == "text":
         return PackedTokens(tokenize_files(files, tokenizer), seq_len)

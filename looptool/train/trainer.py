@@ -97,25 +97,32 @@ class TrainConfig:
             raise TrainingError("tokens and steps both set the length of the run; give one of them.")
         for name in ("tokens", "steps", "seq_len", "batch", "grad_accum"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise TrainingError(f"--{name.replace('_', '-')} must be at least 1.")
+                raise TrainingError(f"{name} must be at least 1.", parameter=name)
         if self.save_every < 0:
-            raise TrainingError("save_every must be at least 0 (0: checkpoint only at the end).")
+            raise TrainingError("save_every must be at least 0 (0: checkpoint only at the end).", parameter="save_every")
         if self.lr <= 0 or (self.new_lr is not None and self.new_lr <= 0):
             raise TrainingError("learning rates must be positive.")
-        if not 0 <= self.override <= 1 or not 0 <= self.delay < 1 or not 0 <= self.warmup < 1:
-            raise TrainingError("--override must be in [0, 1], --delay and --warmup in [0, 1).")
+        if not 0 <= self.override <= 1:
+            raise TrainingError(f"override {self.override} must be in [0, 1].", parameter="override")
+        for name in ("delay", "warmup"):
+            if not 0 <= getattr(self, name) < 1:
+                raise TrainingError(f"{name} {getattr(self, name)} must be in [0, 1).", parameter=name)
         if self.strategy not in STRATEGIES:
-            raise TrainingError(f"--strategy {self.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}.")
-        if not 0 <= self.depth_curriculum <= 1 or not 0 <= self.gate_floor_until <= 1:
-            raise TrainingError("--depth-curriculum and --gate-floor-until are fractions of the run, in [0, 1].")
+            raise TrainingError(f"strategy {self.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}.",
+                                parameter="strategy")
+        for name in ("depth_curriculum", "gate_floor_until"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise TrainingError(f"{name} {getattr(self, name)} is a fraction of the run, in [0, 1].", parameter=name)
         if self.exit_loss < 0:
-            raise TrainingError("--exit-loss is a non-negative weight (0: off).")
+            raise TrainingError("exit_loss is a non-negative weight (0: off).", parameter="exit_loss")
         if self.gate_floor < 0:
-            raise TrainingError("--gate-floor must be non-negative (0: off); gates start at 0 (exact conversion).")
+            raise TrainingError("gate_floor must be non-negative (0: off); gates start at 0 (exact conversion).",
+                                parameter="gate_floor")
         if self.format not in FORMATS:
-            raise TrainingError(f"--format {self.format!r} is unknown; use {', '.join(FORMATS)}.")
+            raise TrainingError(f"format {self.format!r} is unknown; use {', '.join(FORMATS)}.", parameter="format")
         if self.schedule not in SCHEDULES:
-            raise TrainingError(f"--schedule {self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}.")
+            raise TrainingError(f"schedule {self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}.",
+                                parameter="schedule")
         find_files(self.data)  # a missing data path fails here, before the model loads
 
 
@@ -187,12 +194,13 @@ class Trainer:
         self.on_step = on_step
         self.rank, self.world = _init_distributed()
         if config.strategy == "fsdp" and self.world == 1:
-            raise TrainingError("--strategy fsdp shards the model across processes; launch with "
-                                "torchrun --nproc-per-node N (N ≥ 2), or drop --strategy fsdp.")
+            raise TrainingError("strategy 'fsdp' shards the model across processes; launch with torchrun with "
+                                "N ≥ 2 processes per node, or use strategy='ddp'.", parameter="strategy")
         self.fsdp = config.strategy == "fsdp"
         resuming = config.resume and has_checkpoint(self.output)
         if not config.resume and self.output.exists():
-            raise TrainingError(f"output directory '{self.output}' exists; add --resume to continue it or choose another.")
+            raise TrainingError(f"output directory '{self.output}' exists; pass resume=True to continue it or choose "
+                                "another.", parameter="resume")
         if self.world > 1:  # every rank has checked the output before rank 0 creates it
             dist.barrier()
         source = self.output if resuming else self.model_dir
@@ -209,11 +217,11 @@ class Trainer:
         if dtype == torch.float16:
             raise TrainingError(
                 "training float16 weights needs loss scaling, which looptool does not do; convert the source "
-                "with --dtype bfloat16 or float32 (and add --bf16 for bf16 autocast)."
+                "with dtype=torch.bfloat16 or torch.float32 (and set bf16=True for bf16 autocast).", parameter="dtype"
             )
         if dtype == torch.bfloat16:
             log.warning("training bfloat16 weights directly: AdamW updates them in bf16 (no fp32 master copy); "
-                        "for fp32 master weights convert with --dtype float32 and train with --bf16.")
+                        "for fp32 master weights convert with dtype=torch.float32 and train with bf16=True.")
         # straight onto the device; under FSDP onto the CPU, and each layer moves as it is sharded
         self.model: LoopedModel = load(source, device="cpu" if self.fsdp else str(self.device))
         if config.checkpoint:
@@ -234,11 +242,13 @@ class Trainer:
         self.sampler = BudgetSampler(menu, config.override, config.grad_accum, 1 if self.fsdp else self.world, config.seed,
                                      curriculum_steps=round(config.depth_curriculum * self.total_steps))
         self.floor_steps = round(config.gate_floor_until * self.total_steps) if config.gate_floor > 0 else 0
-        self.gates = [p for n, p in self.model.named_parameters() if n.startswith("loop.") and n.endswith("gate")]
+        self.gates = [p for _, p in self.model.gate_parameters()]  # declared as gates by the passes
         if config.gate_floor > 0 and not self.gates:
-            raise TrainingError("--gate-floor needs gates (loop.*_gate parameters); this model has none.")
-        if config.exit_loss > 0 and self.model.plan.kind != "recurrent":
-            raise TrainingError("--exit-loss needs loop exits: it applies to ELR (recurrent) models; this one is prefix-looped.")
+            raise TrainingError("gate_floor needs gates (loop.*_gate parameters); this model has none.",
+                                parameter="gate_floor")
+        if config.exit_loss > 0 and not self.model.plan.has_loop_exits:
+            raise TrainingError("exit_loss needs loop exits: it applies to ELR (recurrent) models; this one is "
+                                "prefix-looped.", parameter="exit_loss")
         self._freeze()
         if self.fsdp:
             self._shard()
@@ -260,12 +270,11 @@ class Trainer:
         when they are not tied to the trained LM head): backward then stops at the block."""
         if not self.config.freeze_below_window:
             return
-        plan = self.model.plan
-        start = plan.window[0] if plan.kind == "prefix" else plan.recurrent[0]
+        frozen = self.model.plan.frozen_layers()
         prefix = self.model.layer_graph.source.layers_path + "."
         roles = parameter_reader_roles(self.model.layer_graph.graph)
         for name, p in self.model.named_parameters():
-            below = name.startswith(prefix) and int(name[len(prefix):].split(".")[0]) < start
+            below = name.startswith(prefix) and int(name[len(prefix):].split(".")[0]) in frozen
             untied_embedding = ROLE_EMBEDDING in roles.get(name, ()) and ROLE_HEAD not in roles.get(name, ())
             if below or untied_embedding:
                 p.requires_grad_(False)
@@ -341,7 +350,7 @@ class Trainer:
                     if not torch.isfinite(loss):
                         raise TrainingError(
                             f"the loss became {loss.item()} at step {step} (budget {k}); stopping. The last "
-                            f"checkpoint in '{self.output}' is kept; lower --lr or check the data."
+                            f"checkpoint in '{self.output}' is kept; lower lr or check the data.", parameter="lr"
                         )
                     (loss / cfg.grad_accum).backward()
                 budgets.append(k)

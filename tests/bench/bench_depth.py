@@ -22,7 +22,7 @@ re-injection, adaptive delta, trained on k ∈ 1..3, evaluated also at k=4); ``u
 ``scratch`` (an ELR model from random weights, paper init, base + retrofit steps).
 
 Reports accuracy per tier per budget (≥ 500 test questions per tier, standard errors),
-``depth_pays`` by the issue's criterion (on tiers 3–6, some arm's best budget beats its
+``depth_pays`` by the benchmark's criterion (on tiers 3–6, some arm's best budget beats its
 shallowest by ≥ 10 points, accuracy non-decreasing in the budget within 2 SE, and the
 shallowest within 2 points of ``plain``), a JSON line, ``--out`` JSON and a PNG.
 
@@ -281,7 +281,7 @@ def hard_mean(acc: dict) -> tuple[float, float]:
 
 
 def depth_pays(results: dict) -> dict:
-    """The issue's criterion, per looped arm, and overall."""
+    """The depth-pays criterion, per looped arm, and overall."""
     # the shallowest budget is compared with plain continued training of the same length
     plain = {results[a]["steps"]: hard_mean(results[a]["accuracy"]["0"])[0] for a in PLAIN if a in results}
     verdict = {}

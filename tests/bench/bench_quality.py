@@ -27,7 +27,8 @@ import torch
 
 import looptool
 from looptool.train.data import PackedTokens, find_files, tokenize_files
-from looptool.eval.evaluate import gain_shares, mean_loss, plot_frontier
+from looptool.eval.evaluate import gain_shares, mean_loss
+from looptool.report.plots import plot_frontier
 from looptool.capture.sources import load_source
 from looptool.train.trainer import TrainConfig, Trainer
 

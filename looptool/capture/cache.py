@@ -1,0 +1,410 @@
+"""A cache of ``torch.export`` programs, so a repeated capture skips the export.
+
+``torch.export`` is the slow step of every capture, and ``looptool.load``, ``convert`` and the
+cached decode paths repeat the same export for the same architecture. The exported program
+(before unlifting: the rest of the capture pipeline runs unchanged) is keyed by everything
+that changes it (:func:`key_of`): the model's config, class, module tree and tensor
+signature, dtype and devices, attention implementation, the capture options, the
+torch / transformers / looptool / Python versions and the source of the export code.
+
+Two levels serve a key:
+
+* on disk, under ``$LOOPTOOL_CACHE/captures`` (default ``~/.cache/looptool/captures``;
+  ``LOOPTOOL_CACHE=off`` disables both levels): ``<sha256 of the key>.json``, a sidecar
+  holding the key, the versions and the sha256 of the program file it names,
+  ``<sha256 of the key>-<sha256 prefix of the file>.pt2`` (``torch.export.save``). Both are
+  written to a temporary file and moved into place with ``os.replace``, the sidecar last,
+  so concurrent writers (pytest-xdist workers) never expose a partial entry;
+* in process, an LRU of :data:`MEMORY_ENTRIES` programs.
+
+A cached program holds no tensor of the model it came from: every parameter and buffer is
+saved as a ``meta`` placeholder, and a hit rebinds them by name to the *current* model's
+own tensor objects before unlifting, so the returned GraphModule is what a fresh export
+gives (same graph code; its parameters and buffers are the model's own tensors). Each hit
+unlifts into a fresh GraphModule whose nodes and metadata containers are its own; the
+node values (``FakeTensor``/``SymInt``) of an in-process entry are shared read-only, and the
+entry is dropped if its ``ShapeEnv`` changed since it was stored (a caller added a guard).
+
+An entry that cannot be used (unreadable, bad sha256, other key or versions, a load or
+rebinding failure) is dropped with a warning and rebuilt: the cache never changes a result
+and never raises to the caller. Models with forward hooks or instance-level ``forward``
+overrides are not cached (the key cannot see what such code does).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import functools
+import hashlib
+import io
+import json
+import logging
+import os
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from looptool.core.version import __version__
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # of the entries (the key, the sidecar, what a stored program holds)
+MEMORY_ENTRIES = 8
+SUBDIR = "captures"
+
+STATS: collections.Counter = collections.Counter()  # "memory", "disk", "miss", "dropped", "uncached"
+_memory: collections.OrderedDict[str, tuple[torch.export.ExportedProgram, object]] = collections.OrderedDict()
+_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    """False when ``LOOPTOOL_CACHE=off``."""
+    return os.environ.get("LOOPTOOL_CACHE", "").strip().lower() != "off"
+
+
+def directory() -> Path:
+    """Where the exported programs are kept: ``<looptool cache dir>/captures``."""
+    from looptool.capture.sources import cache_dir
+
+    return cache_dir() / SUBDIR
+
+
+def clear_memory() -> None:
+    """Forget the in-process entries (the next capture reads the disk or exports)."""
+    with _lock:
+        _memory.clear()
+
+
+def versions() -> dict[str, str]:
+    import transformers
+
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "looptool": __version__,
+        "python": "%d.%d" % sys.version_info[:2],
+    }
+
+
+def key_of(model: nn.Module, options: dict) -> dict | None:
+    """The cache key of exporting ``model`` with capture ``options`` (JSON-serialisable), or
+    None when the model cannot be cached (the cache is off, or hooks / a patched ``forward``)."""
+    if not enabled():
+        return None
+    reason = _uncacheable(model)
+    if reason:
+        STATS["uncached"] += 1
+        log.debug("capture cache: not caching %s (%s)", type(model).__name__, reason)
+        return None
+    config = getattr(model, "config", None)
+    tensors = [
+        (name, list(t.shape), str(t.dtype), str(t.device), bool(t.requires_grad), isinstance(t, nn.Parameter))
+        for name, t in _own_tensors(model).items()
+    ]
+    modules = [(name, type(m).__module__ + "." + type(m).__qualname__, m.training) for name, m in model.named_modules()]
+    param = next(model.parameters(), None)
+    return {
+        "format": FORMAT,
+        "model_class": type(model).__module__ + "." + type(model).__qualname__,
+        "config": _config_json(config),
+        "dtype": str(param.dtype) if param is not None else None,
+        "device": str(param.device) if param is not None else None,
+        "attn_implementation": getattr(config, "_attn_implementation", None),
+        "options": dict(options),
+        "versions": versions(),
+        "default_dtype": str(torch.get_default_dtype()),
+        "export_code": _export_code_hash(),
+        "modules": _sha256(json.dumps(modules).encode()),
+        "tensors": _sha256(json.dumps(tensors).encode()),
+    }
+
+
+def exported_module(model: nn.Module, key: dict | None,
+                    export: Callable[[], torch.export.ExportedProgram]) -> fx.GraphModule:
+    """``export().module()``, served from the cache under ``key`` when it can be (None:
+    always export). Its parameters and buffers are ``model``'s own tensor objects."""
+    if key is None:
+        return export().module()
+    try:
+        digest = _sha256(_canonical(key).encode())
+    except (TypeError, ValueError) as exc:  # a config field JSON cannot hold: do not cache
+        log.debug("capture cache: key is not JSON (%s)", exc)
+        return export().module()
+    own = _own_tensors(model)
+    gm = _from_memory(digest, own)
+    if gm is None:
+        gm = _from_disk(digest, key, own)
+    if gm is not None:
+        return _own_meta(gm)
+    STATS["miss"] += 1
+    ep = export()  # errors of the export itself reach the caller unchanged
+    gm = ep.module()
+    try:
+        stored = _strip(ep, own)
+        _remember(digest, stored)
+        _write(digest, key, stored)
+    except Exception as exc:  # the cache never fails a capture
+        log.warning("capture cache: could not store the exported program (%s: %s); continuing without it.",
+                    type(exc).__name__, exc)
+    return _own_meta(gm)
+
+
+# -- in process -------------------------------------------------------------------------
+
+
+def _from_memory(digest: str, own: dict[str, torch.Tensor]) -> fx.GraphModule | None:
+    with _lock:
+        entry = _memory.get(digest)
+        if entry is not None:
+            _memory.move_to_end(digest)
+    if entry is None:
+        return None
+    ep, state = entry
+    if _shape_env_state(ep) != state:  # someone added guards to the shared ShapeEnv: not pristine
+        log.debug("capture cache: in-process entry %s changed; reading it again", digest[:12])
+        _forget(digest)
+        return None
+    gm = _unlift(ep, own)
+    if gm is None:
+        _forget(digest)
+        return None
+    STATS["memory"] += 1
+    return gm
+
+
+def _remember(digest: str, ep: torch.export.ExportedProgram) -> None:
+    with _lock:
+        _memory[digest] = (ep, _shape_env_state(ep))
+        _memory.move_to_end(digest)
+        while len(_memory) > MEMORY_ENTRIES:
+            _memory.popitem(last=False)
+
+
+def _forget(digest: str) -> None:
+    with _lock:
+        _memory.pop(digest, None)
+
+
+# -- on disk ------------------------------------------------------------------------------
+
+
+def _from_disk(digest: str, key: dict, own: dict[str, torch.Tensor]) -> fx.GraphModule | None:
+    folder = directory()
+    sidecar = folder / f"{digest}.json"
+    try:
+        raw = sidecar.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("capture cache: cannot read %s (%s); exporting instead.", sidecar, exc)
+        return None
+    program = None
+    try:
+        meta = json.loads(raw)
+        if meta.get("format") != FORMAT or meta.get("key") != json.loads(_canonical(key)):
+            raise ValueError("it was written for another key")
+        if meta.get("versions") != versions():
+            raise ValueError(f"it was written by other versions ({meta.get('versions')})")
+        program = folder / str(meta["file"])
+        if program.parent != folder:
+            raise ValueError(f"it names a file outside the cache ({meta['file']!r})")
+        data = program.read_bytes()
+        if len(data) != meta["bytes"] or _sha256(data) != meta["sha256"]:
+            raise ValueError(f"{program.name} does not match the sha256 recorded")
+        ep = torch.export.load(io.BytesIO(data))
+        gm = _unlift(ep, own)
+        if gm is None:
+            raise ValueError("its tensors do not match the model's")
+    except Exception as exc:  # any failure: drop the entry, export afresh
+        STATS["dropped"] += 1
+        log.warning("capture cache: dropping the corrupt or stale entry %s (%s: %s); exporting afresh.",
+                    sidecar, type(exc).__name__, exc)
+        _drop(sidecar, raw, program)
+        return None
+    _remember(digest, ep)
+    STATS["disk"] += 1
+    return gm
+
+
+def _write(digest: str, key: dict, ep: torch.export.ExportedProgram) -> None:
+    folder = directory()
+    buf = io.BytesIO()
+    torch.export.save(ep, buf)
+    data = buf.getvalue()
+    sha = _sha256(data)
+    name = f"{digest}-{sha[:16]}.pt2"  # content-named: a sidecar always names a complete file
+    meta = {"format": FORMAT, "key": json.loads(_canonical(key)), "versions": versions(),
+            "file": name, "bytes": len(data), "sha256": sha}
+    folder.mkdir(parents=True, exist_ok=True)
+    _atomic_write(folder / name, data)
+    _atomic_write(folder / f"{digest}.json", (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode())
+    log.debug("capture cache: stored %s (%d bytes)", name, len(data))
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _drop(sidecar: Path, raw: bytes, program: Path | None) -> None:
+    """Remove a bad entry (the sidecar only if no other writer replaced it meanwhile)."""
+    with contextlib.suppress(OSError):
+        if sidecar.read_bytes() == raw:
+            sidecar.unlink()
+    if program is not None:
+        with contextlib.suppress(OSError):
+            program.unlink()
+
+
+# -- programs -----------------------------------------------------------------------------
+
+
+def _own_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers by every name they have (tied ones twice)."""
+    return {**dict(model.named_buffers(remove_duplicate=False)),
+            **dict(model.named_parameters(remove_duplicate=False))}
+
+
+def _placeholder(t: torch.Tensor) -> torch.Tensor:
+    m = torch.empty_like(t, device="meta")
+    return nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
+
+
+def _strip(ep: torch.export.ExportedProgram, own: dict[str, torch.Tensor]) -> torch.export.ExportedProgram:
+    """``ep`` holding ``meta`` placeholders in place of the model's tensors (the graph shared)."""
+    out = copy.copy(ep)
+    out._state_dict = {n: _placeholder(t) for n, t in ep.state_dict.items()}
+    out._constants = {n: _placeholder(t) if n in own and isinstance(t, torch.Tensor) else t
+                      for n, t in ep.constants.items()}
+    return out
+
+
+def _unlift(ep: torch.export.ExportedProgram, own: dict[str, torch.Tensor]) -> fx.GraphModule | None:
+    """``ep.module()`` with the program's parameters and buffers rebound, by name, to the
+    model's own tensors (None if they do not match: the entry is stale)."""
+
+    def bound(name: str, stored):
+        t = own.get(name)
+        if t is None or not isinstance(stored, torch.Tensor):
+            return None
+        if tuple(t.shape) != tuple(stored.shape) or t.dtype != stored.dtype or isinstance(t, nn.Parameter) != isinstance(stored, nn.Parameter):
+            return None
+        return t
+
+    state = {}
+    for name, stored in ep.state_dict.items():
+        state[name] = bound(name, stored)
+        if state[name] is None:
+            return None
+    constants = {}
+    for name, stored in ep.constants.items():
+        if name in own:
+            constants[name] = bound(name, stored)
+            if constants[name] is None:
+                return None
+        else:  # a tensor the export created (a lifted constant): each capture gets its own copy
+            constants[name] = stored.clone() if isinstance(stored, torch.Tensor) else stored
+    program = copy.copy(ep)
+    program._state_dict, program._constants = state, constants
+    gm = program.module()
+    tensors = {**dict(gm.named_buffers(remove_duplicate=False)), **dict(gm.named_parameters(remove_duplicate=False))}
+    if any(name in own and t is not own[name] for name, t in tensors.items()):
+        return None
+    return gm
+
+
+def _own_meta(gm: fx.GraphModule) -> fx.GraphModule:
+    """Give every node its own copies of the metadata containers (``nn_module_stack``,
+    ``source_fn_stack``, ...), which unlifting shares with the program it came from."""
+    for node in gm.graph.nodes:
+        for k, v in node.meta.items():
+            if type(v) is dict:
+                node.meta[k] = dict(v)
+            elif type(v) is list:
+                node.meta[k] = list(v)
+    return gm
+
+
+def _shape_env_state(ep: torch.export.ExportedProgram):
+    """A fingerprint of the program's ShapeEnv (guards, replacements, ranges)."""
+    for node in ep.graph.nodes:
+        mode = getattr(node.meta.get("val"), "fake_mode", None)
+        env = getattr(mode, "shape_env", None)
+        if env is not None:
+            break
+    else:
+        return None
+    deferred = getattr(env, "deferred_runtime_asserts", {}) or {}
+    return (
+        len(getattr(env, "guards", ())),
+        repr(sorted((str(k), str(v)) for k, v in getattr(env, "replacements", {}).items())),
+        repr(sorted((str(k), str(v)) for k, v in getattr(env, "var_to_range", {}).items())),
+        sum(len(v) for v in deferred.values()),
+        len(getattr(env, "divisible", ())),
+    )
+
+
+# -- keys ---------------------------------------------------------------------------------
+
+
+def _uncacheable(model: nn.Module) -> str | None:
+    from torch.nn.modules import module as M
+
+    for hooks in ("_global_forward_hooks", "_global_forward_pre_hooks"):
+        if getattr(M, hooks, None):
+            return "global forward hooks are registered"
+    for name, m in model.named_modules():
+        if m._forward_hooks or m._forward_pre_hooks:
+            return f"module '{name}' has forward hooks"
+        if "forward" in vars(m):
+            return f"module '{name}' has its own forward"
+    return None
+
+
+_VOLATILE = ("_name_or_path", "architectures", "transformers_version")  # do not change the program
+
+
+def _config_json(config) -> dict | None:
+    if config is None:
+        return None
+    d = config.to_dict()
+    for k in _VOLATILE:
+        d.pop(k, None)
+    return json.loads(_canonical(d))
+
+
+def _canonical(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_json_default)
+
+
+def _json_default(obj):
+    if isinstance(obj, (torch.dtype, torch.device)):
+        return str(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
+
+
+@functools.lru_cache(maxsize=1)
+def _export_code_hash() -> str:
+    """What looptool's own export code looks like (a change of it must miss)."""
+    from looptool.capture import export
+
+    return _sha256(Path(export.__file__).read_bytes() + Path(__file__).read_bytes())[:16]
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,157 @@
+"""``looptool generate`` (PyTorch, KV-cached) and ``run`` (an exported engine): text from a
+looped model at one budget, streamed or not, with what it cost."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from looptool.cli.application import app, console, friendly, out
+from looptool.cli.options import (
+    Budget,
+    Device,
+    Kv,
+    MaxNewTokens,
+    ModelDir,
+    Prompt,
+    SamplingSeed,
+    Stream,
+    Temperature,
+    Tokenizer,
+    TopK,
+    TopP,
+    check_backend,
+    check_kv_names,
+    check_prompts,
+    parse_device,
+)
+from looptool.cli.progress import progress
+from looptool.core.errors import LooptoolError
+
+
+@app.command()
+@friendly
+def generate(
+    model_dir: ModelDir,
+    prompt: Prompt,
+    budget: Budget = None,
+    max_new_tokens: MaxNewTokens = 64,
+    kv: Kv = "per-loop",
+    temperature: Temperature = 0.0,
+    top_k: TopK = None,
+    top_p: TopP = None,
+    seed: SamplingSeed = None,
+    stream: Stream = False,
+    tokenizer: Tokenizer = None,
+    device: Device = "auto",
+) -> None:
+    """Generate text at one budget with a KV cache; report tokens/s and KV bytes per token."""
+    from looptool.runtime import text
+    from looptool.runtime.generation import cached_paths, check_sampling
+    from looptool.runtime.generation import generate as run_generate
+    from looptool.storage.load import load
+
+    check_prompts(prompt, stream)
+    check_kv_names(kv)
+    check_sampling(max_new_tokens, temperature, top_k, top_p)  # all before the slow load
+    device = str(parse_device(device))
+    with progress() as steps:
+        with steps.stage(f"loading {model_dir}"):
+            model = load(model_dir, device=device)
+        tok = text.model_tokenizer(model, tokenizer)
+        budget = model.check_budget(budget)
+        with steps.stage(f"building cached budget paths ({kv})"):
+            cached_paths(model, kv)
+    enc = text.encode_prompts(tok, prompt)
+    result = _stream_generation(tok, prompt, stream, lambda on_step: run_generate(
+        model, enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device), budget=budget,
+        max_new_tokens=max_new_tokens, kv=kv, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, on_step=on_step))
+    _print_generation(tok, prompt, enc, result, stream, f"budget {budget} · kv {kv} · batch {len(prompt)}")
+
+
+@app.command(name="run")
+@friendly
+def run_cmd(
+    engine_dir: Annotated[Path, typer.Argument(help="An engine directory (from looptool export).")],
+    prompt: Prompt,
+    budget: Budget = None,
+    max_new_tokens: MaxNewTokens = 64,
+    kv: Kv = "per-loop",
+    capacity: Annotated[int | None, typer.Option(help="Cache capacity in tokens (default: prompt + new tokens).")] = None,
+    temperature: Temperature = 0.0,
+    top_k: TopK = None,
+    top_p: TopP = None,
+    seed: SamplingSeed = None,
+    stream: Stream = False,
+    threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads (default: all cores).")] = None,
+    prepack: Annotated[bool, typer.Option("--prepack", help="Let onnxruntime pre-pack weights: faster, but a packed copy per session.")] = False,
+    tokenizer: Tokenizer = None,
+    backend: Annotated[str, typer.Option(help="onnx (onnxruntime) or tensorrt (the built engines, on a GPU).")] = "onnx",
+) -> None:
+    """Generate with onnxruntime or TensorRT from an exported engine, with its KV cache (like generate)."""
+    from looptool.backends.engines import engine_name, open_runtime
+    from looptool.runtime import text
+
+    check_prompts(prompt, stream)
+    if capacity is not None and capacity < 1:
+        raise LooptoolError("--capacity must be at least 1.")
+    check_backend(backend)
+    rt = open_runtime(engine_dir, backend, threads=threads, prepack=prepack)
+    source = tokenizer if tokenizer is not None else (engine_dir if rt.manifest.get("tokenizer") else None)
+    if source is None:
+        raise LooptoolError("this engine was exported without a tokenizer; pass --tokenizer PATH (a Hugging Face tokenizer folder).")
+    tok = text.load_tokenizer(source)
+    budget = rt.budgets[-1] if budget is None else budget
+    if backend == "onnx":
+        rt.session(budget, kv)  # bad budget or policy: fail before tokenising
+    enc = text.encode_prompts(tok, prompt)
+    result = _stream_generation(tok, prompt, stream, lambda on_step: rt.generate(
+        enc["input_ids"], attention_mask=enc["attention_mask"], budget=budget, max_new_tokens=max_new_tokens, kv=kv,
+        capacity=capacity, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, on_step=on_step))
+    engine = engine_name(rt, backend, budget, kv)
+    _print_generation(tok, prompt, enc, result, stream, f"budget {budget} · kv {kv} · {engine} · batch {len(prompt)}")
+
+
+def _stream_generation(tok, prompt: list[str], stream: bool, run):
+    """Call ``run(on_step)``; with ``stream`` print each token of the one prompt as it comes."""
+    from looptool.runtime.text import IncrementalDecoder
+
+    decoder = IncrementalDecoder(tok)
+
+    def write(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    if stream:
+        write(prompt[0])
+    result = run((lambda tokens: write(decoder.push(int(tokens[0])))) if stream else None)
+    if stream:
+        write(decoder.flush() + "\n")
+    return result
+
+
+def _print_generation(tok, prompt: list[str], enc, result, stream: bool, title: str) -> None:
+    """The continuations (unless streamed) and a table of what generation cost."""
+    from looptool.report.tables import human_bytes
+    from looptool.runtime.text import continuations
+
+    width = enc["input_ids"].shape[1]
+    if not stream:
+        for text, continuation in zip(prompt, continuations(tok, result.sequences, width)):
+            out.print(text + continuation, highlight=False)
+    steps = max(result.new_tokens - 1, 1)
+    table = Table(title=title, title_justify="left")
+    for col in ("prompt tok", "new tok", "prefill ms", "decode ms/tok", "tok/s", "KV/tok", "KV allocated"):
+        table.add_column(col, justify="right")
+    table.add_row(
+        str(width), str(result.new_tokens), f"{result.prefill_seconds * 1e3:.1f}",
+        f"{result.decode_seconds * 1e3 / steps:.1f}", f"{result.tokens_per_second:.1f}",
+        human_bytes(result.kv_bytes_per_token), human_bytes(result.kv_bytes),
+    )
+    console.print(table)

@@ -1,0 +1,120 @@
+"""The demo run: convert a source model, check that every budget reproduces it bit for bit,
+and time the budgets side by side against it (``looptool demo``; :func:`run_demo` from Python)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from looptool.core.errors import LooptoolError
+from looptool.core.plan import LoopPlan
+from looptool.eval.timing import Timing
+
+log = logging.getLogger(__name__)
+
+DEMO_TEXT = (
+    "We the People of the United States, in Order to form a more perfect Union, establish "
+    "Justice, insure domestic Tranquility, provide for the common defence, promote the general "
+    "Welfare, and secure the Blessings of Liberty to ourselves and our Posterity, do ordain and "
+    "establish this Constitution for the United States of America."
+)
+
+# stage(text, total) -> a context manager around one step of the run, yielding advance()
+Stage = Callable[[str, "int | None"], ContextManager[Callable[[], None]]]
+
+
+@dataclass
+class DemoResult:
+    """What :func:`run_demo` measured. ``timings`` holds ``"source"`` and every budget."""
+
+    model: object  # the looped model (a LoopedModel)
+    exact: dict[int, bool]  # budget -> its logits equal the source model's, bit for bit
+    timings: dict[str | int, Timing]
+    tokens: int  # sequence length of the timed forwards (batch 1)
+    repeats: int
+
+    @property
+    def all_exact(self) -> bool:
+        return all(self.exact.values())
+
+    def time_ratio(self, budget: int) -> float:
+        """Median time of ``budget`` over the shallowest budget's."""
+        return self.timings[budget].median / self.timings[self.model.budgets[0]].median
+
+    def ideal_ratio(self, budget: int) -> float:
+        """``(L + k) / L``: the time ratio if time were proportional to layer executions."""
+        layers = self.model.dims().num_layers
+        return (layers + budget) / layers
+
+    @property
+    def source_ratio(self) -> float:
+        """The shallowest budget's median time over the source model's."""
+        return self.timings[self.model.budgets[0]].median / self.timings["source"].median
+
+
+def _no_stage(text: str, total: int | None = None) -> ContextManager[Callable[[], None]]:
+    return contextlib.nullcontext(lambda: None)
+
+
+def demo_ids(tokenizer, model, tokens: int) -> torch.Tensor:
+    """``[1, tokens]`` ids: :data:`DEMO_TEXT` tokenized and repeated (token ids 0..63 without a tokenizer)."""
+    if tokenizer is not None:
+        ids = tokenizer(DEMO_TEXT, return_tensors="pt").input_ids
+    else:
+        ids = torch.arange(64).unsqueeze(0) % model.config.vocab_size
+    reps = -(-tokens // ids.shape[1])
+    return ids.repeat(1, reps)[:, :tokens]
+
+
+def run_demo(
+    plan: LoopPlan,
+    source: str | os.PathLike = "smollm2",
+    *,
+    tokens: int = 128,
+    repeats: int = 5,
+    device: str = "auto",
+    output: str | os.PathLike | None = None,
+    stage: Stage | None = None,
+    say: Callable[[str], None] = log.info,
+) -> DemoResult:
+    """Load ``source`` (default: SmolLM2-135M from PyPI), convert it with ``plan``, compare
+    every budget's logits on ``tokens`` demo tokens with the source model's (``exact``), then
+    time the source and every budget in ``repeats`` interleaved rounds (after one warm-up);
+    ``output``: also save the looped model there. ``stage(text, total)`` wraps each step (the
+    command line's progress display; the timing step's ``advance()`` is called once per round)."""
+    from looptool.capture.sources import load_source
+    from looptool.eval.timing import interleaved
+    from looptool.runtime.convert import convert
+    from looptool.runtime.devices import resolve_device
+
+    for name, value in (("tokens", tokens), ("repeats", repeats)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LooptoolError(f"{name} must be a whole number of at least 1, got {value!r}.", parameter=name)
+    stage = stage or _no_stage
+    target = resolve_device(device)
+    with stage(f"loading {source}", None):
+        src = load_source(source, device=str(target), say=say)
+    with stage("capturing graph and looping", None):
+        model = convert(src.model, plan, tokenizer=src.tokenizer)
+    ids = demo_ids(src.tokenizer, model, tokens).to(target)
+    exact: dict[int, bool] = {}
+    with stage("checking every budget against the source", None), torch.inference_mode():
+        ref = src.model(input_ids=ids).logits
+        for k in model.budgets:
+            exact[k] = torch.equal(ref, model(ids, budget=k).logits)
+    fns: dict[str | int, Callable[[], object]] = {"source": lambda: src.model(input_ids=ids)}
+    fns.update({k: functools.partial(model, ids, budget=k) for k in model.budgets})
+    with stage(f"timing {len(fns)} contenders × {repeats} rounds ({tokens} tokens)", repeats + 1) as advance:
+        timings = interleaved(fns, repeats=repeats, warmup=1, on_round=advance)
+    if output is not None:
+        with stage(f"saving to {output}", None):
+            model.save_pretrained(Path(output))
+    return DemoResult(model=model, exact=exact, timings=timings, tokens=int(ids.shape[1]), repeats=repeats)

@@ -1,0 +1,301 @@
+"""The capture cache (looptool.capture.cache): cached loads, captures and cached decoding are
+bit-identical to uncached ones; bad entries are rebuilt; every key field misses."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import threading
+
+import pytest
+import torch
+
+import looptool
+from looptool.capture import cache
+from looptool.capture import capture as capture_graph
+from looptool.capture.export import build_skeleton, export_decode_step, export_source
+from looptool.runtime.generation import generate
+from looptool.testing import tiny_config, tiny_model
+
+from conftest import TINY_PLAN
+
+ELR = looptool.RecurrentLoop(recurrent=(1, 3), max_loops=3)
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    """A cache of this test's own (never the user's or the session's), memory cleared."""
+    path = tmp_path / "cache"
+    monkeypatch.setenv("LOOPTOOL_CACHE", str(path))
+    cache.clear_memory()
+    cache.STATS.clear()
+    yield path / cache.SUBDIR
+    cache.clear_memory()
+
+
+def _off(monkeypatch):
+    monkeypatch.setenv("LOOPTOOL_CACHE", "off")
+
+
+def _tensors(module) -> dict:
+    return {**dict(module.named_buffers(remove_duplicate=False)), **dict(module.named_parameters(remove_duplicate=False))}
+
+
+def _saved(arch: str, plan, path, monkeypatch):
+    """Save a looped tiny ``arch`` whose new parameters are non-zero (converted uncached)."""
+    with monkeypatch.context() as m:
+        _off(m)
+        looped = looptool.convert(tiny_model(arch), plan)
+    with torch.no_grad():
+        for _, p in looped.new_parameters():
+            p.normal_(0, 0.3)
+    looped.save_pretrained(path)
+    return path
+
+
+def _logits(model, ids) -> dict:
+    with torch.no_grad():
+        return {k: model(ids, budget=k).logits for k in model.budgets}
+
+
+def _generations(model, prompt) -> dict:
+    return {(k, kv): generate(model, prompt, budget=k, max_new_tokens=3, kv=kv, output_logits=True)
+            for k in model.budgets for kv in ("per-loop", "last-loop")}
+
+
+@pytest.mark.parametrize("arch,plan,decode", [("llama", TINY_PLAN, False), ("llama", ELR, True), ("qwen3_moe", ELR, False)],
+                         ids=["prefix-llama", "recurrent-llama-generate", "recurrent-qwen3_moe"])
+def test_cached_load_is_bit_identical(arch, plan, decode, tmp_path, monkeypatch, cache_dir, input_ids):
+    """A load served by a fresh export (writing the cache), then from disk, then from memory,
+    equals a load with the cache off at every budget; with ``decode`` so does cached
+    generation under both KV policies (its decode-step capture is cached too)."""
+    saved = _saved(arch, plan, tmp_path / "m", monkeypatch)
+    prompt = input_ids[:, :5]
+    with monkeypatch.context() as m:
+        _off(m)
+        fresh = looptool.load(saved)
+        want = _logits(fresh, input_ids), _generations(fresh, prompt) if decode else {}
+    code = fresh.layer_graph.module.code
+    assert not cache_dir.exists()
+    for path in ("miss", "disk", "memory"):
+        if path == "disk":
+            cache.clear_memory()
+        loaded = looptool.load(saved)
+        assert loaded.layer_graph.module.code == code
+        got = _logits(loaded, input_ids), _generations(loaded, prompt) if decode else {}
+        assert cache.STATS[path] == (2 if decode else 1), (path, dict(cache.STATS))  # the forward (and the decode step)
+        for k in want[0]:
+            assert torch.equal(want[0][k], got[0][k]), f"{arch} {path} budget {k}"
+        for key, out in want[1].items():
+            assert torch.equal(out.sequences, got[1][key].sequences), (path, key)
+            assert all(torch.equal(a, b) for a, b in zip(out.logits, got[1][key].logits, strict=True)), (path, key)
+    assert cache.STATS["dropped"] == 0
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["forward", "decode"])
+def test_cached_export_holds_the_models_own_tensors(decode, monkeypatch):
+    """Served from disk or memory, the unlifted module equals a fresh export's: same code, and
+    every parameter and buffer (rotary inv_freq, a non-persistent buffer, too) is the model's
+    own tensor object; no module or metadata container is shared between two captures."""
+    model = tiny_model("llama")
+    fn = export_decode_step if decode else export_source
+    with monkeypatch.context() as m:
+        _off(m)
+        fresh = fn(model)
+    own = _tensors(model)
+    assert any(name not in model.state_dict() for name in own)  # a non-persistent buffer (rotary inv_freq)
+    got = [fn(model)]
+    cache.clear_memory()
+    got += [fn(model), fn(model)]
+    assert (cache.STATS["miss"], cache.STATS["disk"], cache.STATS["memory"]) == (1, 1, 1)
+    for gm in got:
+        assert gm.code == fresh.code
+        tensors = _tensors(gm)
+        assert tensors.keys() == _tensors(fresh).keys()
+        assert all(t is own[name] for name, t in tensors.items())
+    a, b = got[1], got[2]
+    assert a is not b and a.graph is not b.graph
+    nodes = {id(n) for n in a.graph.nodes}
+    assert not nodes & {id(n) for n in b.graph.nodes}
+    for x, y in zip(a.graph.nodes, b.graph.nodes):
+        assert x.meta is not y.meta
+        assert all(v is not y.meta[k] for k, v in x.meta.items() if isinstance(v, (dict, list)))
+
+
+@pytest.fixture(scope="module")
+def populated(tmp_path_factory):
+    """A cache holding the forward export of the tiny Llama skeleton, and the fresh code."""
+    root = tmp_path_factory.mktemp("populated")
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setenv("LOOPTOOL_CACHE", str(root))
+        cache.clear_memory()
+        code = export_source(_skeleton()).code
+        cache.clear_memory()
+    finally:
+        mp.undo()
+    return root / cache.SUBDIR, code
+
+
+def _skeleton(**overrides):
+    return build_skeleton(tiny_config("llama", **overrides), torch.float32)
+
+
+def _entry(folder):
+    (sidecar,) = folder.glob("*.json")
+    return sidecar, folder / json.loads(sidecar.read_text())["file"]
+
+
+def _flip_bytes(sidecar, program):
+    data = bytearray(program.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 64] = bytes(64)
+    program.write_bytes(bytes(data))
+
+
+def _unloadable(sidecar, program):  # the sha256 recorded matches: torch.export.load raises
+    import hashlib
+
+    junk = b"not a pt2 archive" * 100
+    program.write_bytes(junk)
+    meta = json.loads(sidecar.read_text())
+    meta.update(bytes=len(junk), sha256=hashlib.sha256(junk).hexdigest())
+    sidecar.write_text(json.dumps(meta))
+
+
+def _other_versions(sidecar, program):
+    meta = json.loads(sidecar.read_text())
+    meta["versions"]["torch"] = "0.0.1"
+    sidecar.write_text(json.dumps(meta))
+
+
+def _bad_sidecar(sidecar, program):
+    sidecar.write_text("{not json")
+
+
+def _missing(sidecar, program):
+    program.unlink()
+
+
+@pytest.mark.parametrize("corrupt", [_flip_bytes, _unloadable, _other_versions, _bad_sidecar, _missing],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_bad_entry_is_rebuilt_with_a_warning(corrupt, populated, cache_dir, caplog):
+    folder, code = populated
+    shutil.copytree(folder, cache_dir)
+    corrupt(*_entry(cache_dir))
+    with caplog.at_level("WARNING", logger="looptool.capture.cache"):
+        gm = export_source(_skeleton())
+    assert gm.code == code
+    assert cache.STATS["dropped"] == 1 and cache.STATS["miss"] == 1
+    assert "capture cache: dropping the corrupt or stale entry" in caplog.text
+    sidecar, program = _entry(cache_dir)  # rewritten whole
+    meta = json.loads(sidecar.read_text())
+    assert meta["sha256"] == cache._sha256(program.read_bytes()) and meta["versions"] == cache.versions()
+
+
+def test_a_valid_entry_is_served_from_disk(populated, cache_dir):
+    folder, code = populated
+    shutil.copytree(folder, cache_dir)
+    assert export_source(_skeleton()).code == code
+    assert (cache.STATS["disk"], cache.STATS["miss"]) == (1, 0)
+
+
+def _digest(model, options=None) -> str:
+    key = cache.key_of(model, options or {"decode": False, "seq_len": 8, "batch": 2})
+    return cache._sha256(cache._canonical(key).encode())
+
+
+def _subclassed(model):
+    model.__class__ = type("MyLlama", (type(model),), {})
+    return model
+
+
+def test_every_key_field_changes_the_key(monkeypatch):
+    base = _digest(_skeleton())
+    assert _digest(_skeleton()) == base  # the same architecture: the same key
+    named = _skeleton()
+    named.config._name_or_path = "/somewhere/else"  # where a config came from does not matter
+    assert _digest(named) == base
+    others = {
+        "dtype": _digest(build_skeleton(tiny_config("llama"), torch.bfloat16)),
+        "config": _digest(_skeleton(rms_norm_eps=1e-3)),
+        "layers": _digest(_skeleton(num_layers=3)),
+        "attention": _digest(build_skeleton(tiny_config("llama"), torch.float32, "eager")),
+        "device": _digest(_skeleton().to_empty(device="cpu")),
+        "class": _digest(_subclassed(_skeleton())),
+        "seq_len": _digest(_skeleton(), {"decode": False, "seq_len": 9, "batch": 2}),
+        "batch": _digest(_skeleton(), {"decode": False, "seq_len": 8, "batch": 3}),
+        "decode": _digest(_skeleton(), {"decode": True, "seq_len": 8, "batch": 2}),
+        "cache_len": _digest(_skeleton(), {"decode": True, "seq_len": 8, "batch": 2, "cache_len": 16}),
+    }
+    # transformers may replace its lazy module in sys.modules on first use: patch the current one
+    for module in (torch, sys.modules["transformers"], cache):
+        with monkeypatch.context() as m:
+            m.setattr(module, "__version__", "0.0.1")
+            others[f"{module.__name__} version"] = _digest(_skeleton())
+    with monkeypatch.context() as m:
+        m.setattr(cache, "_export_code_hash", lambda: "edited")
+        others["export code"] = _digest(_skeleton())
+    trained = _skeleton()
+    trained.train()
+    others["training"] = _digest(trained)
+    same = [field for field, digest in others.items() if digest == base]
+    assert not same, f"these changes keep the key: {same}"
+    assert len(set(others.values())) == len(others)
+
+
+def test_a_changed_version_misses_and_the_old_entry_stays(populated, cache_dir, monkeypatch):
+    folder, code = populated
+    shutil.copytree(folder, cache_dir)
+    with monkeypatch.context() as m:
+        m.setattr(cache, "__version__", "0.0.1")
+        assert export_source(_skeleton()).code == code
+    assert (cache.STATS["miss"], cache.STATS["disk"], cache.STATS["dropped"]) == (1, 0, 0)
+    assert len(list(cache_dir.glob("*.json"))) == 2
+    cache.clear_memory()
+    export_source(_skeleton())
+    assert cache.STATS["disk"] == 1
+
+
+def test_hooked_models_are_not_cached(cache_dir):
+    model = _skeleton()
+    handle = model.model.layers[0].register_forward_hook(lambda *a: None)
+    assert cache.key_of(model, {}) is None
+    handle.remove()
+    assert cache.key_of(model, {}) is not None
+
+
+def test_off_writes_nothing(tmp_path, monkeypatch):
+    _off(monkeypatch)
+    monkeypatch.chdir(tmp_path)  # "off" is not a directory name
+    before = sorted(tmp_path.rglob("*"))
+    capture_graph(_skeleton())
+    assert sorted(tmp_path.rglob("*")) == before
+    assert not cache._memory and not cache.STATS
+
+
+def test_concurrent_writers_of_one_key_leave_a_valid_entry(populated, cache_dir):
+    folder, code = populated
+    shutil.copytree(folder, cache_dir)
+    sidecar, program = _entry(cache_dir)
+    meta = json.loads(sidecar.read_text())
+    ep = torch.export.load(str(program))
+    key = meta["key"]
+    digest = sidecar.stem
+    errors = []
+
+    def write():
+        try:
+            cache._write(digest, key, ep)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert not list(cache_dir.glob(".*.tmp"))
+    assert export_source(_skeleton()).code == code
+    assert (cache.STATS["disk"], cache.STATS["dropped"]) == (1, 0)
