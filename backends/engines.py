@@ -17,8 +17,9 @@ BACKENDS = ("onnx", "tensorrt")
 
 def check_backend(backend: str) -> str:
     if backend not in BACKENDS:
-        raise ExportError(f"backend {backend!r} is not available; use backend='onnx' or backend='tensorrt'.",
-                          parameter="backend")
+        raise ExportError(
+            f"backend {backend!r} is not available; use backend='onnx' or backend='tensorrt'.", parameter="backend"
+        )
     return backend
 
 
@@ -46,12 +47,22 @@ def export_options(
 
     check_precision(precision)
     if ort_fusions:
-        raise ExportError("ort_fusions writes onnxruntime-only ops, which TensorRT cannot parse; drop ort_fusions "
-                          "for backend='tensorrt'.", parameter="ort_fusions")
+        raise ExportError(
+            "ort_fusions writes onnxruntime-only ops, which TensorRT cannot parse; drop ort_fusions "
+            "for backend='tensorrt'.",
+            parameter="ort_fusions",
+        )
     if not build_on_target:
         require_tensorrt("building TensorRT engines")
-    return dict(kv=kv, compose=compose, precision=precision, build_on_target=build_on_target, max_batch=max_batch,
-                max_prefill=max_prefill, max_capacity=max_capacity)
+    return dict(
+        kv=kv,
+        compose=compose,
+        precision=precision,
+        build_on_target=build_on_target,
+        max_batch=max_batch,
+        max_prefill=max_prefill,
+        max_capacity=max_capacity,
+    )
 
 
 def export_engines(
@@ -72,21 +83,24 @@ def export_engines(
     if check_backend(backend) == "tensorrt":
         from looptool.backends.tensorrt import export_tensorrt
 
-        return export_tensorrt(model, output, budgets, **options, overwrite=overwrite, validate=validate,
-                               on_progress=on_progress)
+        return export_tensorrt(
+            model, output, budgets, **options, overwrite=overwrite, validate=validate, on_progress=on_progress
+        )
     from looptool.backends.onnx import export_onnx
 
-    return export_onnx(model, output, budgets, **options, overwrite=overwrite, validate=validate,
-                       on_progress=on_progress)
+    return export_onnx(
+        model, output, budgets, **options, overwrite=overwrite, validate=validate, on_progress=on_progress
+    )
 
 
-def open_runtime(engine_dir: str | os.PathLike, backend: str = "onnx", *, threads: int | None = None,
-                 prepack: bool = False):
+def open_runtime(
+    engine_dir: str | os.PathLike, backend: str = "onnx", *, threads: int | None = None, prepack: bool = False
+):
     """The runtime of an exported engine directory: onnxruntime sessions
     (:class:`looptool.backends.ort.Runtime`, with ``threads`` and ``prepack``) or the built
-    TensorRT engines (:class:`looptool.backends.tensorrt.Runtime`)."""
+    TensorRT engines (:class:`looptool.backends.trt_runtime.Runtime`)."""
     if check_backend(backend) == "tensorrt":
-        from looptool.backends.tensorrt import Runtime
+        from looptool.backends.trt_runtime import Runtime
 
         return Runtime(engine_dir)
     from looptool.backends.ort import Runtime

@@ -46,7 +46,15 @@ from pathlib import Path
 import torch
 
 from looptool.backends.onnx_format import (
-    FORMAT, FORMAT_VERSION, MANIFEST, WEIGHTS, EngineError, ExportError, budget_file, sha256_file, write_manifest,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    WEIGHTS,
+    EngineError,
+    ExportError,
+    budget_file,
+    sha256_file,
+    write_manifest,
 )
 from looptool.backends.onnx_optimize import simplify, strip_metadata
 from looptool.backends.onnx_outline import outline_looptool_functions
@@ -55,10 +63,30 @@ from looptool.backends.onnx_validate import DEFAULT_ATOL, FP16_ATOL, default_ato
 from looptool.core.errors import require_extra
 
 __all__ = [  # the engine format, store, optimisation and validation names stay importable from here
-    "DEFAULT_ATOL", "FP16_ATOL", "FORMAT", "FORMAT_VERSION", "INLINE_LIMIT", "MANIFEST", "WEIGHTS", "BudgetExport", "EngineError",
-    "ExportError", "ExportReport", "WeightStore", "budget_file", "export_onnx", "export_program",
-    "outline_looptool_functions", "resolve_budgets", "resolve_policies", "serving_example", "sha256_file", "simplify",
-    "default_atol", "validate_engine", "validation_prompts",
+    "DEFAULT_ATOL",
+    "FP16_ATOL",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "INLINE_LIMIT",
+    "MANIFEST",
+    "WEIGHTS",
+    "BudgetExport",
+    "EngineError",
+    "ExportError",
+    "ExportReport",
+    "WeightStore",
+    "budget_file",
+    "export_onnx",
+    "export_program",
+    "outline_looptool_functions",
+    "resolve_budgets",
+    "resolve_policies",
+    "serving_example",
+    "sha256_file",
+    "simplify",
+    "default_atol",
+    "validate_engine",
+    "validation_prompts",
 ]
 log = logging.getLogger(__name__)
 
@@ -128,7 +156,9 @@ def resolve_budgets(model, budgets: int | str | Iterable[int] | None) -> tuple[i
         try:
             budgets = [int(b) for b in budgets.split(",")]
         except ValueError:
-            raise ExportError(f"budget {budgets!r} is not a number; pass e.g. 6, 0,6 or all.", parameter="budgets") from None
+            raise ExportError(
+                f"budget {budgets!r} is not a number; pass e.g. 6, 0,6 or all.", parameter="budgets"
+            ) from None
     if isinstance(budgets, int):
         budgets = [budgets]
     return tuple(sorted({model.check_budget(int(b)) for b in budgets}))
@@ -137,8 +167,8 @@ def resolve_budgets(model, budgets: int | str | Iterable[int] | None) -> tuple[i
 def resolve_policies(model, kv: str | Iterable[str]) -> tuple[str, ...]:
     """KV policies to export: one, a comma-separated list, or ``all`` (every policy the
     model supports: last-loop only where some budget repeats a layer)."""
-    from looptool.runtime.generation import check_policy, repeats_layers
     from looptool.passes.kv_cache import KV_POLICIES
+    from looptool.runtime.generation import check_policy, repeats_layers
 
     if kv == "all":
         chosen = [p for p in KV_POLICIES if p == "per-loop" or repeats_layers(model)]
@@ -196,8 +226,9 @@ def export_onnx(
             for policy in policies:
                 for budget in chosen:
                     say(f"exporting budget {budget} ({policy})")
-                    result, entry = _export_graph(serving_graph(model, budget, policy), budget, policy, temp, store,
-                                                  known, library)
+                    result, entry = _export_graph(
+                        serving_graph(model, budget, policy), budget, policy, temp, store, known, library
+                    )
                     results.append(result)
                     graphs[budget, policy] = entry
         finally:
@@ -218,10 +249,16 @@ def export_onnx(
         graph_bytes = sum(p.stat().st_size for p in temp.iterdir() if p.name != WEIGHTS)
         bodies = list(library.bodies.values()) if library else []
         report = ExportReport(
-            directory=str(final), budgets=results, weights_bytes=(temp / WEIGHTS).stat().st_size,
-            graph_bytes=graph_bytes, parameter_bytes=model.dims().param_bytes, seconds=time.perf_counter() - t0,
-            layer_functions=sum(b.function is not None for b in bodies), layer_seconds=sum(b.seconds for b in bodies),
-            validation_seconds=t_validate, fusions=functions,
+            directory=str(final),
+            budgets=results,
+            weights_bytes=(temp / WEIGHTS).stat().st_size,
+            graph_bytes=graph_bytes,
+            parameter_bytes=model.dims().param_bytes,
+            seconds=time.perf_counter() - t0,
+            layer_functions=sum(b.function is not None for b in bodies),
+            layer_seconds=sum(b.seconds for b in bodies),
+            validation_seconds=t_validate,
+            fusions=functions,
         )
         commit_output_dir(final, temp)
     except BaseException:
@@ -238,8 +275,11 @@ def _check_exportable(model, dtypes: tuple[torch.dtype, ...] = _SUPPORTED_DTYPES
     if param.device.type != "cpu":
         raise ExportError(f"the model is on {param.device}; load it on the CPU (looptool.load(dir)) before exporting.")
     if param.dtype not in dtypes:
-        raise ExportError(f"ONNX export supports float32 and float16 models, this one is {param.dtype}; convert with "
-                          "dtype=torch.float32.", parameter="dtype")
+        raise ExportError(
+            f"ONNX export supports float32 and float16 models, this one is {param.dtype}; convert with "
+            "dtype=torch.float32.",
+            parameter="dtype",
+        )
 
 
 def _model_tensor_digests(model) -> dict[str, str]:
@@ -290,8 +330,15 @@ class _DropRecords(logging.Filter):
 _TORCHVISION_NOTICE = ("torch.onnx._internal.exporter._registration", _DropRecords("torchvision is not installed"))
 
 
-def export_program(gm: torch.fx.GraphModule, args, dynamic_shapes, *, input_names=None, output_names=None,
-                   extra_translations: dict | None = None):
+def export_program(
+    gm: torch.fx.GraphModule,
+    args,
+    dynamic_shapes,
+    *,
+    input_names=None,
+    output_names=None,
+    extra_translations: dict | None = None,
+):
     """``torch.onnx.export`` (dynamo, no exporter optimisation, looptool's translations), in
     eval mode (serving graphs are inference graphs; ``gm``'s mode is restored after)."""
     from looptool.backends.onnx_functions import OPSET, translation_table
@@ -306,9 +353,17 @@ def export_program(gm: torch.fx.GraphModule, args, dynamic_shapes, *, input_name
             # and torch.export's own pytree deprecation notice (torch's code, not the user's)
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             return torch.onnx.export(
-                gm, tuple(args), dynamo=True, external_data=True, optimize=False, opset_version=OPSET,
-                dynamic_shapes=tuple(dynamic_shapes), input_names=input_names, output_names=output_names,
-                custom_translation_table={**translation_table(), **(extra_translations or {})}, verbose=False,
+                gm,
+                tuple(args),
+                dynamo=True,
+                external_data=True,
+                optimize=False,
+                opset_version=OPSET,
+                dynamic_shapes=tuple(dynamic_shapes),
+                input_names=input_names,
+                output_names=output_names,
+                custom_translation_table={**translation_table(), **(extra_translations or {})},
+                verbose=False,
             )
     finally:
         gm.train(training)
@@ -326,22 +381,44 @@ def _export_graph(sg, budget: int, policy: str, directory: Path, store: WeightSt
         try:
             onnx_model, calls = _compose(sg, library)
         except Exception as exc:  # noqa: BLE001  (any failure of the composed route: trace flat instead)
-            log.warning("budget %d (%s): composing from layer functions failed (%s: %s); exporting it flat",
-                        budget, policy, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+            log.warning(
+                "budget %d (%s): composing from layer functions failed (%s: %s); exporting it flat",
+                budget,
+                policy,
+                type(exc).__name__,
+                str(exc).splitlines()[0][:200] if str(exc) else "",
+            )
     if onnx_model is None:
         args, shapes = serving_example(sg)
-        onnx_model = _run_exporter(lambda: export_program(sg.module, args, shapes, input_names=sg.input_names,
-                                                          output_names=sg.output_names), budget).model
+        onnx_model = _run_exporter(
+            lambda: export_program(sg.module, args, shapes, input_names=sg.input_names, output_names=sg.output_names),
+            budget,
+        ).model
     outline_looptool_functions(onnx_model)
     simplify(onnx_model)
     names = externalize(onnx_model, directory, store, known, budget)
     strip_metadata(onnx_model)
     path = directory / budget_file(budget, policy)
     ir.save(onnx_model, path)
-    result = BudgetExport(budget=budget, kv=policy, file=path.name, bytes=path.stat().st_size,
-                          seconds=time.perf_counter() - t0, fused=sg.fused, composed=bool(calls), layer_calls=calls)
-    entry = {"file": path.name, "initializers": names, "fused": sg.fused, "composed": bool(calls),
-             "layer_calls": calls, "cache": sg.layout.to_dict(), "kv_bytes_per_token": sg.layout.bytes_per_token()}
+    result = BudgetExport(
+        budget=budget,
+        kv=policy,
+        file=path.name,
+        bytes=path.stat().st_size,
+        seconds=time.perf_counter() - t0,
+        fused=sg.fused,
+        composed=bool(calls),
+        layer_calls=calls,
+    )
+    entry = {
+        "file": path.name,
+        "initializers": names,
+        "fused": sg.fused,
+        "composed": bool(calls),
+        "layer_calls": calls,
+        "cache": sg.layout.to_dict(),
+        "kv_bytes_per_token": sg.layout.bytes_per_token(),
+    }
     return result, entry
 
 
@@ -381,5 +458,3 @@ def _run_exporter(call, budget: int):
     except Exception as exc:
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
         raise ExportError(f"torch.onnx.export failed on budget {budget} ({type(exc).__name__}: {first}).") from exc
-
-

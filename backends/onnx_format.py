@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
-from looptool.storage.files import sha256_file
 from looptool.core.errors import LooptoolError
+from looptool.storage.files import sha256_file
 
 if TYPE_CHECKING:
     from looptool.backends.onnx_store import WeightStore
@@ -20,15 +19,12 @@ MANIFEST = "manifest.json"
 WEIGHTS = "weights.bin"
 
 
-
 class ExportError(LooptoolError):
     """An export failed (unsupported model, exporter failure, or validation mismatch)."""
 
 
-
 class EngineError(LooptoolError):
     """An engine directory is incomplete, tampered with or points outside itself."""
-
 
 
 def budget_file(budget: int, kv: str = "per-loop") -> str:
@@ -36,19 +32,26 @@ def budget_file(budget: int, kv: str = "per-loop") -> str:
     return f"budget_{budget}.{kv}.onnx"
 
 
-
-
-def write_manifest(model, directory: Path, store: WeightStore, graphs: dict[tuple[int, str], dict],
-                    functions: dict[str, dict[str, int]], ort_fusions: bool) -> None:
+def write_manifest(
+    model,
+    directory: Path,
+    store: WeightStore,
+    graphs: dict[tuple[int, str], dict],
+    functions: dict[str, dict[str, int]],
+    ort_fusions: bool,
+) -> None:
     from looptool.backends.onnx_functions import DOMAIN, DOMAIN_VERSION, OPSET
     from looptool.backends.serving import INPUTS, LOGITS
-
     from looptool.core.version import __version__
 
     budgets: dict[str, dict] = {}
     for (budget, policy), info in sorted(graphs.items()):
         path = directory / info["file"]
-        budgets.setdefault(str(budget), {})[policy] = {**info, "sha256": sha256_file(path), "bytes": path.stat().st_size}
+        budgets.setdefault(str(budget), {})[policy] = {
+            **info,
+            "sha256": sha256_file(path),
+            "bytes": path.stat().st_size,
+        }
     mask_dtype = str(model.mask_dtype).removeprefix("torch.")
     manifest = {
         "format": FORMAT,
@@ -56,10 +59,14 @@ def write_manifest(model, directory: Path, store: WeightStore, graphs: dict[tupl
         "looptool_version": __version__,
         "opset": {"": OPSET, DOMAIN: DOMAIN_VERSION},
         "interface": {
-            "inputs": dict(zip(INPUTS, ("int64 [batch, step]", f"{mask_dtype} [batch, capacity]", "int64 [batch, step]",
-                                        "int64 [step]"))),
+            "inputs": dict(
+                zip(
+                    INPUTS,
+                    ("int64 [batch, step]", f"{mask_dtype} [batch, capacity]", "int64 [batch, step]", "int64 [step]"),
+                )
+            ),
             "caches": "past_key_values.{j}.key / .value [batch, kv_heads, capacity, head_dim] in, present.{j}.key / "
-                      ".value out (same buffers may be bound to both)",
+            ".value out (same buffers may be bound to both)",
             "outputs": {LOGITS: "[batch, 1, vocab] (last position)"},
         },
         "kv_policies": sorted({policy for _, policy in graphs}),
@@ -68,7 +75,12 @@ def write_manifest(model, directory: Path, store: WeightStore, graphs: dict[tupl
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "plan": model.plan.to_dict(),
         "budgets": budgets,
-        "weights": {"file": WEIGHTS, "sha256": sha256_file(directory / WEIGHTS), "bytes": store.size, "tensors": store.tensors},
+        "weights": {
+            "file": WEIGHTS,
+            "sha256": sha256_file(directory / WEIGHTS),
+            "bytes": store.size,
+            "tensors": store.tensors,
+        },
         "parameter_bytes": model.dims().param_bytes,
         "source_config": model.config.to_dict(),
         "tokenizer": model.tokenizer is not None,

@@ -45,8 +45,12 @@ LAYER_DOMAIN = "looptool.layers"
 # that no model dimension is likely to equal, so the body exports keep them symbolic.
 EXAMPLE_BATCH, EXAMPLE_STEP, EXAMPLE_CAPACITY = 11, 7, 19
 _DIM_NAMES = {EXAMPLE_BATCH: "batch", EXAMPLE_STEP: "step", EXAMPLE_CAPACITY: "capacity"}
-_DERIVED = {EXAMPLE_BATCH * EXAMPLE_STEP, EXAMPLE_BATCH * EXAMPLE_CAPACITY, EXAMPLE_STEP * EXAMPLE_CAPACITY,
-            EXAMPLE_BATCH * EXAMPLE_STEP * EXAMPLE_CAPACITY}
+_DERIVED = {
+    EXAMPLE_BATCH * EXAMPLE_STEP,
+    EXAMPLE_BATCH * EXAMPLE_CAPACITY,
+    EXAMPLE_STEP * EXAMPLE_CAPACITY,
+    EXAMPLE_BATCH * EXAMPLE_STEP * EXAMPLE_CAPACITY,
+}
 
 
 class ComposeError(LooptoolError):
@@ -179,7 +183,9 @@ class LayerLibrary:
                 _check_symbolic(model, body)
                 body.function, body.functions = _as_function(model, body.name)
             except Exception as exc:
-                body.error = f"body {body.index}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                body.error = (
+                    f"body {body.index}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                )
                 raise
             body.seconds = time.perf_counter() - t0
             log.info("exported body %d (%d nodes) in %.1f s", body.index, len(body.function.node), body.seconds)
@@ -209,8 +215,9 @@ class LayerLibrary:
                         initializers[name] = ir.Value(name=name, const_value=ir.tensor(array, name=name))
                     values[i] = initializers[name]
                 args.append(values[i])
-            call = ir.Node(LAYER_DOMAIN, unit.body.name, args, num_outputs=len(unit.outputs),
-                           name=f"call_{unit.outputs[-1].name}")
+            call = ir.Node(
+                LAYER_DOMAIN, unit.body.name, args, num_outputs=len(unit.outputs), name=f"call_{unit.outputs[-1].name}"
+            )
             for node, out in zip(unit.outputs, call.outputs):
                 out.name = node.name
                 values[node] = out
@@ -222,8 +229,14 @@ class LayerLibrary:
                 raise ComposeError(f"output '{name}' is not a distinct computed value.")
             value.name, value.type, value.shape = name, ir.TensorType(types[name][0]), ir.Shape(types[name][1])
             outputs.append(value)
-        graph = ir.Graph(graph_inputs, outputs, nodes=nodes, initializers=list(initializers.values()),
-                         opset_imports={**opset, LAYER_DOMAIN: 1}, name="looptool_serving")
+        graph = ir.Graph(
+            graph_inputs,
+            outputs,
+            nodes=nodes,
+            initializers=list(initializers.values()),
+            opset_imports={**opset, LAYER_DOMAIN: 1},
+            name="looptool_serving",
+        )
         model = ir.Model(graph, ir_version=10, producer_name="looptool")
         for body in {u.body.index: u.body for u in comp.units}.values():
             for proto in [body.function, *body.functions]:
@@ -252,7 +265,9 @@ def _interface_types(sg: ServingGraph) -> dict[str, tuple]:
     """ONNX element type and symbolic shape of every interface input and output."""
     import onnx_ir as ir
 
-    float_type = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}[sg.layout.dtype]
+    float_type = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}[
+        sg.layout.dtype
+    ]
     placeholders = [n for n in sg.module.graph.nodes if n.op == "placeholder"]
     mask = ir.DataType.from_numpy(np.dtype(str(placeholders[1].meta["val"].dtype).removeprefix("torch.")))
     out = {

@@ -10,6 +10,7 @@ def outline_looptool_functions(onnx_model) -> dict[str, int]:
     """Replace the inlined body of every fused op by one ``looptool``-domain node and add
     the function definitions (bodies) to the model; returns the count per function."""
     import onnx_ir as ir
+
     from looptool.backends.onnx_functions import DOMAIN, DOMAIN_VERSION, FUNCTIONS
 
     groups: dict[str, list] = {}
@@ -17,7 +18,7 @@ def outline_looptool_functions(onnx_model) -> dict[str, int]:
     for node in onnx_model.graph:
         scope = node.metadata_props.get("namespace", "")
         target = scope.rsplit(": ", 1)[-1]
-        kind = target[len(DOMAIN) + 1:-len(".default")] if target.endswith(".default") else None
+        kind = target[len(DOMAIN) + 1 : -len(".default")] if target.endswith(".default") else None
         if target.startswith(f"{DOMAIN}.") and kind in FUNCTIONS:
             key = node.metadata_props.get("pkg.torch.onnx.name_scopes", scope)
             groups.setdefault(key, []).append(node)
@@ -38,13 +39,12 @@ def outline_looptool_functions(onnx_model) -> dict[str, int]:
     return counts
 
 
-
 def _outline(graph, nodes: list, function) -> None:
     """Swap the inlined copy of ``function`` (the last nodes of ``nodes``) for one call."""
     import onnx_ir as ir
 
     body = list(function)
-    inlined = nodes[-len(body):]
+    inlined = nodes[-len(body) :]
     if len(nodes) < len(body) or [n.op_type for n in inlined] != [n.op_type for n in body]:
         raise ExportError(
             f"the exported nodes of looptool.{function.name} do not match its function body; "
@@ -65,8 +65,13 @@ def _outline(graph, nodes: list, function) -> None:
         for fn_out, actual in zip(fn_node.outputs, node.outputs):
             if id(fn_out) in out_index:
                 old_outputs[out_index[id(fn_out)]] = actual
-    call = ir.Node(function.domain, function.name, [params[i] for i in range(len(params))],
-                   num_outputs=len(old_outputs), name=inlined[-1].name)
+    call = ir.Node(
+        function.domain,
+        function.name,
+        [params[i] for i in range(len(params))],
+        num_outputs=len(old_outputs),
+        name=inlined[-1].name,
+    )
     call.metadata_props.update(inlined[-1].metadata_props)
     graph.insert_before(inlined[0], call)
     for old, new in zip(old_outputs, call.outputs):
@@ -74,7 +79,11 @@ def _outline(graph, nodes: list, function) -> None:
         old.name = None
         old.replace_all_uses_with(new, replace_graph_outputs=True)
     for node in reversed(inlined):
-        leaked = [o for o in node.outputs if o.uses() and id(o) in produced and not all(u.node in inlined for u in o.uses())]
+        leaked = [
+            o for o in node.outputs if o.uses() and id(o) in produced and not all(u.node in inlined for u in o.uses())
+        ]
         if leaked:
-            raise ExportError(f"an intermediate of looptool.{function.name} is read outside it; please report this as a bug.")
+            raise ExportError(
+                f"an intermediate of looptool.{function.name} is read outside it; please report this as a bug."
+            )
     graph.remove(inlined, safe=True)

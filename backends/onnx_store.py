@@ -11,7 +11,6 @@ import torch
 
 from looptool.backends.onnx_format import WEIGHTS, ExportError
 
-
 ALIGN = 64  # bytes; every tensor starts on a cache-line (and SIMD) boundary
 ALIGN_LARGE = 4096  # tensors of 1 MiB or more start on a page, so they can be mapped as is
 LARGE = 1 << 20
@@ -27,7 +26,6 @@ def to_numpy(tensor) -> np.ndarray:
 
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
-
 
 
 class WeightStore:
@@ -54,14 +52,15 @@ class WeightStore:
             entry = {"offset": offset, "length": len(data), "sha256": digest}
             self._by_digest[digest] = entry
         if name in self.tensors and self.tensors[name]["sha256"] != digest:
-            raise ExportError(f"two different tensors are both named '{name}' in the exported graphs; please report this as a bug.")
+            raise ExportError(
+                f"two different tensors are both named '{name}' in the exported graphs; please report this as a bug."
+            )
         self.tensors[name] = {**entry, "dtype": dtype, "shape": list(array.shape)}
         return self.tensors[name]
 
     def close(self) -> None:
         """Flush and close the file."""
         self._file.close()
-
 
 
 def externalize(onnx_model, directory: Path, store: WeightStore, known: dict[str, str], budget: int) -> list[str]:
@@ -82,7 +81,9 @@ def externalize(onnx_model, directory: Path, store: WeightStore, known: dict[str
             continue  # a small exporter constant: stays in the graph file
         digest = hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
         if is_model_tensor and known[name] != digest:
-            raise ExportError(f"initializer '{name}' of budget {budget} differs from the model tensor of that name; please report this as a bug.")
+            raise ExportError(
+                f"initializer '{name}' of budget {budget} differs from the model tensor of that name; please report this as a bug."
+            )
         if not is_model_tensor and digest not in known_digests:
             raise ExportError(
                 f"budget {budget} has a {nbytes}-byte initializer '{name}' that is no model tensor "
@@ -90,8 +91,13 @@ def externalize(onnx_model, directory: Path, store: WeightStore, known: dict[str
             )
         entry = store.add(name, array, str(tensor.dtype))
         value.const_value = ir.ExternalTensor(
-            WEIGHTS, entry["offset"], entry["length"], tensor.dtype,
-            shape=tensor.shape, name=name, base_dir=directory,
+            WEIGHTS,
+            entry["offset"],
+            entry["length"],
+            tensor.dtype,
+            shape=tensor.shape,
+            name=name,
+            base_dir=directory,
         )
         names.append(name)
     return names

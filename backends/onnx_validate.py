@@ -24,8 +24,9 @@ def default_atol(model) -> float:
     """The validation limit (relative to ``max(1, max |logits|)``) for ``model``'s dtype."""
     dtype = next(model.parameters()).dtype
     return FP16_ATOL if dtype == torch.float16 else DEFAULT_ATOL
-VALIDATION_TEXT = "The quick brown fox jumps over the lazy dog, then counts: one, two, three, four."
 
+
+VALIDATION_TEXT = "The quick brown fox jumps over the lazy dog, then counts: one, two, three, four."
 
 
 def validation_prompts(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -45,9 +46,9 @@ def validation_prompts(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-
-def validate_engine(model, directory: str | os.PathLike, *, atol: float | None = None,
-                    new_tokens: int = 6) -> dict[tuple[int, str], dict[str, float]]:
+def validate_engine(
+    model, directory: str | os.PathLike, *, atol: float | None = None, new_tokens: int = 6
+) -> dict[tuple[int, str], dict[str, float]]:
     """Generate greedily with every graph of an engine (onnxruntime, :class:`Runtime`) and
     with the PyTorch cached path on the same prompts; returns the max abs difference of the
     next-token logits over the prefill and every decode step, per ``(budget, policy)`` and
@@ -63,10 +64,18 @@ def validate_engine(model, directory: str | os.PathLike, *, atol: float | None =
         for budget in rt.budgets:
             diffs[budget, policy] = {}
             for label, (ids, mask) in validation_prompts(model).items():
-                ref = generate(model, ids, attention_mask=mask, budget=budget, kv=policy, max_new_tokens=new_tokens,
-                               output_logits=True)
-                got = rt.generate(ids, attention_mask=mask, budget=budget, kv=policy, max_new_tokens=new_tokens,
-                                  output_logits=True)
+                ref = generate(
+                    model,
+                    ids,
+                    attention_mask=mask,
+                    budget=budget,
+                    kv=policy,
+                    max_new_tokens=new_tokens,
+                    output_logits=True,
+                )
+                got = rt.generate(
+                    ids, attention_mask=mask, budget=budget, kv=policy, max_new_tokens=new_tokens, output_logits=True
+                )
                 diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(ref.logits, got.logits))
                 # fp32 kernels accumulate in different orders, so the limit scales with the logits
                 # once they exceed 1 (SmolLM2: |logits| ~ 36, diff ~ 2e-4 even with ORT optimisations off)

@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+
 from looptool.backends.onnx_format import (
     FORMAT,
     FORMAT_VERSION,
@@ -35,8 +36,16 @@ from looptool.core.errors import require_extra
 
 log = logging.getLogger(__name__)
 
-_NUMPY_DTYPES = {"FLOAT": np.float32, "FLOAT16": np.float16, "DOUBLE": np.float64, "INT64": np.int64,
-                 "INT32": np.int32, "BOOL": np.bool_, "UINT8": np.uint8, "INT8": np.int8}  # manifest tensor dtypes
+_NUMPY_DTYPES = {
+    "FLOAT": np.float32,
+    "FLOAT16": np.float16,
+    "DOUBLE": np.float64,
+    "INT64": np.int64,
+    "INT32": np.int32,
+    "BOOL": np.bool_,
+    "UINT8": np.uint8,
+    "INT8": np.int8,
+}  # manifest tensor dtypes
 _GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
 _SHARED_ARENA: list[bool] = []  # set once the process-wide CPU arena is registered
 
@@ -91,10 +100,14 @@ def read_manifest(directory: Path) -> dict:
 def _inside(directory: Path, location: str) -> Path:
     """The file a relative ``location`` names, refused unless it lies inside ``directory``."""
     if os.path.isabs(location) or location.startswith(("/", "\\")):
-        raise EngineError(f"external data location '{location}' is an absolute path; engines may only reference files inside their own directory.")
+        raise EngineError(
+            f"external data location '{location}' is an absolute path; engines may only reference files inside their own directory."
+        )
     target = (directory / location).resolve()
     if directory.resolve() not in target.parents:
-        raise EngineError(f"external data location '{location}' points outside the engine directory '{directory}'; refusing to load it.")
+        raise EngineError(
+            f"external data location '{location}' points outside the engine directory '{directory}'; refusing to load it."
+        )
     return target
 
 
@@ -111,7 +124,9 @@ def check_external_data(directory: Path, graph_path: Path) -> list[str]:
         info = {e.key: e.value for e in init.external_data}
         target = _inside(directory, info.get("location", ""))
         if target != (directory / WEIGHTS).resolve():
-            raise EngineError(f"initializer '{init.name}' of {graph_path.name} reads '{info.get('location')}', not {WEIGHTS}; export the engine again.")
+            raise EngineError(
+                f"initializer '{init.name}' of {graph_path.name} reads '{info.get('location')}', not {WEIGHTS}; export the engine again."
+            )
         names.append(init.name)
     return names
 
@@ -131,8 +146,15 @@ class Runtime:
     may be numpy arrays or torch tensors.
     """
 
-    def __init__(self, engine_dir: str | os.PathLike, *, providers: list[str] | None = None, verify: bool = True,
-                 threads: int | None = None, prepack: bool = False):
+    def __init__(
+        self,
+        engine_dir: str | os.PathLike,
+        *,
+        providers: list[str] | None = None,
+        verify: bool = True,
+        threads: int | None = None,
+        prepack: bool = False,
+    ):
         require_extra("onnx", "running ONNX engines", "onnxruntime", "onnx")
         self.directory = Path(engine_dir)
         self.manifest = read_manifest(self.directory)
@@ -140,7 +162,9 @@ class Runtime:
             self.budgets: tuple[int, ...] = tuple(sorted(int(b) for b in self.manifest["budgets"]))
             self.kv_policies: tuple[str, ...] = tuple(self.manifest["kv_policies"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise EngineError(f"{self.directory / MANIFEST} does not list its budgets and KV policies; export the engine again.") from exc
+            raise EngineError(
+                f"{self.directory / MANIFEST} does not list its budgets and KV policies; export the engine again."
+            ) from exc
         self._layouts = {key: self._layout(*key) for key in self._graphs()}
         self.providers = providers or default_providers()
         self.threads = threads
@@ -152,7 +176,9 @@ class Runtime:
         if verify:
             self._verify(weights)
         if weights.stat().st_size != self.manifest["weights"]["bytes"]:
-            raise EngineError(f"{weights} has {weights.stat().st_size} bytes, the manifest says {self.manifest['weights']['bytes']}; export the engine again.")
+            raise EngineError(
+                f"{weights} has {weights.stat().st_size} bytes, the manifest says {self.manifest['weights']['bytes']}; export the engine again."
+            )
         self._graph_inits: dict[tuple[int, str], list[str]] = {}  # per graph, checked when its session is made
         self._mmap = np.memmap(weights, dtype=np.uint8, mode="r") if weights.stat().st_size else np.zeros(0, np.uint8)
         self._values: dict[str, object] = {}
@@ -168,7 +194,9 @@ class Runtime:
     def _entry(self, budget: int, kv: str) -> dict:
         entry = self.manifest["budgets"].get(str(budget), {}).get(kv)
         if not isinstance(entry, dict):
-            raise EngineError(f"{MANIFEST} lists budget {budget} and policy {kv} but has no graph entry for them; export the engine again.")
+            raise EngineError(
+                f"{MANIFEST} lists budget {budget} and policy {kv} but has no graph entry for them; export the engine again."
+            )
         return entry
 
     def _graph_path(self, budget: int, kv: str) -> Path:
@@ -182,7 +210,9 @@ class Runtime:
         try:
             return CacheLayout.from_dict(self._entry(budget, kv)["cache"])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise EngineError(f"{MANIFEST} does not describe the cache layout of budget {budget} ({kv}); export the engine again.") from exc
+            raise EngineError(
+                f"{MANIFEST} does not describe the cache layout of budget {budget} ({kv}); export the engine again."
+            ) from exc
 
     def layout(self, budget: int | None = None, kv: str = "per-loop") -> CacheLayout:
         """The cache layout of one graph (pairs, dtype) as the manifest records it."""
@@ -191,14 +221,18 @@ class Runtime:
     def _verify(self, weights: Path) -> None:
         expected = self.manifest["weights"].get("sha256")
         if sha256_file(weights) != expected:
-            raise EngineError(f"{weights} does not match the sha256 in {MANIFEST} (the file was modified or corrupted); export the engine again.")
+            raise EngineError(
+                f"{weights} does not match the sha256 in {MANIFEST} (the file was modified or corrupted); export the engine again."
+            )
 
     def _checked_graph(self, budget: int, kv: str) -> Path:
         """The graph file of one budget and policy: present, matching its sha256 (``verify``)
         and reading its weights only from this engine's ``weights.bin``."""
         path = self._graph_path(budget, kv)
         if self.verify and sha256_file(path) != self._entry(budget, kv).get("sha256"):
-            raise EngineError(f"{path} does not match the sha256 in {MANIFEST} (the file was modified or corrupted); export the engine again.")
+            raise EngineError(
+                f"{path} does not match the sha256 in {MANIFEST} (the file was modified or corrupted); export the engine again."
+            )
         self._graph_inits[budget, kv] = check_external_data(self.directory, path)
         return path
 
@@ -217,8 +251,10 @@ class Runtime:
             dtype = entry["dtype"]
             np_dtype = _NUMPY_DTYPES.get(dtype)
             if np_dtype is None:
-                raise EngineError(f"tensor '{name}' has dtype {dtype}, which this runtime cannot map; export in float32 or float16.")
-            array = self._mmap[start:start + length].view(np_dtype).reshape(entry["shape"])
+                raise EngineError(
+                    f"tensor '{name}' has dtype {dtype}, which this runtime cannot map; export in float32 or float16."
+                )
+            array = self._mmap[start : start + length].view(np_dtype).reshape(entry["shape"])
             value = ort.OrtValue.ortvalue_from_numpy(array)
             self._values[name] = value
         return value
@@ -255,13 +291,18 @@ class Runtime:
         if budget is None:
             return self.budgets[-1]
         if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or int(budget) not in self.budgets:
-            raise EngineError(f"budget {budget!r} is not in this engine's budgets {list(self.budgets)}; pick one of those.")
+            raise EngineError(
+                f"budget {budget!r} is not in this engine's budgets {list(self.budgets)}; pick one of those."
+            )
         return int(budget)
 
     def _check_policy(self, kv: str) -> str:
         if kv not in self.kv_policies:
-            raise EngineError(f"this engine was exported with KV policies {list(self.kv_policies)}, not {kv!r}; pick one of "
-                              f"those or export again with kv={kv!r}.", parameter="kv")
+            raise EngineError(
+                f"this engine was exported with KV policies {list(self.kv_policies)}, not {kv!r}; pick one of "
+                f"those or export again with kv={kv!r}.",
+                parameter="kv",
+            )
         return kv
 
     # ------------------------------------------------------------------ compute
@@ -269,8 +310,9 @@ class Runtime:
         """Next-token logits ``[batch, vocab]`` after the prompt (a prefill into a fresh
         cache); numpy in → numpy out, torch in → torch out."""
         is_torch = type(input_ids).__module__.startswith("torch")
-        out = self.generate(input_ids, budget=budget, attention_mask=attention_mask, kv=kv, max_new_tokens=1,
-                            output_logits=True)
+        out = self.generate(
+            input_ids, budget=budget, attention_mask=attention_mask, kv=kv, max_new_tokens=1, output_logits=True
+        )
         logits = out.logits[0]
         return logits if is_torch else logits.numpy()
 
@@ -302,16 +344,29 @@ class Runtime:
         from looptool.runtime.generation import decode_loop
 
         budget, kv = self._check_budget(budget), self._check_policy(kv)
-        ids, mask, capacity = check_request(self.manifest, input_ids, attention_mask, max_new_tokens, capacity,
-                                            temperature, top_k, top_p)
+        ids, mask, capacity = check_request(
+            self.manifest, input_ids, attention_mask, max_new_tokens, capacity, temperature, top_k, top_p
+        )
         binding = _Binding(self.session(budget, kv), self._layouts[budget, kv], ids.shape[0], capacity, self.vocab_size)
         import torch
 
         mask_dtype = getattr(torch, str(self.mask_dtype))
         return decode_loop(
-            binding.step, ids, mask, capacity=capacity, max_new_tokens=max_new_tokens, mask_dtype=mask_dtype,
-            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id, on_step=on_step, output_logits=output_logits, kv_bytes=binding.kv_bytes,
+            binding.step,
+            ids,
+            mask,
+            capacity=capacity,
+            max_new_tokens=max_new_tokens,
+            mask_dtype=mask_dtype,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            on_step=on_step,
+            output_logits=output_logits,
+            kv_bytes=binding.kv_bytes,
         )
 
     def kv_bytes(self, budget: int | None = None, kv: str = "per-loop", *, batch: int = 1, capacity: int = 1) -> int:
@@ -325,12 +380,22 @@ class Runtime:
         self._mmap = None
 
     def __repr__(self) -> str:
-        return (f"Runtime('{self.directory}', budgets={list(self.budgets)}, kv={list(self.kv_policies)}, "
-                f"sessions={sorted(self._sessions)})")
+        return (
+            f"Runtime('{self.directory}', budgets={list(self.budgets)}, kv={list(self.kv_policies)}, "
+            f"sessions={sorted(self._sessions)})"
+        )
 
 
-def check_request(manifest: dict, input_ids, attention_mask, max_new_tokens: int, capacity: int | None,
-                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None):
+def check_request(
+    manifest: dict,
+    input_ids,
+    attention_mask,
+    max_new_tokens: int,
+    capacity: int | None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+):
     """A generate request checked against an engine's manifest (any runtime): ``(input_ids
     as a LongTensor [batch, prompt], attention_mask or None, cache capacity)``; one
     sentence for each thing that is wrong."""
@@ -345,21 +410,33 @@ def check_request(manifest: dict, input_ids, attention_mask, max_new_tokens: int
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise EngineError(f"input_ids must be integer token ids, got {ids.dtype}.")
     if vocab_size is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise EngineError(f"input_ids must lie in [0, {vocab_size}), got values from {int(ids.min())} to {int(ids.max())}.")
+        raise EngineError(
+            f"input_ids must lie in [0, {vocab_size}), got values from {int(ids.min())} to {int(ids.max())}."
+        )
     ids = ids.long()
     mask = None
     if attention_mask is not None:
-        mask = attention_mask.detach().cpu() if isinstance(attention_mask, torch.Tensor) else torch.from_numpy(np.asarray(attention_mask))
+        mask = (
+            attention_mask.detach().cpu()
+            if isinstance(attention_mask, torch.Tensor)
+            else torch.from_numpy(np.asarray(attention_mask))
+        )
         if tuple(mask.shape) != tuple(ids.shape):
-            raise EngineError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}; they must match.")
+            raise EngineError(
+                f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}; they must match."
+            )
     check_generation_args(ids, max_new_tokens, temperature, top_k, top_p)
     prompt = ids.shape[1]
     capacity = prompt + max_new_tokens if capacity is None else capacity
     if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < prompt:
-        raise EngineError(f"the prompt has {prompt} tokens, more than the cache capacity {capacity}; raise the capacity.")
+        raise EngineError(
+            f"the prompt has {prompt} tokens, more than the cache capacity {capacity}; raise the capacity."
+        )
     limit = manifest.get("source_config", {}).get("max_position_embeddings")
     if limit is not None and capacity > limit:
-        raise EngineError(f"a cache of {capacity} tokens exceeds the model's {limit} positions; use a shorter prompt or fewer new tokens.")
+        raise EngineError(
+            f"a cache of {capacity} tokens exceeds the model's {limit} positions; use a shorter prompt or fewer new tokens."
+        )
     return ids, mask, int(capacity)
 
 
@@ -373,14 +450,20 @@ class _Binding:
         self.session = session
         dtype = {"float32": np.float32, "float16": np.float16}.get(layout.dtype)
         if dtype is None:
-            raise EngineError(f"the engine's cache dtype {layout.dtype} cannot be allocated by this runtime; export in float32 or float16.")
-        self.caches = [np.zeros((batch, p.kv_heads, capacity, p.head_dim), dtype=dtype) for p in layout.pairs for _ in "kv"]
+            raise EngineError(
+                f"the engine's cache dtype {layout.dtype} cannot be allocated by this runtime; export in float32 or float16."
+            )
+        self.caches = [
+            np.zeros((batch, p.kv_heads, capacity, p.head_dim), dtype=dtype) for p in layout.pairs for _ in "kv"
+        ]
         self.kv_bytes = sum(c.nbytes for c in self.caches)
         past, present = layout.names()
         graph_inputs = {i.name for i in session.get_inputs()}
         graph_outputs = [o.name for o in session.get_outputs()]
         if graph_inputs != {*INPUTS, *past} or graph_outputs != [LOGITS, *present]:
-            raise EngineError("the graph's inputs and outputs do not match the cache layout in the manifest; export the engine again.")
+            raise EngineError(
+                "the graph's inputs and outputs do not match the cache layout in the manifest; export the engine again."
+            )
         vocab = session.get_outputs()[0].shape[-1]
         vocab = vocab if isinstance(vocab, int) else vocab_size  # flat exports name the axis
         self.logits = np.zeros((batch, 1, vocab or 0), dtype=dtype)

@@ -86,16 +86,22 @@ class CacheLayout:
 
     def to_dict(self) -> dict:
         """JSON-ready form (stored in engine manifests)."""
-        return {"dtype": self.dtype, "pairs": [asdict(p) for p in self.pairs],
-                "shape": "[batch, kv_heads, capacity, head_dim]"}
+        return {
+            "dtype": self.dtype,
+            "pairs": [asdict(p) for p in self.pairs],
+            "shape": "[batch, kv_heads, capacity, head_dim]",
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> CacheLayout:
         """Inverse of :meth:`to_dict`; raises ``ValueError``/``KeyError``/``TypeError`` on a malformed entry."""
-        pairs = tuple(CachePair(int(p["layer"]), int(p["execution"]), int(p["kv_heads"]), int(p["head_dim"]))
-                      for p in data["pairs"])
+        pairs = tuple(
+            CachePair(int(p["layer"]), int(p["execution"]), int(p["kv_heads"]), int(p["head_dim"]))
+            for p in data["pairs"]
+        )
         if data["dtype"] not in ("float32", "float16", "bfloat16") or any(
-                min(p.kv_heads, p.head_dim) < 1 or p.execution < 1 for p in pairs):
+            min(p.kv_heads, p.head_dim) < 1 or p.execution < 1 for p in pairs
+        ):
             raise ValueError("cache layout out of range")
         return cls(pairs, str(data["dtype"]))
 
@@ -116,10 +122,10 @@ def serving_graph(model, budget: int, kv: str = "per-loop", *, fuse: bool = True
     """The decode-interface graph of ``model`` at ``budget`` under KV policy ``kv``, reading
     the model's own tensors (nothing is copied). With ``fuse`` the ``fuse`` pass runs (through
     the PassManager) on the cached path of ``budget``."""
-    from looptool.runtime.generation import cached_layer_graph, cached_paths
     from looptool.core.graph import shared_graph_module
     from looptool.passes import PassManager
     from looptool.passes.fuse import fused_counts
+    from looptool.runtime.generation import cached_layer_graph, cached_paths
 
     budget = model.check_budget(budget)
     path = cached_paths(model, kv)[budget]
@@ -144,7 +150,9 @@ def serving_graph(model, budget: int, kv: str = "per-loop", *, fuse: bool = True
             pairs.append(CachePair(slot.layer, slot.execution, slot.kv_heads, slot.head_dim))
         names[slot_name] = past_name(index[key], slot.kind)
     if len(names) != 2 * len(pairs):
-        raise LooptoolError(f"budget {budget}: the cached path's cache inputs do not form key/value pairs; please report this as a bug.")
+        raise LooptoolError(
+            f"budget {budget}: the cached path's cache inputs do not form key/value pairs; please report this as a bug."
+        )
     _order_inputs(graph, names)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     layout = CacheLayout(tuple(pairs), dtype)
@@ -152,8 +160,14 @@ def serving_graph(model, budget: int, kv: str = "per-loop", *, fuse: bool = True
     _order_outputs(graph, names, past)
     graph.lint()
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return ServingGraph(shared_graph_module(model, graph), layout, [*INPUTS, *past], [LOGITS, *present], dict(counts),
-                        int(text.vocab_size))
+    return ServingGraph(
+        shared_graph_module(model, graph),
+        layout,
+        [*INPUTS, *past],
+        [LOGITS, *present],
+        dict(counts),
+        int(text.vocab_size),
+    )
 
 
 def functional_cache_writes(graph: fx.Graph) -> list[str]:
@@ -196,8 +210,10 @@ def _order_inputs(graph: fx.Graph, names: dict[str, str]) -> None:
     by index, key before value (FX placeholder names stay Python identifiers; the interface
     names are given to the exporter)."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    interface = {n: (INPUTS.index(n.target), 0, 0) if n.target in INPUTS else (len(INPUTS), *_pair_order(names[n.target]))
-                 for n in placeholders}
+    interface = {
+        n: (INPUTS.index(n.target), 0, 0) if n.target in INPUTS else (len(INPUTS), *_pair_order(names[n.target]))
+        for n in placeholders
+    }
     first = placeholders[0]
     for node in sorted(placeholders, key=interface.__getitem__, reverse=True):
         if node is not first:
@@ -227,4 +243,3 @@ def _flatten(value) -> list:
     if isinstance(value, (tuple, list)):
         return [x for v in value for x in _flatten(v)]
     return [value]
-

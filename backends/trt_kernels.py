@@ -23,7 +23,14 @@ class AOTKernel:
     scalars: tuple[str, ...]  # the i32 arguments TensorRT passes between inputs and outputs, in order
 
 
-_TRITON_DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+_TRITON_DTYPES = {
+    "fp32": "fp32",
+    "fp16": "fp16",
+    "bf16": "bf16",
+    "float32": "fp32",
+    "float16": "fp16",
+    "bfloat16": "bf16",
+}
 
 
 def aot_compile(op: str, dtype: str, *, arch: int = 90, ptx_version: int = 87, rank: int = 16) -> AOTKernel:
@@ -39,30 +46,74 @@ def aot_compile(op: str, dtype: str, *, arch: int = 90, ptx_version: int = 87, r
     from looptool.ops import kernels
 
     if kernels.INTERPRET:
-        raise ExportError("AOT compilation needs Triton's compiler, but this process runs Triton's interpreter "
-                          "(TRITON_INTERPRET=1); unset it.")
+        raise ExportError(
+            "AOT compilation needs Triton's compiler, but this process runs Triton's interpreter "
+            "(TRITON_INTERPRET=1); unset it."
+        )
     t = "*" + _TRITON_DTYPES[dtype]
     if op == "GatedResidual":
         fn, scalars, block = kernels.gated_residual_kernel, ("n", "gate_n"), kernels.ELEMENTWISE_BLOCK
-        signature = {"x_ptr": t, "gate_ptr": t, "f_ptr": t, "n": "i32", "gate_n": "i32", "out_ptr": t, "BLOCK": "constexpr"}
+        signature = {
+            "x_ptr": t,
+            "gate_ptr": t,
+            "f_ptr": t,
+            "n": "i32",
+            "gate_n": "i32",
+            "out_ptr": t,
+            "BLOCK": "constexpr",
+        }
         constexprs = {"BLOCK": block}
     elif op == "AdaptiveDeltaUpdate":
         fn, scalars, block = kernels.adaptive_delta_kernel, ("n", "gamma_n", "exit_n"), kernels.ELEMENTWISE_BLOCK
-        signature = {"s_ptr": t, "r_ptr": t, "z_ptr": t, "gamma_ptr": t, "exit_ptr": t, "n": "i32", "gamma_n": "i32",
-                     "exit_n": "i32", "out_ptr": t, "HAS_EXIT": "constexpr", "BLOCK": "constexpr"}
+        signature = {
+            "s_ptr": t,
+            "r_ptr": t,
+            "z_ptr": t,
+            "gamma_ptr": t,
+            "exit_ptr": t,
+            "n": "i32",
+            "gamma_n": "i32",
+            "exit_n": "i32",
+            "out_ptr": t,
+            "HAS_EXIT": "constexpr",
+            "BLOCK": "constexpr",
+        }
         constexprs = {"HAS_EXIT": True, "BLOCK": block}
     elif op == "Modulate":
         # fp32 tiles of 64 rows need 57 KiB of shared memory, over the 48 KiB a launch gets without opting in
-        fn, scalars, block = kernels.modulate_kernel, ("rows", "d", "rank"), 32 if _TRITON_DTYPES[dtype] == "fp32" else 64
-        signature = {"x_ptr": t, "scale_ptr": t, "shift_ptr": t, "down_ptr": t, "up_ptr": t, "rows": "i32", "d": "i32",
-                     "rank": "i32", "out_ptr": t, "RANK": "constexpr", "BLOCK_M": "constexpr", "BLOCK_D": "constexpr",
-                     "PRECISION": "constexpr"}
-        constexprs = {"RANK": kernels.modulate_rank_block(rank), "BLOCK_M": block, "BLOCK_D": 64,
-                      "PRECISION": "ieee" if _TRITON_DTYPES[dtype] == "fp32" else "tf32"}
+        fn, scalars, block = (
+            kernels.modulate_kernel,
+            ("rows", "d", "rank"),
+            32 if _TRITON_DTYPES[dtype] == "fp32" else 64,
+        )
+        signature = {
+            "x_ptr": t,
+            "scale_ptr": t,
+            "shift_ptr": t,
+            "down_ptr": t,
+            "up_ptr": t,
+            "rows": "i32",
+            "d": "i32",
+            "rank": "i32",
+            "out_ptr": t,
+            "RANK": "constexpr",
+            "BLOCK_M": "constexpr",
+            "BLOCK_D": "constexpr",
+            "PRECISION": "constexpr",
+        }
+        constexprs = {
+            "RANK": kernels.modulate_rank_block(rank),
+            "BLOCK_M": block,
+            "BLOCK_D": 64,
+            "PRECISION": "ieee" if _TRITON_DTYPES[dtype] == "fp32" else "tf32",
+        }
     else:
         raise ExportError(f"no AOT kernel for {op!r}; AOT plugins are {', '.join(AOT_OPS)}.")
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", arch, 32), options={"ptx_version": ptx_version, "num_warps": 4})
+    compiled = triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+        target=GPUTarget("cuda", arch, 32),
+        options={"ptx_version": ptx_version, "num_warps": 4},
+    )
     meta = compiled.metadata
     if getattr(meta, "global_scratch_size", 0):
         raise ExportError(f"the {op} kernel needs Triton global scratch memory, which TensorRT does not provide.")

@@ -8,7 +8,7 @@
 * ``looptool::Moe``: a Python plugin (``tensorrt.plugin.impl``): routing and the two grouped
   GEMMs are several launches, and an AOT plugin carries one kernel. It calls the same
   launcher as torch's CUDA dispatch of ``looptool::moe``, so engines with MoE need Python
-  and looptool at run time (:class:`looptool.backends.tensorrt.Runtime` registers it).
+  and looptool at run time (:class:`looptool.backends.trt_runtime.Runtime` registers it).
 
 Nothing here runs without TensorRT; :func:`register` imports it. (No ``from __future__
 import annotations`` here: TensorRT reads the ``trtp.TensorDesc`` annotations as classes.)
@@ -39,7 +39,12 @@ def _launch(kernel, work, extra):
     params.grid_x = trtp.cdiv(work, kernel.block)
     params.block_x = kernel.threads
     params.shared_mem = kernel.shared
-    return kernel.name.encode(), kernel.ptx.encode(), params, trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in extra])
+    return (
+        kernel.name.encode(),
+        kernel.ptx.encode(),
+        params,
+        trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in extra]),
+    )
 
 
 def register() -> None:
@@ -64,8 +69,9 @@ def register() -> None:
         return _launch(aot_compile("GatedResidual", _dtype_name(x)), n, [n, gate.shape_expr.numel()])
 
     @trtp.register("looptool::AdaptiveDeltaUpdate")
-    def adaptive_delta_desc(s_prev: trtp.TensorDesc, r: trtp.TensorDesc, z: trtp.TensorDesc, gamma: trtp.TensorDesc,
-                            exit: trtp.TensorDesc) -> trtp.TensorDesc:
+    def adaptive_delta_desc(
+        s_prev: trtp.TensorDesc, r: trtp.TensorDesc, z: trtp.TensorDesc, gamma: trtp.TensorDesc, exit: trtp.TensorDesc
+    ) -> trtp.TensorDesc:
         return s_prev.like()
 
     @trtp.autotune("looptool::AdaptiveDeltaUpdate")
@@ -79,8 +85,9 @@ def register() -> None:
         return _launch(kernel, n, [n, gamma.shape_expr.numel(), exit.shape_expr.numel()])
 
     @trtp.register("looptool::Modulate")
-    def modulate_desc(x: trtp.TensorDesc, scale: trtp.TensorDesc, shift: trtp.TensorDesc, down: trtp.TensorDesc,
-                      up: trtp.TensorDesc) -> trtp.TensorDesc:
+    def modulate_desc(
+        x: trtp.TensorDesc, scale: trtp.TensorDesc, shift: trtp.TensorDesc, down: trtp.TensorDesc, up: trtp.TensorDesc
+    ) -> trtp.TensorDesc:
         return x.like()
 
     @trtp.autotune("looptool::Modulate")
@@ -96,8 +103,13 @@ def register() -> None:
         return _launch(kernel, rows, [rows, d, rank])
 
     @trtp.register("looptool::Moe")
-    def moe_desc(x: trtp.TensorDesc, routing_weights: trtp.TensorDesc, expert_ids: trtp.TensorDesc,
-                 gate_up_proj: trtp.TensorDesc, down_proj: trtp.TensorDesc) -> trtp.TensorDesc:
+    def moe_desc(
+        x: trtp.TensorDesc,
+        routing_weights: trtp.TensorDesc,
+        expert_ids: trtp.TensorDesc,
+        gate_up_proj: trtp.TensorDesc,
+        down_proj: trtp.TensorDesc,
+    ) -> trtp.TensorDesc:
         return x.like()
 
     @trtp.autotune("looptool::Moe")
@@ -111,7 +123,9 @@ def register() -> None:
         from looptool.ops import kernels
 
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-            args = [torch.as_tensor(t, device="cuda") for t in (x, routing_weights, expert_ids, gate_up_proj, down_proj)]
+            args = [
+                torch.as_tensor(t, device="cuda") for t in (x, routing_weights, expert_ids, gate_up_proj, down_proj)
+            ]
             torch.as_tensor(outputs[0], device="cuda").copy_(kernels.moe(*args))
 
     _REGISTERED.append(True)

@@ -16,8 +16,14 @@ from looptool.testing import tiny_model
 
 source = tiny_model("qwen3_moe", num_layers=6)
 plan = looptool.RecurrentLoop(
-    recurrent=(1, 5), max_loops=4, update="adaptive-delta",
-    conditioning=True, cond_dim=32, rank=8, route_replay=True, init="exact",
+    recurrent=(1, 5),
+    max_loops=4,
+    update="adaptive-delta",
+    conditioning=True,
+    cond_dim=32,
+    rank=8,
+    route_replay=True,
+    init="exact",
 )
 model = looptool.convert(source, plan)
 ids = torch.randint(0, source.config.vocab_size, (2, 10))

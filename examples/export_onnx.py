@@ -12,10 +12,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from looptool.backends.onnx import export_onnx
-from looptool.backends.ort import Runtime
 
 import looptool
+from looptool.backends.onnx import export_onnx
+from looptool.backends.ort import Runtime
 from looptool.runtime.generation import generate
 from looptool.testing import tiny_model
 
@@ -30,10 +30,14 @@ out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp()) / "engi
 # every graph is validated against PyTorch (prefill + decode steps) before the directory is committed
 report = export_onnx(model, out_dir, "all", kv="all")
 for b in report.budgets:
-    print(f"budget {b.budget} ({b.kv}): {b.file} {b.bytes / 1024:.0f} KiB, {sum(b.layer_calls.values())} layer calls, "
-          f"fused {b.fused}, max |ORT - PyTorch| {max(b.max_abs_diff.values()):.1e}")
-print(f"weights.bin {report.weights_bytes / 1024:.0f} KiB for {report.parameter_bytes / 1024:.0f} KiB of parameters; "
-      f"{report.layer_functions} bodies exported in {report.layer_seconds:.1f} s")
+    print(
+        f"budget {b.budget} ({b.kv}): {b.file} {b.bytes / 1024:.0f} KiB, {sum(b.layer_calls.values())} layer calls, "
+        f"fused {b.fused}, max |ORT - PyTorch| {max(b.max_abs_diff.values()):.1e}"
+    )
+print(
+    f"weights.bin {report.weights_bytes / 1024:.0f} KiB for {report.parameter_bytes / 1024:.0f} KiB of parameters; "
+    f"{report.layer_functions} bodies exported in {report.layer_seconds:.1f} s"
+)
 
 rt = Runtime(out_dir)  # one InferenceSession per graph, created on first use, one copy of the weights
 ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
@@ -42,5 +46,7 @@ for kv in rt.kv_policies:
         ours = rt.generate(ids, budget=k, kv=kv, max_new_tokens=8)  # caches bound in place (IOBinding)
         ref = generate(model, ids, budget=k, kv=kv, max_new_tokens=8)
         assert torch.equal(ours.sequences, ref.sequences)
-        print(f"budget {k} ({kv}): {ours.sequences[0, 6:].tolist()}, KV {ours.kv_bytes} bytes, "
-              f"prefill {ours.prefill_seconds * 1e3:.1f} ms, decode {ours.decode_seconds * 1e3 / 7:.2f} ms/token")
+        print(
+            f"budget {k} ({kv}): {ours.sequences[0, 6:].tolist()}, KV {ours.kv_bytes} bytes, "
+            f"prefill {ours.prefill_seconds * 1e3:.1f} ms, decode {ours.decode_seconds * 1e3 / 7:.2f} ms/token"
+        )

@@ -33,8 +33,10 @@ with torch.no_grad():
 for k in model.budgets:
     for kv in ("per-loop", "last-loop"):
         out = generate(model, prompt, budget=k, max_new_tokens=12, kv=kv, eos_token_id=None)
-        text = tokenizer.decode(out.sequences[0, prompt.shape[1]:])
-        print(f"budget {k} {kv:>9}: KV {out.kv_bytes_per_token:6.0f} B/token, {out.tokens_per_second:7.1f} tok/s, {text!r}")
+        text = tokenizer.decode(out.sequences[0, prompt.shape[1] :])
+        print(
+            f"budget {k} {kv:>9}: KV {out.kv_bytes_per_token:6.0f} B/token, {out.tokens_per_second:7.1f} tok/s, {text!r}"
+        )
 
 out_dir = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp() + "/looped"
 model.save_pretrained(out_dir)

@@ -13,12 +13,23 @@ Beneath it, the pass API: :func:`looptool.capture.capture` a model into a
 """
 
 from looptool.capture import capture
-from looptool.runtime.convert import cast, convert
 from looptool.core.errors import LooptoolError
-from looptool.core.version import __version__
 from looptool.core.graph import LayerGraph
-from looptool.runtime.model import LoopedModel
 from looptool.core.plan import PrefixLoop, RecurrentLoop
+from looptool.core.version import __version__
+from looptool.runtime.convert import cast, convert
+from looptool.runtime.model import LoopedModel
 from looptool.storage.load import load
 
-__all__ = ["LayerGraph", "LoopedModel", "LooptoolError", "PrefixLoop", "RecurrentLoop", "capture", "cast", "convert", "load", "__version__"]
+__all__ = [
+    "LayerGraph",
+    "LoopedModel",
+    "LooptoolError",
+    "PrefixLoop",
+    "RecurrentLoop",
+    "capture",
+    "cast",
+    "convert",
+    "load",
+    "__version__",
+]

@@ -22,26 +22,43 @@ TINY_CONFIGS: dict[str, dict] = {
     "qwen2": dict(_COMMON, intermediate_size=128),
     "qwen3": dict(_COMMON, intermediate_size=128, head_dim=16),
     "gemma3_text": dict(
-        _COMMON, intermediate_size=128, head_dim=16, sliding_window=4,
+        _COMMON,
+        intermediate_size=128,
+        head_dim=16,
+        sliding_window=4,
         layer_types=["sliding_attention", "full_attention"] * 2,
     ),
     "phi3": dict(_COMMON, intermediate_size=128, pad_token_id=0),
     "gpt2": dict(vocab_size=256, n_embd=64, n_head=4, n_positions=128),
     "gpt_neox": dict(
-        vocab_size=256, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+        vocab_size=256,
+        hidden_size=64,
+        num_attention_heads=4,
+        intermediate_size=128,
         use_parallel_residual=True,
     ),
     "cohere": dict(  # parallel residual summed as h + A(x) + M(x); token ids inside the vocabulary
-        _COMMON, intermediate_size=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        _COMMON,
+        intermediate_size=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     ),
     "olmo2": dict(_COMMON, intermediate_size=128),
     "mixtral": dict(_COMMON, num_local_experts=4, **_MOE),
     "qwen3_moe": dict(
-        _COMMON, num_experts=4, moe_intermediate_size=96, head_dim=16, **_MOE,
+        _COMMON,
+        num_experts=4,
+        moe_intermediate_size=96,
+        head_dim=16,
+        **_MOE,
     ),
     "olmoe": dict(_COMMON, num_experts=4, **_MOE),
     "qwen2_moe": dict(
-        _COMMON, num_experts=4, moe_intermediate_size=96, shared_expert_intermediate_size=96,
+        _COMMON,
+        num_experts=4,
+        moe_intermediate_size=96,
+        shared_expert_intermediate_size=96,
         **_MOE,
     ),
 }
@@ -67,8 +84,9 @@ def tiny_model(model_type: str, num_layers: int = 4, seed: int = 0, **overrides)
     return model.eval()
 
 
-def save_to_hub_cache(model, repo_id: str, cache_dir: str | Path, *, commit: str, refs: tuple[str, ...] = ("main",),
-                      tokenizer=None) -> Path:
+def save_to_hub_cache(
+    model, repo_id: str, cache_dir: str | Path, *, commit: str, refs: tuple[str, ...] = ("main",), tokenizer=None
+) -> Path:
     """Save ``model`` (and ``tokenizer``) into a Hugging Face Hub cache as if ``repo_id`` at
     ``commit`` had been downloaded, with each of ``refs`` (branches or tags) pointing at it, so
     Hub ids can be used offline (``HF_HUB_OFFLINE=1``); returns the snapshot directory.

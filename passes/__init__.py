@@ -8,18 +8,31 @@ is declared where each pass is registered (``requires``, ``before``, ``after``) 
 by the manager against its steps and the passes already applied (``LayerGraph.applied``).
 """
 
-from looptool.passes.manager import (
-    PassManager, check_order, get_pass, must_precede, register_pass, registered_passes, unregister_pass,
-)
+from looptool.passes import ablate as _ablate  # noqa: F401  (registers)
+from looptool.passes import checkpoint as _checkpoint  # noqa: F401  (registers)
+from looptool.passes import fuse as _fuse  # noqa: F401  (registers)
+from looptool.passes import kv_cache as _kv_cache  # noqa: F401  (registers)
+from looptool.passes import last_position as _last_position  # noqa: F401  (registers)
 from looptool.passes import prefix_loop as _prefix_loop  # noqa: F401  (registers)
 from looptool.passes import recurrent_loop as _recurrent_loop  # noqa: F401  (registers)
 from looptool.passes import retarget_device as _retarget_device  # noqa: F401  (registers)
-from looptool.passes import kv_cache as _kv_cache  # noqa: F401  (registers)
-from looptool.passes import fuse as _fuse  # noqa: F401  (registers)
-from looptool.passes import checkpoint as _checkpoint  # noqa: F401  (registers)
-from looptool.passes import last_position as _last_position  # noqa: F401  (registers)
-from looptool.passes import ablate as _ablate  # noqa: F401  (registers)
 from looptool.passes import router_outputs as _router_outputs  # noqa: F401  (registers)
+from looptool.passes.manager import (
+    PassManager,
+    check_order,
+    get_pass,
+    must_precede,
+    register_pass,
+    registered_passes,
+    unregister_pass,
+)
 
-__all__ = ["PassManager", "check_order", "get_pass", "must_precede", "register_pass", "registered_passes",
-           "unregister_pass"]
+__all__ = [
+    "PassManager",
+    "check_order",
+    "get_pass",
+    "must_precede",
+    "register_pass",
+    "registered_passes",
+    "unregister_pass",
+]

@@ -57,8 +57,10 @@ def ablate_repetitions(graph: fx.Graph, layers: Iterable[int]) -> fx.Graph:
     missing = sorted(set(layers) - {annotation(add)["layer"] for add, _ in writes})
     if missing:
         repeated = sorted({annotation(add)["layer"] for add, _ in gated_writes(new)})
-        raise PassError(f"ablate_repetitions: this budget path does not repeat layer(s) {missing}; it repeats "
-                        f"{repeated or 'no layer'}.")
+        raise PassError(
+            f"ablate_repetitions: this budget path does not repeat layer(s) {missing}; it repeats "
+            f"{repeated or 'no layer'}."
+        )
     for add, write in writes:
         add.args = tuple(0.0 if a is write else a for a in add.args)  # stream + 0: the write removed
     _drop_dead(new)  # the second-pass branches nothing reads any more
@@ -72,8 +74,11 @@ def _mutated(node: fx.Node) -> list[fx.Node]:
         return []
     values = dict(zip((a.name for a in schema.arguments), node.args))
     values.update(node.kwargs)
-    return [values[a.name] for a in schema.arguments
-            if a.alias_info is not None and a.alias_info.is_write and isinstance(values.get(a.name), fx.Node)]
+    return [
+        values[a.name]
+        for a in schema.arguments
+        if a.alias_info is not None and a.alias_info.is_write and isinstance(values.get(a.name), fx.Node)
+    ]
 
 
 def _drop_dead(graph: fx.Graph) -> None:
@@ -113,7 +118,9 @@ def ablate_repetitions_pass(lg: LayerGraph, config: dict) -> LayerGraph:
     repeated = {k: {annotation(add)["layer"] for add, _ in gated_writes(g)} for k, g in lg.paths.items()}
     unknown = sorted(set(layers) - set().union(*repeated.values()))
     if unknown:
-        raise PassError(f"ablate_repetitions: no budget path repeats layer(s) {unknown}; the repeated layers are "
-                        f"{sorted(set().union(*repeated.values())) or 'none'}.")
+        raise PassError(
+            f"ablate_repetitions: no budget path repeats layer(s) {unknown}; the repeated layers are "
+            f"{sorted(set().union(*repeated.values())) or 'none'}."
+        )
     paths = {k: ablate_repetitions(g, repeated[k] & set(layers)) for k, g in lg.paths.items()}
     return lg.replace(paths=paths)

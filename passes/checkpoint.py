@@ -42,8 +42,16 @@ class Region:
     layer's parameters resolve them at call time, after those hooks ran.
     """
 
-    def __init__(self, graph: fx.Graph, name: str, layer: int, execution: int, *, checkpoint: bool = True,
-                 module_path: str | None = None):
+    def __init__(
+        self,
+        graph: fx.Graph,
+        name: str,
+        layer: int,
+        execution: int,
+        *,
+        checkpoint: bool = True,
+        module_path: str | None = None,
+    ):
         self.graph = graph
         self.layer = layer
         self.execution = execution
@@ -87,8 +95,12 @@ def checkpoint(lg: LayerGraph, config: dict) -> LayerGraph:
     if not lg.paths:
         raise PassError("checkpoint: the graph has no budget paths; run a looping pass first.")
     layers_path = lg.source.layers_path if config.get("shard_layers", False) else None
-    return lg.replace(paths={k: checkpoint_regions(g, checkpoint=config.get("checkpoint", True), layers_path=layers_path)
-                             for k, g in lg.paths.items()})
+    return lg.replace(
+        paths={
+            k: checkpoint_regions(g, checkpoint=config.get("checkpoint", True), layers_path=layers_path)
+            for k, g in lg.paths.items()
+        }
+    )
 
 
 def application_of(node: fx.Node) -> tuple[int, int] | None:
@@ -128,7 +140,7 @@ def regions_of(graph: fx.Graph) -> list[list[fx.Node]]:
     for key, members in application_members(graph).items():
         member_set = set(members)
         first, last = order[members[0]], order[members[-1]]
-        nodes = list(graph.nodes)[first:last + 1]
+        nodes = list(graph.nodes)[first : last + 1]
         for node in nodes:
             if node in member_set:
                 continue
@@ -157,7 +169,9 @@ def checkpoint_regions(graph: fx.Graph, *, checkpoint: bool = True, layers_path:
     last_of = {region[-1]: i for i, region in enumerate(regions)}
 
     def own_param(node: fx.Node, layer: int) -> bool:
-        return layers_path is not None and node.op == "get_attr" and str(node.target).startswith(f"{layers_path}.{layer}.")
+        return (
+            layers_path is not None and node.op == "get_attr" and str(node.target).startswith(f"{layers_path}.{layer}.")
+        )
 
     pulled: set[fx.Node] = set()
     new = fx.Graph()
@@ -175,11 +189,20 @@ def checkpoint_regions(graph: fx.Graph, *, checkpoint: bool = True, layers_path:
             inputs = [i for i in reads if i not in params]
             outputs = [n for n in region if any(u not in members for u in n.users)]
             ann = annotation(region[0])
-            fn = Region(_body(params + region, inputs, outputs), f"layer{key[0]}_x{key[1]}", *key,
-                        checkpoint=checkpoint, module_path=f"{layers_path}.{key[0]}" if layers_path else None)
+            fn = Region(
+                _body(params + region, inputs, outputs),
+                f"layer{key[0]}_x{key[1]}",
+                *key,
+                checkpoint=checkpoint,
+                module_path=f"{layers_path}.{key[0]}" if layers_path else None,
+            )
             call = new.call_function(fn, tuple(env[i] for i in inputs))
-            call.meta[META_KEY] = {"role": ROLE_LAYER, "layer": key[0], "region": key[1],
-                                   **{k: ann[k] for k in ("repeat", "loop") if k in ann}}
+            call.meta[META_KEY] = {
+                "role": ROLE_LAYER,
+                "layer": key[0],
+                "region": key[1],
+                **{k: ann[k] for k in ("repeat", "loop") if k in ann},
+            }
             for j, out in enumerate(outputs):
                 item = new.call_function(operator.getitem, (call, j))
                 item.meta = dict(out.meta)

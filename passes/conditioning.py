@@ -60,7 +60,8 @@ def conditioned_layers(lg: LayerGraph, start: int, stop: int) -> tuple[LayerInfo
             raise PlanError(
                 f"loop conditioning scales each branch's normalised input, but the {raw[0]} branch "
                 f"of layer {info.index} reads the residual stream without a norm (a post-norm "
-                f"{lg.source.model_type} layer); convert with conditioning=False.", parameter="conditioning"
+                f"{lg.source.model_type} layer); convert with conditioning=False.",
+                parameter="conditioning",
             )
     return layers
 
@@ -71,9 +72,9 @@ def conditioning_params(lg: LayerGraph, plan, layers: tuple[LayerInfo, ...]) -> 
     if r > d:
         raise PlanError(f"conditioning rank {r} exceeds the hidden size {d}; use rank={d} or less.", parameter="rank")
     params = [
-        NewParam(PREFIX + "mlp_in_weight", (c, c), init="normal", value=c ** -0.5),
+        NewParam(PREFIX + "mlp_in_weight", (c, c), init="normal", value=c**-0.5),
         NewParam(PREFIX + "mlp_in_bias", (c,), no_decay=True),
-        NewParam(PREFIX + "mlp_out_weight", (c, c), init="normal", value=c ** -0.5),
+        NewParam(PREFIX + "mlp_out_weight", (c, c), init="normal", value=c**-0.5),
         NewParam(PREFIX + "mlp_out_bias", (c,), no_decay=True),
     ]
     for head in _ENTRY_HEADS:
@@ -82,12 +83,15 @@ def conditioning_params(lg: LayerGraph, plan, layers: tuple[LayerInfo, ...]) -> 
         for w in info.writes:
             base = f"{PREFIX}{info.index}.{w.kind}."
             for head in _BRANCH_HEADS:
-                params += [NewParam(base + head + "_weight", (d, c)), NewParam(base + head + "_bias", (d,), no_decay=True)]
+                params += [
+                    NewParam(base + head + "_weight", (d, c)),
+                    NewParam(base + head + "_bias", (d,), no_decay=True),
+                ]
             params += [
                 NewParam(base + "gate_weight", (r, c)),
                 NewParam(base + "gate_bias", (r,), no_decay=True),
-                NewParam(base + "down", (r, d), init="normal", value=d ** -0.5),  # B
-                NewParam(base + "up", (d, r), init="normal", value=r ** -0.5),  # A
+                NewParam(base + "down", (r, d), init="normal", value=d**-0.5),  # B
+                NewParam(base + "up", (d, r), init="normal", value=r**-0.5),  # A
             ]
     return tuple(params)
 
@@ -148,7 +152,9 @@ class Conditioner:
         """``z_i = (1 + lambda_e) * RMSNorm(s~_i) + mu_e + eta * h_in`` for loops >= 2."""
         sq = self._op(_aten.mul.Tensor, s_tilde, s_tilde)
         mean = self._op(_aten.mean.dim, sq, [-1], True)
-        normed = self._op(_aten.mul.Tensor, s_tilde, self._op(_aten.rsqrt.default, self._op(_aten.add.Tensor, mean, self.eps)))
+        normed = self._op(
+            _aten.mul.Tensor, s_tilde, self._op(_aten.rsqrt.default, self._op(_aten.add.Tensor, mean, self.eps))
+        )
         scaled = self._op(_aten.mul.Tensor, self._op(_aten.add.Tensor, self._head(c, "entry_scale"), 1.0), normed)
         shifted = self._op(_aten.add.Tensor, scaled, self._head(c, "entry_shift"))
         injected = self._op(_aten.mul.Tensor, self._head(c, "entry_inject"), h_in)

@@ -28,7 +28,6 @@ import logging
 from collections import Counter
 
 import torch
-from looptool.passes.manager import LOOPING_PASSES, register_pass
 from torch import fx
 
 import looptool.ops  # noqa: F401  (registers torch.ops.looptool.*)
@@ -46,6 +45,7 @@ from looptool.core.graph import (
     is_call,
     value_users,
 )
+from looptool.passes.manager import LOOPING_PASSES, register_pass
 
 log = logging.getLogger(__name__)
 _aten = torch.ops.aten
@@ -120,7 +120,9 @@ def _fuse_gated_residual(graph: fx.Graph) -> int:
         if not is_call(add, _aten.add.Tensor) or add.kwargs or len(add.args) != 2:
             continue
         for i, arg in enumerate(add.args):
-            if not (is_call(arg, _aten.mul.Tensor) and annotation(arg).get("role") == ROLE_GATE and len(arg.users) == 1):
+            if not (
+                is_call(arg, _aten.mul.Tensor) and annotation(arg).get("role") == ROLE_GATE and len(arg.users) == 1
+            ):
                 continue
             tanh, f = arg.args
             if not (is_call(tanh, _aten.tanh.default) and annotation(tanh).get("role") == ROLE_GATE):
@@ -152,9 +154,16 @@ def _fuse_adaptive_delta(graph: fx.Graph) -> int:
             continue  # another update rule (delta, replace, residual): nothing to fuse
         beta, diff = step.args
         sig, rate = beta.args
-        if not (is_call(diff, _aten.sub.Tensor) and diff.args[1] is s_prev and is_call(sig, _aten.sigmoid.default)
-                and is_call(rate, _aten.softplus.default) and is_call(sig.args[0], _aten.linear.default)):
-            raise PassError(f"fuse: the adaptive-delta update at '{add.name}' does not have the shape recurrent_loop emits.")
+        if not (
+            is_call(diff, _aten.sub.Tensor)
+            and diff.args[1] is s_prev
+            and is_call(sig, _aten.sigmoid.default)
+            and is_call(rate, _aten.softplus.default)
+            and is_call(sig.args[0], _aten.linear.default)
+        ):
+            raise PassError(
+                f"fuse: the adaptive-delta update at '{add.name}' does not have the shape recurrent_loop emits."
+            )
         linear = sig.args[0]
         s_tilde, weight, bias = linear.args
         r, gamma = diff.args[0], rate.args[0]
@@ -173,7 +182,9 @@ def _fuse_modulate(graph: fx.Graph) -> int:
         if not (is_call(add, _aten.add.Tensor) and ann.get("part") == "conditioning" and len(add.args) == 2):
             continue
         x_t, up_out = add.args
-        if not (is_call(x_t, _aten.addcmul.default) and is_call(up_out, _aten.linear.default) and len(up_out.args) == 2):
+        if not (
+            is_call(x_t, _aten.addcmul.default) and is_call(up_out, _aten.linear.default) and len(up_out.args) == 2
+        ):
             continue
         down_out, up = up_out.args
         if not (is_call(down_out, _aten.linear.default) and len(down_out.args) == 2 and down_out.args[0] is x_t):
@@ -207,8 +218,10 @@ def _fuse_moe(graph: fx.Graph) -> int:
                 elif part in OPERANDS:
                     operands[part] = inp
         if set(operands) != set(OPERANDS):
-            raise PassError(f"fuse: the experts block of '{combine.name}' lost its {sorted(set(OPERANDS) - set(operands))} "
-                            "operand(s); please report this as a bug.")
+            raise PassError(
+                f"fuse: the experts block of '{combine.name}' lost its {sorted(set(OPERANDS) - set(operands))} "
+                "operand(s); please report this as a bug."
+            )
         if any(u not in region and u is not combine for n in region for u in value_users(n)):
             continue  # an intermediate escapes the experts block: not safe to replace
         for user in list(combine.users):

@@ -45,7 +45,9 @@ def kv_cache(lg: LayerGraph, config: dict) -> LayerGraph:
     if policy not in KV_POLICIES:
         raise PlanError(f"unknown KV cache policy {policy!r}; use one of {list(KV_POLICIES)}.")
     if not any(n.op == "placeholder" and "kv" in annotation(n) for n in lg.graph.nodes):
-        raise PassError("kv_cache needs a decode-step capture (capture(model, decode=True)); this graph has no cache inputs.")
+        raise PassError(
+            "kv_cache needs a decode-step capture (capture(model, decode=True)); this graph has no cache inputs."
+        )
     if not lg.paths:
         raise PassError("kv_cache: the graph has no budget paths; run a looping pass first.")
     paths = {k: route_cache_slots(g, policy) for k, g in lg.paths.items()}

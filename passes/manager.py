@@ -80,14 +80,18 @@ def check_order(names: Iterable[str], applied: Iterable[str] = (), *, check_requ
     history = list(applied)
     steps: list[str] = []
     for name in names:
-        for done, where in [*((d, "already ran on this graph") for d in history),
-                            *((d, "comes earlier in the steps") for d in steps)]:
+        for done, where in [
+            *((d, "already ran on this graph") for d in history),
+            *((d, "comes earlier in the steps") for d in steps),
+        ]:
             if must_precede(name, done):
                 raise PassError(f"pass {name!r} must run before pass {done!r}, which {where}.")
         needs, ran = getattr(get_pass(name), "requires", ()), history + steps
         if check_requires and needs and not any(n in ran for n in needs):
-            raise PassError(f"pass {name!r} needs pass {' or '.join(map(repr, needs))} to run first; passes that "
-                            f"ran before it: {', '.join(map(repr, ran)) or 'none'}.")
+            raise PassError(
+                f"pass {name!r} needs pass {' or '.join(map(repr, needs))} to run first; passes that "
+                f"ran before it: {', '.join(map(repr, ran)) or 'none'}."
+            )
         steps.append(name)
 
 

@@ -22,9 +22,9 @@ import torch
 import torch.fx as fx
 
 from looptool.core.graph import ROLE_GATE, LayerGraph, LayerInfo, NewParam, Write, annotate
+from looptool.core.plan import PrefixLoop
 from looptool.passes.emit import emit_layers, last_node, resolve_plan
 from looptool.passes.manager import register_pass
-from looptool.core.plan import PrefixLoop
 
 _aten = torch.ops.aten
 

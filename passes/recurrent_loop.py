@@ -34,12 +34,20 @@ import torch.fx as fx
 
 from looptool.core.errors import PassError, PlanError
 from looptool.core.graph import (
-    META_KEY, ROLE_MOE, ROLE_ROUTER, ROLE_STATE, LayerGraph, NewParam, annotate, annotation, copy_graph,
+    META_KEY,
+    ROLE_MOE,
+    ROLE_ROUTER,
+    ROLE_STATE,
+    LayerGraph,
+    NewParam,
+    annotate,
+    annotation,
+    copy_graph,
 )
+from looptool.core.plan import RecurrentLoop
 from looptool.passes.conditioning import Conditioner, conditioned_layers, conditioning_params
 from looptool.passes.emit import emit_layers, last_node, resolve_plan
 from looptool.passes.manager import register_pass
-from looptool.core.plan import RecurrentLoop
 
 _aten = torch.ops.aten
 PREFIX = "loop.recurrent."
@@ -72,7 +80,8 @@ def recurrent_loop(lg: LayerGraph, config: dict) -> LayerGraph:
     if plan.route_replay and not any(w.kind == ROLE_MOE for info in block for w in info.writes):
         raise PlanError(
             f"route replay needs MoE layers in the recurrent block, but layers {start}:{stop} of "
-            f"this {lg.source.model_type} model are dense; set route_replay=False.", parameter="route_replay"
+            f"this {lg.source.model_type} model are dense; set route_replay=False.",
+            parameter="route_replay",
         )
     new_params = recurrent_params(plan, lg.source.hidden_size)
     if plan.conditioning:
@@ -90,7 +99,8 @@ def router_nodes(lg: LayerGraph, layers) -> tuple[frozenset[fx.Node], frozenset[
         if any(w.kind == ROLE_MOE for w in info.writes) and not found:
             raise PassError(
                 f"route replay: the router of MoE layer {info.index} could not be told apart "
-                "from its experts; convert with route_replay=False.", parameter="route_replay"
+                "from its experts; convert with route_replay=False.",
+                parameter="route_replay",
             )
         router |= found
     frontier = {n for n in router if any(u not in router for u in n.users)}
@@ -126,9 +136,13 @@ class _State:
         else:
             step = self.op(_aten.sub.Tensor, r, s_prev, loop=loop)
             if rule == "adaptive-delta":
-                logits = self.op(_aten.linear.default, s_tilde, self.attr("beta_weight"), self.attr("beta_bias"), loop=loop)
+                logits = self.op(
+                    _aten.linear.default, s_tilde, self.attr("beta_weight"), self.attr("beta_bias"), loop=loop
+                )
                 rate = self.op(_aten.softplus.default, self.attr("beta_gamma"), loop=loop)
-                beta = self.op(_aten.mul.Tensor, self.op(_aten.sigmoid.default, logits, loop=loop), rate, loop=loop, name="beta")
+                beta = self.op(
+                    _aten.mul.Tensor, self.op(_aten.sigmoid.default, logits, loop=loop), rate, loop=loop, name="beta"
+                )
                 step = self.op(_aten.mul.Tensor, beta, step, loop=loop)
             elif rule == "delta":
                 step = self.op(_aten.mul.Tensor, self.attr("delta_rate"), step, loop=loop)
@@ -157,8 +171,16 @@ def build_path(lg: LayerGraph, plan: RecurrentLoop, loops: int) -> fx.Graph:
 
     def out_block() -> fx.Node:
         norm_hook, write_hook = cond.hooks(cond.output_vector())
-        local = emit_layers(graph, env, nodes, lg.layers[stop:], env[nodes[lg.layers[stop].input]],
-                            tags={"loop": "output"}, norm_hook=norm_hook, write_hook=write_hook)
+        local = emit_layers(
+            graph,
+            env,
+            nodes,
+            lg.layers[stop:],
+            env[nodes[lg.layers[stop].input]],
+            tags={"loop": "output"},
+            norm_hook=norm_hook,
+            write_hook=write_hook,
+        )
         return local[nodes[lg.layers[-1].output]]
 
     blocks = [(block, rec_block)]
@@ -203,8 +225,14 @@ def _unroll(graph, env, nodes, block, plan, loops, state, cond, router, frontier
         norm_hook, write_hook = cond.hooks(c) if cond is not None else (None, None)
         replay = plan.route_replay and i > 1
         local = emit_layers(
-            graph, env, nodes, block, z, tags={"loop": i},
-            norm_hook=norm_hook, write_hook=write_hook,
+            graph,
+            env,
+            nodes,
+            block,
+            z,
+            tags={"loop": i},
+            norm_hook=norm_hook,
+            write_hook=write_hook,
             skip=router if replay else frozenset(),
             reuse={f: first[f] for f in frontier} if replay else None,
         )
@@ -259,7 +287,7 @@ def with_exit_outputs(graph: fx.Graph) -> fx.Graph:
         env = {final: exits[i]}
         with new.inserting_before(output):
             for node in downstream:
-                env[node] = new.node_copy(node, lambda a: env.get(a, a))
+                env[node] = new.node_copy(node, lambda a, env=env: env.get(a, a))
                 ann = {k: v for k, v in annotation(node).items() if k != "router_logits"}
                 env[node].meta[META_KEY] = {**ann, "exit_copy": i}
         exit_logits.append(env[outs[0]])

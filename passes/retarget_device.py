@@ -54,4 +54,3 @@ def _retarget_body(body: fx.GraphModule, transform) -> fx.GraphModule:
         if isinstance(child, fx.GraphModule):
             new._modules[name] = _retarget_body(child, transform)
     return new
-

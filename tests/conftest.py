@@ -9,8 +9,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # looptool never needs the hub; prove it (before huggingface_hub reads it at import)
-if "LOOPTOOL_CACHE" not in os.environ:  # a capture cache of this run's own, shared by its xdist workers (they inherit it)
+os.environ.setdefault(
+    "HF_HUB_OFFLINE", "1"
+)  # looptool never needs the hub; prove it (before huggingface_hub reads it at import)
+if (
+    "LOOPTOOL_CACHE" not in os.environ
+):  # a capture cache of this run's own, shared by its xdist workers (they inherit it)
     _RUN_CACHE = Path(tempfile.mkdtemp(prefix="looptool-test-cache-"))
     with contextlib.suppress(OSError):  # but the SmolLM2 download stays in the user's cache, fetched once
         _smollm2 = Path.home() / ".cache" / "looptool" / "smollm2"
@@ -49,8 +53,18 @@ def converted(model_type: str):
 # The longest test files first (measured on the 2-core CI machine): under --dist loadfile a
 # file runs on one worker, and handing out the longest files first keeps the two workers'
 # finishing times close (the longest-processing-time rule). Order within a file is kept.
-_LONGEST_FIRST = ("test_examples.py", "test_smollm2.py", "test_onnx.py", "test_readme.py", "test_ort_generate.py",
-                  "test_train.py", "test_fsdp.py", "test_cli.py", "test_distill.py", "test_devices.py")
+_LONGEST_FIRST = (
+    "test_examples.py",
+    "test_smollm2.py",
+    "test_onnx.py",
+    "test_readme.py",
+    "test_ort_generate.py",
+    "test_train.py",
+    "test_fsdp.py",
+    "test_cli.py",
+    "test_distill.py",
+    "test_devices.py",
+)
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:

@@ -13,8 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
-_ORT_TO_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
-                 "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
+_ORT_TO_NUMPY = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(bool)": np.bool_,
+}
 
 
 def _view(ptr: int, shape, dtype) -> np.ndarray:
@@ -194,7 +199,9 @@ def install(monkeypatch) -> types.ModuleType:
             def decorator(fn):
                 plugin.registered.setdefault(name, {})[kind] = fn
                 return fn
+
             return decorator
+
         return decorator_factory
 
     for kind in ("register", "autotune", "aot_impl", "impl"):

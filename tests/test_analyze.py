@@ -12,19 +12,19 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 import looptool
-from looptool.eval.analyze import analyze
 from looptool.capture import capture
-from looptool.runtime.convert import plan_steps
 from looptool.cli import app
-from looptool.train.data import PackedTokens
 from looptool.core.errors import PassError
 from looptool.core.graph import annotation, shared_graph_module
-from looptool.runtime.model import LoopedModel
+from looptool.eval.analyze import analyze
 from looptool.passes import PassManager
 from looptool.passes.ablate import ablate_repetitions
 from looptool.passes.prefix_loop import gate_name
 from looptool.report.plots import plot_analysis
+from looptool.runtime.convert import plan_steps
+from looptool.runtime.model import LoopedModel
 from looptool.testing import tiny_model
+from looptool.train.data import PackedTokens
 
 ATOL = 2e-5
 
@@ -83,8 +83,11 @@ class _Driver:
         a = mod.self_attn(mod.input_layernorm(h), position_embeddings=self.pe, attention_mask=None)[0]
         u = h + gate_a * a
         router = getattr(mod.mlp, "gate", None)
-        hook = router.register_forward_hook(lambda _m, _i, out: self.routes.__setitem__(key, out[2])) \
-            if isinstance(router, torch.nn.Module) else None
+        hook = (
+            router.register_forward_hook(lambda _m, _i, out: self.routes.__setitem__(key, out[2]))
+            if isinstance(router, torch.nn.Module)
+            else None
+        )
         f = mod.mlp(mod.post_attention_layernorm(u))
         if hook is not None:
             hook.remove()
@@ -202,7 +205,9 @@ def test_prefix_statistics_match_a_hand_computation(moe):
     for row in hydra["adjacent_pairs"] + hydra["spaced_triplets"]:
         together = _accordion(src, model, ids, set(repeated) - set(row["layers"]), "moe")[3] - loss
         assert row["delta"] == pytest.approx(together, abs=2e-5)
-        assert row["sum_of_single"] == pytest.approx(sum(r["delta"] for r in hydra["single"] if r["layers"][0] in row["layers"]))
+        assert row["sum_of_single"] == pytest.approx(
+            sum(r["delta"] for r in hydra["single"] if r["layers"][0] in row["layers"])
+        )
         assert row["ratio"] == pytest.approx(row["delta"] / row["sum_of_single"])
 
 
@@ -267,9 +272,13 @@ def test_elr_statistics_match_a_hand_computation(captured, tmp_path):
         r = block(s_tilde, loop)
         beta = torch.sigmoid(F.linear(s_tilde, p["beta_weight"], p["beta_bias"])) * F.softplus(p["beta_gamma"])
         new = s + p["exit_gate"] * (beta * (r - s))
-        hand[loop] = {"update_norm": _norm(new - s).mean(), "prev_state_norm": _norm(s).mean(),
-                      "beta_mean": beta.mean(), "exit_factor_mean": p["exit_gate"].mean(),
-                      "exit_factor_mean_abs": p["exit_gate"].abs().mean()}
+        hand[loop] = {
+            "update_norm": _norm(new - s).mean(),
+            "prev_state_norm": _norm(s).mean(),
+            "beta_mean": beta.mean(),
+            "exit_factor_mean": p["exit_gate"].mean(),
+            "exit_factor_mean_abs": p["exit_gate"].abs().mean(),
+        }
         kept = [sum(_kept(d.routes[(i, 1)], d.routes[(i, loop)])) / ids.numel() for i in (1, 2)]
         hand[loop]["kept_mean_vs_loop1"] = sum(kept) / 2
         s = new
@@ -294,12 +303,32 @@ def test_analyze_command_writes_json_and_plots(model_dir, tmp_path):
     text.write_text("We the People of the United States, in Order to form a more perfect Union. " * 6)
     out = tmp_path / "analysis"
     runner = CliRunner()
-    res = runner.invoke(app, ["analyze", str(model_dir), "--data", str(text), "--tokens", "96", "--seq-len", "24",
-                              "--batch", "2", "-o", str(out)])
+    res = runner.invoke(
+        app,
+        [
+            "analyze",
+            str(model_dir),
+            "--data",
+            str(text),
+            "--tokens",
+            "96",
+            "--seq-len",
+            "24",
+            "--batch",
+            "2",
+            "-o",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     result = json.loads((out / "analysis.json").read_text())
-    assert sorted(p.name for p in out.iterdir()) == ["analysis.json", "hydra.png", "logit_lens.png",
-                                                     "residual_cosines.png", "writes.png"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "analysis.json",
+        "hydra.png",
+        "logit_lens.png",
+        "residual_cosines.png",
+        "writes.png",
+    ]
     assert result["budget"] == 2 and result["tokens"] == 96
     assert [b["budget"] for b in result["logit_lens"]] == [0, 1, 2]  # every budget without --budget
     assert [len(b["applications"]) for b in result["logit_lens"]] == [4, 5, 6]

@@ -108,11 +108,26 @@ def _parallel_forward(order: tuple[str, str, str], nest_left: bool):
     """A Cohere decoder-layer forward that sums ``h``, ``A(x)`` and ``M(x)`` in ``order``,
     as ``(a + b) + c`` (``nest_left``) or ``a + (b + c)``."""
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
-                use_cache=False, position_embeddings=None, **kwargs):
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        use_cache=False,
+        position_embeddings=None,
+        **kwargs,
+    ):
         x = self.input_layernorm(hidden_states)
-        attn, _ = self.self_attn(hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
-                                 cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        attn, _ = self.self_attn(
+            hidden_states=x,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
         terms = {"h": hidden_states, "A": attn, "M": self.mlp(x)}
         a, b, c = (terms[k] for k in order)
         return (a + b) + c if nest_left else a + (b + c)
@@ -153,7 +168,9 @@ def test_capture_records_the_architecture_facts_passes_need(arch):
     text = model.config
     assert src.norm_eps == getattr(text, "rms_norm_eps", None)
     experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
-    assert (src.num_experts, src.experts_per_token) == ((experts, text.num_experts_per_tok) if arch in MOE else (None, None))
+    assert (src.num_experts, src.experts_per_token) == (
+        (experts, text.num_experts_per_tok) if arch in MOE else (None, None)
+    )
     heads = text.num_attention_heads
     assert src.kv_heads == (getattr(text, "num_key_value_heads", None) or heads)
     assert src.head_dim == (getattr(text, "head_dim", None) or text.hidden_size // heads)

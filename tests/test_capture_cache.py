@@ -39,7 +39,10 @@ def _off(monkeypatch):
 
 
 def _tensors(module) -> dict:
-    return {**dict(module.named_buffers(remove_duplicate=False)), **dict(module.named_parameters(remove_duplicate=False))}
+    return {
+        **dict(module.named_buffers(remove_duplicate=False)),
+        **dict(module.named_parameters(remove_duplicate=False)),
+    }
 
 
 def _saved(arch: str, plan, path, monkeypatch):
@@ -60,12 +63,18 @@ def _logits(model, ids) -> dict:
 
 
 def _generations(model, prompt) -> dict:
-    return {(k, kv): generate(model, prompt, budget=k, max_new_tokens=3, kv=kv, output_logits=True)
-            for k in model.budgets for kv in ("per-loop", "last-loop")}
+    return {
+        (k, kv): generate(model, prompt, budget=k, max_new_tokens=3, kv=kv, output_logits=True)
+        for k in model.budgets
+        for kv in ("per-loop", "last-loop")
+    }
 
 
-@pytest.mark.parametrize("arch,plan,decode", [("llama", TINY_PLAN, False), ("llama", ELR, True), ("qwen3_moe", ELR, False)],
-                         ids=["prefix-llama", "recurrent-llama-generate", "recurrent-qwen3_moe"])
+@pytest.mark.parametrize(
+    "arch,plan,decode",
+    [("llama", TINY_PLAN, False), ("llama", ELR, True), ("qwen3_moe", ELR, False)],
+    ids=["prefix-llama", "recurrent-llama-generate", "recurrent-qwen3_moe"],
+)
 def test_cached_load_is_bit_identical(arch, plan, decode, tmp_path, monkeypatch, cache_dir, input_ids):
     """A load served by a fresh export (writing the cache), then from disk, then from memory,
     equals a load with the cache off at every budget; with ``decode`` so does cached
@@ -149,7 +158,7 @@ def _entry(folder):
 
 def _flip_bytes(sidecar, program):
     data = bytearray(program.read_bytes())
-    data[len(data) // 2: len(data) // 2 + 64] = bytes(64)
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
     program.write_bytes(bytes(data))
 
 
@@ -177,8 +186,9 @@ def _missing(sidecar, program):
     program.unlink()
 
 
-@pytest.mark.parametrize("corrupt", [_flip_bytes, _unloadable, _other_versions, _bad_sidecar, _missing],
-                         ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize(
+    "corrupt", [_flip_bytes, _unloadable, _other_versions, _bad_sidecar, _missing], ids=lambda f: f.__name__.strip("_")
+)
 def test_bad_entry_is_rebuilt_with_a_warning(corrupt, populated, cache_dir, caplog):
     folder, code = populated
     shutil.copytree(folder, cache_dir)

@@ -15,8 +15,10 @@ from looptool.testing import tiny_model
 
 CASES = {
     "llama-prefix": ("llama", looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2))),
-    "llama-elr-cond": ("llama", looptool.RecurrentLoop(recurrent=(1, 3), max_loops=3, conditioning=True,
-                                                       cond_dim=16, rank=4)),
+    "llama-elr-cond": (
+        "llama",
+        looptool.RecurrentLoop(recurrent=(1, 3), max_loops=3, conditioning=True, cond_dim=16, rank=4),
+    ),
     "qwen3_moe-elr-replay": ("qwen3_moe", looptool.RecurrentLoop(recurrent=(1, 3), max_loops=3, route_replay=True)),
 }
 
@@ -42,8 +44,15 @@ def _case(name: str, root):
     return _converted[name]
 
 
-@pytest.mark.parametrize("name, dtype", [("llama-prefix", torch.float16), ("llama-prefix", torch.bfloat16),
-                                         ("llama-elr-cond", torch.float16), ("qwen3_moe-elr-replay", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "name, dtype",
+    [
+        ("llama-prefix", torch.float16),
+        ("llama-prefix", torch.bfloat16),
+        ("llama-elr-cond", torch.float16),
+        ("qwen3_moe-elr-replay", torch.bfloat16),
+    ],
+)
 def test_cast_equals_converting_the_source_in_that_dtype(name, dtype, tmp_path_factory):
     directory, plan, model = _case(name, tmp_path_factory.getbasetemp())
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -63,12 +72,13 @@ def test_cast_equals_converting_the_source_in_that_dtype(name, dtype, tmp_path_f
     assert next(model.parameters()).dtype == torch.float32
     # one copy of each tensor, the same set of names as the original
     assert set(graph_tensors(cast)) == set(graph_tensors(model))
-    assert {id(t) for t in graph_tensors(cast).values()}.isdisjoint(
-        {id(t) for t in model.parameters()})
+    assert {id(t) for t in graph_tensors(cast).values()}.isdisjoint({id(t) for t in model.parameters()})
 
 
 def test_cast_keeps_ties_trainability_and_refuses_non_floats(tmp_path):
-    model = looptool.convert(tiny_model("llama", tie_word_embeddings=True), looptool.PrefixLoop(window=(1, 3), budgets=(0, 2)))
+    model = looptool.convert(
+        tiny_model("llama", tie_word_embeddings=True), looptool.PrefixLoop(window=(1, 3), budgets=(0, 2))
+    )
     next(iter(model.parameters())).requires_grad_(False)
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     cast = looptool.cast(model, torch.float16)

@@ -16,7 +16,10 @@ PLANS = {
     "gpt_neox-prefix": ("gpt_neox", looptool.PrefixLoop(window=(1, 3), budgets=(0, 2))),
     "olmo2-prefix": ("olmo2", looptool.PrefixLoop(window=(1, 3), budgets=(0, 2))),
     "qwen3_moe-prefix": ("qwen3_moe", looptool.PrefixLoop(window=(1, 3), budgets=(0, 2))),
-    "llama-elr-cond": ("llama", looptool.RecurrentLoop(recurrent=(1, 3), max_loops=3, conditioning=True, cond_dim=16, rank=4)),
+    "llama-elr-cond": (
+        "llama",
+        looptool.RecurrentLoop(recurrent=(1, 3), max_loops=3, conditioning=True, cond_dim=16, rank=4),
+    ),
     "qwen3_moe-elr-replay": ("qwen3_moe", looptool.RecurrentLoop(recurrent=(1, 3), max_loops=3, route_replay=True)),
 }
 
@@ -53,7 +56,9 @@ def test_checkpointed_paths_are_exact(name):
         assert torch.equal(loss, ref_loss), budget
         assert grads.keys() == ref_grads.keys()
         assert all(torch.equal(grads[k], ref_grads[k]) for k in grads), budget
-        assert any(n.startswith("loop.") and ref_grads[n].abs().sum() > 0 for n in ref_grads) or budget == model.budgets[0]
+        assert (
+            any(n.startswith("loop.") and ref_grads[n].abs().sum() > 0 for n in ref_grads) or budget == model.budgets[0]
+        )
 
 
 def test_one_region_per_layer_application():
@@ -63,11 +68,17 @@ def test_one_region_per_layer_application():
         graph = checkpoint_regions(model.layer_graph.paths[budget])
         regions = [n.target for n in graph.nodes if isinstance(n.target, Region)]
         assert [(r.layer, r.execution) for r in regions] == sorted(
-            [(i, 1) for i in range(4)] + [(i, 2) for i in range(1, 1 + budget)])
+            [(i, 1) for i in range(4)] + [(i, 2) for i in range(1, 1 + budget)]
+        )
         # every tensor op of a layer was outlined: outside the regions only their calls,
         # the picks of their outputs, and shape arithmetic remain
-        outside = [n for n in graph.nodes if n.op == "call_function" and not isinstance(n.target, Region)
-                   and isinstance(n.meta.get("looptool", {}).get("layer"), int)]
+        outside = [
+            n
+            for n in graph.nodes
+            if n.op == "call_function"
+            and not isinstance(n.target, Region)
+            and isinstance(n.meta.get("looptool", {}).get("layer"), int)
+        ]
         assert all(n.target is operator.getitem or not isinstance(n.meta.get("val"), torch.Tensor) for n in outside)
 
 

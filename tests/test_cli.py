@@ -67,7 +67,9 @@ def test_convert_missing_source(tmp_path):
 def test_convert_unsupported_architecture(tmp_path):
     import transformers
 
-    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    cfg = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
+    )
     transformers.BertModel(cfg).save_pretrained(tmp_path / "bert")
     res = _run("convert", tmp_path / "bert", "-o", tmp_path / "out")
     # transformers loads BERT as BertLMHeadModel; its post-LN layers have no clean residual stream
@@ -80,7 +82,9 @@ def test_convert_refuses_existing_output(tiny_dir, tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     res = _run("convert", tiny_dir, "-o", out)
-    assert res.exit_code == 1 and "already exists; pass overwrite=True to replace it. (option --overwrite)" in res.output
+    assert (
+        res.exit_code == 1 and "already exists; pass overwrite=True to replace it. (option --overwrite)" in res.output
+    )
     assert (out / "keep.txt").read_text() == "mine"
     res = _run("convert", tiny_dir, "-o", out, "--overwrite", "--window", "0:2")
     assert res.exit_code == 0, res.output
@@ -111,13 +115,28 @@ def test_convert_recurrent_and_inspect(tmp_path):
 
     tiny_model("qwen3_moe", num_layers=6).save_pretrained(tmp_path / "moe")
     out = tmp_path / "elr"
-    res = _run("convert", tmp_path / "moe", "-o", out, "--mode", "recurrent", "--recurrent", "1:5",
-               "--max-loops", "3", "--update", "delta", "--no-reinject", "--route-replay")
+    res = _run(
+        "convert",
+        tmp_path / "moe",
+        "-o",
+        out,
+        "--mode",
+        "recurrent",
+        "--recurrent",
+        "1:5",
+        "--max-loops",
+        "3",
+        "--update",
+        "delta",
+        "--no-reinject",
+        "--route-replay",
+    )
     assert res.exit_code == 0, res.output
     res = _run("inspect", out, "--json")
     info = json.loads(res.stdout)
-    expected = looptool.RecurrentLoop(recurrent=(1, 5), max_loops=3, update="delta", reinject=False,
-                                      route_replay=True).to_dict()
+    expected = looptool.RecurrentLoop(
+        recurrent=(1, 5), max_loops=3, update="delta", reinject=False, route_replay=True
+    ).to_dict()
     assert info["plan"] == expected  # every option reached the plan, nothing else changed
     assert info["plan"]["reinject"] is False and info["plan"]["route_replay"] is True
     assert [r["layer_executions"] for r in info["budgets"]] == [6, 10, 14]  # D_eff(k)
@@ -149,25 +168,59 @@ def looped_with_tokenizer(tmp_path_factory):
     from looptool.testing import byte_tokenizer, tiny_model
 
     path = tmp_path_factory.mktemp("gen") / "looped"
-    model = looptool.convert(tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)), tokenizer=byte_tokenizer())
+    model = looptool.convert(
+        tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)), tokenizer=byte_tokenizer()
+    )
     model.save_pretrained(path)
     return path
 
 
 def test_generate_cli(looped_with_tokenizer):
-    res = _run("generate", looped_with_tokenizer, "--budget", "2", "-p", "The Constitution", "-p", "We", "--max-new-tokens", "5")
+    res = _run(
+        "generate",
+        looped_with_tokenizer,
+        "--budget",
+        "2",
+        "-p",
+        "The Constitution",
+        "-p",
+        "We",
+        "--max-new-tokens",
+        "5",
+    )
     assert res.exit_code == 0, res.output
     model = looptool.load(looped_with_tokenizer)
     tok = model.tokenizer
     tok.padding_side = "left"
     enc = tok(["The Constitution", "We"], return_tensors="pt", padding=True)
-    seqs = model.generate(enc["input_ids"], attention_mask=enc["attention_mask"], budget=2, max_new_tokens=5,
-                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    for row in seqs[:, enc["input_ids"].shape[1]:]:
+    seqs = model.generate(
+        enc["input_ids"],
+        attention_mask=enc["attention_mask"],
+        budget=2,
+        max_new_tokens=5,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    for row in seqs[:, enc["input_ids"].shape[1] :]:
         assert tok.decode(row, skip_special_tokens=True) in res.stdout
     assert "KV/tok" in res.output and "tok/s" in res.output
-    streamed = _run("generate", looped_with_tokenizer, "--budget", "1", "-p", "We", "--max-new-tokens", "4", "--stream",
-                    "--kv", "last-loop", "--temperature", "0.8", "--seed", "3")
+    streamed = _run(
+        "generate",
+        looped_with_tokenizer,
+        "--budget",
+        "1",
+        "-p",
+        "We",
+        "--max-new-tokens",
+        "4",
+        "--stream",
+        "--kv",
+        "last-loop",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "3",
+    )
     assert streamed.exit_code == 0, streamed.output
     assert streamed.stdout.startswith("We")
 
@@ -249,10 +302,22 @@ def test_eval_cli_bad_max_tokens_names_its_option(looped_with_tokenizer):
 def test_gain_shares_only_when_the_deepest_budget_improves():
     from looptool.eval.evaluate import format_share, gain_shares
 
-    assert gain_shares({0: 2.0, 3: 2.0015, 6: 2.004, 9: 2.0084}) == {0: None, 3: None, 6: None, 9: None}  # deeper is worse
+    assert gain_shares({0: 2.0, 3: 2.0015, 6: 2.004, 9: 2.0084}) == {
+        0: None,
+        3: None,
+        6: None,
+        9: None,
+    }  # deeper is worse
     assert gain_shares({0: 2.0, 1: 2.0, 2: 2.0}) == {0: None, 1: None, 2: None}
     assert gain_shares({0: 2.0, 1: 1.9, 2: 1.8}) == pytest.approx({0: 0.0, 1: 0.5, 2: 1.0})
-    assert [format_share(x) for x in (None, 0.0, -0.0, -0.003, 0.644, 1.0)] == ["no gain", "0%", "0%", "0%", "64%", "100%"]
+    assert [format_share(x) for x in (None, 0.0, -0.0, -0.003, 0.644, 1.0)] == [
+        "no gain",
+        "0%",
+        "0%",
+        "0%",
+        "64%",
+        "100%",
+    ]
 
 
 def test_frontier_plots_loss_against_the_cost_table(looped_with_tokenizer, tmp_path, monkeypatch):
@@ -284,8 +349,12 @@ def _sentencepiece_like_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     corpus = ["héllo wörld, naïve café", "€ and 😀 and 日本語", "the quick brown fox"] * 20
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                        special_tokens=["<eos>"]))
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"]
+        ),
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
@@ -333,14 +402,18 @@ def test_generate_cli_streams_the_continuation_and_keeps_the_tokenizer(looped_wi
 
     seen = []
     real = looptool.runtime.text.model_tokenizer
-    monkeypatch.setattr(looptool.runtime.text, "model_tokenizer", lambda model, path: seen.append(real(model, path)) or seen[-1])
+    monkeypatch.setattr(
+        looptool.runtime.text, "model_tokenizer", lambda model, path: seen.append(real(model, path)) or seen[-1]
+    )
     res = _run("generate", looped_with_tokenizer, "--budget", "2", "-p", "We", "--max-new-tokens", "24", "--stream")
     assert res.exit_code == 0, res.output
     model = looptool.load(looped_with_tokenizer)
     tok = model.tokenizer
     ids = tok(["We"], return_tensors="pt")["input_ids"]
-    seqs = model.generate(ids, budget=2, max_new_tokens=24, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    assert res.stdout.startswith("We" + tok.decode(seqs[0, ids.shape[1]:], skip_special_tokens=True) + "\n")
+    seqs = model.generate(
+        ids, budget=2, max_new_tokens=24, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
+    assert res.stdout.startswith("We" + tok.decode(seqs[0, ids.shape[1] :], skip_special_tokens=True) + "\n")
     state = (seen[0].padding_side, seen[0].pad_token)
     res = _run("generate", looped_with_tokenizer, "--budget", "1", "-p", "We", "-p", "The", "--max-new-tokens", "2")
     assert res.exit_code == 0, res.output
@@ -364,18 +437,24 @@ def test_export_is_quiet_and_run_names_the_missing_file_of_the_budget_asked(loop
     assert res.exit_code == 1 and "budget_2.per-loop.onnx for budget 2" in res.output
 
 
-@pytest.mark.parametrize("args, message", [
-    (["generate", "{m}", "-p", "x", "--kv", "lastloop"], "unknown KV cache policy --kv 'lastloop'"),
-    (["generate", "{m}", "-p", "x", "--temperature", "-1"], "sampling settings out of range"),
-    (["generate", "{m}", "-p", "x", "--max-new-tokens", "-2"], "max_new_tokens must be a non-negative integer"),
-    (["eval", "{m}", "--data", "{m}/missing.txt"], "data path '{m}/missing.txt' does not exist"),
-    (["eval", "{m}", "--data", "{m}", "--seq-len", "1"], "--seq-len must be at least 2"),
-    (["analyze", "{m}", "--data", "{m}", "--batch", "0"], "--batch must be at least 1"),
-    (["train", "{m}", "--data", "{m}/nope", "-o", "{m}/out"], "data path '{m}/nope' does not exist"),
-    (["export", "{m}", "-o", "{m}/e", "--kv", "per-loop,bogus"], "unknown KV cache policy --kv 'per-loop,bogus'"),
-    (["export", "{m}", "-o", "{m}/e", "--budget", "1,x"], "budget 'x' is not a whole number"),
-    (["convert", "{src}", "-o", "{m}/c", "--window", "1:9"], "window 1:9 is not a non-empty range inside the model's 4 layers"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "{m}", "-p", "x", "--kv", "lastloop"], "unknown KV cache policy --kv 'lastloop'"),
+        (["generate", "{m}", "-p", "x", "--temperature", "-1"], "sampling settings out of range"),
+        (["generate", "{m}", "-p", "x", "--max-new-tokens", "-2"], "max_new_tokens must be a non-negative integer"),
+        (["eval", "{m}", "--data", "{m}/missing.txt"], "data path '{m}/missing.txt' does not exist"),
+        (["eval", "{m}", "--data", "{m}", "--seq-len", "1"], "--seq-len must be at least 2"),
+        (["analyze", "{m}", "--data", "{m}", "--batch", "0"], "--batch must be at least 1"),
+        (["train", "{m}", "--data", "{m}/nope", "-o", "{m}/out"], "data path '{m}/nope' does not exist"),
+        (["export", "{m}", "-o", "{m}/e", "--kv", "per-loop,bogus"], "unknown KV cache policy --kv 'per-loop,bogus'"),
+        (["export", "{m}", "-o", "{m}/e", "--budget", "1,x"], "budget 'x' is not a whole number"),
+        (
+            ["convert", "{src}", "-o", "{m}/c", "--window", "1:9"],
+            "window 1:9 is not a non-empty range inside the model's 4 layers",
+        ),
+    ],
+)
 def test_cheap_checks_come_before_the_slow_load(args, message, tiny_dir, tmp_path, monkeypatch):
     """Settings that need no model fail at once: the load is never reached."""
     import looptool.storage.load

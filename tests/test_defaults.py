@@ -68,10 +68,38 @@ def invocations(w: Workspace) -> list[list[str]]:
         ["eval", w.trained, "--data", data],
         ["analyze", w.trained, "--data", data],
         ["generate", w.trained, "--prompt", "We the People"],
-        ["rl", w.trained, "--data", prompts, "-o", w.rl, "--steps", "2", "--prompts", "2", "--rollouts", "2",
-         "--max-new-tokens", "4"],
-        ["distill", w.looped, "--teacher", f"math={w.rl}", "--data", prompts, "-o", w.distilled, "--steps", "2",
-         "--prompts", "2", "--max-new-tokens", "4"],
+        [
+            "rl",
+            w.trained,
+            "--data",
+            prompts,
+            "-o",
+            w.rl,
+            "--steps",
+            "2",
+            "--prompts",
+            "2",
+            "--rollouts",
+            "2",
+            "--max-new-tokens",
+            "4",
+        ],
+        [
+            "distill",
+            w.looped,
+            "--teacher",
+            f"math={w.rl}",
+            "--data",
+            prompts,
+            "-o",
+            w.distilled,
+            "--steps",
+            "2",
+            "--prompts",
+            "2",
+            "--max-new-tokens",
+            "4",
+        ],
         ["merge", w.looped, w.rl, "-o", w.merged, "--lambda", "0.5"],
         ["lm-eval", w.trained, "--tasks", "lt_choice", "--include-path", w.tasks],
         ["export", w.trained, "-o", w.engine],
@@ -111,10 +139,17 @@ def workspace(tmp_path_factory) -> Workspace:
     root = tmp_path_factory.mktemp("defaults")
     tiny_model("llama", num_layers=4).save_pretrained(root / "source")
     byte_tokenizer().save_pretrained(root / "source")
-    (root / "prompts.jsonl").write_text("".join(
-        json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b), "domain": "math"}) + "\n" for a in range(3) for b in range(3)))
+    (root / "prompts.jsonl").write_text(
+        "".join(
+            json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b), "domain": "math"}) + "\n"
+            for a in range(3)
+            for b in range(3)
+        )
+    )
     (root / "tasks").mkdir()
-    (root / "tasks" / "lt_choice.yaml").write_text(yaml.safe_dump({"task": "lt_choice", **_task_configs()["lt_choice"]}))
+    (root / "tasks" / "lt_choice.yaml").write_text(
+        yaml.safe_dump({"task": "lt_choice", **_task_configs()["lt_choice"]})
+    )
     return Workspace(root)
 
 
@@ -152,8 +187,11 @@ def _check(args: list[str], w: Workspace, output: str) -> None:
         assert "every budget is bit-identical to the source model" in output
 
 
-@pytest.mark.parametrize("index", range(len(invocations(Workspace(Path("/w"))))),
-                         ids=[" ".join(a[:1] + [x for x in a if x == "tensorrt"]) for a in invocations(Workspace(Path("/w")))])
+@pytest.mark.parametrize(
+    "index",
+    range(len(invocations(Workspace(Path("/w"))))),
+    ids=[" ".join(a[:1] + [x for x in a if x == "tensorrt"]) for a in invocations(Workspace(Path("/w")))],
+)
 def test_command_runs_with_its_defaults(index, workspace, tmp_path, monkeypatch, request):
     args = invocations(workspace)[index]
     if args[0] == "demo":

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 import looptool
 from looptool.cli import app
-from looptool.runtime.devices import DeviceError, resolve_device
 from looptool.core.errors import LooptoolError
+from looptool.runtime.devices import DeviceError, resolve_device
 from looptool.testing import byte_tokenizer, tiny_model
 from looptool.train.trainer import TrainConfig, Trainer, TrainingError
 
@@ -54,8 +54,17 @@ def test_to_moves_or_refuses_in_one_sentence(model_dir):
 
 
 def _run(model_dir, out, **extra) -> Trainer:
-    cfg = TrainConfig(data=[str(SOTU / "1790*.txt")], output=str(out), tokens=64 * 4 * 3, seq_len=64, batch=4,
-                      lr=3e-3, new_lr=3e-2, warmup=0.0, **extra)
+    cfg = TrainConfig(
+        data=[str(SOTU / "1790*.txt")],
+        output=str(out),
+        tokens=64 * 4 * 3,
+        seq_len=64,
+        batch=4,
+        lr=3e-3,
+        new_lr=3e-2,
+        warmup=0.0,
+        **extra,
+    )
     trainer = Trainer(model_dir, cfg)
     trainer.run()
     return trainer
@@ -85,6 +94,7 @@ def test_compile_failure_falls_back_to_eager_with_a_warning(model_dir, monkeypat
     def broken(fn, **_):
         def run(*args):
             raise RuntimeError("backend exploded")
+
         return run
 
     monkeypatch.setattr(torch, "compile", broken)
@@ -101,7 +111,9 @@ def test_compile_failure_falls_back_to_eager_with_a_warning(model_dir, monkeypat
 def test_fp16_training_is_refused(tmp_path):
     path = tmp_path / "fp16"
     src = tiny_model("llama").to(torch.float16)
-    looptool.convert(src, looptool.PrefixLoop(window=(1, 3), budgets=(0, 2)), tokenizer=byte_tokenizer()).save_pretrained(path)
+    looptool.convert(
+        src, looptool.PrefixLoop(window=(1, 3), budgets=(0, 2)), tokenizer=byte_tokenizer()
+    ).save_pretrained(path)
     with pytest.raises(TrainingError, match="float16 weights needs loss scaling.*dtype=torch.bfloat16"):
         Trainer(path, TrainConfig(data=[str(SOTU / "1790*.txt")], output=str(tmp_path / "o")))
     assert not (tmp_path / "o").exists()
@@ -131,8 +143,26 @@ def test_export_refuses_a_gpu_device(model_dir, tmp_path):
 
 def test_train_cli_takes_checkpoint(model_dir, tmp_path):
     out = tmp_path / "cli"
-    res = CliRunner().invoke(app, ["train", str(model_dir), "--data", str(SOTU / "1790*.txt"), "-o", str(out),
-                                   "--tokens", "512", "--seq-len", "64", "--batch", "4", "--checkpoint", "--device", "cpu"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            str(model_dir),
+            "--data",
+            str(SOTU / "1790*.txt"),
+            "-o",
+            str(out),
+            "--tokens",
+            "512",
+            "--seq-len",
+            "64",
+            "--batch",
+            "4",
+            "--checkpoint",
+            "--device",
+            "cpu",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert json.loads((out / "train_args.json").read_text())["checkpoint"] is True
 

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 import looptool
 from looptool.cli import app
-from looptool.posttrain.distill import DistillConfig, DistillError, Distiller, parse_teachers, reverse_kl
+from looptool.posttrain.distill import DistillConfig, Distiller, DistillError, parse_teachers, reverse_kl
 from looptool.storage.resume import checkpoint_step
 from looptool.testing import assert_same_weights, byte_tokenizer, kill_after_line, step_log, tiny_model
 
@@ -49,7 +49,9 @@ def test_parse_teachers():
 def dirs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("distill")
     tok = byte_tokenizer()
-    student = looptool.convert(tiny_model("llama"), looptool.RecurrentLoop(recurrent=(1, 3), max_loops=3), tokenizer=tok)
+    student = looptool.convert(
+        tiny_model("llama"), looptool.RecurrentLoop(recurrent=(1, 3), max_loops=3), tokenizer=tok
+    )
     with torch.no_grad():
         for _, p in student.new_parameters():
             p.normal_(0, 0.2)
@@ -58,16 +60,27 @@ def dirs(tmp_path_factory) -> Path:
         for _, p in student.named_parameters():
             p.add_(torch.randn_like(p) * 0.05)
     student.save_pretrained(root / "other")
-    looptool.convert(tiny_model("llama"), looptool.RecurrentLoop(recurrent=(1, 3), max_loops=2),
-                     tokenizer=tok).save_pretrained(root / "shallow")
-    (root / "p.jsonl").write_text("".join(json.dumps({"prompt": p, "domain": d}) + "\n"
-                                          for p, d in [("ab", "copy"), ("1+1=", "math"), ("cd", "copy")]))
+    looptool.convert(
+        tiny_model("llama"), looptool.RecurrentLoop(recurrent=(1, 3), max_loops=2), tokenizer=tok
+    ).save_pretrained(root / "shallow")
+    (root / "p.jsonl").write_text(
+        "".join(
+            json.dumps({"prompt": p, "domain": d}) + "\n" for p, d in [("ab", "copy"), ("1+1=", "math"), ("cd", "copy")]
+        )
+    )
     return root
 
 
 def test_teacher_equal_to_student_has_zero_loss_and_gradient(dirs, tmp_path):
-    cfg = DistillConfig(data=[str(dirs / "p.jsonl")], teachers={"copy": str(dirs / "student"), "math": str(dirs / "student")},
-                        output=str(tmp_path / "o"), steps=1, prompts=3, rollouts=2, max_new_tokens=4)
+    cfg = DistillConfig(
+        data=[str(dirs / "p.jsonl")],
+        teachers={"copy": str(dirs / "student"), "math": str(dirs / "student")},
+        output=str(tmp_path / "o"),
+        steps=1,
+        prompts=3,
+        rollouts=2,
+        max_new_tokens=4,
+    )
     d = Distiller(dirs / "student", cfg)
     assert d.teachers["copy"] is d.teachers["math"]  # one teacher for two domains is loaded once
     from looptool.posttrain.rollout import sample
@@ -85,8 +98,15 @@ def test_teacher_equal_to_student_has_zero_loss_and_gradient(dirs, tmp_path):
 def test_teachers_run_at_the_students_budget(dirs, tmp_path):
     """The loss equals an independent computation with each row's teacher at budget k,
     and differs from one with the teacher at another budget."""
-    cfg = DistillConfig(data=[str(dirs / "p.jsonl")], teachers={"copy": str(dirs / "other"), "math": str(dirs / "student")},
-                        output=str(tmp_path / "o"), steps=2, prompts=3, max_new_tokens=4, lr=1e-3)
+    cfg = DistillConfig(
+        data=[str(dirs / "p.jsonl")],
+        teachers={"copy": str(dirs / "other"), "math": str(dirs / "student")},
+        output=str(tmp_path / "o"),
+        steps=2,
+        prompts=3,
+        max_new_tokens=4,
+        lr=1e-3,
+    )
     d = Distiller(dirs / "student", cfg)
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     mask = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 1]])
@@ -107,7 +127,10 @@ def test_teachers_run_at_the_students_budget(dirs, tmp_path):
 def test_bad_teachers_and_domains(dirs, tmp_path):
     base = dict(data=[str(dirs / "p.jsonl")], output=str(tmp_path / "o"))
     with pytest.raises(DistillError, match="has no budget 3"):
-        Distiller(dirs / "student", DistillConfig(**base, teachers={"copy": str(dirs / "shallow"), "math": str(dirs / "student")}))
+        Distiller(
+            dirs / "student",
+            DistillConfig(**base, teachers={"copy": str(dirs / "shallow"), "math": str(dirs / "student")}),
+        )
     with pytest.raises(DistillError, match="domain 'math', which no teacher covers"):
         Distiller(dirs / "student", DistillConfig(**base, teachers={"copy": str(dirs / "student")}))
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.*"))
@@ -115,26 +138,54 @@ def test_bad_teachers_and_domains(dirs, tmp_path):
 
 def _distill_args(root: Path, out: Path, *extra: str) -> list[str]:
     """``looptool distill`` of a 2-layer ELR student (k = 1, 2) from a perturbed copy: 4 steps."""
-    return ["distill", str(root / "student"), "--teacher", f"copy={root / 'teacher'}", "--data", str(root / "p.jsonl"),
-            "-o", str(out), "--steps", "4", "--prompts", "2", "--rollouts", "2", "--max-new-tokens", "3",
-            "--lr", "1e-2", "--device", "cpu", *extra]
+    return [
+        "distill",
+        str(root / "student"),
+        "--teacher",
+        f"copy={root / 'teacher'}",
+        "--data",
+        str(root / "p.jsonl"),
+        "-o",
+        str(out),
+        "--steps",
+        "4",
+        "--prompts",
+        "2",
+        "--rollouts",
+        "2",
+        "--max-new-tokens",
+        "3",
+        "--lr",
+        "1e-2",
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 def test_distill_resume_after_kill_matches_uninterrupted_run(tmp_path):
-    student = looptool.convert(tiny_model("llama", num_layers=2), looptool.RecurrentLoop(recurrent=(0, 1), max_loops=2),
-                               tokenizer=byte_tokenizer())
+    student = looptool.convert(
+        tiny_model("llama", num_layers=2),
+        looptool.RecurrentLoop(recurrent=(0, 1), max_loops=2),
+        tokenizer=byte_tokenizer(),
+    )
     student.save_pretrained(tmp_path / "student")
     with torch.no_grad():
         for _, p in student.named_parameters():
             p.add_(torch.randn_like(p) * 0.05)
     student.save_pretrained(tmp_path / "teacher")
-    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p, "domain": "copy"}) + "\n" for p in ("ab", "cd", "e")))
+    (tmp_path / "p.jsonl").write_text(
+        "".join(json.dumps({"prompt": p, "domain": "copy"}) + "\n" for p in ("ab", "cd", "e"))
+    )
     killed = tmp_path / "killed"
     status, lines = kill_after_line(
-        [sys.executable, "-m", "looptool", *_distill_args(tmp_path, killed, "--save-every", "2")], "step 3 ")
+        [sys.executable, "-m", "looptool", *_distill_args(tmp_path, killed, "--save-every", "2")], "step 3 "
+    )
     assert status == -signal.SIGKILL, "the run ended before the kill; the test proves nothing: " + "".join(lines[-5:])
     assert checkpoint_step(killed) == 2  # killed between checkpoints, with step 3 run past the one at step 2
-    ref = CliRunner().invoke(app, _distill_args(tmp_path, tmp_path / "ref"))  # uninterrupted, checkpoint only at the end
+    ref = CliRunner().invoke(
+        app, _distill_args(tmp_path, tmp_path / "ref")
+    )  # uninterrupted, checkpoint only at the end
     assert ref.exit_code == 0, ref.output
     res = CliRunner().invoke(app, _distill_args(tmp_path, killed, "--save-every", "2", "--resume"))
     assert res.exit_code == 0, res.output

@@ -15,15 +15,20 @@ ARGS = {"posttrain.py": ["--smoke"]}  # the full run trains SmolLM2 for minutes;
 
 @pytest.mark.parametrize(
     "script",
-    [pytest.param(p, id=p.name, marks=[pytest.mark.slow, pytest.mark.smollm2] if p.name in SLOW else [])
-     for p in EXAMPLES],
+    [
+        pytest.param(p, id=p.name, marks=[pytest.mark.slow, pytest.mark.smollm2] if p.name in SLOW else [])
+        for p in EXAMPLES
+    ],
 )
 def test_example_runs(script, tmp_path, request):
     if script.name in SLOW:
         request.getfixturevalue("smollm2_gguf")  # fetched (or skipped offline) before the script runs
     res = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "out"), *ARGS.get(script.name, [])],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     assert res.stdout.strip(), "an example should tell the user what it did"

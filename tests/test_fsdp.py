@@ -18,15 +18,51 @@ import looptool
 
 SOTU = Path(__file__).resolve().parent / "data" / "sotu"
 pytestmark = pytest.mark.slow
-ARGS = ["--data", str(SOTU / "179*.txt"), "--tokens", "4k", "--seq-len", "64", "--grad-accum", "2",
-        "--lr", "1e-3", "--new-lr", "1e-2", "--override", "0.5", "--seed", "3", "--device", "cpu"]
+ARGS = [
+    "--data",
+    str(SOTU / "179*.txt"),
+    "--tokens",
+    "4k",
+    "--seq-len",
+    "64",
+    "--grad-accum",
+    "2",
+    "--lr",
+    "1e-3",
+    "--new-lr",
+    "1e-2",
+    "--override",
+    "0.5",
+    "--seed",
+    "3",
+    "--device",
+    "cpu",
+]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _fsdp(model_dir, out, port, *extra):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-            "-m", "looptool", "train", str(model_dir), "-o", str(out), "--batch", "2", "--strategy", "fsdp",
-            *ARGS, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(port),
+        "-m",
+        "looptool",
+        "train",
+        str(model_dir),
+        "-o",
+        str(out),
+        "--batch",
+        "2",
+        "--strategy",
+        "fsdp",
+        *ARGS,
+        *extra,
+    ]
 
 
 _TEARDOWN_ABORT = "terminate called without an active exception"
@@ -39,7 +75,9 @@ def _run_fsdp(model_dir, out: Path, port: int, *extra) -> tuple[subprocess.Compl
     res = subprocess.run(_fsdp(model_dir, out, port, *extra), capture_output=True, text=True, timeout=600, env=ENV)
     if res.returncode != 0 and _TEARDOWN_ABORT in res.stderr and (out / "model.safetensors").exists():
         out = out.with_name(out.name + "-rerun")
-        res = subprocess.run(_fsdp(model_dir, out, port + 100, *extra), capture_output=True, text=True, timeout=600, env=ENV)
+        res = subprocess.run(
+            _fsdp(model_dir, out, port + 100, *extra), capture_output=True, text=True, timeout=600, env=ENV
+        )
     return res, out
 
 
@@ -53,8 +91,13 @@ def test_fsdp_equals_one_process_on_the_same_rows(model_dir, tmp_path):
     res, fsdp = _run_fsdp(model_dir, tmp_path / "fsdp", 29541)
     assert res.returncode == 0, res.stderr[-3000:]
     single = tmp_path / "single"
-    res = subprocess.run([sys.executable, "-m", "looptool", "train", str(model_dir), "-o", str(single), "--batch", "4", *ARGS],
-                         capture_output=True, text=True, timeout=600, env=ENV)
+    res = subprocess.run(
+        [sys.executable, "-m", "looptool", "train", str(model_dir), "-o", str(single), "--batch", "4", *ARGS],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=ENV,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     logs = [[json.loads(x) for x in (p / "train_log.jsonl").read_text().splitlines()] for p in (fsdp, single)]
     assert [r["budgets"][0] for r in logs[0]] == [r["budgets"] for r in logs[1]]  # same draw on every rank
@@ -73,8 +116,13 @@ def test_fsdp_resume_after_kill_is_exact(model_dir, tmp_path):
     res, ref = _run_fsdp(model_dir, tmp_path / "ref", 29543, "--save-every", "1")
     assert res.returncode == 0, res.stderr[-3000:]
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_fsdp(model_dir, killed, 29545, "--save-every", "1"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)
+    proc = subprocess.Popen(
+        _fsdp(model_dir, killed, 29545, "--save-every", "1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=ENV,
+        start_new_session=True,
+    )
     deadline = time.time() + 300
     while time.time() < deadline:
         log = killed / "train_log.jsonl"
@@ -83,8 +131,13 @@ def test_fsdp_resume_after_kill_is_exact(model_dir, tmp_path):
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    res = subprocess.run(_fsdp(model_dir, killed, 29547, "--save-every", "1", "--resume"), capture_output=True, text=True,
-                         timeout=600, env=ENV)
+    res = subprocess.run(
+        _fsdp(model_dir, killed, 29547, "--save-every", "1", "--resume"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=ENV,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     losses = [[json.loads(x)["loss"] for x in (p / "train_log.jsonl").read_text().splitlines()] for p in (ref, killed)]
     assert losses[0] == losses[1]
@@ -93,8 +146,24 @@ def test_fsdp_resume_after_kill_is_exact(model_dir, tmp_path):
 
 
 def test_fsdp_needs_torchrun(model_dir, tmp_path):
-    res = subprocess.run([sys.executable, "-m", "looptool", "train", str(model_dir), "-o", str(tmp_path / "x"),
-                          "--strategy", "fsdp", *ARGS], capture_output=True, text=True, timeout=300, env=ENV)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "looptool",
+            "train",
+            str(model_dir),
+            "-o",
+            str(tmp_path / "x"),
+            "--strategy",
+            "fsdp",
+            *ARGS,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
     assert res.returncode == 1
     assert "strategy 'fsdp' shards the model across processes; launch with torchrun" in res.stderr
     assert "(option --strategy)" in res.stderr

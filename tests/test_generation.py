@@ -30,8 +30,12 @@ def _prompt(batch: int = 2, length: int = 7, seed: int = 3) -> torch.Tensor:
 
 def _hf_greedy(source, prompt, attention_mask=None, new=NEW) -> torch.Tensor:
     return source.generate(
-        prompt, attention_mask=attention_mask, max_new_tokens=new, do_sample=False,
-        eos_token_id=None, pad_token_id=0,
+        prompt,
+        attention_mask=attention_mask,
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
     )
 
 
@@ -57,10 +61,10 @@ def _check_cached_equals_recompute(model, prompt) -> None:
         out = generate(model, prompt, budget=budget, max_new_tokens=NEW, output_logits=True)
         full = model(out.sequences, budget=budget).logits
         start = prompt.shape[1] - 1
-        recomputed = full[:, start:start + NEW]
+        recomputed = full[:, start : start + NEW]
         cached = torch.stack(out.logits, dim=1)
         assert (cached - recomputed).abs().max().item() < 1e-5, budget
-        assert torch.equal(out.sequences[:, prompt.shape[1]:], recomputed.argmax(-1)), budget
+        assert torch.equal(out.sequences[:, prompt.shape[1] :], recomputed.argmax(-1)), budget
 
 
 def test_prefix_loop_generation_every_architecture(arch):
@@ -111,8 +115,9 @@ def test_kv_bytes_measured_from_allocated_caches():
         last_loop = generate(looped, prompt, budget=budget, max_new_tokens=3, kv="last-loop")
         assert per_loop.kv_bytes_per_token == per_token_source * (L + budget) / L  # Accordion Eq. 6
         assert last_loop.kv_bytes_per_token == per_token_source  # ELR Sec. 3.4
-        assert per_loop.kv_bytes == sum(c.nbytes for c in allocate_cache(
-            cached_paths(looped)[budget], 2, 8, dtype=torch.float32, device="cpu"))
+        assert per_loop.kv_bytes == sum(
+            c.nbytes for c in allocate_cache(cached_paths(looped)[budget], 2, 8, dtype=torch.float32, device="cpu")
+        )
         assert kv_bytes_per_token(looped, budget) == costs[budget].kv_bytes_per_token
 
 
@@ -122,15 +127,24 @@ def test_elr_kv_bytes_follow_d_eff():
     for k in model.budgets:
         out = generate(model, _prompt(1, 4), budget=k, max_new_tokens=2)
         assert out.kv_bytes_per_token == costs[k].kv_bytes_per_token  # D_eff attention layers
-        assert generate(model, _prompt(1, 4), budget=k, max_new_tokens=2, kv="last-loop").kv_bytes_per_token == costs[1].kv_bytes_per_token
+        assert (
+            generate(model, _prompt(1, 4), budget=k, max_new_tokens=2, kv="last-loop").kv_bytes_per_token
+            == costs[1].kv_bytes_per_token
+        )
 
 
 def test_last_loop_differs_from_per_loop_only_when_loops_repeat():
     model = looptool.convert(tiny_model("llama"), ELR_PLAN)
     prompt = _prompt(1, 6)
     with _perturbed(model):
-        one = [generate(model, prompt, budget=1, max_new_tokens=4, kv=kv, output_logits=True).logits for kv in ("per-loop", "last-loop")]
-        deep = [generate(model, prompt, budget=3, max_new_tokens=4, kv=kv, output_logits=True).logits for kv in ("per-loop", "last-loop")]
+        one = [
+            generate(model, prompt, budget=1, max_new_tokens=4, kv=kv, output_logits=True).logits
+            for kv in ("per-loop", "last-loop")
+        ]
+        deep = [
+            generate(model, prompt, budget=3, max_new_tokens=4, kv=kv, output_logits=True).logits
+            for kv in ("per-loop", "last-loop")
+        ]
     assert all(torch.equal(a, b) for a, b in zip(*one))  # one loop: the same single slot
     assert torch.equal(deep[0][0], deep[1][0])  # prefill attends within the step: identical
     assert (deep[0][-1] - deep[1][-1]).abs().max() > 1e-6  # decode reads final-loop entries

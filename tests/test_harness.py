@@ -23,7 +23,7 @@ pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'lo
 import lm_eval  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from looptool.eval import harness  # noqa: E402
+from looptool.eval import harness, lm_eval_budgets  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "lm_eval"
 TASKS = ("lt_choice", "lt_rolling", "lt_generate")
@@ -37,18 +37,36 @@ LAYERS = 3  # the time goes into torch.export captures (convert, load, the decod
 
 def _task_configs() -> dict[str, dict]:
     def local(name: str) -> dict:
-        return {"dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(DATA / name)}}, "test_split": "test"}
+        return {
+            "dataset_path": "json",
+            "dataset_kwargs": {"data_files": {"test": str(DATA / name)}},
+            "test_split": "test",
+        }
 
     return {
-        "lt_choice": {**local("mc.jsonl"), "output_type": "multiple_choice", "doc_to_text": "{{question}}",
-                      "doc_to_choice": "{{choices}}", "doc_to_target": "{{answer}}",
-                      "metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}]},
-        "lt_rolling": {**local("docs.jsonl"), "output_type": "loglikelihood_rolling", "doc_to_text": "",
-                       "doc_to_target": "{{text}}",
-                       "metric_list": [{"metric": m} for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")]},
-        "lt_generate": {**local("gen.jsonl"), "output_type": "generate_until", "doc_to_text": "{{prompt}}",
-                        "doc_to_target": "{{answer}}", "metric_list": [{"metric": "exact_match"}],
-                        "generation_kwargs": {"until": ["Q:"], "max_gen_toks": 8, "do_sample": False}},
+        "lt_choice": {
+            **local("mc.jsonl"),
+            "output_type": "multiple_choice",
+            "doc_to_text": "{{question}}",
+            "doc_to_choice": "{{choices}}",
+            "doc_to_target": "{{answer}}",
+            "metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}],
+        },
+        "lt_rolling": {
+            **local("docs.jsonl"),
+            "output_type": "loglikelihood_rolling",
+            "doc_to_text": "",
+            "doc_to_target": "{{text}}",
+            "metric_list": [{"metric": m} for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")],
+        },
+        "lt_generate": {
+            **local("gen.jsonl"),
+            "output_type": "generate_until",
+            "doc_to_text": "{{prompt}}",
+            "doc_to_target": "{{answer}}",
+            "metric_list": [{"metric": "exact_match"}],
+            "generation_kwargs": {"until": ["Q:"], "max_gen_toks": 8, "do_sample": False},
+        },
     }
 
 
@@ -63,7 +81,7 @@ def task_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def manager(task_dir):
-    return harness.task_manager(TASKS, [str(task_dir)])
+    return lm_eval_budgets.task_manager(TASKS, [str(task_dir)])
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +94,9 @@ def source_dir(tmp_path_factory) -> Path:
 
 
 def _evaluate(model, manager, tasks=TASKS, model_args=None) -> dict:
-    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=list(tasks), task_manager=manager,
-                                   bootstrap_iters=0, log_samples=True)
+    return lm_eval.simple_evaluate(
+        model=model, model_args=model_args, tasks=list(tasks), task_manager=manager, bootstrap_iters=0, log_samples=True
+    )
 
 
 def _numbers(out: dict) -> dict:
@@ -159,9 +178,15 @@ def test_perturbed_budget_differs_from_the_source(looped_lm, manager, reference)
 
 
 def _generate(lm, prompts, until, max_gen_toks=12):
-    requests = [Instance(request_type="generate_until", doc={}, idx=0,
-                         arguments=(p, {"until": until, "max_gen_toks": max_gen_toks, "do_sample": False}))
-                for p in prompts]
+    requests = [
+        Instance(
+            request_type="generate_until",
+            doc={},
+            idx=0,
+            arguments=(p, {"until": until, "max_gen_toks": max_gen_toks, "do_sample": False}),
+        )
+        for p in prompts
+    ]
     return lm.generate_until(requests)
 
 
@@ -181,7 +206,7 @@ def test_generate_until_stops_at_until(looped_lm, monkeypatch):
 
     monkeypatch.setattr(harness, "generate", counting)
     cut = _generate(lm, prompts[:1], until=[stop])
-    assert cut == [row[:row.index(stop)]]
+    assert cut == [row[: row.index(stop)]]
     assert 0 < len(steps) < 12  # stopped early, not after max_gen_toks tokens
     assert _generate(lm, prompts, until=[stop])[0] == cut[0]  # batched with a longer prompt: the same text
 
@@ -193,7 +218,9 @@ def test_python_m_harness_is_lm_evals_cli_with_looptool(monkeypatch):
     from lm_eval.api.registry import get_model
 
     seen = {}
-    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: seen.update(argv=sys.argv[1:], model=get_model("looptool")))
+    monkeypatch.setattr(
+        lm_eval.__main__, "cli_evaluate", lambda: seen.update(argv=sys.argv[1:], model=get_model("looptool"))
+    )
     monkeypatch.setattr(sys, "argv", ["looptool.eval.harness"])
     harness.main(["--model", "looptool", "--tasks", "lt_choice"])
     assert seen == {"argv": ["--model", "looptool", "--tasks", "lt_choice"], "model": harness.LooptoolLM}
@@ -204,9 +231,27 @@ def test_cli_lm_eval_writes_table_json_and_plot(looped_dir, task_dir, reference,
     """``looptool lm-eval DIR --budgets all``: every budget of the saved model, loaded from its
     directory, scores what ``hf`` scores on the source; JSON, markdown table and PNG written."""
     out = tmp_path / "report"
-    res = CliRunner().invoke(app, ["lm-eval", str(looped_dir), "--tasks", "lt_choice,lt_rolling",
-                                   "--include-path", str(task_dir), "--budgets", "all", "--batch-size", "4",
-                                   "--max-length", "32", "--bootstrap-iters", "10", "-o", str(out)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "lm-eval",
+            str(looped_dir),
+            "--tasks",
+            "lt_choice,lt_rolling",
+            "--include-path",
+            str(task_dir),
+            "--budgets",
+            "all",
+            "--batch-size",
+            "4",
+            "--max-length",
+            "32",
+            "--bootstrap-iters",
+            "10",
+            "-o",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     result = json.loads((out / "lm_eval.json").read_text())
     assert [row["budget"] for row in result["budgets"]] == [0, 1, 2]
@@ -217,13 +262,18 @@ def test_cli_lm_eval_writes_table_json_and_plot(looped_dir, task_dir, reference,
             assert got == {k.split(",")[0]: v for k, v in reference["metrics"][task].items() if "_stderr" not in k}
     assert result["budgets"][0]["results"]["lt_choice"]["acc"]["stderr"] > 0
     table = (out / "lm_eval.md").read_text()
-    assert "| budget | layers | ×FLOPs |" in table and "lt_choice acc ↑" in table and "lt_rolling byte_perplexity ↓" in table
+    assert (
+        "| budget | layers | ×FLOPs |" in table
+        and "lt_choice acc ↑" in table
+        and "lt_rolling byte_perplexity ↓" in table
+    )
     assert len([line for line in table.splitlines() if line.startswith("| ")]) == 4  # header + 3 budgets
     assert (out / "lm_eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_lm_eval_results_appear_together_in_the_model_dir_and_git_stays_quiet(looped_dir, task_dir, tmp_path,
-                                                                                    monkeypatch, capfd):
+def test_cli_lm_eval_results_appear_together_in_the_model_dir_and_git_stays_quiet(
+    looped_dir, task_dir, tmp_path, monkeypatch, capfd
+):
     """By default the results go into MODEL_DIR beside the model: a failure while plotting
     leaves none of lm_eval.json/.md/.png (and no staging folder), a success writes all three;
     run outside a git repository, lm-eval's git call prints nothing on stderr."""
@@ -235,8 +285,22 @@ def test_cli_lm_eval_results_appear_together_in_the_model_dir_and_git_stays_quie
     shutil.copytree(looped_dir, model)
     before = sorted(p.name for p in model.iterdir())
     monkeypatch.chdir(tmp_path)  # not a git repository
-    args = ["lm-eval", str(model), "--tasks", "lt_choice", "--include-path", str(task_dir), "--budgets", "0",
-            "--limit", "2", "--max-length", "32", "--bootstrap-iters", "0"]
+    args = [
+        "lm-eval",
+        str(model),
+        "--tasks",
+        "lt_choice",
+        "--include-path",
+        str(task_dir),
+        "--budgets",
+        "0",
+        "--limit",
+        "2",
+        "--max-length",
+        "32",
+        "--bootstrap-iters",
+        "0",
+    ]
 
     def broken_plot(*args, **kwargs):
         raise RuntimeError("plotting failed")
@@ -255,11 +319,16 @@ def test_cli_lm_eval_results_appear_together_in_the_model_dir_and_git_stays_quie
     assert json.loads((model / "lm_eval.json").read_text())["budgets"][0]["budget"] == 0
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--tasks", " , "], "--tasks is empty"),
-    (["--tasks", "lt_choice", "--include-path", "no/such/folder"],
-     "include_path 'no/such/folder' does not exist; pass a folder of lm-eval task YAMLs. (option --include-path)"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--tasks", " , "], "--tasks is empty"),
+        (
+            ["--tasks", "lt_choice", "--include-path", "no/such/folder"],
+            "include_path 'no/such/folder' does not exist; pass a folder of lm-eval task YAMLs. (option --include-path)",
+        ),
+    ],
+)
 def test_cli_lm_eval_bad_input_is_one_sentence(tmp_path, args, message):
     res = CliRunner().invoke(app, ["lm-eval", str(tmp_path), *args, "-o", str(tmp_path / "out")])
     assert res.exit_code == 1
@@ -271,6 +340,7 @@ def test_missing_lm_eval_names_the_extra(monkeypatch, tmp_path):
     """Without lm-eval, importing the adapter and ``looptool lm-eval`` end in one sentence naming the extra."""
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed
     monkeypatch.delitem(sys.modules, "looptool.eval.harness")
+    monkeypatch.delitem(sys.modules, "looptool.eval.lm_eval_budgets")  # the lm-eval runner imports the adapter
     with pytest.raises(MissingExtraError, match=r"pip install 'looptool\[eval\]'"):
         importlib.import_module("looptool.eval.harness")
     res = CliRunner().invoke(app, ["lm-eval", str(tmp_path), "--tasks", "x"])

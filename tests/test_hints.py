@@ -37,13 +37,16 @@ def _run(*args):
 
 
 def _command() -> click.Command:
-    return click.Command("cmd", params=[
-        click.Argument(["model_dir"]),
-        click.Option(["--output", "-o"]),
-        click.Option(["--seq-len"], type=int),
-        click.Option(["--teacher"], multiple=True),
-        click.Option(["--overwrite/--no-overwrite"]),
-    ])
+    return click.Command(
+        "cmd",
+        params=[
+            click.Argument(["model_dir"]),
+            click.Option(["--output", "-o"]),
+            click.Option(["--seq-len"], type=int),
+            click.Option(["--teacher"], multiple=True),
+            click.Option(["--overwrite/--no-overwrite"]),
+        ],
+    )
 
 
 def test_option_hint_names_the_commands_option_for_the_parameter():
@@ -75,7 +78,9 @@ def test_aliases_point_at_real_cli_parameters():
     options = _cli_options()
     for library, cli in ALIASES.items():
         assert library != cli
-        assert any(cli in names for names in options.values()), f"no command has a parameter {cli!r} (ALIASES[{library!r}])"
+        assert any(cli in names for names in options.values()), (
+            f"no command has a parameter {cli!r} (ALIASES[{library!r}])"
+        )
         both = [command for command, names in options.items() if {library, cli} <= names]
         assert not both, f"{both} have both {library!r} and {cli!r}: the alias would be ambiguous there"
 
@@ -155,10 +160,22 @@ def _raised_messages(path: Path) -> list[tuple[int, str]]:
 
 
 def test_no_library_error_names_a_command_line_flag():
-    files = [p for root in LIBRARY for p in sorted((ROOT / root).rglob("*.py"))
-             if CLI not in p.parents and p.relative_to(ROOT).as_posix() not in PENDING]
+    files = [
+        p
+        for root in LIBRARY
+        for p in sorted((ROOT / root).rglob("*.py"))
+        if CLI not in p.parents and p.relative_to(ROOT).as_posix() not in PENDING
+    ]
     assert len(files) > 30, files
-    offenders = sorted({f"{p.relative_to(ROOT)}:{line}: {FLAG.findall(text)} in {text!r}"
-                        for p in files for line, text in _raised_messages(p) if FLAG.search(text)})
-    assert not offenders, "raised messages name command-line flags; name the Python parameter instead " \
-                          "(LooptoolError(message, parameter=...)):\n" + "\n".join(offenders)
+    offenders = sorted(
+        {
+            f"{p.relative_to(ROOT)}:{line}: {FLAG.findall(text)} in {text!r}"
+            for p in files
+            for line, text in _raised_messages(p)
+            if FLAG.search(text)
+        }
+    )
+    assert not offenders, (
+        "raised messages name command-line flags; name the Python parameter instead "
+        "(LooptoolError(message, parameter=...)):\n" + "\n".join(offenders)
+    )

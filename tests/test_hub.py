@@ -12,15 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_PLAN
 from typer.testing import CliRunner
 
 import looptool
+from looptool.capture.sources import load_source, parse_hub_id
 from looptool.cli import app
 from looptool.core.errors import SourceError
-from looptool.capture.sources import load_source, parse_hub_id
 from looptool.testing import save_to_hub_cache, tiny_model
-
-from conftest import TINY_PLAN
 
 MAIN = "a" * 40  # the commit refs/main points at
 V1 = "b" * 40  # the commit of tag v1: another model
@@ -114,7 +113,9 @@ def test_hub_home_from_the_environment(cached_repo, hub_cache):
 
 @pytest.mark.parametrize("spec", ["org/nope", "org/tiny@v9"])
 def test_offline_not_cached_is_one_sentence(cached_repo, hub_cache, tmp_path, spec):
-    with pytest.raises(SourceError, match=f"Hub model '{spec}' is not in the Hugging Face cache .* HF_HUB_OFFLINE is set"):
+    with pytest.raises(
+        SourceError, match=f"Hub model '{spec}' is not in the Hugging Face cache .* HF_HUB_OFFLINE is set"
+    ):
         load_source(spec)
     res = runner.invoke(app, ["convert", spec, "-o", str(tmp_path / "out")])
     assert res.exit_code == 1
@@ -131,7 +132,11 @@ def test_missing_source_mentions_hub_ids(tmp_path):
 class _FakeHub(BaseHTTPRequestHandler):
     """Answers every request the way the Hub refuses: by repository (and revision v9)."""
 
-    REFUSALS = {"org/gated": (401, "GatedRepo"), "org/missing": (401, "RepoNotFound"), "org/gguf-only": (404, "EntryNotFound")}
+    REFUSALS = {
+        "org/gated": (401, "GatedRepo"),
+        "org/missing": (401, "RepoNotFound"),
+        "org/gguf-only": (404, "EntryNotFound"),
+    }
 
     def do_HEAD(self) -> None:
         repo = "/".join(self.path.split("/")[1:3])
@@ -164,12 +169,16 @@ def fake_hub(hub_cache, monkeypatch):
     server.server_close()
 
 
-@pytest.mark.parametrize("spec, sentence", [
-    ("org/gated", "Hub repository 'org/gated' is gated and no token with access to it was given; accept its terms"),
-    ("org/missing", "Hub repository 'org/missing' does not exist \\(or is private"),
-    ("org/missing@v9", "revision 'v9' does not exist in Hub repository 'org/missing'"),
-    ("org/gguf-only", "Hub repository 'org/gguf-only' has no config.json, so it is not a transformers model"),
-], ids=["gated", "missing", "revision", "no-config"])
+@pytest.mark.parametrize(
+    "spec, sentence",
+    [
+        ("org/gated", "Hub repository 'org/gated' is gated and no token with access to it was given; accept its terms"),
+        ("org/missing", "Hub repository 'org/missing' does not exist \\(or is private"),
+        ("org/missing@v9", "revision 'v9' does not exist in Hub repository 'org/missing'"),
+        ("org/gguf-only", "Hub repository 'org/gguf-only' has no config.json, so it is not a transformers model"),
+    ],
+    ids=["gated", "missing", "revision", "no-config"],
+)
 def test_hub_refusals_are_one_sentence(fake_hub, spec, sentence):
     with pytest.raises(SourceError, match=sentence) as info:
         load_source(spec)

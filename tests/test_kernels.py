@@ -42,8 +42,9 @@ def test_interpreter_is_on_where_there_is_no_gpu():
     assert kernels.INTERPRET == (not torch.cuda.is_available())
 
 
-@pytest.mark.parametrize("shape,gate_shape", [((2, 5, 48), (48,)), ((7, 33), (33,)), ((3, 4, 16), (3, 4, 16)),
-                                              ((2, 3, 8), (1, 1, 8))])
+@pytest.mark.parametrize(
+    "shape,gate_shape", [((2, 5, 48), (48,)), ((7, 33), (33,)), ((3, 4, 16), (3, 4, 16)), ((2, 3, 8), (1, 1, 8))]
+)
 def test_gated_residual(shape, gate_shape):
     x, f, gate = _randn(*shape), _randn(*shape, seed=1), _randn(*gate_shape, seed=2)
     ref = fused.gated_residual_reference(x, gate, f)
@@ -56,13 +57,14 @@ def test_gated_residual(shape, gate_shape):
 def test_adaptive_delta(with_exit):
     d = 40
     s, r, st = _randn(2, 5, d), _randn(2, 5, d, seed=1), _randn(2, 5, d, seed=2)
-    w, b = _randn(d, d, scale=d ** -0.5, seed=3), _randn(d, seed=4)
+    w, b = _randn(d, d, scale=d**-0.5, seed=3), _randn(d, seed=4)
     gamma = _randn(d, scale=15.0, seed=5)  # both sides of softplus's threshold (20)
     gamma[:3] = torch.tensor([25.0, 20.0, -30.0])
     e = _randn(d, seed=6) if with_exit else None
     args = (s, r, st, w, b, gamma, e)
-    torch.testing.assert_close(kernels.adaptive_delta(*args), fused.adaptive_delta_reference(*args),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        kernels.adaptive_delta(*args), fused.adaptive_delta_reference(*args), rtol=1e-5, atol=1e-5
+    )
     for dtype in LOW:
         _check_low_precision(kernels.adaptive_delta, fused.adaptive_delta_reference, args, dtype)
 
@@ -71,7 +73,7 @@ def test_adaptive_delta(with_exit):
 def test_modulate(rank, d):
     x = _randn(2, 7, d)
     scale, shift = 1 + _randn(d, scale=0.3, seed=1), _randn(d, scale=0.3, seed=2)
-    down, up = _randn(rank, d, scale=d ** -0.5, seed=3), _randn(d, rank, scale=rank ** -0.5, seed=4)
+    down, up = _randn(rank, d, scale=d**-0.5, seed=3), _randn(d, rank, scale=rank**-0.5, seed=4)
     args = (x, scale, shift, down, up)
     torch.testing.assert_close(kernels.modulate(*args), fused.modulate_reference(*args), rtol=1e-5, atol=1e-5)
     for dtype in LOW:
@@ -80,7 +82,10 @@ def test_modulate(rank, d):
 
 def _moe_case(tokens, d, inter, experts, top_k, seed=0, skew=False):
     x = _randn(tokens, d, seed=seed)
-    gate_up, down = _randn(experts, 2 * inter, d, scale=d ** -0.5, seed=seed + 1), _randn(experts, d, inter, scale=inter ** -0.5, seed=seed + 2)
+    gate_up, down = (
+        _randn(experts, 2 * inter, d, scale=d**-0.5, seed=seed + 1),
+        _randn(experts, d, inter, scale=inter**-0.5, seed=seed + 2),
+    )
     logits = _randn(tokens, experts, seed=seed + 3)
     if skew:  # expert 0 never chosen, expert 1 by every token: empty and multi-block experts
         logits[:, 0] = -1e4
@@ -89,8 +94,10 @@ def _moe_case(tokens, d, inter, experts, top_k, seed=0, skew=False):
     return x, weights, ids, gate_up, down
 
 
-@pytest.mark.parametrize("tokens,d,inter,experts,top_k,skew", [(37, 48, 40, 6, 2, False), (16, 32, 24, 4, 1, False),
-                                                                (50, 32, 16, 5, 2, True), (3, 16, 16, 8, 4, False)])
+@pytest.mark.parametrize(
+    "tokens,d,inter,experts,top_k,skew",
+    [(37, 48, 40, 6, 2, False), (16, 32, 24, 4, 1, False), (50, 32, 16, 5, 2, True), (3, 16, 16, 8, 4, False)],
+)
 def test_moe(tokens, d, inter, experts, top_k, skew):
     args = _moe_case(tokens, d, inter, experts, top_k, skew=skew)
     torch.testing.assert_close(kernels.moe(*args), fused.moe_reference(*args), rtol=1e-5, atol=1e-5)
@@ -105,9 +112,9 @@ def test_moe_blocks_route_every_pair_once_to_its_expert():
     flat = ids.reshape(-1)
     real = rows[rows >= 0]
     assert sorted(real.tolist()) == list(range(flat.numel()))  # every pair exactly once
-    assert used.item() % block == 0 and (rows[used.item():] == -1).all()
+    assert used.item() % block == 0 and (rows[used.item() :] == -1).all()
     for b in range(used.item() // block):
-        pairs = rows[b * block:(b + 1) * block]
+        pairs = rows[b * block : (b + 1) * block]
         pairs = pairs[pairs >= 0]
         assert pairs.numel() and (flat[pairs] == block_expert[b]).all()  # a block holds one expert's pairs
     counts = torch.bincount(flat, minlength=5)

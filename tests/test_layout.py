@@ -34,7 +34,8 @@ def modules() -> dict[str, pathlib.Path]:
 def _type_checking_only(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def imports_of(path: pathlib.Path, name: str, known: set[str]) -> set[str]:
@@ -84,6 +85,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One import cycle as a list of modules, or None. A package's ``__init__`` importing its
     own submodules is how packages re-export, not a cycle: edges from a package into itself and
     from a submodule to one of its parent packages are left out."""
+
     def relevant(a: str, b: str) -> bool:
         return not (b.startswith(a + ".") or a.startswith(b + "."))
 
@@ -97,7 +99,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
             if not relevant(node, nxt) or nxt == "looptool":
                 continue
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := dfs(nxt)):
                 return cycle
         stack.pop()
@@ -123,13 +125,22 @@ def test_no_import_cycle():
 def test_only_the_entry_points_import_the_top_package():
     """``looptool/__init__`` re-exports the public API, so a module that imports it imports
     everything; inside the package only the entry points (``__main__``, the CLI) may."""
-    offenders = sorted(name for name, targets in import_graph().items()
-                       if "looptool" in targets and name not in {"looptool", "looptool.__main__"} and not name.startswith("looptool.cli"))
+    offenders = sorted(
+        name
+        for name, targets in import_graph().items()
+        if "looptool" in targets
+        and name not in {"looptool", "looptool.__main__"}
+        and not name.startswith("looptool.cli")
+    )
     assert not offenders, f"modules importing the top-level package: {offenders}"
 
 
 def test_the_cycle_check_catches_a_cycle():
-    assert find_cycle({"looptool.a": {"looptool.b"}, "looptool.b": {"looptool.a"}}) == ["looptool.a", "looptool.b", "looptool.a"]
+    assert find_cycle({"looptool.a": {"looptool.b"}, "looptool.b": {"looptool.a"}}) == [
+        "looptool.a",
+        "looptool.b",
+        "looptool.a",
+    ]
     assert find_cycle({"looptool.a": {"looptool.b"}, "looptool.b": set()}) is None
 
 
@@ -143,8 +154,20 @@ def test_every_module_imports(name):
 # The stages from the bottom up; a module may import its own stage and the stages below it.
 # runtime and storage are one stage: the model's save_pretrained writes through storage.save,
 # and storage.load rebuilds a model (the module graph stays acyclic, tested above).
-LAYERS = (("core",), ("ops",), ("capture",), ("passes",), ("runtime", "storage"), ("backends",), ("train",),
-          ("posttrain",), ("report",), ("eval",), ("serve",), ("cli",))
+LAYERS = (
+    ("core",),
+    ("ops",),
+    ("capture",),
+    ("passes",),
+    ("runtime", "storage"),
+    ("backends",),
+    ("train",),
+    ("posttrain",),
+    ("report",),
+    ("eval",),
+    ("serve",),
+    ("cli",),
+)
 
 
 def _stage(module: str) -> int | None:
@@ -158,8 +181,12 @@ def _stage(module: str) -> int | None:
 
 
 def test_imports_point_down_the_stages():
-    upward = sorted(f"{a} -> {b}" for a, targets in import_graph().items() for b in targets
-                    if _stage(a) is not None and _stage(b) is not None and _stage(b) > _stage(a))
+    upward = sorted(
+        f"{a} -> {b}"
+        for a, targets in import_graph().items()
+        for b in targets
+        if _stage(a) is not None and _stage(b) is not None and _stage(b) > _stage(a)
+    )
     assert not upward, "imports that point up the stages:\n" + "\n".join(upward)
 
 
@@ -194,7 +221,7 @@ def cli_offences(source: str) -> list[str]:
             found.append(f"line {node.lineno}: calls {attr}()")
         elif attr == "open":
             mode_at = 1 if isinstance(func, ast.Name) else 0  # open(path, mode) / path.open(mode)
-            modes = [a for a in node.args[mode_at:mode_at + 1]] + [k.value for k in node.keywords if k.arg == "mode"]
+            modes = [a for a in node.args[mode_at : mode_at + 1]] + [k.value for k in node.keywords if k.arg == "mode"]
             for mode in modes:
                 if not isinstance(mode, ast.Constant) or set(str(mode.value)) & WRITE_MODES:
                     found.append(f"line {node.lineno}: opens a file for writing")
@@ -205,13 +232,20 @@ def test_cli_modules_only_parse_call_and_print():
     """A command parses its options, calls the library and prints: the CLI imports no torch,
     numpy or safetensors and writes no file itself, so what it computes or writes is a library
     function that Python users get too."""
-    offenders = {path.name: found for path in sorted((ROOT / "looptool" / "cli").glob("*.py"))
-                 if (found := cli_offences(path.read_text()))}
+    offenders = {
+        path.name: found
+        for path in sorted((ROOT / "looptool" / "cli").glob("*.py"))
+        if (found := cli_offences(path.read_text()))
+    }
     assert not offenders, f"cli modules doing library work: {offenders}"
 
 
 def test_the_cli_check_catches_library_work():
-    assert cli_offences("import torch") and cli_offences("from numpy import zeros") and cli_offences("import safetensors.torch")
+    assert (
+        cli_offences("import torch")
+        and cli_offences("from numpy import zeros")
+        and cli_offences("import safetensors.torch")
+    )
     assert cli_offences("def f():\n    import torch.nn")
     assert cli_offences("p.write_text('x')") and cli_offences("p.write_bytes(b'')") and cli_offences("json.dump(x, f)")
     assert cli_offences("open(p, 'w')") and cli_offences("open(p, mode='a')") and cli_offences("p.open('wb')")
@@ -226,10 +260,15 @@ def _docstrings_and_comments(path: pathlib.Path) -> list[tuple[int, str]]:
     import tokenize
 
     src = path.read_text()
-    out = [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(src).readline)
-           if tok.type == tokenize.COMMENT]
+    out = [
+        (tok.start[0], tok.string)
+        for tok in tokenize.generate_tokens(io.StringIO(src).readline)
+        if tok.type == tokenize.COMMENT
+    ]
     for node in ast.walk(ast.parse(src)):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(
+            node
+        ):
             out.append((node.body[0].lineno, ast.get_docstring(node)))
     return out
 
@@ -242,9 +281,17 @@ def test_docstrings_cite_papers_not_files_and_keep_no_process_notes():
         "a paper's source file": re.compile(r"\bseeds?/|\.pdf\b|\b\d{3}_[0-9a-f]{16}\b", re.I),
         "a process note": re.compile(r"this session|lack of time|for now\b|\bTODO\b|\bFIXME\b", re.I),
     }
-    files = [p for folder in (*TREES, "examples", "tests") for p in sorted((ROOT / folder).rglob("*.py"))
-             if p.resolve() != pathlib.Path(__file__).resolve()]
-    offenders = [f"{p.relative_to(ROOT)}:{line}: {what}"
-                 for p in files for line, text in _docstrings_and_comments(p)
-                 for what, pattern in forbidden.items() if pattern.search(text)]
+    files = [
+        p
+        for folder in (*TREES, "examples", "tests")
+        for p in sorted((ROOT / folder).rglob("*.py"))
+        if p.resolve() != pathlib.Path(__file__).resolve()
+    ]
+    offenders = [
+        f"{p.relative_to(ROOT)}:{line}: {what}"
+        for p in files
+        for line, text in _docstrings_and_comments(p)
+        for what, pattern in forbidden.items()
+        if pattern.search(text)
+    ]
     assert not offenders, "\n".join(offenders)

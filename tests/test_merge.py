@@ -180,8 +180,12 @@ def test_inputs_are_not_modified():
         ("llama", "recurrent", ["loop=0.5"], lambda g: g == "loop.loop"),
         ("llama", "prefix", ["norm=-0.5"], lambda g: g.endswith(".norm")),
         ("qwen3_moe", "prefix", ["0:router=0.5"], lambda g: g.endswith(".router")),
-        ("qwen3_moe", "recurrent", ["output.mlp=0.25", "embed_head=0.75"],
-         lambda g: g in ("output.mlp", "input.embed_head", "output.embed_head")),
+        (
+            "qwen3_moe",
+            "recurrent",
+            ["output.mlp=0.25", "embed_head=0.75"],
+            lambda g: g in ("output.mlp", "input.embed_head", "output.embed_head"),
+        ),
     ],
 )
 def test_group_lambda_changes_exactly_that_group(arch, plan, specs, selected):
@@ -355,8 +359,9 @@ _models: dict = {}
 def test_cli_merge_end_to_end(saved, tmp_path):
     out = tmp_path / "merged"
     specs = ["0.5", "1:looped=1", "0:router=0.25"]
-    res = _run("merge", saved / "base", saved / "e0", saved / "e1", "-o", out,
-               *(a for s in specs for a in ("--lambda", s)))
+    res = _run(
+        "merge", saved / "base", saved / "e0", saved / "e1", "-o", out, *(a for s in specs for a in ("--lambda", s))
+    )
     assert res.exit_code == 0, res.output
     assert "saved merged model to" in res.output and "looped.router" in res.output
     reloaded = looptool.load(out)
@@ -371,7 +376,10 @@ def test_cli_merge_end_to_end(saved, tmp_path):
     config, recorded = read_merge_config(out)
     assert config["base"] == str(saved / "base") and config["experts"] == [str(saved / "e0"), str(saved / "e1")]
     assert [s["text"] for s in config["lambdas"]] == specs and recorded == parse_lambdas(specs, 2)
-    assert config["lambda_by_group"]["looped.router"] == [0.25, 1.0] and config["lambda_by_group"]["input.mlp"] == [0.5, 0.5]
+    assert config["lambda_by_group"]["looped.router"] == [0.25, 1.0] and config["lambda_by_group"]["input.mlp"] == [
+        0.5,
+        0.5,
+    ]
     replayed = merge(base, experts, recorded)
     assert all(torch.equal(params(replayed)[n], t) for n, t in params(reloaded).items())
     res = _run("merge", saved / "base", saved / "e0", "-o", out, "--lambda", "1")

@@ -11,6 +11,8 @@ import numpy as np
 import onnx
 import pytest
 import torch
+
+import looptool
 from looptool.backends.onnx import (
     INLINE_LIMIT,
     MANIFEST,
@@ -25,8 +27,6 @@ from looptool.backends.onnx import (
 from looptool.backends.onnx_layers import LAYER_DOMAIN
 from looptool.backends.ort import Runtime, _Binding
 from looptool.backends.serving import serving_graph
-
-import looptool
 from looptool.runtime.generation import generate
 from looptool.testing import tiny_model
 
@@ -65,7 +65,9 @@ def _graph(path: Path) -> onnx.ModelProto:
 def test_every_graph_validated_and_composed(engines, case):
     report, directory = engines[case]
     model = looped(case)
-    assert sorted((b.budget, b.kv) for b in report.budgets) == sorted(itertools.product(model.budgets, ("per-loop", "last-loop")))
+    assert sorted((b.budget, b.kv) for b in report.budgets) == sorted(
+        itertools.product(model.budgets, ("per-loop", "last-loop"))
+    )
     for b in report.budgets:
         assert set(b.max_abs_diff) == {"random", "real"}
         assert max(b.max_abs_diff.values()) <= 1e-4, (case, b.budget, b.max_abs_diff)
@@ -108,8 +110,11 @@ def test_graphs_call_layer_functions_with_fused_ops(engines, case):
         for node in functions[LAYER_DOMAIN, name].node:
             if node.domain == "looptool":
                 inner[node.op_type] = inner.get(node.op_type, 0) + count
-    expected = {"GatedResidual": deepest.fused["gated_residual"], "AdaptiveDelta": deepest.fused["adaptive_delta"],
-                "Moe": deepest.fused["moe"]}
+    expected = {
+        "GatedResidual": deepest.fused["gated_residual"],
+        "AdaptiveDelta": deepest.fused["adaptive_delta"],
+        "Moe": deepest.fused["moe"],
+    }
     assert inner == {k: v for k, v in expected.items() if v}
     for kind in inner:
         fn = functions["looptool", kind]
@@ -124,7 +129,9 @@ def test_graphs_call_layer_functions_with_fused_ops(engines, case):
     assert names[:4] == ["input_ids", "attention_mask", "position_ids", "cache_position"]
     pairs = len(entry["cache"]["pairs"])
     assert names[4:] == [f"past_key_values.{j}.{kv}" for j in range(pairs) for kv in ("key", "value")]
-    assert [o.name for o in graph.graph.output] == ["logits"] + [f"present.{j}.{kv}" for j in range(pairs) for kv in ("key", "value")]
+    assert [o.name for o in graph.graph.output] == ["logits"] + [
+        f"present.{j}.{kv}" for j in range(pairs) for kv in ("key", "value")
+    ]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -167,7 +174,10 @@ def test_kv_bytes_match_the_cost_model(engines):
     costs = {c.budget: c for c in model.cost_table()}
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
     for k in model.budgets:
-        for kv, per_token in (("per-loop", costs[k].kv_bytes_per_token), ("last-loop", costs[k].kv_bytes_per_token_last_loop)):
+        for kv, per_token in (
+            ("per-loop", costs[k].kv_bytes_per_token),
+            ("last-loop", costs[k].kv_bytes_per_token_last_loop),
+        ):
             out = rt.generate(ids, budget=k, kv=kv, max_new_tokens=3)
             assert out.kv_bytes == 2 * 12 * per_token == rt.kv_bytes(k, kv, batch=2, capacity=12), (k, kv)
     assert costs[2].kv_bytes_per_token == costs[0].kv_bytes_per_token * (4 + 2) / 4  # per-loop: (L + k) / L
@@ -340,19 +350,32 @@ def test_cli_export_and_run(tmp_path):
     finally:
         model.tokenizer = None
     engines = tmp_path / "engines"
-    res = runner.invoke(app, ["export", str(tmp_path / "looped"), "-o", str(engines), "--backend", "onnx", "--budget", "2"])
+    res = runner.invoke(
+        app, ["export", str(tmp_path / "looped"), "-o", str(engines), "--backend", "onnx", "--budget", "2"]
+    )
     assert res.exit_code == 0, res.output
-    assert "budget_2.per-loop.onnx" in res.output and "× the parameter bytes" in res.output and "gated_residual×4" in res.output
+    assert (
+        "budget_2.per-loop.onnx" in res.output
+        and "× the parameter bytes" in res.output
+        and "gated_residual×4" in res.output
+    )
     assert sorted(p.name for p in engines.glob("*.onnx")) == ["budget_2.per-loop.onnx"]
     res = runner.invoke(app, ["run", str(engines), "--budget", "2", "--prompt", "Hello", "--max-new-tokens", "4"])
     assert res.exit_code == 0, res.output
-    assert res.stdout.startswith("Hello") and "budget 2 · kv per-loop · onnxruntime CPU" in res.output and "KiB" in res.output
+    assert (
+        res.stdout.startswith("Hello")
+        and "budget 2 · kv per-loop · onnxruntime CPU" in res.output
+        and "KiB" in res.output
+    )
     # the engine's greedy tokens are PyTorch's cached-generation tokens
     ids = torch.tensor([list(b"Hello")])
     seq = Runtime(engines).generate(ids, budget=2, max_new_tokens=4).sequences
     assert torch.equal(seq, generate(model, ids, budget=2, max_new_tokens=4).sequences)
     for args, message in [
-        (["export", str(tmp_path / "looped"), "-o", str(tmp_path / "e2"), "--backend", "tvm"], "--backend 'tvm' is not available; use --backend onnx or --backend tensorrt"),
+        (
+            ["export", str(tmp_path / "looped"), "-o", str(tmp_path / "e2"), "--backend", "tvm"],
+            "--backend 'tvm' is not available; use --backend onnx or --backend tensorrt",
+        ),
         (["export", str(tmp_path / "looped"), "-o", str(tmp_path / "e2"), "--budget", "7"], "budget 7 is not in"),
         (["export", str(tmp_path / "looped"), "-o", str(engines)], "already exists"),
         (["run", str(engines), "--budget", "0", "--prompt", "x"], "budget 0 is not in"),

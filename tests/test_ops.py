@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from looptool.passes import PassManager
-from looptool.passes.fuse import fuse_graph
 
 import looptool
 from looptool.core.errors import PassError
 from looptool.core.graph import annotation, shared_graph_module
+from looptool.passes import PassManager
+from looptool.passes.fuse import fuse_graph
 from looptool.testing import tiny_model
 
 MOE = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
@@ -29,8 +29,9 @@ def test_gated_residual_matches_formula_and_gradients():
     g = torch.randn(8, dtype=torch.float64, requires_grad=True)
     out = torch.ops.looptool.gated_residual(x, g, f)
     assert torch.equal(out, x + torch.tanh(g) * f)
-    torch.autograd.gradcheck(lambda a, b, c: torch.ops.looptool.gated_residual(a, b, c),
-                             (x.requires_grad_(), g, f.requires_grad_()))
+    torch.autograd.gradcheck(
+        lambda a, b, c: torch.ops.looptool.gated_residual(a, b, c), (x.requires_grad_(), g, f.requires_grad_())
+    )
 
 
 def test_adaptive_delta_is_eq2_and_has_gradients():
@@ -112,17 +113,27 @@ def test_modulate_matches_eq4_elementwise_and_has_gradients():
 # ---------------------------------------------------------------------------- fuse pass
 @pytest.mark.parametrize(
     "arch,scheme",
-    [("llama", "prefix"), ("gpt_neox", "prefix"), ("llama", "recurrent"), ("gpt_neox", "recurrent"),
-     ("qwen3_moe", "prefix"), ("mixtral", "recurrent"), ("olmoe", "prefix"), ("qwen2_moe", "recurrent"),
-     ("llama", "conditioned"), ("qwen3_moe", "conditioned")],
+    [
+        ("llama", "prefix"),
+        ("gpt_neox", "prefix"),
+        ("llama", "recurrent"),
+        ("gpt_neox", "recurrent"),
+        ("qwen3_moe", "prefix"),
+        ("mixtral", "recurrent"),
+        ("olmoe", "prefix"),
+        ("qwen2_moe", "recurrent"),
+        ("llama", "conditioned"),
+        ("qwen3_moe", "conditioned"),
+    ],
 )
 def test_fuse_counts_and_numerics(arch, scheme, input_ids):
     source = tiny_model(arch)
     if scheme == "prefix":
         plan = looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2))
     else:
-        plan = looptool.RecurrentLoop(recurrent=(1, 3), max_loops=3, route_replay=arch == "mixtral",
-                                      conditioning=scheme == "conditioned", rank=4)
+        plan = looptool.RecurrentLoop(
+            recurrent=(1, 3), max_loops=3, route_replay=arch == "mixtral", conditioning=scheme == "conditioned", rank=4
+        )
     model = _perturbed(looptool.convert(source, plan))
     parallel = arch == "gpt_neox"
     mask = torch.ones_like(input_ids)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from looptool.backends.onnx import export_onnx
-from looptool.backends.ort import Runtime
 
 import looptool
+from looptool.backends.onnx import export_onnx
+from looptool.backends.ort import Runtime
 from looptool.runtime.generation import generate
 from looptool.testing import tiny_model
 
@@ -82,6 +82,7 @@ def test_tensorrt_variants_run_in_onnxruntime_like_the_ort_graphs(exported, case
     import numpy as np
     import onnx
     import onnxruntime as ort
+
     from looptool.backends.tensorrt import PLUGIN_NAMESPACE, weight_arrays, write_variants
 
     model, rt = exported[case]
@@ -97,16 +98,24 @@ def test_tensorrt_variants_run_in_onnxruntime_like_the_ort_graphs(exported, case
         assert sum(entry["plugins"].values()) == len(plugin_nodes)
         assert all({"plugin_namespace", "plugin_version"} <= {a.name for a in n.attribute} for n in plugin_nodes)
         assert "AdaptiveDelta" not in entry["plugins"]
-        ref_session, var_session = rt.session(budget, "per-loop"), ort.InferenceSession(
-            str(directory / entry["file"]), providers=["CPUExecutionProvider"])
+        ref_session, var_session = (
+            rt.session(budget, "per-loop"),
+            ort.InferenceSession(str(directory / entry["file"]), providers=["CPUExecutionProvider"]),
+        )
         batch, capacity = 2, 12
-        caches = {i.name: np.zeros((batch, i.shape[1], capacity, i.shape[3]), np.float32)
-                  for i in ref_session.get_inputs() if i.name.startswith("past")}
+        caches = {
+            i.name: np.zeros((batch, i.shape[1], capacity, i.shape[3]), np.float32)
+            for i in ref_session.get_inputs()
+            if i.name.startswith("past")
+        }
         for start, step in ((0, 5), (5, 1)):
-            feeds = {"input_ids": rng.integers(0, model.config.vocab_size, (batch, step)),
-                     "attention_mask": np.ones((batch, capacity), rt.mask_dtype),
-                     "position_ids": np.tile(np.arange(start, start + step), (batch, 1)),
-                     "cache_position": np.arange(start, start + step), **caches}
+            feeds = {
+                "input_ids": rng.integers(0, model.config.vocab_size, (batch, step)),
+                "attention_mask": np.ones((batch, capacity), rt.mask_dtype),
+                "position_ids": np.tile(np.arange(start, start + step), (batch, 1)),
+                "cache_position": np.arange(start, start + step),
+                **caches,
+            }
             ref = ref_session.run(None, feeds)
             got = var_session.run(None, {**feeds, **{n: weights[n] for n in entry["weight_inputs"]}})
             for a, b in zip(ref, got):

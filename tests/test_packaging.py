@@ -24,7 +24,22 @@ def test_no_generic_top_level_packages(tmp_path):
     assert res.stdout.strip() == "None None", res.stdout + res.stderr
 
 
-COMMANDS = ("convert", "inspect", "demo", "train", "rl", "merge", "distill", "eval", "analyze", "lm-eval", "generate", "plot", "export", "run")
+COMMANDS = (
+    "convert",
+    "inspect",
+    "demo",
+    "train",
+    "rl",
+    "merge",
+    "distill",
+    "eval",
+    "analyze",
+    "lm-eval",
+    "generate",
+    "plot",
+    "export",
+    "run",
+)
 
 
 def test_console_script_help():
@@ -33,8 +48,13 @@ def test_console_script_help():
 
     from looptool.cli import app
 
-    res = subprocess.run([sys.executable, "-m", "looptool", "--help"], capture_output=True, text=True, timeout=120,
-                         env={**__import__("os").environ, "COLUMNS": "200"})
+    res = subprocess.run(
+        [sys.executable, "-m", "looptool", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "COLUMNS": "200"},
+    )
     assert res.returncode == 0
     listed = re.findall(r"^│ (\w[\w-]*) ", res.stdout, flags=re.M)
     assert sorted(listed) == sorted(COMMANDS), listed

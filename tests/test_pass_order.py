@@ -54,11 +54,18 @@ def test_declarations_name_registered_passes():
             assert declared in names, (name, declared)
 
 
-@pytest.mark.parametrize("first,second", [
-    ("kv_cache", "checkpoint"), ("fuse", "checkpoint"), ("ablate_repetitions", "fuse"),
-    ("ablate_repetitions", "checkpoint"), ("router_outputs", "checkpoint"), ("router_outputs", "exit_outputs"),
-    ("checkpoint", "exit_outputs"),
-])
+@pytest.mark.parametrize(
+    "first,second",
+    [
+        ("kv_cache", "checkpoint"),
+        ("fuse", "checkpoint"),
+        ("ablate_repetitions", "fuse"),
+        ("ablate_repetitions", "checkpoint"),
+        ("router_outputs", "checkpoint"),
+        ("router_outputs", "exit_outputs"),
+        ("checkpoint", "exit_outputs"),
+    ],
+)
 def test_the_ordering_constraints_are_declared(first, second):
     assert must_precede(first, second) and not must_precede(second, first)
 
@@ -71,13 +78,16 @@ def test_independent_passes_have_no_order():
     check_order(["prefix_loop", "last_position", "kv_cache", "fuse"])
 
 
-@pytest.mark.parametrize("steps,first,second", [
-    (["checkpoint", "fuse"], "fuse", "checkpoint"),
-    (["checkpoint", "kv_cache"], "kv_cache", "checkpoint"),
-    (["fuse", "ablate_repetitions"], "ablate_repetitions", "fuse"),
-    (["exit_outputs", "checkpoint"], "checkpoint", "exit_outputs"),
-    (["exit_outputs", "router_outputs"], "router_outputs", "exit_outputs"),
-])
+@pytest.mark.parametrize(
+    "steps,first,second",
+    [
+        (["checkpoint", "fuse"], "fuse", "checkpoint"),
+        (["checkpoint", "kv_cache"], "kv_cache", "checkpoint"),
+        (["fuse", "ablate_repetitions"], "ablate_repetitions", "fuse"),
+        (["exit_outputs", "checkpoint"], "checkpoint", "exit_outputs"),
+        (["exit_outputs", "router_outputs"], "router_outputs", "exit_outputs"),
+    ],
+)
 def test_a_wrong_order_is_refused_when_the_manager_is_built(steps, first, second):
     with pytest.raises(PassError) as info:
         PassManager([(name, {}) for name in steps])
@@ -97,8 +107,11 @@ def test_a_wrong_order_is_refused_against_the_passes_already_applied(prefix):
 
 
 def test_a_missing_required_pass_is_refused(prefix):
-    with pytest.raises(PassError, match=r"pass 'fuse' needs pass 'prefix_loop' or 'recurrent_loop' to run first; "
-                                        r"passes that ran before it: none\."):
+    with pytest.raises(
+        PassError,
+        match=r"pass 'fuse' needs pass 'prefix_loop' or 'recurrent_loop' to run first; "
+        r"passes that ran before it: none\.",
+    ):
         PassManager([("fuse", {})])(capture(tiny_model("llama")))
     with pytest.raises(PassError, match="pass 'exit_outputs' needs pass 'recurrent_loop' to run first"):
         PassManager([("exit_outputs", {})])(prefix.layer_graph)
@@ -115,7 +128,11 @@ def test_lazy_paths_go_through_the_manager(elr, spy):
     finally:
         elr.gradient_checkpointing_disable()
         elr._paths.clear()
-    assert spy == [("router_outputs", {}), ("checkpoint", {"checkpoint": True, "shard_layers": False}), ("exit_outputs", {})]
+    assert spy == [
+        ("router_outputs", {}),
+        ("checkpoint", {"checkpoint": True, "shard_layers": False}),
+        ("exit_outputs", {}),
+    ]
     assert len(out.exit_logits) == 2 and out.router_logits
 
 
@@ -124,7 +141,10 @@ def test_cached_decode_paths_go_through_the_manager(prefix, spy):
     prefix.generate(torch.randint(0, 256, (1, 4)), budget=2, max_new_tokens=2)
     names = [name for name, _ in spy]
     assert names[0] == "prefix_loop"  # the recipe replayed on the decode-step capture
-    assert names[1:] == ["kv_cache", "last_position", "retarget_device"] and spy[1] == ("kv_cache", {"policy": "per-loop"})
+    assert names[1:] == ["kv_cache", "last_position", "retarget_device"] and spy[1] == (
+        "kv_cache",
+        {"policy": "per-loop"},
+    )
 
 
 def test_the_serving_graph_fuses_through_the_manager(prefix, spy):
@@ -167,10 +187,12 @@ def test_plan_switches_live_on_the_plan():
 # ---------------------------------------------------------------------------- metadata
 def test_gates_are_found_by_their_declaration(prefix, elr):
     assert [n for n, _ in prefix.gate_parameters()] == [
-        f"loop.prefix.{i}.{k}_gate" for i in (1, 2) for k in ("attention", "mlp")]
+        f"loop.prefix.{i}.{k}_gate" for i in (1, 2) for k in ("attention", "mlp")
+    ]
     assert [n for n, _ in elr.gate_parameters()] == ["loop.recurrent.exit_gate"]
-    conditioned = looptool.convert(tiny_model("llama"), RecurrentLoop(recurrent=(1, 3), max_loops=2, conditioning=True,
-                                                                      cond_dim=8, rank=2))
+    conditioned = looptool.convert(
+        tiny_model("llama"), RecurrentLoop(recurrent=(1, 3), max_loops=2, conditioning=True, cond_dim=8, rank=2)
+    )
     assert conditioned.gate_parameters() == []  # conditioning's gate_weight/gate_bias are projections, not gates
     params = dict(prefix.named_parameters())
     assert all(p is params[n] for n, p in prefix.gate_parameters())

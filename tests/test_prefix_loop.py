@@ -6,6 +6,7 @@ import collections
 
 import pytest
 import torch
+from conftest import TINY_PLAN, converted
 
 import looptool
 from looptool.capture import capture
@@ -13,8 +14,6 @@ from looptool.core.errors import InternalError, LooptoolError, PassError
 from looptool.core.graph import annotation
 from looptool.passes import PassManager, register_pass, unregister_pass
 from looptool.testing import tiny_model
-
-from conftest import TINY_PLAN, converted
 
 
 def test_fresh_conversion_is_bit_exact_at_every_budget(arch, input_ids):
@@ -62,7 +61,9 @@ def test_node_counts_per_budget():
         assert len(graph.nodes) == base + extra
         gates = [n for n in graph.nodes if annotation(n)["role"] == "gate" and n.op == "get_attr"]
         assert len(gates) == 2 * k
-        repeats = collections.Counter(annotation(n).get("layer") for n in graph.nodes if annotation(n).get("repeat") == 2)
+        repeats = collections.Counter(
+            annotation(n).get("layer") for n in graph.nodes if annotation(n).get("repeat") == 2
+        )
         assert set(repeats) == set(range(1, 1 + k))
 
 
@@ -160,7 +161,9 @@ def test_padding_mask_matches_source():
     ids = torch.randint(0, 256, (2, 6))
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     with torch.no_grad():
-        assert torch.equal(source(input_ids=ids, attention_mask=mask).logits, looped(ids, attention_mask=mask, budget=2).logits)
+        assert torch.equal(
+            source(input_ids=ids, attention_mask=mask).logits, looped(ids, attention_mask=mask, budget=2).logits
+        )
 
 
 def test_bad_budget_is_refused(input_ids):
@@ -179,8 +182,16 @@ def test_forward_supports_or_refuses_hugging_face_arguments():
     model = looptool.convert(tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)))
     ids = torch.randint(0, 100, (2, 6), generator=torch.Generator().manual_seed(0))
     plain = model(ids, labels=ids, budget=2)
-    same = model(ids, labels=ids, budget=2, position_ids=torch.arange(6).expand(2, 6), use_cache=False,
-                 return_dict=True, output_attentions=False, past_key_values=None)
+    same = model(
+        ids,
+        labels=ids,
+        budget=2,
+        position_ids=torch.arange(6).expand(2, 6),
+        use_cache=False,
+        return_dict=True,
+        output_attentions=False,
+        past_key_values=None,
+    )
     assert torch.equal(plain.logits, same.logits) and torch.equal(plain.loss, same.loss)
     # loss arguments reach Hugging Face's loss: a token-count normaliser changes the mean
     summed = model(ids, labels=ids, budget=2, num_items_in_batch=1).loss

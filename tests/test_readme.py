@@ -18,7 +18,10 @@ from looptool.cli import app
 from looptool.testing import byte_tokenizer, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = {name: (ROOT / name).read_text(encoding="utf-8") for name in ("README.md", "examples/README.md", "tests/bench/README.md")}
+DOCS = {
+    name: (ROOT / name).read_text(encoding="utf-8")
+    for name in ("README.md", "examples/README.md", "tests/bench/README.md")
+}
 SNIPPET_DOCS = ("README.md", "examples/README.md")  # whose ```python blocks run
 NEEDS_GPU = ("looptool.backends.tensorrt",)  # snippets that need TensorRT and a GPU
 README_MAX_LINES = 300
@@ -26,7 +29,7 @@ README_MAX_LINES = 300
 
 def _blocks(doc: str, lang: str) -> list[tuple[int, str]]:
     text = DOCS[doc]
-    return [(text[:m.start()].count("\n") + 1, m.group(1)) for m in re.finditer(rf"```{lang}\n(.*?)```", text, re.S)]
+    return [(text[: m.start()].count("\n") + 1, m.group(1)) for m in re.finditer(rf"```{lang}\n(.*?)```", text, re.S)]
 
 
 def _command_lines(doc: str) -> list[tuple[str, list[str]]]:
@@ -56,10 +59,25 @@ def test_doc_commands_exist_with_their_options():
                 assert res.exit_code == 0, f"{doc} shows 'looptool {command}', which is not a command: {res.output}"
                 helps[command] = res.output
             for option in options:
-                assert re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", helps[command]), \
+                assert re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", helps[command]), (
                     f"{doc}: 'looptool {command} ... {option}' but {command} has no {option}"
-    assert set(helps) >= {"convert", "inspect", "demo", "train", "eval", "plot", "analyze", "rl", "merge", "distill",
-                          "generate", "lm-eval", "export", "run"}
+                )
+    assert set(helps) >= {
+        "convert",
+        "inspect",
+        "demo",
+        "train",
+        "eval",
+        "plot",
+        "analyze",
+        "rl",
+        "merge",
+        "distill",
+        "generate",
+        "lm-eval",
+        "export",
+        "run",
+    }
     assert {command for command, _ in lines["README.md"]} >= {"convert", "train", "eval", "generate", "export"}
 
 
@@ -69,13 +87,19 @@ def test_docs_have_snippets():
 
 
 def test_every_example_has_its_guide():
-    missing = [p.name for p in sorted((ROOT / "examples").glob("*.py")) if f"examples/{p.name}" not in DOCS["examples/README.md"]]
+    missing = [
+        p.name
+        for p in sorted((ROOT / "examples").glob("*.py"))
+        if f"examples/{p.name}" not in DOCS["examples/README.md"]
+    ]
     assert not missing, f"examples/README.md does not describe {missing}"
 
 
 def test_readme_is_short():
     lines = DOCS["README.md"].count("\n")
-    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; keep it ≤ {README_MAX_LINES} (guides go to examples/README.md)"
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines; keep it ≤ {README_MAX_LINES} (guides go to examples/README.md)"
+    )
 
 
 # Built from parts so that this file does not match tests/test_repository.py's own check.
@@ -83,7 +107,9 @@ OUTSIDE = ".." + "/" + "shared"
 FORBIDDEN = {
     "an internal issue number": re.compile(r"\bissues?\s+#?\d", re.I),
     "a path outside the repository": re.compile(re.escape(OUTSIDE)),
-    "a paper's source file (cite it by title and equation)": re.compile(r"\bseeds?/|\.pdf\b|\b\d{3}_[0-9a-f]{16}\b|\bseed \d{3}\b", re.I),
+    "a paper's source file (cite it by title and equation)": re.compile(
+        r"\bseeds?/|\.pdf\b|\b\d{3}_[0-9a-f]{16}\b|\bseed \d{3}\b", re.I
+    ),
     "first person": re.compile(r"\b(?:I|we|We|our|Our|my|My)\b"),
     "a process note": re.compile(r"this session|lack of time|under load", re.I),
 }
@@ -100,8 +126,10 @@ def test_doc_has_no_internal_references(doc):
     offenders = []
     for what, pattern in FORBIDDEN.items():
         haystack = _prose(text) if what == "first person" else text
-        offenders += [f"{what}: {m.group(0)!r} at line {text[:text.find(m.group(0))].count(chr(10)) + 1}"
-                      for m in pattern.finditer(haystack)]
+        offenders += [
+            f"{what}: {m.group(0)!r} at line {text[: text.find(m.group(0))].count(chr(10)) + 1}"
+            for m in pattern.finditer(haystack)
+        ]
     assert not offenders, f"{doc}:\n" + "\n".join(offenders)
 
 
@@ -128,11 +156,12 @@ def test_doc_links_resolve(doc):
         if not file.exists():
             broken.append(target)
         elif anchor and file.suffix == ".md":
-            headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", file.read_text(encoding="utf-8"), flags=re.S), re.M)
+            headings = re.findall(
+                r"^#+ (.+)$", re.sub(r"```.*?```", "", file.read_text(encoding="utf-8"), flags=re.S), re.M
+            )
             if anchor not in {_slug(h) for h in headings}:
                 broken.append(target)
     assert not broken, f"{doc}: broken links {broken}"
-
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +175,16 @@ def workspace(tmp_path_factory):
     source.save_pretrained(root / "src")
     ids = torch.tensor([tok("We the People").input_ids])
     model = looptool.convert(source, looptool.PrefixLoop(window=(6, 18), budgets=(0, 3, 6, 9, 12)), tokenizer=tok)
-    return root, {"looptool": looptool, "path": str(root / "src"), "src": source, "model": model, "input_ids": ids, "ids": ids,
-                  "mask": torch.ones_like(ids), "tok": tok}
+    return root, {
+        "looptool": looptool,
+        "path": str(root / "src"),
+        "src": source,
+        "model": model,
+        "input_ids": ids,
+        "ids": ids,
+        "mask": torch.ones_like(ids),
+        "tok": tok,
+    }
 
 
 SNIPPETS = [(doc, line, code) for doc in SNIPPET_DOCS for line, code in _blocks(doc, "python")]

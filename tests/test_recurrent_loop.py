@@ -12,9 +12,9 @@ import looptool
 from looptool.capture import capture
 from looptool.core.errors import PlanError
 from looptool.core.graph import annotation
-from looptool.runtime.model import LoopedModel
-from looptool.passes import PassManager
 from looptool.core.plan import UPDATE_RULES, RecurrentLoop
+from looptool.passes import PassManager
+from looptool.runtime.model import LoopedModel
 from looptool.testing import tiny_model
 
 MOE = {"mixtral", "qwen3_moe", "olmoe", "qwen2_moe"}
@@ -40,7 +40,7 @@ def test_exact_init_is_bit_exact_for_every_rule(arch, input_ids):
         ref = source(input_ids=input_ids).logits
     for update in UPDATE_RULES:
         for reinject in (True, False):
-            for replay in ((False, True) if arch in MOE else (False,)):
+            for replay in (False, True) if arch in MOE else (False,):
                 model = looped(arch, update=update, reinject=reinject, route_replay=replay)
                 with torch.no_grad():
                     for k in model.budgets:
@@ -95,7 +95,9 @@ def test_paper_init_beta_is_half_softplus_zero(input_ids):
         h_in = source(input_ids=input_ids, output_hidden_states=True).hidden_states[1]
         seen = {}
         pre = layers[1].register_forward_pre_hook(lambda m, args, kwargs: ((2 * h_in,), kwargs), with_kwargs=True)
-        post = layers[2].register_forward_hook(lambda m, args, out: seen.setdefault("r", out[0] if isinstance(out, tuple) else out))
+        post = layers[2].register_forward_hook(
+            lambda m, args, out: seen.setdefault("r", out[0] if isinstance(out, tuple) else out)
+        )
         try:
             source(input_ids=input_ids)
         finally:
@@ -217,7 +219,11 @@ def test_conditioning_learns_and_round_trips(input_ids, tmp_path):
 def test_conditioning_vectors_do_not_depend_on_tokens():
     model = looped("llama", conditioning=True, cond_dim=16, rank=4, max_loops=3)
     for k, graph in model.layer_graph.paths.items():
-        mlps = [n for n in graph.nodes if n.target is torch.ops.aten.silu.default and annotation(n).get("part") == "conditioning"]
+        mlps = [
+            n
+            for n in graph.nodes
+            if n.target is torch.ops.aten.silu.default and annotation(n).get("part") == "conditioning"
+        ]
         assert len(mlps) == k + 1  # one c_i per loop plus the output block's
         for node in mlps:
             todo, seen = [node], set()

@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from looptool.capture import capture
-from looptool.runtime.model import LoopedModel
-from looptool.passes import PassManager
 from looptool.core.plan import UPDATE_RULES, PrefixLoop, RecurrentLoop
+from looptool.passes import PassManager
+from looptool.runtime.model import LoopedModel
 from looptool.testing import tiny_model
 
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -174,14 +174,20 @@ class _Conditioning:
     def entry(self, c, s_tilde, h_in) -> torch.Tensor:
         """z_i = (1 + lambda_e) RMSNorm(s~_i) + mu_e + eta h_in (no norm weight)."""
         normed = s_tilde * torch.rsqrt(s_tilde.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (1 + self.head(c, "entry_scale")) * normed + self.head(c, "entry_shift") + self.head(c, "entry_inject") * h_in
+        return (
+            (1 + self.head(c, "entry_scale")) * normed
+            + self.head(c, "entry_shift")
+            + self.head(c, "entry_inject") * h_in
+        )
 
     @contextlib.contextmanager
     def modulating(self, layer: nn.Module, index: int, c: torch.Tensor):
         """Eq. 4 on both branches of ``layer`` through forward hooks on its own modules:
         x~ = (1 + lambda) N(x) + mu, x^ = x~ + A(g * B x~); branch output times (1 + omega)."""
-        branches = [("attention", layer.input_layernorm, _attn(layer)),
-                    (_kind(layer, "mlp"), layer.post_attention_layernorm, layer.mlp)]
+        branches = [
+            ("attention", layer.input_layernorm, _attn(layer)),
+            (_kind(layer, "mlp"), layer.post_attention_layernorm, layer.mlp),
+        ]
         handles = []
         for kind, norm, branch in branches:
             base = f"{index}.{kind}."
@@ -189,7 +195,9 @@ class _Conditioning:
             def on_norm(module, args, out, base=base):
                 x_t = (1 + self.head(c, base + "scale")) * out + self.head(c, base + "shift")
                 gate = self.head(c, base + "gate")
-                return x_t + F.linear(gate * F.linear(x_t, self.p[f"loop.cond.{base}down"]), self.p[f"loop.cond.{base}up"])
+                return x_t + F.linear(
+                    gate * F.linear(x_t, self.p[f"loop.cond.{base}down"]), self.p[f"loop.cond.{base}up"]
+                )
 
             def on_branch(module, args, out, base=base):
                 scale = 1 + self.head(c, base + "out_scale")
@@ -231,7 +239,14 @@ class _Recurrence(nn.Module):
 
     def __init__(self, layers, first: int, plan: RecurrentLoop, params: dict, loops: int, cond: _Conditioning | None):
         super().__init__()
-        self.block, self.first, self.plan, self.p, self.loops, self.cond = nn.ModuleList(layers), first, plan, params, loops, cond
+        self.block, self.first, self.plan, self.p, self.loops, self.cond = (
+            nn.ModuleList(layers),
+            first,
+            plan,
+            params,
+            loops,
+            cond,
+        )
         self.replay = _Replay(layers) if plan.route_replay else None
 
     def _apply_block(self, z, kw, i: int, c) -> torch.Tensor:
@@ -336,19 +351,28 @@ def test_recurrent_budgets_match_the_reference(update, reinject, init):
     assert not torch.allclose(outs[1], outs[3], atol=1e-3)
 
 
-@pytest.mark.parametrize("arch,init,route_replay", [
-    ("llama", "exact", False), ("llama", "paper", False),
-    ("qwen3_moe", "exact", True), ("qwen3_moe", "paper", True),
-])
+@pytest.mark.parametrize(
+    "arch,init,route_replay",
+    [
+        ("llama", "exact", False),
+        ("llama", "paper", False),
+        ("qwen3_moe", "exact", True),
+        ("qwen3_moe", "paper", True),
+    ],
+)
 def test_conditioned_recurrence_matches_the_reference(arch, init, route_replay):
-    plan = RecurrentLoop(recurrent=(1, 3), max_loops=3, conditioning=True, cond_dim=8, rank=4,
-                         init=init, route_replay=route_replay)
+    plan = RecurrentLoop(
+        recurrent=(1, 3), max_loops=3, conditioning=True, cond_dim=8, rank=4, init=init, route_replay=route_replay
+    )
     source, model, params = _looped(arch, plan)
     ids, mask = _ids()
     with torch.no_grad():
         for k in model.budgets:
-            torch.testing.assert_close(model(ids, attention_mask=mask, budget=k).logits,
-                                       recurrent_reference(source, model.plan, k, params, ids, mask), **TOL)
+            torch.testing.assert_close(
+                model(ids, attention_mask=mask, budget=k).logits,
+                recurrent_reference(source, model.plan, k, params, ids, mask),
+                **TOL,
+            )
 
 
 def test_route_replay_matches_only_the_replaying_reference():

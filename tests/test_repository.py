@@ -19,12 +19,16 @@ def _repository_files() -> list[Path]:
     try:
         out = subprocess.run(
             ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-            cwd=ROOT, capture_output=True, check=True,
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
         ).stdout.decode()
         files = [ROOT / name for name in out.split("\0") if name]
     except (OSError, subprocess.CalledProcessError):
         files = [p for p in ROOT.rglob("*") if p.is_file() and not SKIP_DIRS & set(p.relative_to(ROOT).parts)]
-    files = [p for p in files if p.is_file() and not any(part.endswith(".egg-info") for part in p.relative_to(ROOT).parts)]
+    files = [
+        p for p in files if p.is_file() and not any(part.endswith(".egg-info") for part in p.relative_to(ROOT).parts)
+    ]
     assert len(files) > 20, files
     return files
 
@@ -39,7 +43,9 @@ def test_no_file_points_outside_the_repository():
         for needle in OUTSIDE:
             if needle in text:
                 offenders.append(f"{path.relative_to(ROOT)}: {needle!r}")
-    assert not offenders, "files refer to things a user who clones the repository does not have:\n" + "\n".join(offenders)
+    assert not offenders, "files refer to things a user who clones the repository does not have:\n" + "\n".join(
+        offenders
+    )
 
 
 def test_test_corpus_ships_with_the_repository():
@@ -52,7 +58,6 @@ def test_test_corpus_ships_with_the_repository():
     assert total < 512 * 1024, f"the in-repo corpus should stay small, is {total} bytes"
 
 
-
 def test_only_capture_reads_architecture_fields_of_the_hf_config():
     """Per-architecture facts are recorded by capture (SourceInfo, annotations); passes, the
     runtime and the trainer read those, never the Hugging Face config's architecture fields."""
@@ -62,8 +67,12 @@ def test_only_capture_reads_architecture_fields_of_the_hf_config():
     offenders = []
     for path in _repository_files():
         rel = path.relative_to(ROOT).as_posix()
-        if path.suffix != ".py" or not rel.startswith(("looptool/", "passes/", "backends/")) or rel in allowed \
-                or rel.startswith("looptool/capture/"):
+        if (
+            path.suffix != ".py"
+            or not rel.startswith(("looptool/", "passes/", "backends/"))
+            or rel in allowed
+            or rel.startswith("looptool/capture/")
+        ):
             continue
         offenders += [f"{rel}: {m.group(0)}" for m in reads.finditer(path.read_text(encoding="utf-8"))]
     assert not offenders, "architecture facts read outside capture:\n" + "\n".join(offenders)

@@ -15,12 +15,12 @@ from typer.testing import CliRunner
 
 import looptool
 from looptool.cli import app
-from looptool.storage.resume import checkpoint_step
 from looptool.posttrain.rewards import RewardError, exact_match, load_reward, numeric, score
 from looptool.posttrain.rl import GRPO, RLConfig, RLError, grpo_loss, leave_one_out_advantages
 from looptool.posttrain.rollout import encode_prompt, sample, token_logprobs
-from looptool.train.sampling import assign_budgets, ratio_counts
+from looptool.storage.resume import checkpoint_step
 from looptool.testing import assert_same_weights, byte_tokenizer, kill_after_line, step_log, tiny_model
+from looptool.train.sampling import assign_budgets, ratio_counts
 
 
 # ---------------------------------------------------------------------------- rewards
@@ -37,7 +37,8 @@ def test_reward_loading_and_bad_rewards(tmp_path):
     (tmp_path / "myreward.py").write_text(
         "def length(prompt, completion, example):\n    return len(completion)\n"
         "def boom(prompt, completion, example):\n    raise KeyError('x')\n"
-        "def text(prompt, completion, example):\n    return 'yes'\n")
+        "def text(prompt, completion, example):\n    return 'yes'\n"
+    )
     fn = load_reward(f"{tmp_path / 'myreward.py'}:length")
     assert score(fn, "p", "abc", {}) == 3.0
     assert load_reward("looptool.posttrain.rewards:numeric") is numeric
@@ -59,20 +60,33 @@ def test_reward_loading_and_bad_rewards(tmp_path):
 def test_leave_one_out_advantages_by_hand():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0])
     # baselines: mean of the other three = 1/3, 2/3, 2/3, 1/3
-    torch.testing.assert_close(leave_one_out_advantages(r, normalize=False), torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+    torch.testing.assert_close(
+        leave_one_out_advantages(r, normalize=False), torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3])
+    )
     # population std of {1, 0, 0, 1} is 0.5
-    torch.testing.assert_close(leave_one_out_advantages(r), torch.tensor([4 / 3, -4 / 3, -4 / 3, 4 / 3]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        leave_one_out_advantages(r), torch.tensor([4 / 3, -4 / 3, -4 / 3, 4 / 3]), rtol=1e-5, atol=1e-5
+    )
     same = leave_one_out_advantages(torch.tensor([[0.5, 0.5, 0.5]]))
     assert torch.equal(same, torch.zeros(1, 3))  # no signal when every rollout scores alike
 
 
 def test_grpo_loss_weights_clipping_and_masking_by_hand():
-    logp = torch.tensor([[0.0, -1.0, -2.0, 0.0],    # row 0: ratios 0.2 and 10 (clipped to 5); mean log-ratio 0.35
-                         [0.0, -1.0, -1.0, -1.0],   # row 1: ratios 3, 3, 3: mean log-ratio ln 3 > ln 2, masked
-                         [0.0, -0.5, -0.5, 0.0]], requires_grad=True)  # row 2: ratios 0.1, 1: mean -1.15, masked
-    sample = torch.tensor([[0.0, -1.0 - math.log(0.2), -2.0 - math.log(10), 0.0],
-                           [0.0, -1.0 - math.log(3), -1.0 - math.log(3), -1.0 - math.log(3)],
-                           [0.0, -0.5 + math.log(10), -0.5, 0.0]])
+    logp = torch.tensor(
+        [
+            [0.0, -1.0, -2.0, 0.0],  # row 0: ratios 0.2 and 10 (clipped to 5); mean log-ratio 0.35
+            [0.0, -1.0, -1.0, -1.0],  # row 1: ratios 3, 3, 3: mean log-ratio ln 3 > ln 2, masked
+            [0.0, -0.5, -0.5, 0.0],
+        ],
+        requires_grad=True,
+    )  # row 2: ratios 0.1, 1: mean -1.15, masked
+    sample = torch.tensor(
+        [
+            [0.0, -1.0 - math.log(0.2), -2.0 - math.log(10), 0.0],
+            [0.0, -1.0 - math.log(3), -1.0 - math.log(3), -1.0 - math.log(3)],
+            [0.0, -0.5 + math.log(10), -0.5, 0.0],
+        ]
+    )
     mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1], [0, 1, 1, 0]], dtype=torch.float)
     adv = torch.tensor([1.0, 2.0, -1.0])
     loss, stats = grpo_loss(logp, sample, mask, adv)
@@ -121,7 +135,7 @@ def test_rollouts_are_scored_where_they_were_sampled(elr):
     prompts = [tok("hello").input_ids, tok("a").input_ids]
     ro = sample(model, tok, prompts, budget=3, n=3, max_new_tokens=6, temperature=0.8, seed=1)
     assert ro.ids.shape[0] == 6 and ro.prompt_index == [0, 0, 0, 1, 1, 1]
-    assert ro.mask[0, :len(prompts[0])].sum() == 0 and ro.tokens > 0
+    assert ro.mask[0, : len(prompts[0])].sum() == 0 and ro.tokens > 0
     with torch.no_grad():
         lp = token_logprobs(model, ro.ids, 3, 0.8)
     torch.testing.assert_close(lp * ro.mask, ro.sample_logprobs, rtol=0, atol=1e-5)
@@ -131,16 +145,29 @@ def test_rollouts_are_scored_where_they_were_sampled(elr):
 
 def _prompts(tmp_path: Path) -> Path:
     path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
-                            for a, b in [(1, 1), (2, 3), (4, 4), (3, 0)]))
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+            for a, b in [(1, 1), (2, 3), (4, 4), (3, 0)]
+        )
+    )
     return path
 
 
 def test_grpo_runs_logs_per_budget_and_reloads(elr, tmp_path):
     model, tok = elr
     model.save_pretrained(tmp_path / "m")
-    cfg = RLConfig(data=[str(_prompts(tmp_path))], output=str(tmp_path / "out"), reward="numeric", steps=2, prompts=4,
-                   rollouts=3, max_new_tokens=4, lr=1e-3, ratio=[2, 1, 1])
+    cfg = RLConfig(
+        data=[str(_prompts(tmp_path))],
+        output=str(tmp_path / "out"),
+        reward="numeric",
+        steps=2,
+        prompts=4,
+        rollouts=3,
+        max_new_tokens=4,
+        lr=1e-3,
+        ratio=[2, 1, 1],
+    )
     rl = GRPO(tmp_path / "m", cfg)
     before = {n: p.detach().clone() for n, p in rl.model.named_parameters()}
     summary = rl.run()
@@ -180,13 +207,32 @@ def test_cli_rl_reward_that_raises_exits_1_without_output(elr, tmp_path):
     model, _ = elr
     model.save_pretrained(tmp_path / "m")
     (tmp_path / "bad.py").write_text("def r(prompt, completion, example):\n    return {}['missing']\n")
-    res = CliRunner().invoke(app, ["rl", str(tmp_path / "m"), "--data", str(_prompts(tmp_path)), "-o", str(tmp_path / "o"),
-                                   "--reward", f"{tmp_path / 'bad.py'}:r", "--steps", "1", "--prompts", "1",
-                                   "--rollouts", "2", "--max-new-tokens", "2", "--device", "cpu"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "rl",
+            str(tmp_path / "m"),
+            "--data",
+            str(_prompts(tmp_path)),
+            "-o",
+            str(tmp_path / "o"),
+            "--reward",
+            f"{tmp_path / 'bad.py'}:r",
+            "--steps",
+            "1",
+            "--prompts",
+            "1",
+            "--rollouts",
+            "2",
+            "--max-new-tokens",
+            "2",
+            "--device",
+            "cpu",
+        ],
+    )
     assert res.exit_code == 1, res.output
     assert "the reward function r raised KeyError" in res.output
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.*"))
-
 
 
 # ---------------------------------------------------------------------------- checkpoints and resume
@@ -206,8 +252,11 @@ def parity(prompt, completion, example):
 @pytest.fixture
 def small(tmp_path) -> Path:
     """The smallest ELR model that has two budgets (2 layers, k = 1, 2), saved in ``tmp_path``."""
-    model = looptool.convert(tiny_model("llama", num_layers=2), looptool.RecurrentLoop(recurrent=(0, 1), max_loops=2),
-                             tokenizer=byte_tokenizer())
+    model = looptool.convert(
+        tiny_model("llama", num_layers=2),
+        looptool.RecurrentLoop(recurrent=(0, 1), max_loops=2),
+        tokenizer=byte_tokenizer(),
+    )
     with torch.no_grad():
         for _, p in model.new_parameters():
             p.normal_(0, 0.2)
@@ -219,15 +268,38 @@ def small(tmp_path) -> Path:
 def _rl_args(tmp_path: Path, out: Path, *extra: str) -> list[str]:
     """``looptool rl`` on the ``small`` model: 4 steps of 2 prompts (one per budget, routed by
     the pass-rate curriculum) × 2 rollouts."""
-    return ["rl", str(tmp_path / "m"), "--data", str(_prompts(tmp_path)), "-o", str(out),
-            "--reward", f"{tmp_path / 'parity.py'}:parity", "--steps", "4", "--prompts", "2", "--rollouts", "2",
-            "--ratio", "1:1", "--max-new-tokens", "3", "--lr", "1e-2", "--device", "cpu", *extra]
+    return [
+        "rl",
+        str(tmp_path / "m"),
+        "--data",
+        str(_prompts(tmp_path)),
+        "-o",
+        str(out),
+        "--reward",
+        f"{tmp_path / 'parity.py'}:parity",
+        "--steps",
+        "4",
+        "--prompts",
+        "2",
+        "--rollouts",
+        "2",
+        "--ratio",
+        "1:1",
+        "--max-new-tokens",
+        "3",
+        "--lr",
+        "1e-2",
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 def test_rl_resume_after_kill_matches_uninterrupted_run(small, tmp_path):
     killed = tmp_path / "killed"
-    status, lines = kill_after_line([sys.executable, "-m", "looptool", *_rl_args(tmp_path, killed, "--save-every", "2")],
-                                    "step 3 ")
+    status, lines = kill_after_line(
+        [sys.executable, "-m", "looptool", *_rl_args(tmp_path, killed, "--save-every", "2")], "step 3 "
+    )
     assert status == -signal.SIGKILL, "the run ended before the kill; the test proves nothing: " + "".join(lines[-5:])
     assert checkpoint_step(killed) == 2  # killed between checkpoints, with step 3 run past the one at step 2
     ref = CliRunner().invoke(app, _rl_args(tmp_path, tmp_path / "ref"))  # uninterrupted, checkpoint only at the end
@@ -243,7 +315,9 @@ def test_rl_resume_after_kill_matches_uninterrupted_run(small, tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     log = (killed / "rl_log.jsonl").read_text()
     complete = CliRunner().invoke(app, _rl_args(tmp_path, killed, "--resume"))
-    assert complete.exit_code == 0 and "already complete (4 steps); nothing to resume" in complete.output, complete.output
+    assert complete.exit_code == 0 and "already complete (4 steps); nothing to resume" in complete.output, (
+        complete.output
+    )
     assert (killed / "rl_log.jsonl").read_text() == log  # nothing re-ran
 
 

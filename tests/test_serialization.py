@@ -6,13 +6,12 @@ import json
 
 import pytest
 import torch
+from conftest import TINY_PLAN
 from safetensors import safe_open
 
 import looptool
 from looptool.core.errors import CheckpointError, LooptoolError
 from looptool.testing import tiny_model
-
-from conftest import TINY_PLAN
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox", "olmo2", "gemma3_text", "qwen2_moe"])
@@ -165,7 +164,11 @@ def corrupted(saved_4mb, tmp_path):
     size = weights.stat().st_size
     with open(weights, "r+b") as f:
         f.seek(size // 2 - (1 << 19))
-        f.write(torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).numpy().tobytes())
+        f.write(
+            torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+            .numpy()
+            .tobytes()
+        )
     assert weights.stat().st_size == size
     return path
 
@@ -179,7 +182,10 @@ def test_records_sha256_of_weights(saved_4mb):
 
 
 def test_refuses_corrupted_weight_data(corrupted):
-    with pytest.raises(CheckpointError, match=r"model.safetensors is corrupt: its contents differ from the sha256 recorded in looptool.json"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model.safetensors is corrupt: its contents differ from the sha256 recorded in looptool.json",
+    ):
         looptool.load(corrupted)
     assert looptool.load(corrupted, device="meta").budgets == (0, 1, 2)  # inspect reads headers only: not checked
 

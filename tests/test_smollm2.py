@@ -18,7 +18,9 @@ def looped(smollm2):
 
 @pytest.fixture(scope="module")
 def ids(smollm2):
-    return smollm2.tokenizer("The Constitution of the United States establishes three branches", return_tensors="pt").input_ids
+    return smollm2.tokenizer(
+        "The Constitution of the United States establishes three branches", return_tensors="pt"
+    ).input_ids
 
 
 def test_every_budget_is_bit_exact(smollm2, looped, ids):
@@ -78,22 +80,26 @@ def test_gguf_file_source(smollm2, smollm2_gguf, monkeypatch):
     assert smollm2.model.config.model_type == "llama" and smollm2.model.config.num_hidden_layers == 30
     assert smollm2.tokenizer is not None and smollm2.tokenizer("hello").input_ids
     seen = {}
-    monkeypatch.setattr(sources, "_load_gguf", lambda path, dtype, device, origin: seen.update(path=path, origin=origin))
+    monkeypatch.setattr(
+        sources, "_load_gguf", lambda path, dtype, device, origin: seen.update(path=path, origin=origin)
+    )
     sources.load_source("smollm2")
     assert seen == {"path": smollm2_gguf, "origin": sources.SMOLLM2}
 
 
 def test_elr_every_update_rule_and_conditioning(smollm2, ids):
     from looptool.capture import capture
-    from looptool.runtime.model import LoopedModel
+    from looptool.core.plan import UPDATE_RULES
     from looptool.passes import PassManager
     from looptool.passes.conditioning import conditioning_param_count
-    from looptool.core.plan import UPDATE_RULES
+    from looptool.runtime.model import LoopedModel
 
     lg = capture(smollm2.model)
     with torch.no_grad():
         ref = smollm2.model(input_ids=ids).logits
-    model = LoopedModel(PassManager([("recurrent_loop", looptool.RecurrentLoop(recurrent=(8, 22), max_loops=4).to_dict())])(lg))
+    model = LoopedModel(
+        PassManager([("recurrent_loop", looptool.RecurrentLoop(recurrent=(8, 22), max_loops=4).to_dict())])(lg)
+    )
     with torch.no_grad():
         for k in model.budgets:  # the default plan: exact at every loop count up to 4
             assert torch.equal(ref, model(ids, budget=k).logits), f"k={k}"
@@ -120,6 +126,6 @@ def test_cached_decoding_equals_recompute_after_training_moves_gates(looped, ids
     for k in looped.budgets:
         out = generate(looped, ids, budget=k, max_new_tokens=6, output_logits=True)
         with torch.no_grad():
-            full = looped(out.sequences, budget=k).logits[:, ids.shape[1] - 1:-1]
+            full = looped(out.sequences, budget=k).logits[:, ids.shape[1] - 1 : -1]
         assert (torch.stack(out.logits, 1) - full).abs().max().item() < 1e-4, k
-        assert torch.equal(out.sequences[:, ids.shape[1]:], full.argmax(-1)), k
+        assert torch.equal(out.sequences[:, ids.shape[1] :], full.argmax(-1)), k

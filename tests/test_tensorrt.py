@@ -14,21 +14,20 @@ import sys
 import onnx
 import pytest
 import torch
+from typer.testing import CliRunner
+
+import looptool
 from looptool.backends.onnx import MANIFEST, WEIGHTS, EngineError, ExportError
 from looptool.backends.tensorrt import (
     AOT_OPS,
     BUILD_SCRIPT,
     JIT_OPS,
     PLUGIN_NAMESPACE,
-    Runtime,
     build_engines,
-    check_built_for,
     export_tensorrt,
     trt_graph_file,
 )
-from typer.testing import CliRunner
-
-import looptool
+from looptool.backends.trt_runtime import Runtime, check_built_for
 from looptool.cli import app
 from looptool.testing import tiny_model
 
@@ -55,8 +54,9 @@ def exported(prefix_model, tmp_path_factory):
     """The default precision (fp16) of an fp32 model: a rebuilt fp16 copy is exported and
     every graph validated in onnxruntime against that copy's PyTorch path."""
     out = tmp_path_factory.mktemp("trt") / "engine"
-    report = export_tensorrt(prefix_model, out, [0, 2], build_on_target=True, max_batch=4, max_prefill=64,
-                             max_capacity=128)
+    report = export_tensorrt(
+        prefix_model, out, [0, 2], build_on_target=True, max_batch=4, max_prefill=64, max_capacity=128
+    )
     return out, report
 
 
@@ -145,7 +145,9 @@ def test_runtime_checks_before_it_needs_tensorrt(on_target, tmp_path):
 def test_engines_for_another_gpu_are_refused(tmp_path):
     built = {"gpu": "NVIDIA H200", "compute_capability": [9, 0], "tensorrt": "11.0"}
     check_built_for(built, (9, 0), "NVIDIA H100", tmp_path)  # same architecture: fine
-    with pytest.raises(EngineError, match=r"built for NVIDIA H200 \(sm_90\), this GPU is NVIDIA A100 \(sm_80\); rebuild"):
+    with pytest.raises(
+        EngineError, match=r"built for NVIDIA H200 \(sm_90\), this GPU is NVIDIA A100 \(sm_80\); rebuild"
+    ):
         check_built_for(built, (8, 0), "NVIDIA A100", tmp_path)
 
 
@@ -167,12 +169,24 @@ def test_bad_precision_and_limits(prefix_model, tmp_path):
 def test_cli_backend_tensorrt_errors(prefix_model, tmp_path):
     prefix_model.save_pretrained(tmp_path / "m")
     runner = CliRunner()
-    res = runner.invoke(app, ["export", str(tmp_path / "m"), "-o", str(tmp_path / "o"), "--backend", "tensorrt",
-                              "--precision", "fp8", "--build-on-target"])
+    res = runner.invoke(
+        app,
+        [
+            "export",
+            str(tmp_path / "m"),
+            "-o",
+            str(tmp_path / "o"),
+            "--backend",
+            "tensorrt",
+            "--precision",
+            "fp8",
+            "--build-on-target",
+        ],
+    )
     assert res.exit_code == 1 and "precision 'fp8' is not supported" in res.output
     if not _has_tensorrt():
         res = runner.invoke(app, ["export", str(tmp_path / "m"), "-o", str(tmp_path / "o"), "--backend", "tensorrt"])
-        assert res.exit_code == 1 and 'looptool[tensorrt]' in res.output
+        assert res.exit_code == 1 and "looptool[tensorrt]" in res.output
     assert not (tmp_path / "o").exists()
     res = runner.invoke(app, ["run", str(tmp_path / "m"), "-p", "hi", "--backend", "tensorrt"])
     assert res.exit_code == 1 and "error:" in res.output
@@ -208,13 +222,15 @@ def test_aot_ptx_for_sm90_has_tensorrts_argument_order():
         # TensorRT passes: input pointers, i32 scalars, the output pointer; Triton appends its
         # (unused, size 0) scratch pointers after them
         assert params[:n_in] == ["u64"] * n_in, (k["op"], params)
-        assert params[n_in:n_in + n_scalar] == ["u32"] * n_scalar, (k["op"], params)
-        assert params[n_in + n_scalar] == "u64" and set(params[n_in + n_scalar + 1:]) <= {"u64"}
+        assert params[n_in : n_in + n_scalar] == ["u32"] * n_scalar, (k["op"], params)
+        assert params[n_in + n_scalar] == "u64" and set(params[n_in + n_scalar + 1 :]) <= {"u64"}
         assert len(params) - (n_in + n_scalar + 1) <= 2
         assert k["threads"] == 128 and k["shared"] <= 48 * 1024, (k["op"], k["dtype"], k["shared"])
 
 
-@pytest.mark.skipif(not _has_tensorrt(), reason="TensorRT is not installed (pip install \"looptool[tensorrt]\" on an NVIDIA machine)")
+@pytest.mark.skipif(
+    not _has_tensorrt(), reason='TensorRT is not installed (pip install "looptool[tensorrt]" on an NVIDIA machine)'
+)
 def test_plugin_definitions_register_against_tensorrt():  # pragma: no cover - no TensorRT on the project's machines
     from looptool.backends import trt_plugins
 
@@ -222,7 +238,9 @@ def test_plugin_definitions_register_against_tensorrt():  # pragma: no cover - n
     trt_plugins.register()  # idempotent
 
 
-def test_build_and_runtime_decode_like_onnxruntime_through_a_tensorrt_test_double(on_target, prefix_model, monkeypatch, tmp_path):
+def test_build_and_runtime_decode_like_onnxruntime_through_a_tensorrt_test_double(
+    on_target, prefix_model, monkeypatch, tmp_path
+):
     """build_engines' profiles and Runtime's bookkeeping end to end on CPU: one weight store
     bound by name into every budget's context (the same pointers), one shared activation
     buffer, prefill/decode profiles, cache buffers swapped each step; the fake engines run
@@ -231,6 +249,7 @@ def test_build_and_runtime_decode_like_onnxruntime_through_a_tensorrt_test_doubl
     import shutil
 
     import fake_tensorrt
+
     from looptool.backends import trt_plugins
     from looptool.backends.ort import Runtime as OrtRuntime
 
@@ -239,14 +258,23 @@ def test_build_and_runtime_decode_like_onnxruntime_through_a_tensorrt_test_doubl
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake")
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: type("S", (), {"cuda_stream": 0, "synchronize": lambda self: None})())
+    monkeypatch.setattr(
+        torch.cuda, "Stream", lambda device=None: type("S", (), {"cuda_stream": 0, "synchronize": lambda self: None})()
+    )
     directory = tmp_path / "e"
     shutil.copytree(on_target, directory)
     engines = build_engines(directory)  # what build.py runs
     manifest = json.loads((directory / MANIFEST).read_text())
-    assert manifest["tensorrt"]["engines"] == engines and manifest["tensorrt"]["built_on"]["compute_capability"] == [9, 0]
+    assert manifest["tensorrt"]["engines"] == engines and manifest["tensorrt"]["built_on"]["compute_capability"] == [
+        9,
+        0,
+    ]
     _, profiles = trt.Builder.built[-1]
-    assert profiles[0]["input_ids"] == ((1, 1), (1, 64), (4, 64)) and profiles[1]["input_ids"] == ((1, 1), (1, 1), (4, 1))
+    assert profiles[0]["input_ids"] == ((1, 1), (1, 64), (4, 64)) and profiles[1]["input_ids"] == (
+        (1, 1),
+        (1, 1),
+        (4, 1),
+    )
     assert profiles[0]["attention_mask"][2] == (4, 128)  # max batch 4, max capacity 128
 
     rt = Runtime(directory, device="cpu")

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import looptool
+from looptool.testing import byte_tokenizer
 from looptool.train.data import (
     IGNORE,
     CompletionExamples,
@@ -27,7 +28,6 @@ from looptool.train.data import (
     training_rows,
 )
 from looptool.train.sampling import BudgetSampler
-from looptool.testing import byte_tokenizer
 from looptool.train.trainer import TrainConfig, Trainer, TrainingError
 
 SOTU = Path(__file__).resolve().parent / "data" / "sotu"  # in-repo subset (tests/data/sotu/README.md)
@@ -89,7 +89,9 @@ def test_data_errors(tmp_path):
 
 def test_jsonl_packing_and_split_are_deterministic(tmp_path):
     for i in range(5):
-        (tmp_path / f"{i}.jsonl").write_text("".join(json.dumps({"text": f"doc {i}-{j} " * 20}) + "\n" for j in range(3)))
+        (tmp_path / f"{i}.jsonl").write_text(
+            "".join(json.dumps({"text": f"doc {i}-{j} " * 20}) + "\n" for j in range(3))
+        )
     files = find_files(tmp_path)
     train, val = split_files(files, 0.2, seed=0)
     assert len(val) == 1 and not set(train) & set(val)
@@ -101,9 +103,34 @@ def test_jsonl_packing_and_split_are_deterministic(tmp_path):
 
 # ---------------------------------------------------------------------------- training runs
 def _cli(model_dir, out, *extra, save_every: int = 1):
-    return [sys.executable, "-m", "looptool", "train", str(model_dir), "--data", str(SOTU / "179*.txt"),
-            "-o", str(out), "--tokens", "12k", "--seq-len", "64", "--batch", "4", "--grad-accum", "2",
-            "--lr", "3e-3", "--new-lr", "3e-2", "--override", "0.5", "--save-every", str(save_every), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "looptool",
+        "train",
+        str(model_dir),
+        "--data",
+        str(SOTU / "179*.txt"),
+        "-o",
+        str(out),
+        "--tokens",
+        "12k",
+        "--seq-len",
+        "64",
+        "--batch",
+        "4",
+        "--grad-accum",
+        "2",
+        "--lr",
+        "3e-3",
+        "--new-lr",
+        "3e-2",
+        "--override",
+        "0.5",
+        "--save-every",
+        str(save_every),
+        *extra,
+    ]
 
 
 def _losses(out: Path) -> list:
@@ -129,7 +156,11 @@ def test_resume_after_kill_matches_uninterrupted_run(model_dir, tmp_path):
     # the kill landed mid-run, after a checkpoint: the last checkpoint (in OUTPUT, or in .OUTPUT.old
     # when the kill fell between the two renames of a commit) is a step in 4..20 and the run had
     # logged steps past it, which the resume must drop and redo
-    state = killed / "trainer_state.pt" if (killed / "trainer_state.pt").exists() else tmp_path / ".killed.old" / "trainer_state.pt"
+    state = (
+        killed / "trainer_state.pt"
+        if (killed / "trainer_state.pt").exists()
+        else tmp_path / ".killed.old" / "trainer_state.pt"
+    )
     step = torch.load(state, weights_only=False)["step"]
     assert 4 <= step < 23 and step % 4 == 0 and lines >= 6, (step, lines)
     res = subprocess.run(_cli(model_dir, killed, "--resume"), capture_output=True, text=True, timeout=600)
@@ -155,15 +186,30 @@ def test_resume_requires_same_command(model_dir, tmp_path):
 
 
 def _train_args(model_dir, out, *extra: str) -> list[str]:
-    return ["train", str(model_dir), "--data", str(SOTU / "1790*.txt"), "-o", str(out), "--seq-len", "64", "--batch", "4",
-            "--lr", "1e-3", "--device", "cpu", *extra]
+    return [
+        "train",
+        str(model_dir),
+        "--data",
+        str(SOTU / "1790*.txt"),
+        "-o",
+        str(out),
+        "--seq-len",
+        "64",
+        "--batch",
+        "4",
+        "--lr",
+        "1e-3",
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 def test_train_ctrl_c_names_the_last_checkpoint(model_dir, tmp_path, monkeypatch):
     """Ctrl-C at step 3 of a run of the default length (2M tokens: 7812 steps of 4 × 64)."""
-    import looptool.train.trainer as train_module
     from typer.testing import CliRunner
 
+    import looptool.train.trainer as train_module
     from looptool.cli import app
 
     def lr_factor(step: int, *args) -> float:
@@ -187,7 +233,9 @@ def test_train_steps_and_resume_of_a_complete_run(model_dir, tmp_path):
 
     out = tmp_path / "run"
     both = CliRunner().invoke(app, _train_args(model_dir, out, "--steps", "3", "--tokens", "1k"))
-    assert both.exit_code == 1 and "--tokens and --steps both set the length of the run; give one of them" in both.output
+    assert (
+        both.exit_code == 1 and "--tokens and --steps both set the length of the run; give one of them" in both.output
+    )
     with pytest.raises(TrainingError, match="tokens and steps both set the length of the run"):
         TrainConfig(data=[], output=str(out), tokens=1000, steps=3).check()
     res = CliRunner().invoke(app, _train_args(model_dir, out, "--steps", "3"))
@@ -203,8 +251,18 @@ def test_train_steps_and_resume_of_a_complete_run(model_dir, tmp_path):
 
 def test_nan_loss_stops_with_step_and_budget(model_dir, tmp_path):
     out = tmp_path / "nan"
-    cfg = TrainConfig(data=[str(SOTU / "179*.txt")], output=str(out), tokens=64 * 4 * 6, seq_len=64, batch=4,
-                      lr=1e30, weight_decay=0.0, warmup=0.0, clip=1e30, save_every=1)
+    cfg = TrainConfig(
+        data=[str(SOTU / "179*.txt")],
+        output=str(out),
+        tokens=64 * 4 * 6,
+        seq_len=64,
+        batch=4,
+        lr=1e30,
+        weight_decay=0.0,
+        warmup=0.0,
+        clip=1e30,
+        save_every=1,
+    )
     with pytest.raises(TrainingError, match=r"at step \d+ \(budget \d\); stopping. The last checkpoint"):
         Trainer(model_dir, cfg).run()
     assert (out / "trainer_state.pt").exists()
@@ -212,16 +270,25 @@ def test_nan_loss_stops_with_step_and_budget(model_dir, tmp_path):
 
 
 def test_freeze_below_window_freezes_only_lower_layers(model_dir, tmp_path):
-    cfg = TrainConfig(data=[str(SOTU / "1790*.txt")], output=str(tmp_path / "f"), tokens=256, seq_len=64, batch=4,
-                      freeze_below_window=True)
+    cfg = TrainConfig(
+        data=[str(SOTU / "1790*.txt")],
+        output=str(tmp_path / "f"),
+        tokens=256,
+        seq_len=64,
+        batch=4,
+        freeze_below_window=True,
+    )
     trainer = Trainer(model_dir, cfg)
     frozen = {n for n, p in trainer.model.named_parameters() if not p.requires_grad}
     layer0 = {n for n, _ in trainer.model.named_parameters() if n.startswith("model.layers.0.")}
     assert trainer.model.config.tie_word_embeddings is False
     assert frozen == layer0 | {"model.embed_tokens.weight"}  # the untied embedding is below the block too
     tied_dir = tmp_path / "tied"
-    looptool.convert(looptool.testing.tiny_model("llama", tie_word_embeddings=True), looptool.PrefixLoop(
-        window=(1, 3), budgets=(0, 1, 2)), tokenizer=byte_tokenizer()).save_pretrained(tied_dir)
+    looptool.convert(
+        looptool.testing.tiny_model("llama", tie_word_embeddings=True),
+        looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)),
+        tokenizer=byte_tokenizer(),
+    ).save_pretrained(tied_dir)
     tied = Trainer(tied_dir, TrainConfig(**{**cfg.__dict__, "output": str(tmp_path / "g")}))
     frozen = {n for n, p in tied.model.named_parameters() if not p.requires_grad}
     assert frozen == layer0  # tied to the trained LM head: the embedding keeps training
@@ -230,22 +297,36 @@ def test_freeze_below_window_freezes_only_lower_layers(model_dir, tmp_path):
 def test_depth_curriculum_unlocks_deeper_budgets_in_order():
     s = BudgetSampler((3, 0, 9, 6), grad_accum=4, seed=2, curriculum_steps=40)
     assert [s.menu_at(t) for t in (0, 9, 10, 19, 20, 30, 39, 40)] == [
-        (0,), (0,), (0, 3), (0, 3), (0, 3, 6), (0, 3, 6, 9), (0, 3, 6, 9), (3, 0, 9, 6)]
+        (0,),
+        (0,),
+        (0, 3),
+        (0, 3),
+        (0, 3, 6),
+        (0, 3, 6, 9),
+        (0, 3, 6, 9),
+        (3, 0, 9, 6),
+    ]
     drawn = {t: {s.budget(t, m) for m in range(4)} for t in range(60)}
     assert drawn[0] == {0} and all(d <= {0, 3} for t, d in drawn.items() if t < 20)
     assert set().union(*(drawn[t] for t in range(40, 60))) == {0, 3, 6, 9}
-    assert all(s.budget(t, m) == BudgetSampler((3, 0, 9, 6), grad_accum=4, seed=2, curriculum_steps=40).budget(t, m)
-               for t in range(60) for m in range(4))  # a function of the step: resumable
+    assert all(
+        s.budget(t, m) == BudgetSampler((3, 0, 9, 6), grad_accum=4, seed=2, curriculum_steps=40).budget(t, m)
+        for t in range(60)
+        for m in range(4)
+    )  # a function of the step: resumable
 
 
 def test_gate_floor_holds_then_releases(model_dir, tmp_path):
-    base = dict(data=[str(SOTU / "1790*.txt")], tokens=64 * 4 * 8, seq_len=64, batch=4, lr=1e-3, new_lr=1e-3,
-                warmup=0.0)
+    base = dict(
+        data=[str(SOTU / "1790*.txt")], tokens=64 * 4 * 8, seq_len=64, batch=4, lr=1e-3, new_lr=1e-3, warmup=0.0
+    )
     held = Trainer(model_dir, TrainConfig(**base, output=str(tmp_path / "held"), gate_floor=0.3, gate_floor_until=1.0))
     held.run()
     gates = [p for n, p in held.model.named_parameters() if n.endswith("gate")]
     assert gates and all(float(g.min()) >= 0.3 for g in gates)
-    released = Trainer(model_dir, TrainConfig(**base, output=str(tmp_path / "rel"), gate_floor=0.3, gate_floor_until=0.5))
+    released = Trainer(
+        model_dir, TrainConfig(**base, output=str(tmp_path / "rel"), gate_floor=0.3, gate_floor_until=0.5)
+    )
     assert released.floor_steps == 4
     with pytest.raises(TrainingError, match="gate_floor must be non-negative"):
         TrainConfig(**base, output="x", gate_floor=-1).check()
@@ -265,20 +346,23 @@ def test_completion_rows_target_only_the_completion(tmp_path):
     for r, (prompt, completion) in enumerate([("2+2=", "4"), ("ab", "cde")]):
         p = tok(prompt, add_special_tokens=True).input_ids
         c = tok(completion, add_special_tokens=False).input_ids + [tok.eos_token_id]
-        assert rows.ids[r, :len(p) + len(c)].tolist() == p + c
-        assert rows.labels[r, :len(p)].tolist() == [IGNORE] * len(p)  # no loss on the prompt
-        assert rows.labels[r, len(p):len(p) + len(c)].tolist() == c  # the completion and its EOS
-        assert (rows.labels[r, len(p) + len(c):] == IGNORE).all()  # nor on the padding
+        assert rows.ids[r, : len(p) + len(c)].tolist() == p + c
+        assert rows.labels[r, : len(p)].tolist() == [IGNORE] * len(p)  # no loss on the prompt
+        assert rows.labels[r, len(p) : len(p) + len(c)].tolist() == c  # the completion and its EOS
+        assert (rows.labels[r, len(p) + len(c) :] == IGNORE).all()  # nor on the padding
     ids, labels = rows.labeled_batch(0, 4, seed=0)  # wraps into the next epoch
     assert ids.shape == labels.shape == (4, 12)
     assert torch.equal(rows.labeled_batch(1, 3, seed=5)[0], rows.labeled_batch(1, 3, seed=5)[0])
 
 
-@pytest.mark.parametrize("records,message", [
-    ([{"prompt": "a"}], "needs string 'prompt' and 'completion'"),
-    ([{"prompt": "a", "completion": ""}], "empty completion"),
-    ([{"prompt": "a" * 20, "completion": "b"}], "more than seq_len 12"),
-])
+@pytest.mark.parametrize(
+    "records,message",
+    [
+        ([{"prompt": "a"}], "needs string 'prompt' and 'completion'"),
+        ([{"prompt": "a", "completion": ""}], "empty completion"),
+        ([{"prompt": "a" * 20, "completion": "b"}], "more than seq_len 12"),
+    ],
+)
 def test_completion_data_errors(tmp_path, records, message):
     path = _jsonl(tmp_path / "bad.jsonl", records)
     with pytest.raises(DataError, match=message):
@@ -296,8 +380,17 @@ def test_completion_format_needs_jsonl_and_a_known_format(tmp_path):
 def test_completion_training_loss_is_the_completion_loss(model_dir, tmp_path):
     records = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(5) for b in range(5)]
     path = _jsonl(tmp_path / "add.jsonl", records)
-    cfg = TrainConfig(data=[str(path)], output=str(tmp_path / "run"), tokens=16 * 4, seq_len=16, batch=4, lr=1e-9,
-                      warmup=0.0, format="completion", budgets=[2])
+    cfg = TrainConfig(
+        data=[str(path)],
+        output=str(tmp_path / "run"),
+        tokens=16 * 4,
+        seq_len=16,
+        batch=4,
+        lr=1e-9,
+        warmup=0.0,
+        format="completion",
+        budgets=[2],
+    )
     trainer = Trainer(model_dir, cfg)
     ids, labels = trainer.data.labeled_batch(0, 4, cfg.seed)
     with torch.no_grad():
@@ -312,10 +405,37 @@ def test_completion_training_loss_is_the_completion_loss(model_dir, tmp_path):
 @pytest.mark.slow
 def test_two_process_ddp(model_dir, tmp_path):
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
-           "-m", "looptool", "train", str(model_dir), "--data", str(SOTU / "179*.txt"), "-o", str(out),
-           "--tokens", "4k", "--seq-len", "64", "--batch", "2", "--grad-accum", "2", "--lr", "1e-3",
-           "--new-lr", "1e-2", "--override", "0.5"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "29517",
+        "-m",
+        "looptool",
+        "train",
+        str(model_dir),
+        "--data",
+        str(SOTU / "179*.txt"),
+        "-o",
+        str(out),
+        "--tokens",
+        "4k",
+        "--seq-len",
+        "64",
+        "--batch",
+        "2",
+        "--grad-accum",
+        "2",
+        "--lr",
+        "1e-3",
+        "--new-lr",
+        "1e-2",
+        "--override",
+        "0.5",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -333,20 +453,33 @@ def test_two_process_ddp(model_dir, tmp_path):
 
 
 def test_exit_loss_is_the_weighted_mean_of_exit_losses(tmp_path):
-    model = looptool.convert(looptool.testing.tiny_model("llama"),
-                             looptool.RecurrentLoop(recurrent=(1, 2), max_loops=3, init="paper"), tokenizer=byte_tokenizer())
+    model = looptool.convert(
+        looptool.testing.tiny_model("llama"),
+        looptool.RecurrentLoop(recurrent=(1, 2), max_loops=3, init="paper"),
+        tokenizer=byte_tokenizer(),
+    )
     ids = torch.randint(0, 200, (2, 9))
     labels = ids.clone()
     labels[:, :4] = IGNORE
     out = model(ids, labels=labels, budget=3, output_exit_logits=True)
-    ce = [torch.nn.functional.cross_entropy(lg[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE)
-          for lg in (*out.exit_logits, out.logits)]
+    ce = [
+        torch.nn.functional.cross_entropy(lg[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE)
+        for lg in (*out.exit_logits, out.logits)
+    ]
     from looptool.train.trainer import exit_weighted_loss
 
     torch.testing.assert_close(exit_weighted_loss(out, labels, 0.5), (0.5 * ce[0] + 0.5 * ce[1] + ce[2]) / 2)
     model.save_pretrained(tmp_path / "elr")
-    cfg = dict(data=[str(SOTU / "1790*.txt")], tokens=32 * 2 * 3, seq_len=32, batch=2, lr=1e-3, new_lr=1e-2,
-               warmup=0.0, budgets=[3])
+    cfg = dict(
+        data=[str(SOTU / "1790*.txt")],
+        tokens=32 * 2 * 3,
+        seq_len=32,
+        batch=2,
+        lr=1e-3,
+        new_lr=1e-2,
+        warmup=0.0,
+        budgets=[3],
+    )
     plain = Trainer(tmp_path / "elr", TrainConfig(**cfg, output=str(tmp_path / "a")))
     plain.run()
     deep = Trainer(tmp_path / "elr", TrainConfig(**cfg, output=str(tmp_path / "b"), exit_loss=1.0))
@@ -355,19 +488,26 @@ def test_exit_loss_is_the_weighted_mean_of_exit_losses(tmp_path):
     a, b = plain.model.get_parameter("loop.recurrent.beta_gamma"), deep.model.get_parameter("loop.recurrent.beta_gamma")
     assert not torch.equal(a, b)  # the exits changed the gradients
     with pytest.raises(TrainingError, match="applies to ELR"):
-        Trainer(_prefix_dir(tmp_path), TrainConfig(**{**cfg, "budgets": None}, output=str(tmp_path / "c"), exit_loss=1.0))
+        Trainer(
+            _prefix_dir(tmp_path), TrainConfig(**{**cfg, "budgets": None}, output=str(tmp_path / "c"), exit_loss=1.0)
+        )
 
 
 def _prefix_dir(tmp_path: Path) -> Path:
     path = tmp_path / "prefix"
-    looptool.convert(looptool.testing.tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)),
-                     tokenizer=byte_tokenizer()).save_pretrained(path)
+    looptool.convert(
+        looptool.testing.tiny_model("llama"),
+        looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)),
+        tokenizer=byte_tokenizer(),
+    ).save_pretrained(path)
     return path
 
 
 # ---------------------------------------------------------------------------------- chat format
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 DIALOGUE = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Hi there"},
@@ -426,13 +566,16 @@ def test_chat_sft_masks_match_the_chat_template_token_by_token(tmp_path, markers
     assert batch_ids.shape == batch_labels.shape == (3, 256) and torch.equal(batch_labels[0], rows.labels[0])
 
 
-@pytest.mark.parametrize("records,message", [
-    ([{"text": "no messages"}], r"line 1 needs a 'messages' list of objects with string 'role' and 'content'"),
-    ([{"messages": DIALOGUE}, {"messages": [{"role": "user", "content": 3}]}], r"line 2 needs a 'messages' list"),
-    ([{"messages": []}], r"needs a 'messages' list"),
-    ([{"messages": DIALOGUE[:2]}], r"line 1 has no assistant message; there would be nothing to learn"),
-    ([{"messages": DIALOGUE}], r"line 1 has \d+ tokens, more than seq_len 40; raise seq_len"),
-])
+@pytest.mark.parametrize(
+    "records,message",
+    [
+        ([{"text": "no messages"}], r"line 1 needs a 'messages' list of objects with string 'role' and 'content'"),
+        ([{"messages": DIALOGUE}, {"messages": [{"role": "user", "content": 3}]}], r"line 2 needs a 'messages' list"),
+        ([{"messages": []}], r"needs a 'messages' list"),
+        ([{"messages": DIALOGUE[:2]}], r"line 1 has no assistant message; there would be nothing to learn"),
+        ([{"messages": DIALOGUE}], r"line 1 has \d+ tokens, more than seq_len 40; raise seq_len"),
+    ],
+)
 def test_chat_data_errors(tmp_path, records, message):
     path = _jsonl(tmp_path / "bad.jsonl", records)
     with pytest.raises(DataError, match=message):
@@ -466,11 +609,23 @@ def test_chat_format_needs_jsonl_a_chat_template_and_a_fast_tokenizer(tmp_path):
 
 def test_chat_training_loss_is_the_assistant_loss(model_dir, tmp_path):
     tok = _chat_tokenizer()
-    records = [{"messages": [{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(a + b)}]}
-               for a in range(4) for b in range(4)]
+    records = [
+        {"messages": [{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(a + b)}]}
+        for a in range(4)
+        for b in range(4)
+    ]
     path = _jsonl(tmp_path / "chat.jsonl", records)
-    cfg = TrainConfig(data=[str(path)], output=str(tmp_path / "run"), tokens=80 * 4 * 2, seq_len=80, batch=4, lr=1e-9,
-                      warmup=0.0, format="chat", budgets=[2])
+    cfg = TrainConfig(
+        data=[str(path)],
+        output=str(tmp_path / "run"),
+        tokens=80 * 4 * 2,
+        seq_len=80,
+        batch=4,
+        lr=1e-9,
+        warmup=0.0,
+        format="chat",
+        budgets=[2],
+    )
     trainer = Trainer(model_dir, cfg, tokenizer=tok)
     ids, labels = trainer.data.labeled_batch(0, 4, cfg.seed)
     with torch.no_grad():

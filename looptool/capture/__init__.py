@@ -37,7 +37,13 @@ from looptool.capture.clean import CAST_TARGETS, clean_module
 from looptool.capture.experts import annotate_experts
 from looptool.capture.export import INPUT_NAMES, build_skeleton, export_decode_step, export_source
 from looptool.capture.facts import (
-    find_layers_path, hidden_size_of, kv_shape_of, moe_shape_of, module_path, norm_eps_of, num_layers_of,
+    find_layers_path,
+    hidden_size_of,
+    kv_shape_of,
+    module_path,
+    moe_shape_of,
+    norm_eps_of,
+    num_layers_of,
 )
 from looptool.capture.norms import annotate_norm_parameters
 from looptool.capture.residual import NORM_TARGETS
@@ -45,9 +51,20 @@ from looptool.core.errors import CaptureError
 from looptool.core.graph import LayerGraph, SourceInfo
 
 __all__ = [
-    "CAST_TARGETS", "NORM_TARGETS", "annotate_cache", "annotate_graph", "build_skeleton", "capture",
-    "export_decode_step", "export_source", "find_layers_path", "hidden_size_of", "kv_shape_of",
-    "moe_shape_of", "norm_eps_of", "num_layers_of",
+    "CAST_TARGETS",
+    "NORM_TARGETS",
+    "annotate_cache",
+    "annotate_graph",
+    "build_skeleton",
+    "capture",
+    "export_decode_step",
+    "export_source",
+    "find_layers_path",
+    "hidden_size_of",
+    "kv_shape_of",
+    "moe_shape_of",
+    "norm_eps_of",
+    "num_layers_of",
 ]
 log = logging.getLogger(__name__)
 

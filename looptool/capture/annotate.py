@@ -9,14 +9,21 @@ import torch.fx as fx
 from looptool.capture.residual import analyse_layer, innermost_path, is_shape
 from looptool.core.errors import CaptureError
 from looptool.core.graph import (
-    ROLE_EMBEDDING, ROLE_FINAL_NORM, ROLE_HEAD, ROLE_INPUT, ROLE_OUTPUT, ROLE_PARAM, ROLE_PROLOGUE, ROLE_SHAPE,
-    LayerInfo, annotate, annotation,
+    ROLE_EMBEDDING,
+    ROLE_FINAL_NORM,
+    ROLE_HEAD,
+    ROLE_INPUT,
+    ROLE_OUTPUT,
+    ROLE_PARAM,
+    ROLE_PROLOGUE,
+    ROLE_SHAPE,
+    LayerInfo,
+    annotate,
+    annotation,
 )
 
 
-def annotate_graph(
-    graph: fx.Graph, layers_path: str, n_layers: int, head_path: str | None
-) -> tuple[LayerInfo, ...]:
+def annotate_graph(graph: fx.Graph, layers_path: str, n_layers: int, head_path: str | None) -> tuple[LayerInfo, ...]:
     """Annotate every node of a captured graph with layer and role; return the layer infos."""
     by_layer: dict[int, list[fx.Node]] = {i: [] for i in range(n_layers)}
     for node in graph.nodes:
@@ -92,7 +99,9 @@ def annotate_cache(graph: fx.Graph, n_layers: int) -> None:
         annotation(writes[0])["kv"] = kind
     marked = sum(1 for n in graph.nodes if n.op == "placeholder" and "kv" in annotation(n))
     if marked != 2 * n_layers:
-        raise CaptureError(f"cached decoding: found {marked} cache inputs for {n_layers} layers; expected {2 * n_layers}.")
+        raise CaptureError(
+            f"cached decoding: found {marked} cache inputs for {n_layers} layers; expected {2 * n_layers}."
+        )
 
 
 def _layer_of(node: fx.Node, layers_path: str) -> int | None:
@@ -102,9 +111,7 @@ def _layer_of(node: fx.Node, layers_path: str) -> int | None:
     prefix = layers_path + "."
     for path, _ in stack.values():
         if path.startswith(prefix):
-            head = path[len(prefix):].split(".", 1)[0]
+            head = path[len(prefix) :].split(".", 1)[0]
             if head.isdigit():
                 return int(head)
     return None
-
-

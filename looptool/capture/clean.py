@@ -10,7 +10,6 @@ import torch.fx as fx
 
 from looptool.core.errors import CaptureError
 
-
 CAST_TARGETS = {  # dtype/device casts (also read by looptool.posttrain.merge)
     torch.ops.aten.to.dtype,
     torch.ops.aten.to.device,

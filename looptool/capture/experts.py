@@ -37,8 +37,14 @@ def annotate_experts(graph: fx.Graph) -> int:
         combine, x, weights, ids, down, region = match
         for node in region:
             _mark(node, "body")
-        for node, part in ((combine, "combine"), (x, "input"), (weights, "weights"), (ids, "ids"),
-                           (gate_up, "gate_up"), (down, "down")):
+        for node, part in (
+            (combine, "combine"),
+            (x, "input"),
+            (weights, "weights"),
+            (ids, "ids"),
+            (gate_up, "gate_up"),
+            (down, "down"),
+        ):
             _mark(node, part)
         count += 1
     return count
@@ -52,12 +58,18 @@ _GROUPED = {"grouped_mm_fallback", "_grouped_mm", "grouped_mm"}
 
 
 def _is_grouped_mm(node) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and getattr(node.target, "_opname", None) in _GROUPED
+    return (
+        isinstance(node, fx.Node) and node.op == "call_function" and getattr(node.target, "_opname", None) in _GROUPED
+    )
 
 
 def _expert_weight(node) -> fx.Node | None:
     """The 3-D expert tensor behind ``transpose(w, -2, -1)`` (the grouped matmul's operand)."""
-    if is_call(node, _aten.transpose.int) and node.args[0].op == "get_attr" and tuple(node.args[1:]) in ((-2, -1), (1, 2)):
+    if (
+        is_call(node, _aten.transpose.int)
+        and node.args[0].op == "get_attr"
+        and tuple(node.args[1:]) in ((-2, -1), (1, 2))
+    ):
         return node.args[0]
     return None
 
@@ -72,7 +84,11 @@ def _match_experts(gmm_up: fx.Node, gate_up: fx.Node):
     the gated-SiLU pattern the ``moe`` op computes."""
     # up: chunk(gmm_up, 2, -1) → silu(chunk[0]) * chunk[1] → grouped matmul with down
     chunk = next(iter(value_users(gmm_up)), None)
-    if len(value_users(gmm_up)) != 1 or not is_call(chunk, _aten.chunk.default) or tuple(chunk.args[1:]) not in ((2, -1), (2, 1)):
+    if (
+        len(value_users(gmm_up)) != 1
+        or not is_call(chunk, _aten.chunk.default)
+        or tuple(chunk.args[1:]) not in ((2, -1), (2, 1))
+    ):
         return None
     parts = {u.args[1]: u for u in value_users(chunk) if u.target is operator.getitem}
     if set(parts) != {0, 1} or len(value_users(parts[0])) != 1:

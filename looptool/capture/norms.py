@@ -50,9 +50,7 @@ def _attr(module: torch.nn.Module, dotted: str):
 
 def _pointwise(node: fx.Node) -> bool:
     target = node.target
-    return node.op == "call_function" and (
-        target in CAST_TARGETS or torch.Tag.pointwise in getattr(target, "tags", ())
-    )
+    return node.op == "call_function" and (target in CAST_TARGETS or torch.Tag.pointwise in getattr(target, "tags", ()))
 
 
 def is_norm_parameter(attrs: list[fx.Node]) -> bool:

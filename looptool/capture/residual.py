@@ -10,10 +10,17 @@ import torch.fx as fx
 
 from looptool.core.errors import CaptureError
 from looptool.core.graph import (
-    FORM_PARALLEL, FORM_SEQUENTIAL, ROLE_ATTENTION, ROLE_LAYER, ROLE_MLP, ROLE_MOE, ROLE_RESIDUAL, ROLE_ROUTER,
-    LayerInfo, Write,
+    FORM_PARALLEL,
+    FORM_SEQUENTIAL,
+    ROLE_ATTENTION,
+    ROLE_LAYER,
+    ROLE_MLP,
+    ROLE_MOE,
+    ROLE_RESIDUAL,
+    ROLE_ROUTER,
+    LayerInfo,
+    Write,
 )
-
 
 _ADD_TARGETS = {torch.ops.aten.add.Tensor, operator.add}
 
@@ -186,8 +193,10 @@ def analyse_layer(index: int, nodes: list[fx.Node], layer_module: str) -> tuple[
 def is_shape(node: fx.Node) -> bool:
     """Symbolic-size arithmetic: its value is a SymInt/int, not a tensor."""
     val = node.meta.get("val")
-    return val is not None and not isinstance(val, torch.Tensor) and not (
-        isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val)
+    return (
+        val is not None
+        and not isinstance(val, torch.Tensor)
+        and not (isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val))
     )
 
 
@@ -201,7 +210,7 @@ def _branch_norm(branch: set[fx.Node], stream: fx.Node, layer_module: str) -> fx
     if len(paths) != 1:
         return None
     path = paths.pop()
-    if not path.startswith(layer_module + ".") or "." in path[len(layer_module) + 1:]:
+    if not path.startswith(layer_module + ".") or "." in path[len(layer_module) + 1 :]:
         return None
     members = {n for n in branch if innermost_path(n) == path}
     targets = {n.target for n in members}
@@ -220,7 +229,9 @@ def _router_nodes(branch: set[fx.Node], write: fx.Node, layer_module: str) -> se
         path = innermost_path(topk) or ""
         if not path.startswith(layer_module + ".") or (innermost_path(write) or "").startswith(path):
             continue
-        out |= {n for n in branch if (innermost_path(n) or "") == path or (innermost_path(n) or "").startswith(path + ".")}
+        out |= {
+            n for n in branch if (innermost_path(n) or "") == path or (innermost_path(n) or "").startswith(path + ".")
+        }
     return out if write not in out else set()
 
 
@@ -229,4 +240,3 @@ def innermost_path(node: fx.Node) -> str | None:
     if not stack:
         return None
     return list(stack.values())[-1][0]
-

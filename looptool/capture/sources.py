@@ -104,7 +104,9 @@ def _download_smollm2(target: Path, gguf: Path, say) -> Path:
     return gguf
 
 
-def load_source(spec: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str = "cpu", say=log.info) -> Source:
+def load_source(
+    spec: str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str = "cpu", say=log.info
+) -> Source:
     """Load ``spec`` — a model directory, a Hub model id (``org/name`` or
     ``org/name@revision``), a ``.gguf`` file or ``"smollm2"`` — as an HF causal LM.
 
@@ -124,10 +126,7 @@ def load_source(spec: str | os.PathLike, *, dtype: torch.dtype = torch.float32, 
         return _load_gguf(path, dtype, device, origin=str(path))
     if path.is_dir() and (path / "config.json").exists():
         return _load_hf(path, dtype, device, origin=str(path))
-    raise SourceError(
-        f"'{spec}' is neither a model directory with a config.json nor a .gguf file; "
-        "pass one of those."
-    )
+    raise SourceError(f"'{spec}' is neither a model directory with a config.json nor a .gguf file; pass one of those.")
 
 
 def parse_hub_id(spec: str) -> tuple[str, str | None] | None:
@@ -168,8 +167,10 @@ def _hub_commit(repo_id: str, revision: str | None) -> str:
             "was given); check the id, or set HF_TOKEN or run 'hf auth login'."
         ) from None
     except errors.RevisionNotFoundError:
-        raise SourceError(f"revision '{revision}' does not exist in Hub repository '{repo_id}'; "
-                          "pass an existing branch, tag or commit.") from None
+        raise SourceError(
+            f"revision '{revision}' does not exist in Hub repository '{repo_id}'; "
+            "pass an existing branch, tag or commit."
+        ) from None
     except errors.LocalEntryNotFoundError:  # offline, or the Hub unreachable, and not cached
         if constants.is_offline_mode():
             raise SourceError(
@@ -201,7 +202,9 @@ def _load_hf(name: str | Path, dtype: torch.dtype, device: str, *, origin: str, 
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(name, dtype=dtype, device_map=None, **hub)
     except Exception as exc:
-        raise SourceError(f"transformers could not load '{origin}' as a causal LM ({type(exc).__name__}: {exc}).") from exc
+        raise SourceError(
+            f"transformers could not load '{origin}' as a causal LM ({type(exc).__name__}: {exc})."
+        ) from exc
     model = model.to(device).eval()
     return Source(model, _try_tokenizer(name, **hub), origin)
 

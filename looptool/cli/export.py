@@ -19,16 +19,40 @@ from looptool.core.errors import LooptoolError
 def export_cmd(
     model_dir: ModelDir,
     output: Annotated[Path, typer.Option("--output", "-o", help="Engine directory to write.")],
-    backend: Annotated[str, typer.Option(help="Lowering target: onnx (onnxruntime) or tensorrt (ONNX + TensorRT variants and engines).")] = "onnx",
+    backend: Annotated[
+        str,
+        typer.Option(help="Lowering target: onnx (onnxruntime) or tensorrt (ONNX + TensorRT variants and engines)."),
+    ] = "onnx",
     budget: Annotated[str, typer.Option(help="A budget, a comma-separated list, or 'all'.")] = "all",
-    validate: Annotated[bool, typer.Option("--validate/--no-validate", help="Compare every graph with the PyTorch path.")] = True,
+    validate: Annotated[
+        bool, typer.Option("--validate/--no-validate", help="Compare every graph with the PyTorch path.")
+    ] = True,
     overwrite: Overwrite = False,
     device: Annotated[str, typer.Option(help="Device to trace on; the onnx backend traces on cpu.")] = "cpu",
-    kv: Annotated[str, typer.Option(help="KV cache policies to export: per-loop, last-loop, per-loop,last-loop or all.")] = "per-loop",
-    compose: Annotated[bool, typer.Option("--compose/--no-compose", help="Build graphs from layer functions (each distinct layer exported once).")] = True,
-    ort_fusions: Annotated[bool, typer.Option("--ort-fusions", help="Apply onnxruntime's transformer fusions (com.microsoft ops; onnxruntime-only graphs).")] = False,
+    kv: Annotated[
+        str, typer.Option(help="KV cache policies to export: per-loop, last-loop, per-loop,last-loop or all.")
+    ] = "per-loop",
+    compose: Annotated[
+        bool,
+        typer.Option(
+            "--compose/--no-compose", help="Build graphs from layer functions (each distinct layer exported once)."
+        ),
+    ] = True,
+    ort_fusions: Annotated[
+        bool,
+        typer.Option(
+            "--ort-fusions",
+            help="Apply onnxruntime's transformer fusions (com.microsoft ops; onnxruntime-only graphs).",
+        ),
+    ] = False,
     precision: Annotated[str, typer.Option(help="tensorrt: engine dtype, fp16, bf16 or fp32.")] = "fp16",
-    build_on_target: Annotated[bool, typer.Option("--build-on-target", help="tensorrt: write everything but the engines, plus build.py to build them on the GPU machine.")] = False,
+    build_on_target: Annotated[
+        bool,
+        typer.Option(
+            "--build-on-target",
+            help="tensorrt: write everything but the engines, plus build.py to build them on the GPU machine.",
+        ),
+    ] = False,
     max_batch: Annotated[int, typer.Option(help="tensorrt: largest batch the engines accept.")] = 8,
     max_prefill: Annotated[int, typer.Option(help="tensorrt: longest prompt step the prefill profile accepts.")] = 2048,
     max_capacity: Annotated[int, typer.Option(help="tensorrt: largest KV cache capacity in tokens.")] = 4096,
@@ -48,11 +72,21 @@ def export_cmd(
 
         parse_budgets(budget)  # the syntax now; whether the model has them once it is loaded
     if parse_device(device).type != "cpu":
-        raise LooptoolError(f"export traces and validates on the CPU; drop --device {device} (the runtime picks "
-                            "its device when the engine runs).")
-    options = export_options(backend, kv=kv, compose=compose, ort_fusions=ort_fusions, precision=precision,
-                             build_on_target=build_on_target, max_batch=max_batch, max_prefill=max_prefill,
-                             max_capacity=max_capacity)  # fail before the slow load
+        raise LooptoolError(
+            f"export traces and validates on the CPU; drop --device {device} (the runtime picks "
+            "its device when the engine runs)."
+        )
+    options = export_options(
+        backend,
+        kv=kv,
+        compose=compose,
+        ort_fusions=ort_fusions,
+        precision=precision,
+        build_on_target=build_on_target,
+        max_batch=max_batch,
+        max_prefill=max_prefill,
+        max_capacity=max_capacity,
+    )  # fail before the slow load
     check_output_dir(output, overwrite)
     with progress() as steps:
         with steps.stage(f"loading {model_dir}"):
@@ -68,23 +102,57 @@ def export_cmd(
                     step.advance()
                 step.update(text=text)
 
-            report = export_engines(model, output, backend, chosen, options={**options, "kv": policies},
-                                    overwrite=overwrite, validate=validate, on_progress=on_progress)
-    table = Table(title=f"{output} · onnx · opset 18 + looptool domain · prefill + KV-cached decode", title_justify="left")
-    for col in ("budget", "kv", "file", "size", "layer calls", "fused ops", "max |Δ| random", "max |Δ| real", "export s"):
+            report = export_engines(
+                model,
+                output,
+                backend,
+                chosen,
+                options={**options, "kv": policies},
+                overwrite=overwrite,
+                validate=validate,
+                on_progress=on_progress,
+            )
+    table = Table(
+        title=f"{output} · onnx · opset 18 + looptool domain · prefill + KV-cached decode", title_justify="left"
+    )
+    for col in (
+        "budget",
+        "kv",
+        "file",
+        "size",
+        "layer calls",
+        "fused ops",
+        "max |Δ| random",
+        "max |Δ| real",
+        "export s",
+    ):
         table.add_column(col, justify="right")
     for b in report.budgets:
         fused = ", ".join(f"{k}×{v}" for k, v in b.fused.items() if v) or "-"
         calls = f"{sum(b.layer_calls.values())} of {len(b.layer_calls)}" if b.composed else "flat"
         diff = b.max_abs_diff
-        table.add_row(str(b.budget), b.kv, b.file, human_bytes(b.bytes), calls, fused,
-                      *(f"{diff[k]:.2e}" if k in diff else "not validated" for k in ("random", "real")), f"{b.seconds:.1f}")
+        table.add_row(
+            str(b.budget),
+            b.kv,
+            b.file,
+            human_bytes(b.bytes),
+            calls,
+            fused,
+            *(f"{diff[k]:.2e}" if k in diff else "not validated" for k in ("random", "real")),
+            f"{b.seconds:.1f}",
+        )
     out.print(table)
     if report.layer_functions:
-        out.print(f"{report.layer_functions} distinct bodies exported once each ({report.layer_seconds:.1f} s); "
-                  f"validation {report.validation_seconds:.1f} s; total {report.seconds:.1f} s")
+        out.print(
+            f"{report.layer_functions} distinct bodies exported once each ({report.layer_seconds:.1f} s); "
+            f"validation {report.validation_seconds:.1f} s; total {report.seconds:.1f} s"
+        )
     if backend == "tensorrt":
-        built = "engines built" if not build_on_target else f"run python {output / 'build.py'} on the GPU machine to build the engines"
+        built = (
+            "engines built"
+            if not build_on_target
+            else f"run python {output / 'build.py'} on the GPU machine to build the engines"
+        )
         out.print(f"TensorRT variants (*.trt.onnx, {precision}, weights as inputs, looptool plugins) written; {built}.")
     out.print(
         f"weights.bin {human_bytes(report.weights_bytes)} + graphs/manifest {human_bytes(report.graph_bytes)} = "

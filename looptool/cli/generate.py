@@ -67,10 +67,26 @@ def generate(
         with steps.stage(f"building cached budget paths ({kv})"):
             cached_paths(model, kv)
     enc = text.encode_prompts(tok, prompt)
-    result = _stream_generation(tok, prompt, stream, lambda on_step: run_generate(
-        model, enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device), budget=budget,
-        max_new_tokens=max_new_tokens, kv=kv, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, on_step=on_step))
+    result = _stream_generation(
+        tok,
+        prompt,
+        stream,
+        lambda on_step: run_generate(
+            model,
+            enc["input_ids"].to(device),
+            attention_mask=enc["attention_mask"].to(device),
+            budget=budget,
+            max_new_tokens=max_new_tokens,
+            kv=kv,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            on_step=on_step,
+        ),
+    )
     _print_generation(tok, prompt, enc, result, stream, f"budget {budget} · kv {kv} · batch {len(prompt)}")
 
 
@@ -82,16 +98,22 @@ def run_cmd(
     budget: Budget = None,
     max_new_tokens: MaxNewTokens = 64,
     kv: Kv = "per-loop",
-    capacity: Annotated[int | None, typer.Option(help="Cache capacity in tokens (default: prompt + new tokens).")] = None,
+    capacity: Annotated[
+        int | None, typer.Option(help="Cache capacity in tokens (default: prompt + new tokens).")
+    ] = None,
     temperature: Temperature = 0.0,
     top_k: TopK = None,
     top_p: TopP = None,
     seed: SamplingSeed = None,
     stream: Stream = False,
     threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads (default: all cores).")] = None,
-    prepack: Annotated[bool, typer.Option("--prepack", help="Let onnxruntime pre-pack weights: faster, but a packed copy per session.")] = False,
+    prepack: Annotated[
+        bool, typer.Option("--prepack", help="Let onnxruntime pre-pack weights: faster, but a packed copy per session.")
+    ] = False,
     tokenizer: Tokenizer = None,
-    backend: Annotated[str, typer.Option(help="onnx (onnxruntime) or tensorrt (the built engines, on a GPU).")] = "onnx",
+    backend: Annotated[
+        str, typer.Option(help="onnx (onnxruntime) or tensorrt (the built engines, on a GPU).")
+    ] = "onnx",
 ) -> None:
     """Generate with onnxruntime or TensorRT from an exported engine, with its KV cache (like generate)."""
     from looptool.backends.engines import engine_name, open_runtime
@@ -104,16 +126,34 @@ def run_cmd(
     rt = open_runtime(engine_dir, backend, threads=threads, prepack=prepack)
     source = tokenizer if tokenizer is not None else (engine_dir if rt.manifest.get("tokenizer") else None)
     if source is None:
-        raise LooptoolError("this engine was exported without a tokenizer; pass --tokenizer PATH (a Hugging Face tokenizer folder).")
+        raise LooptoolError(
+            "this engine was exported without a tokenizer; pass --tokenizer PATH (a Hugging Face tokenizer folder)."
+        )
     tok = text.load_tokenizer(source)
     budget = rt.budgets[-1] if budget is None else budget
     if backend == "onnx":
         rt.session(budget, kv)  # bad budget or policy: fail before tokenising
     enc = text.encode_prompts(tok, prompt)
-    result = _stream_generation(tok, prompt, stream, lambda on_step: rt.generate(
-        enc["input_ids"], attention_mask=enc["attention_mask"], budget=budget, max_new_tokens=max_new_tokens, kv=kv,
-        capacity=capacity, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, on_step=on_step))
+    result = _stream_generation(
+        tok,
+        prompt,
+        stream,
+        lambda on_step: rt.generate(
+            enc["input_ids"],
+            attention_mask=enc["attention_mask"],
+            budget=budget,
+            max_new_tokens=max_new_tokens,
+            kv=kv,
+            capacity=capacity,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            on_step=on_step,
+        ),
+    )
     engine = engine_name(rt, backend, budget, kv)
     _print_generation(tok, prompt, enc, result, stream, f"budget {budget} · kv {kv} · {engine} · batch {len(prompt)}")
 
@@ -150,8 +190,12 @@ def _print_generation(tok, prompt: list[str], enc, result, stream: bool, title: 
     for col in ("prompt tok", "new tok", "prefill ms", "decode ms/tok", "tok/s", "KV/tok", "KV allocated"):
         table.add_column(col, justify="right")
     table.add_row(
-        str(width), str(result.new_tokens), f"{result.prefill_seconds * 1e3:.1f}",
-        f"{result.decode_seconds * 1e3 / steps:.1f}", f"{result.tokens_per_second:.1f}",
-        human_bytes(result.kv_bytes_per_token), human_bytes(result.kv_bytes),
+        str(width),
+        str(result.new_tokens),
+        f"{result.prefill_seconds * 1e3:.1f}",
+        f"{result.decode_seconds * 1e3 / steps:.1f}",
+        f"{result.tokens_per_second:.1f}",
+        human_bytes(result.kv_bytes_per_token),
+        human_bytes(result.kv_bytes),
     )
     console.print(table)

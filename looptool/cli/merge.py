@@ -18,15 +18,34 @@ from looptool.core.errors import LooptoolError
 @friendly
 def merge_cmd(
     base: Annotated[Path, typer.Argument(help="The base looped model directory.")],
-    experts: Annotated[list[Path] | None, typer.Argument(help="Expert looped model directories (same architecture and plan as BASE), numbered 0, 1, ... in this order.", show_default=False)] = None,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Directory to write the merged model to.")] = None,
-    lambdas: Annotated[list[str] | None, typer.Option("--lambda", "-l", help=(
-        "Merge weight, repeatable: VALUE (every group, every expert), GROUP=VALUE (every expert) or "
-        "EXPERT:GROUP=VALUE / EXPERT:VALUE (one expert); GROUP is a kind (embed_head, attention, mlp, router, norm, loop), a block "
-        "(input, looped, output, loop) or BLOCK.KIND (looped.attention). The most specific group wins, then an "
-        "expert's own spec, then the later spec; groups no spec matches keep the base (lambda 0)."), show_default=False)] = None,
+    experts: Annotated[
+        list[Path] | None,
+        typer.Argument(
+            help="Expert looped model directories (same architecture and plan as BASE), numbered 0, 1, ... in this order.",
+            show_default=False,
+        ),
+    ] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Directory to write the merged model to.")
+    ] = None,
+    lambdas: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--lambda",
+            "-l",
+            help=(
+                "Merge weight, repeatable: VALUE (every group, every expert), GROUP=VALUE (every expert) or "
+                "EXPERT:GROUP=VALUE / EXPERT:VALUE (one expert); GROUP is a kind (embed_head, attention, mlp, router, norm, loop), a block "
+                "(input, looped, output, loop) or BLOCK.KIND (looped.attention). The most specific group wins, then an "
+                "expert's own spec, then the later spec; groups no spec matches keep the base (lambda 0)."
+            ),
+            show_default=False,
+        ),
+    ] = None,
     overwrite: Overwrite = False,
-    list_groups: Annotated[bool, typer.Option("--list-groups", help="Print BASE's parameter groups with their sizes and exit.")] = False,
+    list_groups: Annotated[
+        bool, typer.Option("--list-groups", help="Print BASE's parameter groups with their sizes and exit.")
+    ] = False,
 ) -> None:
     """Merge fine-tuned experts into BASE per parameter group (task arithmetic, Accordion post-training):
     theta = theta_base + sum_j lambda_j (theta_j - theta_base), in float32, cast back to the model's dtype."""
@@ -78,8 +97,12 @@ def merge_cmd(
         table.add_column(col, justify="left" if col == "group" else "right")
     for family, group, tensors, scalars in group_sizes(base_model):
         if family == "block.kind":
-            table.add_row(group, str(tensors), f"{scalars:,}", *(f"{lam:g}" for lam in config["lambda_by_group"][group]))
+            table.add_row(
+                group, str(tensors), f"{scalars:,}", *(f"{lam:g}" for lam in config["lambda_by_group"][group])
+            )
     out.print(table)
     changed, total = merge_counts(base_model, specs, len(experts))
-    out.print(f"{changed} of {total} tensors merged ({total - changed} kept from the base); "
-              f"saved merged model to [bold]{output}[/] (experts and λ specs in {MERGE_CONFIG})")
+    out.print(
+        f"{changed} of {total} tensors merged ({total - changed} kept from the base); "
+        f"saved merged model to [bold]{output}[/] (experts and λ specs in {MERGE_CONFIG})"
+    )

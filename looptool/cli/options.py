@@ -26,8 +26,10 @@ Batch = Annotated[int, typer.Option(help="Sequences per forward.")]
 
 # ---------------------------------------------------------------------- budgets and KV cache
 Budget = Annotated[int | None, typer.Option(help="Budget to run (default: the deepest).")]
-BudgetMenu = Annotated[str | None, typer.Option(help="Budgets to sample from, e.g. 0 for plain fine-tuning "
-                                                     "(default: the model's whole menu).")]
+BudgetMenu = Annotated[
+    str | None,
+    typer.Option(help="Budgets to sample from, e.g. 0 for plain fine-tuning (default: the model's whole menu)."),
+]
 Kv = Annotated[str, typer.Option(help="KV cache policy: per-loop (exact) or last-loop (one slot per layer).")]
 
 # ---------------------------------------------------------------------- generation
@@ -120,7 +122,9 @@ def make_plan(mode: str, window: str | None = None, budgets: str | None = None, 
         )
     if mode == "recurrent":
         if window or budgets:
-            raise LooptoolError("--window and --budgets apply to --mode prefix; use --recurrent START:STOP and --max-loops.")
+            raise LooptoolError(
+                "--window and --budgets apply to --mode prefix; use --recurrent START:STOP and --max-loops."
+            )
         if "recurrent" in rec_given:
             rec_given["recurrent"] = parse_window(rec_given["recurrent"])
         return RecurrentLoop(**rec_given)

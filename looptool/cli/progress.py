@@ -81,7 +81,9 @@ class Steps:
         self._progress = progress
 
     @contextmanager
-    def stage(self, text: str, total: int | None = None, *, completed: int = 0, done: str | None = None) -> Iterator[Step]:
+    def stage(
+        self, text: str, total: int | None = None, *, completed: int = 0, done: str | None = None
+    ) -> Iterator[Step]:
         """A step named ``text`` (``total``: the units of work it counts); when the block ends
         it is marked ✓ with ``done`` (default: its last text), or ✗ if the block raised."""
         task = self._progress.add_task(text, total=total, completed=completed, counted=total is not None)
@@ -101,7 +103,13 @@ class Steps:
 def progress(*, disable: bool = False) -> Iterator[Steps]:
     """The progress display of a command, on stderr (``disable``: show nothing, e.g. on the
     ranks of a torchrun job other than rank 0)."""
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), _IfCounted(BarColumn()),
-               _IfCounted(MofNCompleteColumn()), TimeElapsedColumn(), _IfCounted(TimeRemainingColumn()))
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        _IfCounted(BarColumn()),
+        _IfCounted(MofNCompleteColumn()),
+        TimeElapsedColumn(),
+        _IfCounted(TimeRemainingColumn()),
+    )
     with Progress(*columns, console=console, transient=False, disable=disable) as bar:
         yield Steps(bar)

@@ -38,7 +38,9 @@ from looptool.cli.options import (
 from looptool.cli.progress import progress
 from looptool.core.errors import LooptoolError
 
-Output = Annotated[Path, typer.Option("--output", "-o", help="Output directory: checkpoints and the final model (and the run's log).")]
+Output = Annotated[
+    Path, typer.Option("--output", "-o", help="Output directory: checkpoints and the final model (and the run's log).")
+]
 
 
 @app.command()
@@ -47,34 +49,65 @@ def train(
     model_dir: Annotated[Path, typer.Argument(help="A looped model directory (from looptool convert).")],
     data: Annotated[list[str], typer.Option(help="Training text: files, folders, globs or .jsonl (repeatable).")],
     output: Output,
-    tokens: Annotated[str | None, typer.Option(help="Training tokens, e.g. 2M (default 2M unless --steps is given).")] = None,
+    tokens: Annotated[
+        str | None, typer.Option(help="Training tokens, e.g. 2M (default 2M unless --steps is given).")
+    ] = None,
     steps: Annotated[int | None, typer.Option(help="Optimizer steps, instead of --tokens.")] = None,
     seq_len: SeqLen = 512,
     batch: Annotated[int, typer.Option(help="Sequences per micro-batch (per rank).")] = 8,
     grad_accum: Annotated[int, typer.Option(help="Micro-batches per optimizer step.")] = 1,
     lr: LearningRate = 3e-5,
     new_lr: NewLr = None,
-    weight_decay: Annotated[float, typer.Option(help="AdamW weight decay (never on gates and other no-decay tensors).")] = 0.1,
-    override: Annotated[float, typer.Option(help="Fraction of micro-batches (or DDP ranks) forced to the shallowest budget.")] = 0.0,
-    delay: Annotated[float, typer.Option(help="Fraction of steps trained at the shallowest budget before mixed depth.")] = 0.0,
+    weight_decay: Annotated[
+        float, typer.Option(help="AdamW weight decay (never on gates and other no-decay tensors).")
+    ] = 0.1,
+    override: Annotated[
+        float, typer.Option(help="Fraction of micro-batches (or DDP ranks) forced to the shallowest budget.")
+    ] = 0.0,
+    delay: Annotated[
+        float, typer.Option(help="Fraction of steps trained at the shallowest budget before mixed depth.")
+    ] = 0.0,
     warmup: Annotated[float, typer.Option(help="Fraction of steps of linear LR warmup.")] = 0.05,
     schedule: Annotated[str, typer.Option(help="constant | cosine | sqrt (1-sqrt decay).")] = "constant",
     bf16: Annotated[bool, typer.Option(help="bf16 autocast.")] = False,
-    freeze_below_window: Annotated[bool, typer.Option(help="Freeze layers below the looped block (faster backward).")] = False,
+    freeze_below_window: Annotated[
+        bool, typer.Option(help="Freeze layers below the looped block (faster backward).")
+    ] = False,
     save_every: SaveEvery = 0,
     seed: RunSeed = 0,
     resume: Resume = False,
     tokenizer: Tokenizer = None,
     budgets: BudgetMenu = None,
     device: Device = "auto",
-    checkpoint: Annotated[bool, typer.Option(help="Activation checkpointing per layer application (exact; recomputes in backward).")] = False,
+    checkpoint: Annotated[
+        bool, typer.Option(help="Activation checkpointing per layer application (exact; recomputes in backward).")
+    ] = False,
     compile: Compile = False,
-    strategy: Annotated[str, typer.Option(help="Under torchrun: ddp (replicate) or fsdp (FSDP2, one shard unit per source layer).")] = "ddp",
-    format: Annotated[str, typer.Option("--format", help="text (packed; every token a target), completion (JSONL 'prompt'/'completion'; loss on the completion only) or chat (JSONL 'messages' rendered with the tokenizer's chat template; loss on the assistant turns only).")] = "text",
-    depth_curriculum: Annotated[float, typer.Option(help="Fraction of steps over which the budget menu grows from the shallowest budget to all (0: off).")] = 0.0,
-    gate_floor: Annotated[float, typer.Option(help="Lower bound on the new gates while training (0: off): keeps the loop path open.")] = 0.0,
-    gate_floor_until: Annotated[float, typer.Option(help="Fraction of steps the gate floor holds before it is released.")] = 0.5,
-    exit_loss: Annotated[float, typer.Option(help="ELR: weight of the loss at every earlier loop exit, relative to the last (0: off).")] = 0.0,
+    strategy: Annotated[
+        str, typer.Option(help="Under torchrun: ddp (replicate) or fsdp (FSDP2, one shard unit per source layer).")
+    ] = "ddp",
+    format: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="text (packed; every token a target), completion (JSONL 'prompt'/'completion'; loss on the completion only) or chat (JSONL 'messages' rendered with the tokenizer's chat template; loss on the assistant turns only).",
+        ),
+    ] = "text",
+    depth_curriculum: Annotated[
+        float,
+        typer.Option(
+            help="Fraction of steps over which the budget menu grows from the shallowest budget to all (0: off)."
+        ),
+    ] = 0.0,
+    gate_floor: Annotated[
+        float, typer.Option(help="Lower bound on the new gates while training (0: off): keeps the loop path open.")
+    ] = 0.0,
+    gate_floor_until: Annotated[
+        float, typer.Option(help="Fraction of steps the gate floor holds before it is released.")
+    ] = 0.5,
+    exit_loss: Annotated[
+        float, typer.Option(help="ELR: weight of the loss at every earlier loop exit, relative to the last (0: off).")
+    ] = 0.0,
 ) -> None:
     """Mixed-depth training: one budget per micro-batch, shallowest-budget overrides."""
     from looptool.runtime.text import load_tokenizer
@@ -85,14 +118,35 @@ def train(
         raise LooptoolError("--tokens and --steps both set the length of the run; give one of them.")
     tok = load_tokenizer(tokenizer) if tokenizer is not None else None
     config = TrainConfig(
-        data=list(data), output=str(output), tokens=parse_count(tokens) if tokens is not None else None, steps=steps,
-        seq_len=seq_len, batch=batch,
-        grad_accum=grad_accum, lr=lr, new_lr=new_lr, weight_decay=weight_decay, override=override, delay=delay,
-        warmup=warmup, schedule=schedule, bf16=bf16, freeze_below_window=freeze_below_window,
-        save_every=save_every, seed=seed, resume=resume,
-        budgets=parse_menu(budgets), device=device, checkpoint=checkpoint,
-        compile=compile, strategy=strategy, format=format, depth_curriculum=depth_curriculum,
-        gate_floor=gate_floor, gate_floor_until=gate_floor_until, exit_loss=exit_loss,
+        data=list(data),
+        output=str(output),
+        tokens=parse_count(tokens) if tokens is not None else None,
+        steps=steps,
+        seq_len=seq_len,
+        batch=batch,
+        grad_accum=grad_accum,
+        lr=lr,
+        new_lr=new_lr,
+        weight_decay=weight_decay,
+        override=override,
+        delay=delay,
+        warmup=warmup,
+        schedule=schedule,
+        bf16=bf16,
+        freeze_below_window=freeze_below_window,
+        save_every=save_every,
+        seed=seed,
+        resume=resume,
+        budgets=parse_menu(budgets),
+        device=device,
+        checkpoint=checkpoint,
+        compile=compile,
+        strategy=strategy,
+        format=format,
+        depth_curriculum=depth_curriculum,
+        gate_floor=gate_floor,
+        gate_floor_until=gate_floor_until,
+        exit_loss=exit_loss,
     )
     is_main = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 reports
     summary = None
@@ -102,8 +156,9 @@ def train(
 
         def on_step(rec: dict) -> None:
             losses = rec["loss"]
-            step.advance(text=f"step {rec['step'] + 1} loss {sum(losses) / len(losses):.3f} "
-                              f"{rec['tokens_per_s']:,.0f} tok/s")
+            step.advance(
+                text=f"step {rec['step'] + 1} loss {sum(losses) / len(losses):.3f} {rec['tokens_per_s']:,.0f} tok/s"
+            )
 
         trainer.on_step = on_step
         summary = trainer.run()
@@ -140,9 +195,13 @@ def resumable(output: Path, report: bool = True) -> Iterator[None]:
 
             step = checkpoint_step(output)
             console.print(
-                f"interrupted before the first checkpoint; nothing was saved in '{output}'." if step is None else
-                f"interrupted; the last checkpoint (after step {step}) is in '{output}': rerun the same command "
-                "with --resume to continue from it.", highlight=False, soft_wrap=True)
+                f"interrupted before the first checkpoint; nothing was saved in '{output}'."
+                if step is None
+                else f"interrupted; the last checkpoint (after step {step}) is in '{output}': rerun the same command "
+                "with --resume to continue from it.",
+                highlight=False,
+                soft_wrap=True,
+            )
         raise typer.Exit(code=130) from None
 
 
@@ -162,20 +221,46 @@ def run_steps(runner, describe: Callable[[dict], str]) -> dict:
 @app.command()
 @friendly
 def rl(
-    model_dir: Annotated[Path, typer.Argument(help="A looped model directory (e.g. after looptool train --format chat).")],
-    data: Annotated[list[str], typer.Option(help="Prompts: JSONL lines with 'prompt' (or 'messages') and the fields the reward reads (repeatable).")],
+    model_dir: Annotated[
+        Path, typer.Argument(help="A looped model directory (e.g. after looptool train --format chat).")
+    ],
+    data: Annotated[
+        list[str],
+        typer.Option(
+            help="Prompts: JSONL lines with 'prompt' (or 'messages') and the fields the reward reads (repeatable)."
+        ),
+    ],
     output: Output,
-    reward: Annotated[str, typer.Option(help="exact_match, numeric (vs the 'answer' field), module:function or file.py:function taking (prompt, completion, example).")] = "exact_match",
+    reward: Annotated[
+        str,
+        typer.Option(
+            help="exact_match, numeric (vs the 'answer' field), module:function or file.py:function taking (prompt, completion, example)."
+        ),
+    ] = "exact_match",
     steps: Steps = 50,
     prompts: Prompts = 8,
     rollouts: Annotated[int, typer.Option(help="Rollouts per prompt, all at the prompt's budget.")] = 16,
     budgets: BudgetMenu = None,
-    ratio: Annotated[str | None, typer.Option(help="Split of each step's prompts over the menu, shallowest first (default 4:1:...:1).")] = None,
-    curriculum: Annotated[bool, typer.Option(help="Pass-rate curriculum: the prompts solved least often go to the deepest budgets.")] = True,
+    ratio: Annotated[
+        str | None,
+        typer.Option(help="Split of each step's prompts over the menu, shallowest first (default 4:1:...:1)."),
+    ] = None,
+    curriculum: Annotated[
+        bool, typer.Option(help="Pass-rate curriculum: the prompts solved least often go to the deepest budgets.")
+    ] = True,
     pass_threshold: Annotated[float, typer.Option(help="A rollout passes when its reward is at least this.")] = 1.0,
-    normalize: Annotated[bool, typer.Option(help="Divide advantages by the prompt's reward standard deviation.")] = True,
-    is_clip: Annotated[str, typer.Option(help="Truncated importance-weight range LOW,HIGH (sampler vs trainer probabilities).")] = "0.2,5",
-    max_mismatch: Annotated[float, typer.Option(help="Mask rollouts whose sampling and training probabilities differ by more than this factor on average.")] = 2.0,
+    normalize: Annotated[
+        bool, typer.Option(help="Divide advantages by the prompt's reward standard deviation.")
+    ] = True,
+    is_clip: Annotated[
+        str, typer.Option(help="Truncated importance-weight range LOW,HIGH (sampler vs trainer probabilities).")
+    ] = "0.2,5",
+    max_mismatch: Annotated[
+        float,
+        typer.Option(
+            help="Mask rollouts whose sampling and training probabilities differ by more than this factor on average."
+        ),
+    ] = 2.0,
     lr: LearningRate = 1e-6,
     new_lr: NewLr = None,
     temperature: RolloutTemperature = 1.0,
@@ -194,12 +279,32 @@ def rl(
     clip = parse_floats(is_clip, "--is-clip")
     if len(clip) != 2:
         raise LooptoolError(f"--is-clip {is_clip!r} needs two numbers, LOW,HIGH.")
-    config = RLConfig(data=list(data), output=str(output), reward=reward, steps=steps, prompts=prompts, rollouts=rollouts,
-                      budgets=parse_menu(budgets), ratio=parse_floats(ratio, "--ratio"),
-                      curriculum=curriculum, pass_threshold=pass_threshold, normalize=normalize, is_clip=tuple(clip),
-                      max_mismatch=max_mismatch, lr=lr, new_lr=new_lr, temperature=temperature,
-                      max_new_tokens=max_new_tokens, chat=chat, kv=kv, seed=seed, device=device, overwrite=overwrite,
-                      save_every=save_every, resume=resume)
+    config = RLConfig(
+        data=list(data),
+        output=str(output),
+        reward=reward,
+        steps=steps,
+        prompts=prompts,
+        rollouts=rollouts,
+        budgets=parse_menu(budgets),
+        ratio=parse_floats(ratio, "--ratio"),
+        curriculum=curriculum,
+        pass_threshold=pass_threshold,
+        normalize=normalize,
+        is_clip=tuple(clip),
+        max_mismatch=max_mismatch,
+        lr=lr,
+        new_lr=new_lr,
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        chat=chat,
+        kv=kv,
+        seed=seed,
+        device=device,
+        overwrite=overwrite,
+        save_every=save_every,
+        resume=resume,
+    )
 
     def describe(rec: dict) -> str:
         per = " ".join(f"k={k}: reward {b['reward']:.2f} pass {b['pass_rate']:.2f}" for k, b in rec["budgets"].items())
@@ -212,8 +317,10 @@ def rl(
         return
     for k, row in summary.items():
         if row["reward_first"] is not None:
-            out.print(f"budget {k}: reward {row['reward_first']:.3f} → {row['reward_last']:.3f} "
-                      f"(first → last quarter of the steps)")
+            out.print(
+                f"budget {k}: reward {row['reward_first']:.3f} → {row['reward_last']:.3f} "
+                f"(first → last quarter of the steps)"
+            )
     out.print(f"model saved in [bold]{output}[/]")
 
 
@@ -221,8 +328,12 @@ def rl(
 @friendly
 def distill(
     student: Annotated[Path, typer.Argument(help="The looped student model directory.")],
-    teacher: Annotated[list[str], typer.Option(help="DOMAIN=PATH: the teacher of prompts whose 'domain' field is DOMAIN (repeatable).")],
-    data: Annotated[list[str], typer.Option(help="Prompts: JSONL lines with 'prompt' (or 'messages') and 'domain' (repeatable).")],
+    teacher: Annotated[
+        list[str], typer.Option(help="DOMAIN=PATH: the teacher of prompts whose 'domain' field is DOMAIN (repeatable).")
+    ],
+    data: Annotated[
+        list[str], typer.Option(help="Prompts: JSONL lines with 'prompt' (or 'messages') and 'domain' (repeatable).")
+    ],
     output: Output,
     steps: Steps = 50,
     prompts: Prompts = 8,
@@ -244,16 +355,36 @@ def distill(
     """Budget-matched multi-teacher on-policy distillation (reverse KL on the student's samples)."""
     from looptool.posttrain.distill import DistillConfig, Distiller, parse_teachers
 
-    config = DistillConfig(data=list(data), teachers=parse_teachers(teacher), output=str(output), steps=steps,
-                           prompts=prompts, rollouts=rollouts, budgets=parse_menu(budgets),
-                           override=override, lr=lr, new_lr=new_lr, temperature=temperature,
-                           max_new_tokens=max_new_tokens, chat=chat, kv=kv, seed=seed, device=device, overwrite=overwrite,
-                           save_every=save_every, resume=resume)
+    config = DistillConfig(
+        data=list(data),
+        teachers=parse_teachers(teacher),
+        output=str(output),
+        steps=steps,
+        prompts=prompts,
+        rollouts=rollouts,
+        budgets=parse_menu(budgets),
+        override=override,
+        lr=lr,
+        new_lr=new_lr,
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        chat=chat,
+        kv=kv,
+        seed=seed,
+        device=device,
+        overwrite=overwrite,
+        save_every=save_every,
+        resume=resume,
+    )
     summary = None
     with resumable(output):
-        summary = run_steps(Distiller(student, config), lambda rec: f"step {rec['step'] + 1}  budget {rec['budget']}  "
-                                                                    f"reverse KL {rec['loss']:.4f}")
+        summary = run_steps(
+            Distiller(student, config),
+            lambda rec: f"step {rec['step'] + 1}  budget {rec['budget']}  reverse KL {rec['loss']:.4f}",
+        )
     if summary is None:  # resumed a run that was already complete
         return
-    per = ", ".join(f"budget {k}: {v:.4f}" for k, v in sorted(summary["loss_by_budget"].items(), key=lambda kv: int(kv[0])))
+    per = ", ".join(
+        f"budget {k}: {v:.4f}" for k, v in sorted(summary["loss_by_budget"].items(), key=lambda kv: int(kv[0]))
+    )
     out.print(f"distilled {summary['steps']} steps (mean reverse KL {per}); student saved in [bold]{output}[/]")

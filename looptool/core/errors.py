@@ -59,5 +59,7 @@ def require_extra(extra: str, feature: str, *modules: str) -> None:
 
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
-        raise MissingExtraError(f"{feature} needs the '{extra}' extra ({', '.join(missing)} not installed): "
-                                f"pip install 'looptool[{extra}]'.")
+        raise MissingExtraError(
+            f"{feature} needs the '{extra}' extra ({', '.join(missing)} not installed): "
+            f"pip install 'looptool[{extra}]'."
+        )

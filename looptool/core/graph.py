@@ -42,9 +42,22 @@ ROLE_SHAPE = "shape"  # symbolic-size arithmetic (SymInt values), shared by all 
 ROLE_STATE = "state"  # recurrent-state update nodes added by the recurrence pass (ELR Eq. 2)
 ROLES = frozenset(
     {
-        ROLE_INPUT, ROLE_PARAM, ROLE_EMBEDDING, ROLE_PROLOGUE, ROLE_ATTENTION, ROLE_MLP,
-        ROLE_MOE, ROLE_ROUTER, ROLE_RESIDUAL, ROLE_LAYER, ROLE_FINAL_NORM, ROLE_HEAD,
-        ROLE_OUTPUT, ROLE_GATE, ROLE_SHAPE, ROLE_STATE,
+        ROLE_INPUT,
+        ROLE_PARAM,
+        ROLE_EMBEDDING,
+        ROLE_PROLOGUE,
+        ROLE_ATTENTION,
+        ROLE_MLP,
+        ROLE_MOE,
+        ROLE_ROUTER,
+        ROLE_RESIDUAL,
+        ROLE_LAYER,
+        ROLE_FINAL_NORM,
+        ROLE_HEAD,
+        ROLE_OUTPUT,
+        ROLE_GATE,
+        ROLE_SHAPE,
+        ROLE_STATE,
     }
 )
 WRITE_KINDS = (ROLE_ATTENTION, ROLE_MLP, ROLE_MOE)
@@ -201,9 +214,7 @@ def verify_layer_graph(lg: LayerGraph, where: str) -> None:
         for node in graph.nodes:
             if node.op == "get_attr" and str(node.target).startswith("loop."):
                 if node.target not in declared:
-                    raise PassError(
-                        f"{where}: budget {budget} reads '{node.target}', which no pass declared."
-                    )
+                    raise PassError(f"{where}: budget {budget} reads '{node.target}', which no pass declared.")
 
 
 def dtype_from_str(name: str) -> torch.dtype:
@@ -227,8 +238,10 @@ def float_dtype(dtype: torch.dtype | str) -> torch.dtype:
     except ValueError:
         value = None
     if value not in FLOAT_DTYPES:
-        raise LooptoolError(f"dtype {dtype!r} is not a floating-point dtype a looped model can run in; "
-                            "use float32, float16 or bfloat16.")
+        raise LooptoolError(
+            f"dtype {dtype!r} is not a floating-point dtype a looped model can run in; "
+            "use float32, float16 or bfloat16."
+        )
     return value
 
 

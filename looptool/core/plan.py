@@ -176,7 +176,9 @@ class RecurrentLoop:
         if self.update not in UPDATE_RULES:
             raise PlanError(f"update rule {self.update!r} is unknown; use one of {', '.join(UPDATE_RULES)}.")
         if self.init not in INIT_MODES:
-            raise PlanError(f"init {self.init!r} is unknown; use 'exact' (pretrained source) or 'paper' (from scratch).")
+            raise PlanError(
+                f"init {self.init!r} is unknown; use 'exact' (pretrained source) or 'paper' (from scratch)."
+            )
         for name in ("cond_dim", "rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -315,8 +317,10 @@ def parse_budgets(text: str) -> tuple[int, ...]:
     for part in text.split(","):
         part = part.strip()
         if not part.lstrip("-").isdigit():
-            raise PlanError(f"budget {part!r} is not a whole number; budgets are comma-separated whole numbers, "
-                            "e.g. '0,3,6,9,12'.", parameter="budgets")
+            raise PlanError(
+                f"budget {part!r} is not a whole number; budgets are comma-separated whole numbers, e.g. '0,3,6,9,12'.",
+                parameter="budgets",
+            )
         out.append(int(part))
     return tuple(out)
 
@@ -365,6 +369,4 @@ def cost_table(plan: LoopPlan, dims: ModelDims) -> list[BudgetCost]:
         rows.append((k, len(layers), flops, len(layers) * dims.kv_bytes_per_layer))
     base_flops, base_kv = rows[0][2], rows[0][3]
     last_loop = dims.num_layers * dims.kv_bytes_per_layer
-    return [
-        BudgetCost(k, n, f, kv, f / base_flops, kv / base_kv, last_loop) for k, n, f, kv in rows
-    ]
+    return [BudgetCost(k, n, f, kv, f / base_flops, kv / base_kv, last_loop) for k, n, f, kv in rows]

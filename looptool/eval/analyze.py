@@ -32,20 +32,39 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from looptool.train.data import PackedTokens, find_files, tokenize_files
-from looptool.runtime.devices import device_of
+from looptool.core.graph import (
+    ROLE_GATE,
+    ROLE_RESIDUAL,
+    ROLE_ROUTER,
+    WRITE_KINDS,
+    annotation,
+    dtype_from_str,
+    shared_graph_module,
+)
 from looptool.eval.evaluate import mean_loss
 from looptool.eval.statistics import (
-    AnalysisError, Mean, Overlap, Recorder, WriteStats, exit_factor, gated_write_parts, layer_applications, lens_graph,
-    next_token_loss, predicted_tokens, repeated_layers_of, state_update, token_cosines, token_norms,
+    AnalysisError,
+    Mean,
+    Overlap,
+    Recorder,
+    WriteStats,
+    exit_factor,
+    gated_write_parts,
+    layer_applications,
+    lens_graph,
+    next_token_loss,
+    predicted_tokens,
+    repeated_layers_of,
+    state_update,
+    token_cosines,
+    token_norms,
 )
-from looptool.core.graph import (
-    ROLE_GATE, ROLE_RESIDUAL, ROLE_ROUTER, WRITE_KINDS, annotation, dtype_from_str, shared_graph_module,
-)
-from looptool.runtime.model import LoopedModel
 from looptool.passes import PassManager
 from looptool.passes.checkpoint import bind_regions
 from looptool.passes.recurrent_loop import EXIT_KEY
+from looptool.runtime.devices import device_of
+from looptool.runtime.model import LoopedModel
+from looptool.train.data import PackedTokens, find_files, tokenize_files
 
 __all__ = ["AnalysisError", "analysis_units", "analyze", "hydra_effect", "hydra_sets"]
 
@@ -190,13 +209,22 @@ class _PathStats:
             if ann.get("name") == "beta":
                 self._probe(node, lambda v, env, i=loop: self.loops.setdefault(i, {}).setdefault("beta", Mean()).add(v))
             elif ann.get("name") == "exit":  # e * step: args[0] is the exit factor e
-                self._probe(node, lambda v, env, i=loop, f=node.args[0]: exit_factor(self.loops.setdefault(i, {}), env[f]))
+                self._probe(
+                    node, lambda v, env, i=loop, f=node.args[0]: exit_factor(self.loops.setdefault(i, {}), env[f])
+                )
             elif node.target is _TOPK and ann.get("role") == ROLE_ROUTER:
                 self._probe(node, lambda v, env, layer=ann["layer"], i=loop: self._loop_route(layer, i, v[1]))
         if self.recurrent:
-            routed = {annotation(n)["layer"] for n in graph.nodes if n.target is _TOPK and isinstance(annotation(n).get("loop"), int)}
-            later = {annotation(n)["layer"] for n in graph.nodes if n.target is _TOPK
-                     and isinstance(annotation(n).get("loop"), int) and annotation(n)["loop"] > 1}
+            routed = {
+                annotation(n)["layer"]
+                for n in graph.nodes
+                if n.target is _TOPK and isinstance(annotation(n).get("loop"), int)
+            }
+            later = {
+                annotation(n)["layer"]
+                for n in graph.nodes
+                if n.target is _TOPK and isinstance(annotation(n).get("loop"), int) and annotation(n)["loop"] > 1
+            }
             self.route_replay = bool(routed) and len(self.loops) > 1 and not later
 
     def _loop_route(self, layer: int, loop: int, indices: torch.Tensor) -> None:
@@ -208,8 +236,10 @@ class _PathStats:
     # ----------------------------------------------------------------- results
     def lens_result(self) -> dict:
         n = self.lens_count
-        return {"loss": self.final_total / n,
-                "applications": [{**app.as_dict(), "loss": self.lens_total[i] / n} for i, app in enumerate(self.apps)]}
+        return {
+            "loss": self.final_total / n,
+            "applications": [{**app.as_dict(), "loss": self.lens_total[i] / n} for i, app in enumerate(self.apps)],
+        }
 
     def cosine_result(self) -> list[dict]:
         return [{**app.as_dict(), "cosine": self.cosines[i].value} for i, app in enumerate(self.apps)]
@@ -227,8 +257,15 @@ def hydra_sets(repeated: Sequence[int], spacing: int = 3) -> dict[str, list[tupl
     }
 
 
-def hydra_effect(model: LoopedModel, budget: int, data: PackedTokens, *, batch: int = 4, spacing: int = 3,
-                 on_step: Callable[[str], None] | None = None) -> dict:
+def hydra_effect(
+    model: LoopedModel,
+    budget: int,
+    data: PackedTokens,
+    *,
+    batch: int = 4,
+    spacing: int = 3,
+    on_step: Callable[[str], None] | None = None,
+) -> dict:
     """Accordion's Hydra effect: the loss increase from removing repetitions of the budget
     path (the ``ablate_repetitions`` pass, :mod:`looptool.passes.ablate`), alone and together.
 
@@ -248,6 +285,7 @@ def hydra_effect(model: LoopedModel, budget: int, data: PackedTokens, *, batch: 
         def forward(ids: torch.Tensor) -> torch.Tensor:
             out = path(ids, torch.ones_like(ids, dtype=mask_dtype))
             return next_token_loss(out[0] if isinstance(out, (tuple, list)) else out, ids)
+
         return mean_loss(forward, data, batch, device)
 
     base = loss_of(gm)
@@ -286,9 +324,17 @@ def analysis_units(model: LoopedModel, budget: int | None, batches: int, spacing
     return lens * batches + hydra
 
 
-def analyze(model: LoopedModel, data: str | Sequence[str] | PackedTokens, *, budget: int | None = None,
-            seq_len: int = 256, max_tokens: int = 4096, batch: int = 4, spacing: int = 3,
-            on_progress: Progress | None = None) -> dict:
+def analyze(
+    model: LoopedModel,
+    data: str | Sequence[str] | PackedTokens,
+    *,
+    budget: int | None = None,
+    seq_len: int = 256,
+    max_tokens: int = 4096,
+    batch: int = 4,
+    spacing: int = 3,
+    on_progress: Progress | None = None,
+) -> dict:
     """Every statistic of the module docstring for ``model`` on ``data`` (text specs as
     ``looptool eval`` reads them, or ready rows).
 
@@ -298,8 +344,9 @@ def analyze(model: LoopedModel, data: str | Sequence[str] | PackedTokens, *, bud
     """
     k = model.check_budget(budget)
     if spacing < 1:
-        raise AnalysisError(f"spacing={spacing} is too small; spaced triplets need layers at least 1 apart.",
-                            parameter="spacing")
+        raise AnalysisError(
+            f"spacing={spacing} is too small; spaced triplets need layers at least 1 apart.", parameter="spacing"
+        )
     if isinstance(data, PackedTokens):
         rows = data
     else:
@@ -307,8 +354,10 @@ def analyze(model: LoopedModel, data: str | Sequence[str] | PackedTokens, *, bud
     lens_budgets = [k] if budget is not None else list(model.budgets)
     device = device_of(model)
     mask_dtype = dtype_from_str(model.layer_graph.source.mask_dtype)
-    batches = [torch.stack([rows.row(i) for i in range(s, min(s + batch, len(rows)))]).to(device)
-               for s in range(0, len(rows), batch)]
+    batches = [
+        torch.stack([rows.row(i) for i in range(s, min(s + batch, len(rows)))]).to(device)
+        for s in range(0, len(rows), batch)
+    ]
     total = analysis_units(model, budget, len(batches), spacing)
     done = 0
 
@@ -359,20 +408,25 @@ def _repeat_rows(stats: _PathStats) -> list[dict]:
     for layer in stats.repeated:
         kinds = sorted(kind for (lay, kind) in stats.writes if lay == layer)
         overlap = stats.experts.get(layer)
-        rows.append({
-            "layer": layer,
-            "writes": {kind: stats.writes[(layer, kind)].as_dict() for kind in kinds},
-            "experts": overlap.as_dict() if overlap else None,
-            "residual_cosine": {"first_pass": cos.get((layer, 1)), "second_pass": cos.get((layer, 2))},
-        })
+        rows.append(
+            {
+                "layer": layer,
+                "writes": {kind: stats.writes[(layer, kind)].as_dict() for kind in kinds},
+                "experts": overlap.as_dict() if overlap else None,
+                "residual_cosine": {"first_pass": cos.get((layer, 1)), "second_pass": cos.get((layer, 2))},
+            }
+        )
     return rows
 
 
 def _window_cosines(stats: _PathStats) -> dict:
     """Accordion's "residual-stream cosines across the repeated window": min and mean, over
     the applications of the repeated layers, of the cosine with the previous application."""
-    values = [stats.cosines[i].value for i, a in enumerate(stats.apps)
-              if a.layer in set(stats.repeated) and stats.cosines[i].value is not None]
+    values = [
+        stats.cosines[i].value
+        for i, a in enumerate(stats.apps)
+        if a.layer in set(stats.repeated) and stats.cosines[i].value is not None
+    ]
     return {"min": min(values), "mean": sum(values) / len(values)} if values else {"min": None, "mean": None}
 
 
@@ -389,16 +443,18 @@ def _loop_rows(stats: _PathStats) -> dict:
         update, prev = value.get("update_norm"), value.get("prev_norm")
         experts = {str(layer): o.as_dict() for (layer, loop), o in sorted(stats.loop_experts.items()) if loop == i}
         kept = [e["kept_mean"] for e in experts.values()]
-        loops.append({
-            "loop": i,
-            "update_norm": update,
-            "prev_state_norm": prev,
-            "relative_update": update / prev if update is not None and prev else None,
-            "state_norm": value.get("state_norm"),
-            "beta_mean": value.get("beta"),
-            "exit_factor_mean": value.get("exit"),
-            "exit_factor_mean_abs": value.get("exit_abs"),
-            "experts_vs_loop1": experts or None,
-            "kept_mean_vs_loop1": sum(kept) / len(kept) if kept else None,
-        })
+        loops.append(
+            {
+                "loop": i,
+                "update_norm": update,
+                "prev_state_norm": prev,
+                "relative_update": update / prev if update is not None and prev else None,
+                "state_norm": value.get("state_norm"),
+                "beta_mean": value.get("beta"),
+                "exit_factor_mean": value.get("exit"),
+                "exit_factor_mean_abs": value.get("exit_abs"),
+                "experts_vs_loop1": experts or None,
+                "kept_mean_vs_loop1": sum(kept) / len(kept) if kept else None,
+            }
+        )
     return {"route_replay": stats.route_replay, "loops": loops}

@@ -10,17 +10,18 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from looptool.train.data import PackedTokens, find_files, tokenize_files
+from looptool.eval.timing import interleaved
 from looptool.runtime.devices import device_of
 from looptool.runtime.model import LoopedModel
-from looptool.eval.timing import interleaved
+from looptool.train.data import PackedTokens, find_files, tokenize_files
 
 log = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
-def mean_loss(forward: Callable[[torch.Tensor], torch.Tensor], data: PackedTokens, batch: int,
-              device: torch.device | str = "cpu") -> float:
+def mean_loss(
+    forward: Callable[[torch.Tensor], torch.Tensor], data: PackedTokens, batch: int, device: torch.device | str = "cpu"
+) -> float:
     """Token-weighted mean next-token loss of ``forward(ids) -> loss`` over all rows, in order
     (batches are moved to ``device``)."""
     total, count = 0.0, 0
@@ -62,24 +63,28 @@ def evaluate(
     if on_progress:
         on_progress("latency, interleaved")
     ids = packed.row(0).unsqueeze(0).to(device)
-    timings = interleaved({k: functools.partial(model, ids, budget=k) for k in budgets}, repeats=timing_rounds, warmup=1)
+    timings = interleaved(
+        {k: functools.partial(model, ids, budget=k) for k in budgets}, repeats=timing_rounds, warmup=1
+    )
     costs = {c.budget: c for c in model.cost_table()}
     shallow = budgets[0]
     shares = gain_shares(losses)
     rows = []
     for k in budgets:
-        rows.append({
-            "budget": k,
-            "loss": losses[k],
-            "ppl": math.exp(losses[k]),
-            "delta_vs_shallowest": losses[k] - losses[shallow],
-            "share_of_endpoint_gain": shares[k],
-            "latency": timings[k].as_dict(),
-            "latency_ratio": timings[k].median / timings[shallow].median,
-            "ideal_layer_ratio": costs[k].layer_executions / costs[shallow].layer_executions,
-            "ideal_flops_ratio": costs[k].relative_flops,
-            "tokens_per_s": seq_len / timings[k].median,
-        })
+        rows.append(
+            {
+                "budget": k,
+                "loss": losses[k],
+                "ppl": math.exp(losses[k]),
+                "delta_vs_shallowest": losses[k] - losses[shallow],
+                "share_of_endpoint_gain": shares[k],
+                "latency": timings[k].as_dict(),
+                "latency_ratio": timings[k].median / timings[shallow].median,
+                "ideal_layer_ratio": costs[k].layer_executions / costs[shallow].layer_executions,
+                "ideal_flops_ratio": costs[k].relative_flops,
+                "tokens_per_s": seq_len / timings[k].median,
+            }
+        )
     return {
         "tokens": packed.tokens.numel(),
         "sequences": len(packed),
@@ -110,5 +115,3 @@ def gain_shares(losses: dict[int, float]) -> dict[int, float | None]:
 def format_share(share: float | None) -> str:
     """``0.64`` → ``"64%"``; ``None`` → ``"no gain"``; never ``"-0%"``."""
     return "no gain" if share is None else f"{round(100 * share)}%"  # round() gives an int: no "-0"
-
-

@@ -21,12 +21,8 @@ left-padded batches and stops when every row has produced a stop string or EOS.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from pathlib import Path
+from collections.abc import Sequence
 
 from looptool.core.errors import LooptoolError, MissingExtraError, require_extra
 
@@ -55,7 +51,6 @@ from lm_eval.models.utils import (  # noqa: E402
 )
 from lm_eval.models.utils_hf import pad_and_concat  # noqa: E402
 
-from looptool.eval.results import markdown_table, metric_columns, quality_series  # noqa: E402,F401  (moved; names kept)
 from looptool.runtime.generation import check_policy, generate  # noqa: E402
 from looptool.runtime.model import LoopedModel  # noqa: E402
 from looptool.storage.load import load  # noqa: E402
@@ -95,15 +90,18 @@ class LooptoolLM(TemplateLM):
         if kwargs:
             raise LooptoolError(
                 f"the looptool model does not take {', '.join(sorted(kwargs))}; its model_args are pretrained, budget, "
-                "kv, batch_size, device, dtype, max_length, max_gen_toks, add_bos_token, prefix_token_id, logits_cache.")
+                "kv, batch_size, device, dtype, max_length, max_gen_toks, add_bos_token, prefix_token_id, logits_cache."
+            )
         if isinstance(pretrained, LoopedModel):
             self.model = pretrained
         else:
             self.model = load(pretrained, device=_device(device))
         self._check_dtype(dtype)
         if self.model.tokenizer is None:
-            raise LooptoolError("this looped model was saved without a tokenizer; save one next to it "
-                                "(tokenizer.save_pretrained(DIR)) to evaluate it with lm-eval.")
+            raise LooptoolError(
+                "this looped model was saved without a tokenizer; save one next to it "
+                "(tokenizer.save_pretrained(DIR)) to evaluate it with lm-eval."
+            )
         self.tokenizer = configure_pad_token(self.model.tokenizer, model_config=self.model.config)
         self.pretrained = str(pretrained) if not isinstance(pretrained, LoopedModel) else None
         self.budget = budget
@@ -121,8 +119,11 @@ class LooptoolLM(TemplateLM):
         saved = self.model.layer_graph.source.dtype
         if dtype in (None, "auto") or str(dtype).removeprefix("torch.") == saved.removeprefix("torch."):
             return
-        raise LooptoolError(f"dtype={dtype} differs from the saved model's {saved}; its graphs are specialised to that "
-                            "dtype: drop dtype, or convert the source model again in the dtype wanted.", parameter="dtype")
+        raise LooptoolError(
+            f"dtype={dtype} differs from the saved model's {saved}; its graphs are specialised to that "
+            "dtype: drop dtype, or convert the source model again in the dtype wanted.",
+            parameter="dtype",
+        )
 
     @property
     def budget(self) -> int:
@@ -168,8 +169,9 @@ class LooptoolLM(TemplateLM):
         return {"looptool_budget": self.budget, "looptool_kv": self.kv, "looptool_plan": self.model.plan.to_dict()}
 
     # ------------------------------------------------------------------ tokens
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
-                   **kwargs) -> list[int]:
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None, **kwargs
+    ) -> list[int]:
         """Token ids of ``string`` (special tokens as ``hf`` adds them), optionally left-truncated."""
         special = self._special_tokens(add_special_tokens)
         if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
@@ -184,8 +186,11 @@ class LooptoolLM(TemplateLM):
 
     def _encode_prompts(self, strings: list[str], left_truncate_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded ids and mask of a batch of prompts, each keeping its last ``left_truncate_len`` tokens."""
-        special = {"add_special_tokens": False} if has_bos_prefix(strings[0], self.tokenizer.bos_token) \
+        special = (
+            {"add_special_tokens": False}
+            if has_bos_prefix(strings[0], self.tokenizer.bos_token)
             else self._special_tokens(None)
+        )
         side, self.tokenizer.padding_side = self.tokenizer.padding_side, "left"
         try:
             enc = self.tokenizer(strings, padding="longest", return_tensors="pt", **special)
@@ -195,9 +200,12 @@ class LooptoolLM(TemplateLM):
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The conversation rendered with the tokenizer's chat template."""
-        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=not add_generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            chat_history,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+        )
 
     # ------------------------------------------------------------------ scoring
     @torch.inference_mode()
@@ -208,30 +216,39 @@ class LooptoolLM(TemplateLM):
         batch = pad_and_concat(max(len(t) for t in inputs), list(inputs), padding_side="right").to(self.device)
         return F.log_softmax(self.model(batch, budget=self.budget).logits, dim=-1)
 
-    def _loglikelihood_tokens(self, requests: Sequence[tuple], disable_tqdm: bool = False,
-                              **kwargs) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(
+        self, requests: Sequence[tuple], disable_tqdm: bool = False, **kwargs
+    ) -> list[tuple[float, bool]]:
         """``(log p(continuation | context), greedy?)`` per ``(key, context_ids, continuation_ids)``,
         in batches of requests sorted longest first (requests that differ only in a one-token
         continuation share one row, as in ``hf``)."""
-        collator = Collator(list(requests), sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])),
-                            group_by="contexts" if self.logits_cache else None, group_fn=lambda r: r[1] + r[2][:-1])
+        collator = Collator(
+            list(requests),
+            sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])),
+            group_by="contexts" if self.logits_cache else None,
+            group_fn=lambda r: r[1] + r[2][:-1],
+        )
         results: list[tuple[float, bool]] = []
         for chunk in collator.get_batched(n=self.batch_size):
             inputs = []
             for _, context, continuation in chunk:
                 if len(continuation) > self.max_length:
-                    raise LooptoolError(f"a continuation of {len(continuation)} tokens is longer than max_length "
-                                        f"{self.max_length}; raise max_length.", parameter="max_length")
+                    raise LooptoolError(
+                        f"a continuation of {len(continuation)} tokens is longer than max_length "
+                        f"{self.max_length}; raise max_length.",
+                        parameter="max_length",
+                    )
                 # the last max_length + 1 tokens, minus the last: its logits would predict nothing
-                inputs.append(torch.tensor((context + continuation)[-(self.max_length + 1):][:-1], dtype=torch.long))
+                inputs.append(torch.tensor((context + continuation)[-(self.max_length + 1) :][:-1], dtype=torch.long))
             log_probs = self._log_probs(inputs)
             for (key, context, continuation), row, inp in zip(chunk, log_probs, inputs, strict=True):
-                scored = row[len(inp) - len(continuation):len(inp)].unsqueeze(0)  # [1, cont, vocab]
+                scored = row[len(inp) - len(continuation) : len(inp)].unsqueeze(0)  # [1, cont, vocab]
                 greedy = scored.argmax(-1)
-                for key_, cont, scored_ in collator.get_cache(req_str=key, cxt_toks=context, cont_toks=continuation,
-                                                              logits=scored):
+                for key_, cont, scored_ in collator.get_cache(
+                    req_str=key, cxt_toks=context, cont_toks=continuation, logits=scored
+                ):
                     cont_ids = torch.tensor(cont, dtype=torch.long, device=self.device).unsqueeze(0)
-                    is_greedy = bool((greedy[:, -cont_ids.shape[1]:] == cont_ids).all())
+                    is_greedy = bool((greedy[:, -cont_ids.shape[1] :] == cont_ids).all())
                     answer = (float(torch.gather(scored_, 2, cont_ids.unsqueeze(-1)).sum()), is_greedy)
                     results.append(answer)
                     if key_ is not None:
@@ -243,13 +260,19 @@ class LooptoolLM(TemplateLM):
         tokens (each with the most context), summed; windows are batched across documents."""
         windows: list[tuple[int, tuple]] = []
         for index, (string,) in enumerate(req.args for req in requests):
-            for context, continuation in map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
-                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length, context_len=1)):
+            for context, continuation in map(
+                lm_utils.make_disjoint_window,
+                lm_utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(string),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                ),
+            ):
                 windows.append((index, (None, context, continuation)))
         totals = [0.0] * len(requests)
         for start in range(0, len(windows), self.batch_size):
-            batch = windows[start:start + self.batch_size]
+            batch = windows[start : start + self.batch_size]
             scores = self._loglikelihood_tokens([w for _, w in batch])
             for (index, _), (logprob, _) in zip(batch, scores, strict=True):
                 totals[index] += logprob
@@ -262,8 +285,12 @@ class LooptoolLM(TemplateLM):
         """Continue each context with looptool's KV-cached generation at this budget (``kv``
         policy), batched by generation settings, until a stop string of ``until``, EOS or
         ``max_gen_toks`` new tokens; the text is cut before the first stop string."""
-        collator = Collator([req.args for req in requests], sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
-                            group_by="gen_kwargs", group_fn=lambda r: r[1])
+        collator = Collator(
+            [req.args for req in requests],
+            sort_fn=lambda r: (-len(self.tok_encode(r[0])), r[0]),
+            group_by="gen_kwargs",
+            group_fn=lambda r: r[1],
+        )
         eos_text = self.tokenizer.decode(self.eot_token_id, skip_special_tokens=False)
         results: list[str] = []
         for chunk in collator.get_batched(n=self.batch_size):
@@ -272,8 +299,11 @@ class LooptoolLM(TemplateLM):
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
             max_gen_toks = kwargs.pop("max_gen_toks")
             if max_gen_toks >= self.max_length:
-                raise LooptoolError(f"max_gen_toks {max_gen_toks} leaves no room for the prompt within max_length "
-                                    f"{self.max_length}; lower max_gen_toks or raise max_length.", parameter="max_length")
+                raise LooptoolError(
+                    f"max_gen_toks {max_gen_toks} leaves no room for the prompt within max_length "
+                    f"{self.max_length}; lower max_gen_toks or raise max_length.",
+                    parameter="max_length",
+                )
             ids, mask = self._encode_prompts(list(contexts), self.max_length - max_gen_toks)
             new_tokens = self._generate(ids, mask, until, max_gen_toks, kwargs)
             for context, gen_kwargs, tokens in zip(contexts, all_kwargs, new_tokens, strict=True):
@@ -282,13 +312,16 @@ class LooptoolLM(TemplateLM):
                 self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
         return collator.get_original(results)
 
-    def _generate(self, ids: torch.Tensor, mask: torch.Tensor, until: list[str], max_new_tokens: int,
-                  kwargs: dict) -> list[list[int]]:
+    def _generate(
+        self, ids: torch.Tensor, mask: torch.Tensor, until: list[str], max_new_tokens: int, kwargs: dict
+    ) -> list[list[int]]:
         """New tokens per row; decoding ends early once every row holds a stop string or EOS."""
         unknown = set(kwargs) - _SAMPLING_KWARGS
         if unknown:
-            raise LooptoolError(f"the looptool model does not support the generation setting(s) {', '.join(sorted(unknown))}; "
-                                "it takes until, max_gen_toks, do_sample, temperature, top_k and top_p.")
+            raise LooptoolError(
+                f"the looptool model does not support the generation setting(s) {', '.join(sorted(unknown))}; "
+                "it takes until, max_gen_toks, do_sample, temperature, top_k and top_p."
+            )
         temperature = float(kwargs.get("temperature") or 0.0) if kwargs.get("do_sample") else 0.0
         eos = _eos_ids(self.model.config, self.tokenizer)
         rows: list[list[int]] = [[] for _ in range(ids.shape[0])]
@@ -297,13 +330,26 @@ class LooptoolLM(TemplateLM):
         def on_step(tokens: torch.Tensor) -> bool:
             for row, token in zip(rows, tokens.tolist(), strict=True):
                 row.append(token)
-            return all(any(t in eos for t in row) or any(s in self.tokenizer.decode(row, skip_special_tokens=True)
-                                                         for s in stops) for row in rows)
+            return all(
+                any(t in eos for t in row)
+                or any(s in self.tokenizer.decode(row, skip_special_tokens=True) for s in stops)
+                for row in rows
+            )
 
-        generate(self.model, ids.to(self.device), attention_mask=mask.to(self.device), budget=self.budget,
-                 max_new_tokens=max_new_tokens, kv=self.kv, temperature=temperature, top_k=kwargs.get("top_k"),
-                 top_p=kwargs.get("top_p"), eos_token_id=sorted(eos), pad_token_id=self.tokenizer.pad_token_id,
-                 on_step=on_step)
+        generate(
+            self.model,
+            ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            budget=self.budget,
+            max_new_tokens=max_new_tokens,
+            kv=self.kv,
+            temperature=temperature,
+            top_k=kwargs.get("top_k"),
+            top_p=kwargs.get("top_p"),
+            eos_token_id=sorted(eos),
+            pad_token_id=self.tokenizer.pad_token_id,
+            on_step=on_step,
+        )
         return rows
 
 
@@ -312,8 +358,10 @@ def _batch_size(value: int | str | None) -> int:
     try:
         size = int(value if value is not None else 1)
     except (TypeError, ValueError):
-        raise LooptoolError(f"batch_size={value!r} is not supported by the looptool model; give a positive "
-                            "integer.", parameter="batch_size") from None
+        raise LooptoolError(
+            f"batch_size={value!r} is not supported by the looptool model; give a positive integer.",
+            parameter="batch_size",
+        ) from None
     if size < 1:
         raise LooptoolError(f"batch_size must be at least 1, got {size}.", parameter="batch_size")
     return size
@@ -338,121 +386,6 @@ def _eos_ids(config, tokenizer) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
-
-
-def task_manager(tasks: Sequence[str], include_path: Sequence[str] | None = None):
-    """lm-eval's ``TaskManager`` for ``tasks``: only ``include_path`` when it defines them all
-    (indexing lm-eval's ~15k built-in task files takes seconds), else the built-ins too; an
-    unknown task name is refused in one sentence."""
-    from lm_eval.tasks import TaskManager
-
-    paths = [str(p) for p in include_path or ()]
-    missing = [p for p in paths if not Path(p).exists()]
-    if missing:
-        raise LooptoolError(f"include_path '{missing[0]}' does not exist; pass a folder of lm-eval task YAMLs.",
-                            parameter="include_path")
-    manager = TaskManager(include_path=paths, include_defaults=False) if paths else None
-    if manager is None or not set(tasks) <= set(manager.all_tasks):
-        manager = TaskManager(include_path=paths or None)
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    if unknown:
-        raise LooptoolError(f"lm-eval knows no task {', '.join(map(repr, unknown))}; check the name (lm_eval ls tasks) "
-                            "or pass the folder of its YAML as include_path.", parameter="tasks")
-    return manager
-
-
-def evaluate_budgets(
-    model: str | LoopedModel,
-    tasks: Sequence[str],
-    *,
-    budgets: Sequence[int] | None = None,
-    include_path: Sequence[str] | None = None,
-    limit: float | None = None,
-    num_fewshot: int | None = None,
-    batch_size: int = 1,
-    kv: str = "per-loop",
-    device: str = "auto",
-    max_length: int | None = None,
-    bootstrap_iters: int = 100000,
-    on_budget: Callable[[int, int, int], None] | None = None,
-) -> dict:
-    """Run lm-eval's ``simple_evaluate`` on ``tasks`` at every budget in ``budgets`` (default:
-    all) of one loaded model; per budget: its cost (the cost table of ``looptool inspect``),
-    wall seconds and every task's metrics with their standard errors. JSON-ready.
-    ``on_budget(k, done, total)`` is called before each budget."""
-    import time
-
-    from lm_eval import simple_evaluate
-
-    from looptool.report.tables import summary
-
-    manager = task_manager(tasks, include_path)
-    lm = LooptoolLM(model, kv=kv, batch_size=batch_size, device=device, max_length=max_length)
-    chosen = [lm.model.check_budget(k) for k in (budgets if budgets is not None else lm.model.budgets)]
-    costs = {row["budget"]: row for row in summary(lm.model)["budgets"]}
-    rows, higher_is_better = [], {}
-    for done, k in enumerate(chosen):
-        if on_budget is not None:
-            on_budget(k, done, len(chosen))
-        lm.budget = k
-        start = time.perf_counter()
-        with _quiet_git_hash():
-            out = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
-                                  num_fewshot=num_fewshot, bootstrap_iters=bootstrap_iters, log_samples=False)
-        seconds = time.perf_counter() - start
-        higher_is_better = out.get("higher_is_better", {})
-        rows.append({"budget": k, "cost": costs[k], "seconds": seconds,
-                     "samples": {t: n.get("effective") for t, n in out.get("n-samples", {}).items()},
-                     "results": {task: _metrics(entry) for task, entry in out["results"].items()}})
-    return {"model": str(model) if not isinstance(model, LoopedModel) else None, "tasks": list(tasks), "limit": limit,
-            "num_fewshot": num_fewshot, "kv": kv, "batch_size": batch_size, "max_length": lm.max_length,
-            "lm_eval_version": lm_eval.__version__, "plan": lm.model.plan.to_dict(),
-            "higher_is_better": higher_is_better, "budgets": rows}
-
-
-@contextmanager
-def _quiet_git_hash() -> Iterator[None]:
-    """Within the block, lm-eval records the working directory's git hash as it does, but
-    with git's stderr captured: lm-eval's own ``git describe`` lets git print ``fatal: not a
-    git repository`` on the terminal whenever it runs outside one (nothing to act on)."""
-    import lm_eval.evaluator
-
-    def git_hash() -> str | None:
-        try:
-            return subprocess.run(["git", "describe", "--always"], capture_output=True, text=True,
-                                  check=True).stdout.strip()
-        except (subprocess.CalledProcessError, FileNotFoundError):
-            from lm_eval.loggers.utils import get_commit_from_path
-
-            return get_commit_from_path(os.getcwd())  # lm-eval's own fallback
-
-    original = lm_eval.evaluator.get_git_commit_hash
-    lm_eval.evaluator.get_git_commit_hash = git_hash
-    try:
-        yield
-    finally:
-        lm_eval.evaluator.get_git_commit_hash = original
-
-
-def _metrics(entry: dict) -> dict[str, dict]:
-    """``{"acc": {"value": .., "stderr": ..}}`` from one lm-eval results entry (``"acc,none"``,
-    ``"acc_stderr,none"``); a filter other than ``none`` is kept in the name (``exact_match,flex``)."""
-    out = {}
-    for key, value in entry.items():
-        metric, _, filt = key.partition(",")
-        if not filt or metric.endswith("_stderr"):
-            continue
-        name = metric if filt == "none" else key
-        out[name] = {"value": _number(value), "stderr": _number(entry.get(f"{metric}_stderr,{filt}"))}
-    return out
-
-
-def _number(value) -> float | None:
-    """A float for JSON (lm-eval gives numpy scalars, and ``"N/A"`` for a missing stderr)."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
 
 
 if __name__ != "__main__":  # under python -m, main() imports this module, which registers the class once

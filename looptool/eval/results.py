@@ -2,7 +2,7 @@
 
 * :func:`write_eval`: ``eval.json`` and ``frontier.png`` of :func:`looptool.eval.evaluate.evaluate`;
 * :func:`write_lm_eval`: ``lm_eval.json``, ``lm_eval.md`` and ``lm_eval.png`` of
-  :func:`looptool.eval.harness.evaluate_budgets` (needs no lm-eval: the tables and plot
+  :func:`looptool.eval.lm_eval_budgets.evaluate_budgets` (needs no lm-eval: the tables and plot
   series of a result are here too);
 * :func:`write_analysis`: a folder with ``analysis.json`` and the plots of
   :func:`looptool.eval.analyze.analyze`.
@@ -69,7 +69,7 @@ def write_analysis(result: dict, directory: str | os.PathLike, *, overwrite: boo
 
 # ---------------------------------------------------------------------- lm-eval tables
 def metric_columns(result: dict) -> list[tuple[str, str]]:
-    """``(task, metric)`` pairs of an :func:`~looptool.eval.harness.evaluate_budgets` result,
+    """``(task, metric)`` pairs of an :func:`~looptool.eval.lm_eval_budgets.evaluate_budgets` result,
     in first-seen order."""
     columns: dict[tuple[str, str], None] = {}
     for row in result["budgets"]:
@@ -79,17 +79,24 @@ def metric_columns(result: dict) -> list[tuple[str, str]]:
 
 
 def quality_series(result: dict) -> dict[str, list[tuple[float, float | None, str]]]:
-    """Per ``"task metric"`` of an :func:`~looptool.eval.harness.evaluate_budgets` result, one
+    """Per ``"task metric"`` of an :func:`~looptool.eval.lm_eval_budgets.evaluate_budgets` result, one
     ``(×FLOPs, value, "k=..")`` point per budget, in budget order (for the quality-vs-cost plot
     and tables)."""
-    return {f"{task} {metric}": [(row["cost"]["relative_flops"],
-                                  row["results"].get(task, {}).get(metric, {}).get("value"), f"k={row['budget']}")
-                                 for row in result["budgets"]]
-            for task, metric in metric_columns(result)}
+    return {
+        f"{task} {metric}": [
+            (
+                row["cost"]["relative_flops"],
+                row["results"].get(task, {}).get(metric, {}).get("value"),
+                f"k={row['budget']}",
+            )
+            for row in result["budgets"]
+        ]
+        for task, metric in metric_columns(result)
+    }
 
 
 def markdown_table(result: dict) -> str:
-    """The result of :func:`~looptool.eval.harness.evaluate_budgets` as a markdown table: one
+    """The result of :func:`~looptool.eval.lm_eval_budgets.evaluate_budgets` as a markdown table: one
     row per budget, its cost, then one column per task and metric (value ± stderr; ↑/↓:
     higher/lower is better). KV/token is the cost model's for the KV policy the generation
     tasks ran with."""
@@ -100,20 +107,36 @@ def markdown_table(result: dict) -> str:
         flag = better.get(task, {}).get(metric.split(",")[0])
         return "" if flag is None else (" ↑" if flag else " ↓")
 
-    header = ["budget", "layers", "×FLOPs", f"KV/tok {result['kv']}", *(f"{t} {m}{arrow(t, m)}" for t, m in columns), "seconds"]
+    header = [
+        "budget",
+        "layers",
+        "×FLOPs",
+        f"KV/tok {result['kv']}",
+        *(f"{t} {m}{arrow(t, m)}" for t, m in columns),
+        "seconds",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     for row in result["budgets"]:
         cost = row["cost"]
         kv_bytes = cost["kv_bytes_per_token_last_loop" if result["kv"] == "last-loop" else "kv_bytes_per_token"]
-        cells = [str(row["budget"]), str(cost["layer_executions"]), f"{cost['relative_flops']:.3f}", f"{kv_bytes:,.0f} B"]
+        cells = [
+            str(row["budget"]),
+            str(cost["layer_executions"]),
+            f"{cost['relative_flops']:.3f}",
+            f"{kv_bytes:,.0f} B",
+        ]
         for task, metric in columns:
             entry = row["results"].get(task, {}).get(metric)
             if entry is None or entry["value"] is None:
                 cells.append("")
             else:
-                cells.append(f"{entry['value']:.4g}" + (f" ± {entry['stderr']:.2g}" if entry["stderr"] is not None else ""))
+                cells.append(
+                    f"{entry['value']:.4g}" + (f" ± {entry['stderr']:.2g}" if entry["stderr"] is not None else "")
+                )
         cells.append(f"{row['seconds']:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
-    title = (f"lm-eval {result['lm_eval_version']} · {result.get('model') or 'model'} · tasks {', '.join(result['tasks'])}"
-             f" · limit {result['limit']} · kv {result['kv']}")
+    title = (
+        f"lm-eval {result['lm_eval_version']} · {result.get('model') or 'model'} · tasks {', '.join(result['tasks'])}"
+        f" · limit {result['limit']} · kv {result['kv']}"
+    )
     return f"{title}\n\n" + "\n".join(lines) + "\n"

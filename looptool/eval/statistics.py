@@ -48,10 +48,14 @@ def layer_applications(graph: fx.Graph) -> list[Application]:
     apps = []
     for (layer, execution), members in application_members(graph).items():
         inside = set(members)
-        outs = [n for n in members if annotation(n).get("role") == ROLE_RESIDUAL and any(u not in inside for u in n.users)]
+        outs = [
+            n for n in members if annotation(n).get("role") == ROLE_RESIDUAL and any(u not in inside for u in n.users)
+        ]
         if len(outs) != 1:
-            raise AnalysisError(f"layer {layer} (execution {execution}) of this path leaves {len(outs)} residual values "
-                                "instead of one; its residual stream cannot be read.")
+            raise AnalysisError(
+                f"layer {layer} (execution {execution}) of this path leaves {len(outs)} residual values "
+                "instead of one; its residual stream cannot be read."
+            )
         apps.append(Application(layer, execution, outs[0]))
     return apps
 
@@ -65,8 +69,10 @@ def lens_graph(graph: fx.Graph) -> tuple[fx.Graph, fx.Node, list[fx.Node]]:
     outs = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
     members = {n for n in graph.nodes if annotation(n).get("role") in (ROLE_FINAL_NORM, ROLE_HEAD)}
     if outs[0] not in members:
-        raise AnalysisError("this path's logits are not computed by nodes annotated as the final norm and head; "
-                            "the logit lens needs them.")
+        raise AnalysisError(
+            "this path's logits are not computed by nodes annotated as the final norm and head; "
+            "the logit lens needs them."
+        )
     needed: set[fx.Node] = set()
     stack = [outs[0]]
     while stack:
@@ -78,8 +84,10 @@ def lens_graph(graph: fx.Graph) -> tuple[fx.Graph, fx.Node, list[fx.Node]]:
     extras = [n for n in reads if n.op == "placeholder" or annotation(n).get("role") == ROLE_SHAPE]
     streams = [n for n in reads if n.op != "get_attr" and n not in extras]
     if len(streams) != 1:
-        raise AnalysisError(f"the final norm reads {len(streams)} residual-stream values instead of one; "
-                            "the logit lens cannot be built for this path.")
+        raise AnalysisError(
+            f"the final norm reads {len(streams)} residual-stream values instead of one; "
+            "the logit lens cannot be built for this path."
+        )
     lens = fx.Graph()
     env = {streams[0]: lens.placeholder("stream")}
     env.update({n: lens.placeholder(f"extra{i}") for i, n in enumerate(extras)})
@@ -92,8 +100,13 @@ def lens_graph(graph: fx.Graph) -> tuple[fx.Graph, fx.Node, list[fx.Node]]:
 
 def repeated_layers_of(graph: fx.Graph) -> list[int]:
     """The layers a budget path runs twice (annotated ``repeat=2``)."""
-    return sorted({annotation(n)["layer"] for n in graph.nodes
-                   if annotation(n).get("repeat") == 2 and isinstance(annotation(n).get("layer"), int)})
+    return sorted(
+        {
+            annotation(n)["layer"]
+            for n in graph.nodes
+            if annotation(n).get("repeat") == 2 and isinstance(annotation(n).get("layer"), int)
+        }
+    )
 
 
 def gated_write_parts(gated: fx.Node) -> tuple[fx.Node, fx.Node]:
@@ -158,8 +171,12 @@ class Overlap:
             return None
         total = int(self.counts.sum())
         mean = float((self.counts * torch.arange(self.top_k + 1)).sum()) / total
-        return {"top_k": self.top_k, "kept_mean": mean, "kept_fraction": mean / self.top_k,
-                "kept_histogram": [float(c) / total for c in self.counts]}
+        return {
+            "top_k": self.top_k,
+            "kept_mean": mean,
+            "kept_fraction": mean / self.top_k,
+            "kept_histogram": [float(c) / total for c in self.counts],
+        }
 
 
 @dataclass
@@ -178,10 +195,16 @@ class WriteStats:
 
     def as_dict(self) -> dict:
         n1, n2, ng = self.first_norm.value, self.second_norm.value, self.gated_norm.value
-        return {"first_norm": n1, "second_norm": n2, "gated_norm": ng,
-                "norm_ratio": n2 / n1 if n1 else None, "gated_norm_ratio": ng / n1 if n1 else None,
-                "cosine": self.cosine.value, "gated_cosine": self.gated_cosine.value,
-                "gate_mean_abs": self.gate_abs.value}
+        return {
+            "first_norm": n1,
+            "second_norm": n2,
+            "gated_norm": ng,
+            "norm_ratio": n2 / n1 if n1 else None,
+            "gated_norm_ratio": ng / n1 if n1 else None,
+            "cosine": self.cosine.value,
+            "gated_cosine": self.gated_cosine.value,
+            "gate_mean_abs": self.gate_abs.value,
+        }
 
 
 class Recorder(fx.Interpreter):

@@ -33,17 +33,24 @@ class Timing:
 
     def as_dict(self) -> dict:
         """JSON-ready summary (milliseconds)."""
-        return {"min_ms": self.min * 1e3, "median_ms": self.median * 1e3, "max_ms": self.max * 1e3, "n": len(self.samples)}
+        return {
+            "min_ms": self.min * 1e3,
+            "median_ms": self.median * 1e3,
+            "max_ms": self.max * 1e3,
+            "n": len(self.samples),
+        }
 
 
-def interleaved(fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1, on_round=None) -> dict[str, Timing]:
+def interleaved(
+    fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1, on_round=None
+) -> dict[str, Timing]:
     """Run every function once per round, ``warmup`` untimed rounds then ``repeats`` timed
     ones, rotating the order each round; returns each function's timings."""
     names = list(fns)
     samples: dict[str, list[float]] = {n: [] for n in names}
     with torch.inference_mode():
         for r in range(warmup + repeats):
-            order = names[r % len(names):] + names[: r % len(names)]
+            order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 _sync()
                 t0 = time.perf_counter()

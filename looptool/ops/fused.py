@@ -94,7 +94,9 @@ def _modulate_fake(x, scale, shift, down, up):
 
 
 # ---------------------------------------------------------------------------- mixture of experts
-def moe_reference(x: Tensor, routing_weights: Tensor, expert_ids: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
+def moe_reference(
+    x: Tensor, routing_weights: Tensor, expert_ids: Tensor, gate_up_proj: Tensor, down_proj: Tensor
+) -> Tensor:
     """Top-k expert dispatch, gated-SiLU expert FFN and weighted combine.
 
     ``x`` [T, d] tokens; ``routing_weights`` / ``expert_ids`` [T, k] the router's top-k
@@ -116,7 +118,7 @@ def moe_reference(x: Tensor, routing_weights: Tensor, expert_ids: Tensor, gate_u
     start = 0
     for e, n in enumerate(counts):
         if n:
-            hidden[start:start + n] = torch.mm(xs[start:start + n], gate_up_proj[e].transpose(-2, -1))
+            hidden[start : start + n] = torch.mm(xs[start : start + n], gate_up_proj[e].transpose(-2, -1))
         start += n
     gate, up = hidden.chunk(2, dim=-1)
     act = torch.nn.functional.silu(gate) * up
@@ -124,7 +126,7 @@ def moe_reference(x: Tensor, routing_weights: Tensor, expert_ids: Tensor, gate_u
     start = 0
     for e, n in enumerate(counts):
         if n:
-            out[start:start + n] = torch.mm(act[start:start + n], down_proj[e].transpose(-2, -1))
+            out[start : start + n] = torch.mm(act[start : start + n], down_proj[e].transpose(-2, -1))
         start += n
     out = out * weights.unsqueeze(-1)
     inv = torch.empty_like(perm)
@@ -154,8 +156,7 @@ def _register_reference_autograd(op, reference: Callable[..., Tensor], n_inputs:
     def backward(ctx, grad):
         saved = ctx.saved_tensors
         inputs = [
-            t.detach().requires_grad_(t.is_floating_point()) if is_t else None
-            for t, is_t in zip(saved, ctx.is_tensor)
+            t.detach().requires_grad_(t.is_floating_point()) if is_t else None for t, is_t in zip(saved, ctx.is_tensor)
         ]
         with torch.enable_grad():
             out = reference(*inputs)

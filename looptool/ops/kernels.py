@@ -41,7 +41,7 @@ def _trailing(t: Tensor, shape: torch.Size) -> Tensor:
     dims = list(t.shape)
     while dims and dims[0] == 1:
         dims.pop(0)
-    if tuple(dims) == tuple(shape[len(shape) - len(dims):]):
+    if tuple(dims) == tuple(shape[len(shape) - len(dims) :]):
         return t.contiguous()
     return t.expand(shape).contiguous()
 
@@ -91,8 +91,9 @@ def gated_residual(x: Tensor, gate: Tensor, f: Tensor) -> Tensor:
 
 # ---------------------------------------------------------------------------- adaptive delta
 @triton.jit
-def adaptive_delta_kernel(s_ptr, r_ptr, z_ptr, gamma_ptr, exit_ptr, n, gamma_n, exit_n, out_ptr,
-                          HAS_EXIT: tl.constexpr, BLOCK: tl.constexpr):
+def adaptive_delta_kernel(
+    s_ptr, r_ptr, z_ptr, gamma_ptr, exit_ptr, n, gamma_n, exit_n, out_ptr, HAS_EXIT: tl.constexpr, BLOCK: tl.constexpr
+):
     """The state update around the gate GEMM's output ``z = W s̃ + b`` (ELR Eq. 2):
     ``out = s + e ⊙ σ(z) ⊙ softplus(γ) ⊙ (r − s)``."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -107,8 +108,9 @@ def adaptive_delta_kernel(s_ptr, r_ptr, z_ptr, gamma_ptr, exit_ptr, n, gamma_n, 
     tl.store(out_ptr + offs, (s + step).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def adaptive_delta(s_prev: Tensor, r: Tensor, s_tilde: Tensor, weight: Tensor, bias: Tensor, gamma: Tensor,
-                   exit: Tensor | None = None) -> Tensor:
+def adaptive_delta(
+    s_prev: Tensor, r: Tensor, s_tilde: Tensor, weight: Tensor, bias: Tensor, gamma: Tensor, exit: Tensor | None = None
+) -> Tensor:
     """The gate GEMM (cuBLAS via ``F.linear``) + :func:`adaptive_delta_kernel`."""
     z = torch.nn.functional.linear(s_tilde, weight, bias)
     shapes = [s_prev.shape, r.shape, z.shape, gamma.shape] + ([exit.shape] if exit is not None else [])
@@ -120,14 +122,28 @@ def adaptive_delta(s_prev: Tensor, r: Tensor, s_tilde: Tensor, weight: Tensor, b
     n = out.numel()
     if n:
         adaptive_delta_kernel[_grid_1d(n, ELEMENTWISE_BLOCK)](
-            s, rr, zz, g, e, n, g.numel(), e.numel(), out, HAS_EXIT=exit is not None, BLOCK=ELEMENTWISE_BLOCK)
+            s, rr, zz, g, e, n, g.numel(), e.numel(), out, HAS_EXIT=exit is not None, BLOCK=ELEMENTWISE_BLOCK
+        )
     return out
 
 
 # ---------------------------------------------------------------------------- conditioning modulation
 @triton.jit
-def modulate_kernel(x_ptr, scale_ptr, shift_ptr, down_ptr, up_ptr, rows, d, rank, out_ptr,
-                    RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+def modulate_kernel(
+    x_ptr,
+    scale_ptr,
+    shift_ptr,
+    down_ptr,
+    up_ptr,
+    rows,
+    d,
+    rank,
+    out_ptr,
+    RANK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Loop-conditioned branch input (ELR Sec. 3.3, Eq. 4) for ``BLOCK_M`` rows:
     ``x~ = shift + scale ⊙ x`` then ``x^ = x~ + A (B' x~)``, with ``B' = diag(g) B`` [RANK, d]
     and ``A`` [d, rank]; the rank-``rank`` product stays in registers (``RANK`` ≥ rank, a
@@ -141,11 +157,15 @@ def modulate_kernel(x_ptr, scale_ptr, shift_ptr, down_ptr, up_ptr, rows, d, rank
     for start in range(0, d, BLOCK_D):  # pass 1: low = x~ B'^T
         cols = start + tl.arange(0, BLOCK_D)
         cmask = cols < d
-        x = tl.load(x_ptr + m[:, None] * d + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + m[:, None] * d + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0).to(
+            tl.float32
+        )
         sc = tl.load(scale_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         sh = tl.load(shift_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         xt = sh[None, :] + sc[None, :] * x
-        b_t = tl.load(down_ptr + ranks[None, :] * d + cols[:, None], mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        b_t = tl.load(
+            down_ptr + ranks[None, :] * d + cols[:, None], mask=cmask[:, None] & kmask[None, :], other=0.0
+        ).to(tl.float32)
         low = tl.dot(xt, b_t, low, input_precision=PRECISION)
     for start in range(0, d, BLOCK_D):  # pass 2: out = x~ + low A^T
         cols = start + tl.arange(0, BLOCK_D)
@@ -154,7 +174,9 @@ def modulate_kernel(x_ptr, scale_ptr, shift_ptr, down_ptr, up_ptr, rows, d, rank
         x = tl.load(x_ptr + m[:, None] * d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         sc = tl.load(scale_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         sh = tl.load(shift_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        a_t = tl.load(up_ptr + cols[None, :] * rank + ranks[:, None], mask=cmask[None, :] & kmask[:, None], other=0.0).to(tl.float32)
+        a_t = tl.load(
+            up_ptr + cols[None, :] * rank + ranks[:, None], mask=cmask[None, :] & kmask[:, None], other=0.0
+        ).to(tl.float32)
         out = tl.dot(low, a_t, sh[None, :] + sc[None, :] * x, input_precision=PRECISION)
         tl.store(out_ptr + m[:, None] * d + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -173,9 +195,20 @@ def modulate(x: Tensor, scale: Tensor, shift: Tensor, down: Tensor, up: Tensor) 
     block_m, block_d = (16, 32) if INTERPRET else (64, 64)
     if rows:
         modulate_kernel[_grid_1d(rows, block_m)](
-            xs, scale.reshape(-1).contiguous(), shift.reshape(-1).contiguous(), down.contiguous(), up.contiguous(),
-            rows, d, rank, out, RANK=modulate_rank_block(rank), BLOCK_M=block_m, BLOCK_D=block_d,
-            PRECISION=_precision(x.dtype))
+            xs,
+            scale.reshape(-1).contiguous(),
+            shift.reshape(-1).contiguous(),
+            down.contiguous(),
+            up.contiguous(),
+            rows,
+            d,
+            rank,
+            out,
+            RANK=modulate_rank_block(rank),
+            BLOCK_M=block_m,
+            BLOCK_D=block_d,
+            PRECISION=_precision(x.dtype),
+        )
     return out.view(x.shape)
 
 
@@ -188,9 +221,22 @@ def _block_pairs(block, rows_ptr, block_expert_ptr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def moe_gate_up_kernel(x_ptr, w_ptr, rows_ptr, block_expert_ptr, used_ptr, d, inter, top_k, act_ptr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                    UPCAST: tl.constexpr):
+def moe_gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    used_ptr,
+    d,
+    inter,
+    top_k,
+    act_ptr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Grouped GEMM 1 + gated SiLU: for one block of ``BLOCK_M`` token-expert pairs of one
     expert ``e``, ``act = silu(x W_gate,eᵀ) ⊙ (x W_up,eᵀ)`` over ``BLOCK_N`` columns of ``I``.
     ``rows`` holds the pair index (token · k + j) of each padded row, −1 for padding."""
@@ -215,14 +261,28 @@ def moe_gate_up_kernel(x_ptr, w_ptr, rows_ptr, block_expert_ptr, used_ptr, d, in
         acc_gate = tl.dot(xa, wg, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(xa, wu, acc_up, input_precision=PRECISION)
     act = acc_gate * tl.sigmoid(acc_gate) * acc_up
-    tl.store(act_ptr + m[:, None].to(tl.int64) * inter + n[None, :], act.to(act_ptr.dtype.element_ty),
-             mask=nmask[None, :])
+    tl.store(
+        act_ptr + m[:, None].to(tl.int64) * inter + n[None, :], act.to(act_ptr.dtype.element_ty), mask=nmask[None, :]
+    )
 
 
 @triton.jit
-def moe_down_kernel(act_ptr, w_ptr, rows_ptr, block_expert_ptr, used_ptr, weights_ptr, d, inter, out_ptr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                    UPCAST: tl.constexpr):
+def moe_down_kernel(
+    act_ptr,
+    w_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    used_ptr,
+    weights_ptr,
+    d,
+    inter,
+    out_ptr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Grouped GEMM 2: ``out[pair] = w_pair · act W_down,eᵀ`` for one block of pairs of
     expert ``e`` over ``BLOCK_N`` columns of ``d``, written back in pair order."""
     block, col_block = tl.program_id(0), tl.program_id(1)
@@ -245,8 +305,9 @@ def moe_down_kernel(act_ptr, w_ptr, rows_ptr, block_expert_ptr, used_ptr, weight
     rw = tl.load(weights_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0).to(tl.float32)
     acc = acc * rw[:, None]
     dest = tl.where(valid, pair, 0).to(tl.int64)
-    tl.store(out_ptr + dest[:, None] * d + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=valid[:, None] & nmask[None, :])
+    tl.store(
+        out_ptr + dest[:, None] * d + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :]
+    )
 
 
 def moe_blocks(expert_ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -299,9 +360,11 @@ def moe(x: Tensor, routing_weights: Tensor, expert_ids: Tensor, gate_up_proj: Te
     blocks = block_expert.numel()
     if tokens:
         moe_gate_up_kernel[(blocks, triton.cdiv(inter, cfg["BLOCK_N"]))](
-            x, gate_up_proj, rows, block_expert, used, d, inter, top_k, act, **cfg)
+            x, gate_up_proj, rows, block_expert, used, d, inter, top_k, act, **cfg
+        )
         moe_down_kernel[(blocks, triton.cdiv(d, cfg["BLOCK_N"]))](
-            act, down_proj, rows, block_expert, used, weights, d, inter, pair_out, **cfg)
+            act, down_proj, rows, block_expert, used, weights, d, inter, pair_out, **cfg
+        )
     return pair_out.view(tokens, top_k, d).sum(dim=1).to(x.dtype)
 
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from looptool.core.errors import LooptoolError
-from looptool.runtime.model import LoopedModel
 from looptool.posttrain.rollout import PostTrainingRun, encode_prompt, prompt_batch, read_prompts, sample
-from looptool.train.sampling import BudgetSampler
+from looptool.runtime.model import LoopedModel
 from looptool.storage.load import load
+from looptool.train.sampling import BudgetSampler
 
 LOG_FILE = "distill_log.jsonl"
 ARGS_FILE = "distill_args.json"
@@ -65,9 +65,13 @@ class DistillConfig:
             if getattr(self, name) < 1:
                 raise DistillError(f"{name} must be at least 1.", parameter=name)
         if not self.teachers:
-            raise DistillError("distillation needs at least one teacher: teachers={DOMAIN: PATH}.", parameter="teachers")
+            raise DistillError(
+                "distillation needs at least one teacher: teachers={DOMAIN: PATH}.", parameter="teachers"
+            )
         if self.temperature <= 0:
-            raise DistillError("temperature must be positive: the student samples its rollouts.", parameter="temperature")
+            raise DistillError(
+                "temperature must be positive: the student samples its rollouts.", parameter="temperature"
+            )
 
 
 def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -106,8 +110,14 @@ class Distiller(PostTrainingRun):
 
     args_file, log_file = ARGS_FILE, LOG_FILE
 
-    def __init__(self, student_dir: str | Path, config: DistillConfig, *, tokenizer=None,
-                 on_step: Callable[[dict], None] | None = None):
+    def __init__(
+        self,
+        student_dir: str | Path,
+        config: DistillConfig,
+        *,
+        tokenizer=None,
+        on_step: Callable[[dict], None] | None = None,
+    ):
         self._start(student_dir, config, tokenizer, on_step)
         menu = tuple(config.budgets or self.model.budgets)
         for k in menu:
@@ -121,8 +131,11 @@ class Distiller(PostTrainingRun):
         self.records = read_prompts(config.data)
         for number, record in enumerate(self.records, 1):
             if record.get("domain") not in self.teachers:
-                raise DistillError(f"prompt {number} has domain {record.get('domain')!r}, which no teacher covers "
-                                   f"(teachers: {', '.join(sorted(self.teachers))}).", parameter="teachers")
+                raise DistillError(
+                    f"prompt {number} has domain {record.get('domain')!r}, which no teacher covers "
+                    f"(teachers: {', '.join(sorted(self.teachers))}).",
+                    parameter="teachers",
+                )
         self.prompts = [encode_prompt(self.tokenizer, r, config.chat) for r in self.records]
         self._begin()
 
@@ -130,11 +143,15 @@ class Distiller(PostTrainingRun):
         teacher = load(path, device=str(next(self.model.parameters()).device)).eval()
         missing = [k for k in menu if k not in teacher.budgets]
         if missing:
-            raise DistillError(f"teacher {domain!r} ('{path}') has no budget {missing[0]}; a teacher runs at the "
-                               f"student's budget, so its menu must include {list(menu)}.")
+            raise DistillError(
+                f"teacher {domain!r} ('{path}') has no budget {missing[0]}; a teacher runs at the "
+                f"student's budget, so its menu must include {list(menu)}."
+            )
         if teacher.config.get_text_config().vocab_size != self.model.config.get_text_config().vocab_size:
-            raise DistillError(f"teacher {domain!r} has another vocabulary than the student; distillation compares "
-                               "next-token distributions token by token.")
+            raise DistillError(
+                f"teacher {domain!r} has another vocabulary than the student; distillation compares "
+                "next-token distributions token by token."
+            )
         for p in teacher.parameters():
             p.requires_grad_(False)
         return teacher
@@ -158,16 +175,30 @@ class Distiller(PostTrainingRun):
         budget = self.sampler.budget(step, 0)
         batch = prompt_batch(len(self.records), cfg.prompts, step, cfg.seed)
         self.model.eval()
-        ro = sample(self.model, self.tokenizer, [self.prompts[i] for i in batch], budget=budget, n=cfg.rollouts,
-                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                    seed=cfg.seed * 1_000_003 + step, kv=cfg.kv)
+        ro = sample(
+            self.model,
+            self.tokenizer,
+            [self.prompts[i] for i in batch],
+            budget=budget,
+            n=cfg.rollouts,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            seed=cfg.seed * 1_000_003 + step,
+            kv=cfg.kv,
+        )
         self.model.train()
         domains = [self.records[batch[j]]["domain"] for j in ro.prompt_index]
         loss = self.loss(ro.ids, ro.mask, domains, budget)
         loss.backward()
         self._update()
-        record = {"step": step, "budget": budget, "loss": loss.item(), "tokens": ro.tokens,
-                  "domains": sorted(set(domains)), "seconds": time.perf_counter() - t0}
+        record = {
+            "step": step,
+            "budget": budget,
+            "loss": loss.item(),
+            "tokens": ro.tokens,
+            "domains": sorted(set(domains)),
+            "seconds": time.perf_counter() - t0,
+        }
         return record
 
     def summary(self) -> dict:

@@ -60,6 +60,7 @@ from torch import fx, nn
 
 from looptool.core.errors import LooptoolError
 from looptool.core.graph import (
+    NORM_PARAM_KEY,
     ROLE_ATTENTION,
     ROLE_EMBEDDING,
     ROLE_FINAL_NORM,
@@ -69,7 +70,6 @@ from looptool.core.graph import (
     ROLE_MOE,
     ROLE_PROLOGUE,
     ROLE_ROUTER,
-    NORM_PARAM_KEY,
     annotation,
 )
 from looptool.runtime.model import LoopedModel
@@ -231,7 +231,8 @@ def parse_lambdas(specs: Sequence[str], n_experts: int) -> tuple[LambdaSpec, ...
     if not specs:
         raise MergeError(
             "give at least one lambda spec (e.g. lambdas=0.5 or lambdas=['looped=1']); groups no spec matches keep the "
-            "base weights.", parameter="lambdas"
+            "base weights.",
+            parameter="lambdas",
         )
     out = []
     for text in map(str, specs):
@@ -244,7 +245,9 @@ def parse_lambdas(specs: Sequence[str], n_experts: int) -> tuple[LambdaSpec, ...
                 raise _malformed(text)
             expert = int(m["expert"])
         group = m["group"].strip() if m["group"] is not None else None
-        out.append(_checked(LambdaSpec(value=_float(m["value"], text), group=group, expert=expert, text=text), n_experts))
+        out.append(
+            _checked(LambdaSpec(value=_float(m["value"], text), group=group, expert=expert, text=text), n_experts)
+        )
     return tuple(out)
 
 
@@ -331,7 +334,11 @@ def check_compatible(base: LoopedModel, expert: LoopedModel, label: str = "the e
     mine, theirs = dict(base.named_parameters()), dict(expert.named_parameters())
     if mine.keys() != theirs.keys():
         extra, missing = sorted(theirs.keys() - mine.keys()), sorted(mine.keys() - theirs.keys())
-        what = f"has parameters the base lacks ({', '.join(extra[:3])})" if extra else f"lacks the base's parameters {', '.join(missing[:3])}"
+        what = (
+            f"has parameters the base lacks ({', '.join(extra[:3])})"
+            if extra
+            else f"lacks the base's parameters {', '.join(missing[:3])}"
+        )
         raise MergeError(f"{label} {what}; merge only models with the same parameters.")
     for name, p in mine.items():
         if theirs[name].shape != p.shape:
@@ -407,7 +414,9 @@ def merge_tensor(base: torch.Tensor, experts: Sequence[torch.Tensor], lambdas: S
 MERGE_CONFIG = "merge_config.json"  # beside the merged model, as mergekit writes its config
 
 
-def merge_config(base: LoopedModel, specs: Sequence[LambdaSpec], *, base_path: str, expert_paths: Sequence[str]) -> dict:
+def merge_config(
+    base: LoopedModel, specs: Sequence[LambdaSpec], *, base_path: str, expert_paths: Sequence[str]
+) -> dict:
     """What a merge was made of, JSON-ready: the base and expert paths (expert ``j`` is
     ``experts[j]``), the lambda specs as given and parsed, and the lambda every ``BLOCK.KIND``
     group of ``base`` got from each expert. :func:`read_merge_config` reads it back."""
@@ -420,9 +429,14 @@ def merge_config(base: LoopedModel, specs: Sequence[LambdaSpec], *, base_path: s
         "looptool_version": __version__,
         "base": str(base_path),
         "experts": [str(path) for path in expert_paths],
-        "lambdas": [{"text": spec.text, "value": spec.value, "group": spec.group, "expert": spec.expert} for spec in specs],
-        "lambda_by_group": {group: [resolve_lambda(specs, group, j) for j in range(n)]
-                            for family, group, _, _ in group_sizes(base) if family == "block.kind"},
+        "lambdas": [
+            {"text": spec.text, "value": spec.value, "group": spec.group, "expert": spec.expert} for spec in specs
+        ],
+        "lambda_by_group": {
+            group: [resolve_lambda(specs, group, j) for j in range(n)]
+            for family, group, _, _ in group_sizes(base)
+            if family == "block.kind"
+        },
     }
 
 
@@ -454,8 +468,13 @@ def read_merge_config(directory) -> tuple[dict, tuple[LambdaSpec, ...]]:
         raise MergeError(f"'{directory}' has no {MERGE_CONFIG}; it was not written by looptool merge.")
     try:
         config = json.loads(path.read_text())
-        specs = tuple(_checked(LambdaSpec(value=float(s["value"]), group=s["group"], expert=s["expert"], text=s["text"]),
-                               len(config["experts"])) for s in config["lambdas"])
+        specs = tuple(
+            _checked(
+                LambdaSpec(value=float(s["value"]), group=s["group"], expert=s["expert"], text=s["text"]),
+                len(config["experts"]),
+            )
+            for s in config["lambdas"]
+        )
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
         raise MergeError(f"{path} could not be read ({type(exc).__name__}: {exc}); merge the models again.") from exc
     return config, specs

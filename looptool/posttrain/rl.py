@@ -37,7 +37,15 @@ import torch
 
 from looptool.core.errors import LooptoolError
 from looptool.posttrain.rewards import load_reward, score
-from looptool.posttrain.rollout import PostTrainingRun, encode_prompt, prompt_batch, prompt_text, read_prompts, sample, token_logprobs
+from looptool.posttrain.rollout import (
+    PostTrainingRun,
+    encode_prompt,
+    prompt_batch,
+    prompt_text,
+    read_prompts,
+    sample,
+    token_logprobs,
+)
 from looptool.train.sampling import assign_budgets
 
 LOG_FILE = "rl_log.jsonl"
@@ -85,14 +93,18 @@ class RLConfig:
             if getattr(self, name) < 1:
                 raise RLError(f"{name} must be at least 1.", parameter=name)
         if self.rollouts < 2:
-            raise RLError("rollouts must be at least 2: the leave-one-out baseline needs another rollout of the prompt.",
-                          parameter="rollouts")
+            raise RLError(
+                "rollouts must be at least 2: the leave-one-out baseline needs another rollout of the prompt.",
+                parameter="rollouts",
+            )
         lo, hi = self.is_clip
         if not 0 < lo <= 1 <= hi:
             raise RLError(f"is_clip ({lo}, {hi}) must satisfy 0 < low ≤ 1 ≤ high.", parameter="is_clip")
         if self.max_mismatch < 1:
-            raise RLError("max_mismatch is a ratio ≥ 1 (2: mask rollouts off by more than 2x on average).",
-                          parameter="max_mismatch")
+            raise RLError(
+                "max_mismatch is a ratio ≥ 1 (2: mask rollouts off by more than 2x on average).",
+                parameter="max_mismatch",
+            )
         if self.temperature <= 0:
             raise RLError("temperature must be positive: GRPO samples its rollouts.", parameter="temperature")
         if self.lr <= 0 or (self.new_lr is not None and self.new_lr <= 0):
@@ -110,9 +122,16 @@ def leave_one_out_advantages(rewards: torch.Tensor, normalize: bool = True, eps:
     return adv
 
 
-def grpo_loss(logprobs: torch.Tensor, sample_logprobs: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, *,
-              is_clip: tuple[float, float] = (0.2, 5.0), max_mismatch: float = 2.0,
-              normalizer: float | None = None) -> tuple[torch.Tensor, dict]:
+def grpo_loss(
+    logprobs: torch.Tensor,
+    sample_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    is_clip: tuple[float, float] = (0.2, 5.0),
+    max_mismatch: float = 2.0,
+    normalizer: float | None = None,
+) -> tuple[torch.Tensor, dict]:
     """The token-level GRPO loss of some rollouts (no KL term).
 
     ``logprobs`` (differentiable), ``sample_logprobs`` and ``mask`` are ``[rows, T]``;
@@ -131,8 +150,10 @@ def grpo_loss(logprobs: torch.Tensor, sample_logprobs: torch.Tensor, mask: torch
     kept = mask * keep[:, None].to(mask.dtype)
     total = float(mask.sum()) if normalizer is None else normalizer
     loss = -(weights * advantages[:, None] * logprobs * kept).sum() / max(total, 1.0)
-    stats = {"masked": int((~keep & (tokens > 0)).sum()),
-             "mean_weight": float((weights * kept).sum() / kept.sum().clamp(min=1))}
+    stats = {
+        "masked": int((~keep & (tokens > 0)).sum()),
+        "mean_weight": float((weights * kept).sum() / kept.sum().clamp(min=1)),
+    }
     return loss, stats
 
 
@@ -143,16 +164,19 @@ class GRPO(PostTrainingRun):
 
     args_file, log_file = ARGS_FILE, LOG_FILE
 
-    def __init__(self, model_dir: str | Path, config: RLConfig, *, tokenizer=None,
-                 on_step: Callable[[dict], None] | None = None):
+    def __init__(
+        self, model_dir: str | Path, config: RLConfig, *, tokenizer=None, on_step: Callable[[dict], None] | None = None
+    ):
         self._start(model_dir, config, tokenizer, on_step)
         self.menu = tuple(sorted(config.budgets or self.model.budgets))
         for k in self.menu:
             self.model.check_budget(k)
         self.ratio = list(config.ratio) if config.ratio else [4.0] + [1.0] * (len(self.menu) - 1)
         if len(self.ratio) != len(self.menu):
-            raise RLError(f"ratio has {len(self.ratio)} weights for the {len(self.menu)} budgets {list(self.menu)}.",
-                          parameter="ratio")
+            raise RLError(
+                f"ratio has {len(self.ratio)} weights for the {len(self.menu)} budgets {list(self.menu)}.",
+                parameter="ratio",
+            )
         self.reward_fn = load_reward(config.reward)
         self.records = read_prompts(config.data)
         self.prompts = [encode_prompt(self.tokenizer, r, config.chat) for r in self.records]
@@ -180,11 +204,23 @@ class GRPO(PostTrainingRun):
             chosen = [i for i, b in zip(batch, budgets) if b == k]
             if not chosen:
                 continue
-            ro = sample(self.model, self.tokenizer, [self.prompts[i] for i in chosen], budget=k, n=cfg.rollouts,
-                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                        seed=cfg.seed * 1_000_003 + step * 101 + k, kv=cfg.kv)
-            rewards = torch.tensor([score(self.reward_fn, prompt_text(self.records[chosen[j]]), c, self.records[chosen[j]])
-                                    for j, c in zip(ro.prompt_index, ro.completions)]).view(len(chosen), cfg.rollouts)
+            ro = sample(
+                self.model,
+                self.tokenizer,
+                [self.prompts[i] for i in chosen],
+                budget=k,
+                n=cfg.rollouts,
+                max_new_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature,
+                seed=cfg.seed * 1_000_003 + step * 101 + k,
+                kv=cfg.kv,
+            )
+            rewards = torch.tensor(
+                [
+                    score(self.reward_fn, prompt_text(self.records[chosen[j]]), c, self.records[chosen[j]])
+                    for j, c in zip(ro.prompt_index, ro.completions)
+                ]
+            ).view(len(chosen), cfg.rollouts)
             for j, i in enumerate(chosen):
                 self.pass_rates[i] = float((rewards[j] >= cfg.pass_threshold).float().mean())
             groups.append((k, chosen, ro, rewards))
@@ -194,17 +230,33 @@ class GRPO(PostTrainingRun):
         for k, chosen, ro, rewards in groups:
             adv = leave_one_out_advantages(rewards, cfg.normalize).flatten().to(self.device)
             logp = token_logprobs(self.model, ro.ids, k, cfg.temperature)
-            loss, stats = grpo_loss(logp, ro.sample_logprobs.to(self.device), ro.mask.to(self.device), adv,
-                                    is_clip=cfg.is_clip, max_mismatch=cfg.max_mismatch, normalizer=total_tokens)
+            loss, stats = grpo_loss(
+                logp,
+                ro.sample_logprobs.to(self.device),
+                ro.mask.to(self.device),
+                adv,
+                is_clip=cfg.is_clip,
+                max_mismatch=cfg.max_mismatch,
+                normalizer=total_tokens,
+            )
             loss.backward()
             loss_sum += loss.item()
             masked += stats["masked"]
-            by_budget[str(k)] = {"prompts": len(chosen), "reward": float(rewards.mean()),
-                                 "pass_rate": float((rewards >= cfg.pass_threshold).float().mean()),
-                                 "mean_tokens": ro.tokens / len(ro.completions)}
+            by_budget[str(k)] = {
+                "prompts": len(chosen),
+                "reward": float(rewards.mean()),
+                "pass_rate": float((rewards >= cfg.pass_threshold).float().mean()),
+                "mean_tokens": ro.tokens / len(ro.completions),
+            }
         self._update()
-        record = {"step": step, "loss": loss_sum, "budgets": by_budget, "masked_rollouts": masked,
-                  "tokens": total_tokens, "seconds": time.perf_counter() - t0}
+        record = {
+            "step": step,
+            "loss": loss_sum,
+            "budgets": by_budget,
+            "masked_rollouts": masked,
+            "tokens": total_tokens,
+            "seconds": time.perf_counter() - t0,
+        }
         return record
 
     def summary(self) -> dict:
@@ -220,6 +272,12 @@ def summarize(history: list[dict], menu) -> dict:
         xs = [r["budgets"][str(k)][key] for r in records if str(k) in r["budgets"]]
         return sum(xs) / len(xs) if xs else None
 
-    return {str(k): {"reward_first": mean(history[:quarter], k, "reward"), "reward_last": mean(history[-quarter:], k, "reward"),
-                     "pass_first": mean(history[:quarter], k, "pass_rate"), "pass_last": mean(history[-quarter:], k, "pass_rate")}
-            for k in menu}
+    return {
+        str(k): {
+            "reward_first": mean(history[:quarter], k, "reward"),
+            "reward_last": mean(history[-quarter:], k, "reward"),
+            "pass_first": mean(history[:quarter], k, "pass_rate"),
+            "pass_last": mean(history[-quarter:], k, "pass_rate"),
+        }
+        for k in menu
+    }

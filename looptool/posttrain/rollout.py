@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 
-from looptool.train.data import DataError, _jsonl_records, _read_text, find_files
+from looptool.core.errors import LooptoolError
+from looptool.runtime.devices import resolve_device
 from looptool.runtime.generation import generate
 from looptool.runtime.model import LoopedModel
-from looptool.runtime.devices import resolve_device
-from looptool.core.errors import LooptoolError
-from looptool.storage.resume import open_output, resumable_state, rng_states, set_rng_states, write_checkpoint
 from looptool.storage.load import load
+from looptool.storage.resume import open_output, resumable_state, rng_states, set_rng_states, write_checkpoint
+from looptool.train.data import DataError, _jsonl_records, _read_text, find_files
 from looptool.train.trainer import adamw
 
 # may differ between a run and its resume (checkpointing is exact; the device is where it runs)
@@ -41,9 +41,13 @@ def read_prompts(specs) -> list[dict]:
     records = []
     for path in find_files(specs):
         if path.suffix.lower() not in (".jsonl", ".json"):
-            raise DataError(f"'{path}' is not a .jsonl file; prompts are JSONL lines with a 'prompt' or 'messages' field.")
+            raise DataError(
+                f"'{path}' is not a .jsonl file; prompts are JSONL lines with a 'prompt' or 'messages' field."
+            )
         for number, record in _jsonl_records(path, _read_text(path)):
-            ok = isinstance(record, dict) and (isinstance(record.get("prompt"), str) or isinstance(record.get("messages"), list))
+            ok = isinstance(record, dict) and (
+                isinstance(record.get("prompt"), str) or isinstance(record.get("messages"), list)
+            )
             if not ok:
                 raise DataError(f"'{path}' line {number} needs a string 'prompt' or a 'messages' list.")
             records.append(record)
@@ -78,8 +82,10 @@ def encode_prompt(tokenizer, record: dict, chat: bool) -> list[int]:
         messages = [{"role": "user", "content": record["prompt"]}]
     if messages is not None:
         if getattr(tokenizer, "chat_template", None) is None:
-            raise DataError("chat prompts need a tokenizer with a chat template; this one has none (set chat=False).",
-                            parameter="chat")
+            raise DataError(
+                "chat prompts need a tokenizer with a chat template; this one has none (set chat=False).",
+                parameter="chat",
+            )
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False).input_ids
     else:
@@ -107,8 +113,18 @@ class Rollouts:
 
 
 @torch.no_grad()
-def sample(model: LoopedModel, tokenizer, prompts: Sequence[list[int]], *, budget: int, n: int, max_new_tokens: int,
-           temperature: float, seed: int, kv: str = "per-loop") -> Rollouts:
+def sample(
+    model: LoopedModel,
+    tokenizer,
+    prompts: Sequence[list[int]],
+    *,
+    budget: int,
+    n: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    kv: str = "per-loop",
+) -> Rollouts:
     """``n`` rollouts of every prompt at ``budget`` (temperature sampling, cached decode)."""
     if temperature <= 0:
         raise DataError("rollouts are sampled: temperature must be positive.", parameter="temperature")
@@ -120,10 +136,21 @@ def sample(model: LoopedModel, tokenizer, prompts: Sequence[list[int]], *, budge
     left = torch.full((len(rows), width), pad, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
     for r, p in enumerate(rows):
-        left[r, width - len(p):] = torch.tensor(p)
-        attention[r, width - len(p):] = 1
-    out = generate(model, left, attention_mask=attention, budget=budget, max_new_tokens=max_new_tokens, kv=kv,
-                   temperature=temperature, seed=seed, eos_token_id=eos, pad_token_id=pad, output_logits=True)
+        left[r, width - len(p) :] = torch.tensor(p)
+        attention[r, width - len(p) :] = 1
+    out = generate(
+        model,
+        left,
+        attention_mask=attention,
+        budget=budget,
+        max_new_tokens=max_new_tokens,
+        kv=kv,
+        temperature=temperature,
+        seed=seed,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        output_logits=True,
+    )
     new = out.sequences[:, width:].cpu()
     logprobs = torch.stack([torch.log_softmax(lg.float().cpu() / temperature, -1) for lg in out.logits], 1)
     picked = logprobs.gather(-1, new[..., None])[..., 0]  # [rows, steps]
@@ -138,10 +165,10 @@ def sample(model: LoopedModel, tokenizer, prompts: Sequence[list[int]], *, budge
     mask = torch.zeros((len(rows), total))
     sample_lp = torch.zeros((len(rows), total))
     for r, (p, length) in enumerate(zip(rows, lengths)):
-        ids[r, :len(p)] = torch.tensor(p)
-        ids[r, len(p):len(p) + length] = new[r, :length]
-        mask[r, len(p):len(p) + length] = 1
-        sample_lp[r, len(p):len(p) + length] = picked[r, :length]
+        ids[r, : len(p)] = torch.tensor(p)
+        ids[r, len(p) : len(p) + length] = new[r, :length]
+        mask[r, len(p) : len(p) + length] = 1
+        sample_lp[r, len(p) : len(p) + length] = picked[r, :length]
     return Rollouts(budget, index, ids, mask, sample_lp, completions)
 
 
@@ -194,8 +221,10 @@ class PostTrainingRun:
         self.model = load(self.output if self.resuming else model_dir, device=str(self.device))
         self.tokenizer = tokenizer or self.model.tokenizer
         if self.tokenizer is None:
-            raise LooptoolError(f"the model in '{model_dir}' has no tokenizer; pass one as tokenizer (a Hugging Face "
-                                "tokenizer).", parameter="tokenizer")
+            raise LooptoolError(
+                f"the model in '{model_dir}' has no tokenizer; pass one as tokenizer (a Hugging Face tokenizer).",
+                parameter="tokenizer",
+            )
 
     def _begin(self) -> None:
         """Create the optimizer; when resuming, restore the checkpoint's optimizer state, RNG
@@ -233,12 +262,23 @@ class PostTrainingRun:
     def _checkpoint(self, step: int) -> None:
         """Rebuild the output directory atomically with the state after ``step`` steps."""
         config = dataclasses.asdict(self.config)
-        state = {"step": step, "optimizer": self.optimizer.state_dict(), "rng": rng_states(self.device),
-                 "history": self.history, "extra": self.extra_state(), "config": config}
-        write_checkpoint(self.output, self.model, state, {
-            self.args_file: json.dumps(config, indent=2),
-            self.log_file: "".join(json.dumps(r) + "\n" for r in self.history),
-        })
+        state = {
+            "step": step,
+            "optimizer": self.optimizer.state_dict(),
+            "rng": rng_states(self.device),
+            "history": self.history,
+            "extra": self.extra_state(),
+            "config": config,
+        }
+        write_checkpoint(
+            self.output,
+            self.model,
+            state,
+            {
+                self.args_file: json.dumps(config, indent=2),
+                self.log_file: "".join(json.dumps(r) + "\n" for r in self.history),
+            },
+        )
 
     def run(self) -> dict:
         """The steps from the first (or the resumed one) to the last, checkpointing every

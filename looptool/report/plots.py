@@ -16,8 +16,15 @@ def frontier_points(result: dict, x: str = "ideal_flops_ratio") -> list[tuple[fl
     return [(r[x], r["loss"], r["budget"]) for r in result["budgets"]]
 
 
-def plot_frontier(result: dict, path: str | Path, title: str = "", *, reference_label: str = "source model",
-                  x: str = "ideal_flops_ratio", xlabel: str = "×FLOPs per token (cost model)") -> Path:
+def plot_frontier(
+    result: dict,
+    path: str | Path,
+    title: str = "",
+    *,
+    reference_label: str = "source model",
+    x: str = "ideal_flops_ratio",
+    xlabel: str = "×FLOPs per token (cost model)",
+) -> Path:
     """Loss against the cost table (:func:`frontier_points`), one point per budget; when the
     rows carry measured latencies, a second panel shows them (median, min–max bars) against
     the same cost; PNG."""
@@ -43,7 +50,10 @@ def plot_frontier(result: dict, path: str | Path, title: str = "", *, reference_
     if timed:
         lat = axes[0][1]
         med = [r["latency"]["median_ms"] for r in rows]
-        spread = [[m - r["latency"]["min_ms"] for m, r in zip(med, rows)], [r["latency"]["max_ms"] - m for m, r in zip(med, rows)]]
+        spread = [
+            [m - r["latency"]["min_ms"] for m, r in zip(med, rows)],
+            [r["latency"]["max_ms"] - m for m, r in zip(med, rows)],
+        ]
         lat.errorbar([p[0] for p in points], med, yerr=spread, fmt="o", capsize=3)
         lat.set_xlabel(xlabel)
         lat.set_ylabel("measured latency, ms (median, min–max)")
@@ -79,8 +89,13 @@ def plot_training(log_path: str | Path, path: str | Path) -> Path:
     return Path(path)
 
 
-def plot_quality_cost(series: dict[str, list[tuple[float, float, str]]], path, *, title: str = "",
-                      xlabel: str = "×FLOPs per token (cost model)"):
+def plot_quality_cost(
+    series: dict[str, list[tuple[float, float, str]]],
+    path,
+    *,
+    title: str = "",
+    xlabel: str = "×FLOPs per token (cost model)",
+):
     """One PNG with a panel per quality series (e.g. ``"task metric"``): each point is one
     budget's ``(cost, value, label)``, joined in cost order and labelled."""
     import math
@@ -101,7 +116,7 @@ def plot_quality_cost(series: dict[str, list[tuple[float, float, str]]], path, *
             ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel(xlabel, fontsize=8)
-    for ax in list(axes.flat)[len(series):]:
+    for ax in list(axes.flat)[len(series) :]:
         ax.set_visible(False)
     fig.suptitle(title or "quality against cost")
     fig.tight_layout()
@@ -168,8 +183,13 @@ def plot_analysis(result: dict, directory) -> list:
         ax.plot(xs, [c["cosine"] for c in cosines], "-", color="C0")
         for execution, marker in ((1, "o"), (2, "s")):
             pts = [(x, c["cosine"]) for x, c in zip(xs, cosines) if (c["execution"] > 1) == (execution == 2)]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker, linestyle="",
-                    label="first / only pass" if execution == 1 else "second pass / later loop")
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker,
+                linestyle="",
+                label="first / only pass" if execution == 1 else "second pass / later loop",
+            )
         ax.set_xticks(list(xs), [app_label(c) for c in cosines], fontsize=6, rotation=90)
         ax.set_xlabel("layer application (×2: second pass or loop 2+)", fontsize=8)
         ax.set_title(f"residual-stream cosine with the previous application (budget {result['budget']})", fontsize=9)
@@ -187,8 +207,12 @@ def plot_analysis(result: dict, directory) -> list:
             rows = [r for r in hydra[family] if r["ratio"] is not None]
             if not rows:
                 continue
-            axes[1].bar(["+".join(map(str, r["layers"])) for r in rows], [r["ratio"] for r in rows], color=color,
-                        label=family.replace("_", " "))
+            axes[1].bar(
+                ["+".join(map(str, r["layers"])) for r in rows],
+                [r["ratio"] for r in rows],
+                color=color,
+                label=family.replace("_", " "),
+            )
         axes[1].axhline(1, color="gray", linestyle="--")
         axes[1].set_title("Δ(together) ÷ Σ Δ(alone)  (1 = additive)", fontsize=9)
         axes[1].tick_params(axis="x", labelsize=6, rotation=90)
@@ -200,8 +224,12 @@ def plot_analysis(result: dict, directory) -> list:
     if lens:
         fig, ax = plt.subplots(figsize=(7, 3.8), dpi=110)
         for row in lens:
-            ax.plot(range(len(row["applications"])), [a["loss"] for a in row["applications"]], ".-",
-                    label=f"budget {row['budget']} (final {row['loss']:.3f})")
+            ax.plot(
+                range(len(row["applications"])),
+                [a["loss"] for a in row["applications"]],
+                ".-",
+                label=f"budget {row['budget']} (final {row['loss']:.3f})",
+            )
         ax.set_xlabel("layer application", fontsize=8)
         ax.set_ylabel("logit-lens loss (nats/token)", fontsize=8)
         ax.set_title("final norm + LM head after every layer application", fontsize=9)
@@ -223,8 +251,9 @@ def plot_analysis(result: dict, directory) -> list:
         axes[1].set_title("update rate and exit factor", fontsize=9)
         axes[1].legend(fontsize=7)
         axes[2].plot(xs, [r["kept_mean_vs_loop1"] for r in loops], "o-")
-        axes[2].set_title("routed experts kept from loop 1" + (" (route replay)" if elr["route_replay"] else ""),
-                          fontsize=9)
+        axes[2].set_title(
+            "routed experts kept from loop 1" + (" (route replay)" if elr["route_replay"] else ""), fontsize=9
+        )
         for ax in axes:
             ax.set_xlabel("loop", fontsize=8)
         save(fig, "elr_states.png")

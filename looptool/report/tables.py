@@ -6,8 +6,8 @@ import collections
 
 from rich.table import Table
 
-from looptool.runtime.model import LoopedModel
 from looptool.core.plan import LoopPlan, plan_from_dict
+from looptool.runtime.model import LoopedModel
 
 
 def execution_path(plan: LoopPlan, budget: int, num_layers: int) -> str:
@@ -58,7 +58,9 @@ def summary(model: LoopedModel) -> dict:
     }
 
 
-def plan_table(info: dict, extra: dict[int, dict[str, str]] | None = None, extra_columns: tuple[str, ...] = ()) -> Table:
+def plan_table(
+    info: dict, extra: dict[int, dict[str, str]] | None = None, extra_columns: tuple[str, ...] = ()
+) -> Table:
     """The per-budget table ``looptool inspect`` and ``demo`` print."""
     plan = plan_from_dict(info["plan"])
     title = (
@@ -85,5 +87,3 @@ def plan_table(info: dict, extra: dict[int, dict[str, str]] | None = None, extra
         cells += [(extra or {}).get(row["budget"], {}).get(c, "") for c in extra_columns]
         table.add_row(*cells)
     return table
-
-

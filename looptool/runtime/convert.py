@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from looptool.capture import build_skeleton, capture, num_layers_of
+from looptool.capture.sources import load_source
 from looptool.core.errors import LooptoolError
 from looptool.core.graph import dtype_from_str, float_dtype
+from looptool.core.plan import LoopPlan, PrefixLoop, RecurrentLoop
+from looptool.passes import PassManager
 from looptool.runtime.model import LoopedModel
 from looptool.runtime.tensors import bind_tensors, graph_tensors
-from looptool.passes import PassManager
-from looptool.core.plan import LoopPlan, PrefixLoop, RecurrentLoop
-from looptool.capture.sources import load_source
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,9 @@ def convert(
     return LoopedModel(lg, tokenizer=tokenizer)
 
 
-def rebuild(config, recipe, *, dtype: torch.dtype, device: str, attn_implementation: str | None = None,
-            tokenizer=None) -> LoopedModel:
+def rebuild(
+    config, recipe, *, dtype: torch.dtype, device: str, attn_implementation: str | None = None, tokenizer=None
+) -> LoopedModel:
     """The structure of a looped model with weights on ``meta``: the source architecture of
     ``config`` built on ``meta`` in ``dtype``, captured, the ``recipe`` of passes replayed and
     the graphs retargeted to ``device``. Binding the weights is the caller's (load, cast)."""
@@ -85,13 +86,21 @@ def cast(model: LoopedModel, dtype: torch.dtype | str) -> LoopedModel:
     if dtype_from_str(source.dtype) == dtype:
         return model
     device = source.device
-    new = rebuild(model.config, model.recipe, dtype=dtype, device=device,
-                  attn_implementation=source.attn_implementation, tokenizer=model.tokenizer)
+    new = rebuild(
+        model.config,
+        model.recipe,
+        dtype=dtype,
+        device=device,
+        attn_implementation=source.attn_implementation,
+        tokenizer=model.tokenizer,
+    )
     old = graph_tensors(model)
     missing = sorted(set(graph_tensors(new)) - set(old))
     if missing:  # the replayed recipe must give the same tensors; anything else is a looptool bug
-        raise LooptoolError(f"the {dtype} rebuild of this model has tensors the model lacks ({missing[:3]}); "
-                            "please report this as a bug.")
+        raise LooptoolError(
+            f"the {dtype} rebuild of this model has tensors the model lacks ({missing[:3]}); "
+            "please report this as a bug."
+        )
     cast_of: dict[int, torch.Tensor] = {}
 
     def tensor_for(name: str, placeholder: torch.Tensor) -> torch.Tensor:

@@ -27,19 +27,23 @@ def resolve_device(name: str | torch.device | None = None) -> torch.device:
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError) as exc:
-        raise DeviceError(f"device {name!r} is not a device name; use cpu, cuda or cuda:N.", parameter="device") from exc
+        raise DeviceError(
+            f"device {name!r} is not a device name; use cpu, cuda or cuda:N.", parameter="device"
+        ) from exc
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise DeviceError(
                 f"device {name} was asked for but this machine has no usable CUDA device "
-                "(torch.cuda.is_available() is False); use device='cpu'.", parameter="device"
+                "(torch.cuda.is_available() is False); use device='cpu'.",
+                parameter="device",
             )
         if device.index is None:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
         if device.index >= torch.cuda.device_count():
             raise DeviceError(
                 f"device {device} does not exist: this machine has {torch.cuda.device_count()} CUDA "
-                f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}.", parameter="device"
+                f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}.",
+                parameter="device",
             )
     elif device.type not in ("cpu", "meta"):
         raise DeviceError(f"device {name!r} is not supported; use cpu, cuda or cuda:N.", parameter="device")
@@ -51,7 +55,8 @@ def check_dtype(device: torch.device, dtype: torch.dtype) -> None:
     if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
         raise DeviceError(
             f"{device} ({torch.cuda.get_device_name(device)}) does not support bfloat16; "
-            "convert or load the model with dtype=torch.float32 (or torch.float16) for this GPU.", parameter="dtype"
+            "convert or load the model with dtype=torch.float32 (or torch.float16) for this GPU.",
+            parameter="dtype",
         )
 
 

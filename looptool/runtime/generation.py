@@ -10,12 +10,11 @@ attention code.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import fx
@@ -92,7 +91,8 @@ def check_policy(model: LoopedModel, kv: str) -> str:
         if not repeats_layers(model):
             raise LooptoolError(
                 f"kv 'last-loop' shares one cache slot between repeated attention executions, but no budget "
-                f"of this model ({list(model.budgets)}) repeats a layer; use kv='per-loop'.", parameter="kv"
+                f"of this model ({list(model.budgets)}) repeats a layer; use kv='per-loop'.",
+                parameter="kv",
             )
     return kv
 
@@ -136,7 +136,11 @@ def _bind(model: LoopedModel, graph: fx.Graph) -> CachedPath:
         kv = annotation(node).get("kv") if node.op == "placeholder" else None
         if kv:
             shape = node.meta["val"].shape
-            slots.append(CacheSlot(str(node.target), kv["layer"], kv["kind"], kv.get("execution", 1), int(shape[1]), int(shape[3])))
+            slots.append(
+                CacheSlot(
+                    str(node.target), kv["layer"], kv["kind"], kv.get("execution", 1), int(shape[1]), int(shape[3])
+                )
+            )
     return CachedPath(shared_graph_module(model, graph), tuple(slots))
 
 
@@ -168,7 +172,9 @@ def position_ids(mask: torch.Tensor) -> torch.Tensor:
     return pos.masked_fill(mask == 0, 1)
 
 
-def check_generation_args(input_ids, max_new_tokens, temperature: float, top_k: int | None, top_p: float | None) -> None:
+def check_generation_args(
+    input_ids, max_new_tokens, temperature: float, top_k: int | None, top_p: float | None
+) -> None:
     """One clear error for an empty prompt or out-of-range generation settings."""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
         raise LooptoolError(f"the prompt is empty (input_ids shape {tuple(input_ids.shape)}); give at least one token.")
@@ -235,8 +241,10 @@ def decode_loop(
     device = input_ids.device
     batch, prompt = input_ids.shape
     if prompt + max_new_tokens > capacity:
-        raise LooptoolError(f"the prompt ({prompt} tokens) plus {max_new_tokens} new tokens exceed the cache capacity "
-                            f"of {capacity}; raise the capacity or generate fewer tokens.")
+        raise LooptoolError(
+            f"the prompt ({prompt} tokens) plus {max_new_tokens} new tokens exceed the cache capacity "
+            f"of {capacity}; raise the capacity or generate fewer tokens."
+        )
     eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=device)
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
     warpers = logits_warpers(temperature, top_k, top_p)
@@ -314,8 +322,19 @@ def generate(
         return path.module(ids, mask, position, cache_position, *caches)[:, -1]
 
     return decode_loop(
-        step, input_ids.to(param.device), attention_mask, capacity=capacity, max_new_tokens=max_new_tokens,
-        mask_dtype=model.mask_dtype, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-        eos_token_id=eos_token_id, pad_token_id=pad_token_id, on_step=on_step, output_logits=output_logits,
+        step,
+        input_ids.to(param.device),
+        attention_mask,
+        capacity=capacity,
+        max_new_tokens=max_new_tokens,
+        mask_dtype=model.mask_dtype,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        on_step=on_step,
+        output_logits=output_logits,
         kv_bytes=sum(c.numel() * c.element_size() for c in caches),
     )

@@ -21,7 +21,6 @@ from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-from looptool.runtime.devices import resolve_device
 from looptool.core.errors import LooptoolError, PassError
 from looptool.core.graph import (
     ROLE_HEAD,
@@ -32,10 +31,11 @@ from looptool.core.graph import (
     dtype_from_str,
     shared_graph_module,
 )
+from looptool.core.plan import BudgetCost, LoopPlan, ModelDims, cost_table
 from looptool.passes import PassManager
 from looptool.passes.checkpoint import bind_regions
 from looptool.passes.router_outputs import router_logit_nodes
-from looptool.core.plan import BudgetCost, LoopPlan, ModelDims, cost_table
+from looptool.runtime.devices import resolve_device
 from looptool.runtime.generation import generate
 from looptool.storage.save import save
 
@@ -119,7 +119,9 @@ class LoopedModel(nn.Module):
         if key not in self._paths:
             steps: list[tuple[str, dict]] = [("router_outputs", {})] if router_logits else []
             if self.activation_checkpointing or self.shard_layers:
-                steps.append(("checkpoint", {"checkpoint": self.activation_checkpointing, "shard_layers": self.shard_layers}))
+                steps.append(
+                    ("checkpoint", {"checkpoint": self.activation_checkpointing, "shard_layers": self.shard_layers})
+                )
             if exits:
                 steps.append(("exit_outputs", {}))
             lg = self.layer_graph.replace(paths={budget: self.layer_graph.paths[budget]})
@@ -129,7 +131,7 @@ class LoopedModel(nn.Module):
         return self._paths[key]
 
     # ------------------------------------------------------------------ placement
-    def to(self, *args, **kwargs) -> "LoopedModel":
+    def to(self, *args, **kwargs) -> LoopedModel:
         """Move the model to another device: parameters move in place (still one copy) and
         the budget paths are retargeted, since a captured graph bakes its device in. A dtype
         change is refused: the graphs are specialised to the capture dtype."""
@@ -148,12 +150,14 @@ class LoopedModel(nn.Module):
         super().to(target, non_blocking=non_blocking)
         return self.retarget(target)
 
-    def retarget(self, device: torch.device | str) -> "LoopedModel":
+    def retarget(self, device: torch.device | str) -> LoopedModel:
         """Point the budget paths at ``device`` (the graphs bake their device in) without
         moving any tensor: for callers that moved the parameters themselves (FSDP2)."""
         current, target = self._device(), torch.device(device)
         if target != current:
-            self.layer_graph = PassManager([("retarget_device", {"to": str(target), "from": str(current)})])(self.layer_graph)
+            self.layer_graph = PassManager([("retarget_device", {"to": str(target), "from": str(current)})])(
+                self.layer_graph
+            )
             for name, child in self.layer_graph.module.named_children():
                 if isinstance(child, fx.GraphModule):  # higher-order op bodies were retargeted as new objects
                     self._modules[name] = child
@@ -161,27 +165,27 @@ class LoopedModel(nn.Module):
             self.derived.clear()  # built for the old device
         return self
 
-    def cuda(self, device: int | torch.device | None = None) -> "LoopedModel":
+    def cuda(self, device: int | torch.device | None = None) -> LoopedModel:
         """``to("cuda")`` (or ``cuda:N``)."""
         return self.to(torch.device("cuda", device) if isinstance(device, int) else (device or "cuda"))
 
-    def cpu(self) -> "LoopedModel":
+    def cpu(self) -> LoopedModel:
         """``to("cpu")``."""
         return self.to("cpu")
 
-    def half(self) -> "LoopedModel":
+    def half(self) -> LoopedModel:
         """``to(torch.float16)``: a no-op in that dtype, refused otherwise."""
         return self.to(dtype=torch.float16)
 
-    def bfloat16(self) -> "LoopedModel":
+    def bfloat16(self) -> LoopedModel:
         """``to(torch.bfloat16)``: a no-op in that dtype, refused otherwise."""
         return self.to(dtype=torch.bfloat16)
 
-    def float(self) -> "LoopedModel":
+    def float(self) -> LoopedModel:
         """``to(torch.float32)``: a no-op in that dtype, refused otherwise."""
         return self.to(dtype=torch.float32)
 
-    def double(self) -> "LoopedModel":
+    def double(self) -> LoopedModel:
         """``to(torch.float64)``: a no-op in that dtype, refused otherwise."""
         return self.to(dtype=torch.float64)
 
@@ -223,8 +227,7 @@ class LoopedModel(nn.Module):
             return self.default_budget
         if isinstance(budget, bool) or not isinstance(budget, int) or budget not in self.layer_graph.paths:
             raise LooptoolError(
-                f"budget {budget!r} is not in this model's budget menu {list(self.budgets)}; "
-                "pick one of those."
+                f"budget {budget!r} is not in this model's budget menu {list(self.budgets)}; pick one of those."
             )
         return budget
 
@@ -280,8 +283,9 @@ class LoopedModel(nn.Module):
         if labels is not None:
             loss = ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1], **loss_kwargs)
         if output_exit_logits:
-            return LoopedCausalLMOutput(loss=loss, logits=logits, router_logits=rest if output_router_logits else None,
-                                        exit_logits=exit_logits)
+            return LoopedCausalLMOutput(
+                loss=loss, logits=logits, router_logits=rest if output_router_logits else None, exit_logits=exit_logits
+            )
         if output_router_logits:
             return MoeCausalLMOutputWithPast(loss=loss, logits=logits, router_logits=rest)
         return CausalLMOutputWithPast(loss=loss, logits=logits)
@@ -327,9 +331,16 @@ class LoopedModel(nn.Module):
 
 # Hugging Face forward arguments: passed to the loss, accepted at their no-op value, or refused
 _LOSS_KWARGS = frozenset({"num_items_in_batch", "ignore_index"})
-_NO_OP_KWARGS = {"use_cache": (None, False), "return_dict": (None, True), "output_attentions": (None, False),
-                 "output_hidden_states": (None, False), "past_key_values": (None,), "inputs_embeds": (None,),
-                 "cache_position": (None,), "logits_to_keep": (None, 0)}
+_NO_OP_KWARGS = {
+    "use_cache": (None, False),
+    "return_dict": (None, True),
+    "output_attentions": (None, False),
+    "output_hidden_states": (None, False),
+    "past_key_values": (None,),
+    "inputs_embeds": (None,),
+    "cache_position": (None,),
+    "logits_to_keep": (None, 0),
+}
 
 
 def _check_forward_kwargs(kwargs: dict, input_ids: torch.Tensor) -> dict:
@@ -345,18 +356,24 @@ def _check_forward_kwargs(kwargs: dict, input_ids: torch.Tensor) -> dict:
             expected = torch.arange(input_ids.shape[-1], device=value.device)
             if value.shape[-1] == input_ids.shape[-1] and bool((value == expected).all()):
                 continue
-            raise LooptoolError("position_ids other than 0..seq-1 are not supported by the captured budget paths "
-                                "(they derive positions from the sequence); use model.generate for left-padded "
-                                "batches, or drop position_ids.")
+            raise LooptoolError(
+                "position_ids other than 0..seq-1 are not supported by the captured budget paths "
+                "(they derive positions from the sequence); use model.generate for left-padded "
+                "batches, or drop position_ids."
+            )
         if name in _NO_OP_KWARGS:
             if any(value is ok or (ok is not None and value == ok) for ok in _NO_OP_KWARGS[name]):
                 continue
-            raise LooptoolError(f"{name}={value!r} is not supported by LoopedModel.forward: a budget path returns "
-                                f"logits (and the loss) of a whole sequence, without a KV cache; drop {name} "
-                                "(model.generate decodes with a cache).")
-        raise LooptoolError(f"LoopedModel.forward got an unsupported argument {name!r}; it takes input_ids, "
-                            "attention_mask, labels, budget, output_router_logits, output_exit_logits and the "
-                            "loss arguments num_items_in_batch and ignore_index.")
+            raise LooptoolError(
+                f"{name}={value!r} is not supported by LoopedModel.forward: a budget path returns "
+                f"logits (and the loss) of a whole sequence, without a KV cache; drop {name} "
+                "(model.generate decodes with a cache)."
+            )
+        raise LooptoolError(
+            f"LoopedModel.forward got an unsupported argument {name!r}; it takes input_ids, "
+            "attention_mask, labels, budget, output_router_logits, output_exit_logits and the "
+            "loss arguments num_items_in_batch and ignore_index."
+        )
     return {k: v for k, v in kwargs.items() if k in _LOSS_KWARGS}
 
 
@@ -388,8 +405,12 @@ class _Compiled:
         try:
             out = self.fn(*args)
         except Exception as exc:  # torch.compile raises many types; eager still works
-            log.warning("torch.compile failed for budget %s (%s: %s); running it eagerly",
-                        self.budget, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+            log.warning(
+                "torch.compile failed for budget %s (%s: %s); running it eagerly",
+                self.budget,
+                type(exc).__name__,
+                str(exc).splitlines()[0][:200] if str(exc) else "",
+            )
             self.fn = self.eager
             out = self.fn(*args)
         self.checked = True
@@ -445,7 +466,13 @@ def model_dims(lg: LayerGraph, module: nn.Module) -> ModelDims:
                 if t is None or not t.is_floating_point():
                     continue
                 n = t.numel()
-                if experts and top_k and annotation(node).get("role") == ROLE_MOE and t.dim() >= 2 and t.shape[0] == experts:
+                if (
+                    experts
+                    and top_k
+                    and annotation(node).get("role") == ROLE_MOE
+                    and t.dim() >= 2
+                    and t.shape[0] == experts
+                ):
                     n = n * top_k / experts
                 total += 2.0 * n
         return total

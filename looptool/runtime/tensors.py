@@ -20,8 +20,12 @@ def graph_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def bind_tensors(model: LoopedModel, tensor_for: Callable[[str, torch.Tensor], torch.Tensor], *,
-                 trainable: Collection[str] | None = None) -> None:
+def bind_tensors(
+    model: LoopedModel,
+    tensor_for: Callable[[str, torch.Tensor], torch.Tensor],
+    *,
+    trainable: Collection[str] | None = None,
+) -> None:
     """Replace every tensor of ``model`` (typically its ``meta`` placeholders) with
     ``tensor_for(name, placeholder)``.
 

@@ -18,8 +18,9 @@ def load_tokenizer(path: str | os.PathLike):
     try:
         return transformers.AutoTokenizer.from_pretrained(path)
     except Exception as exc:
-        raise LooptoolError(f"no tokenizer could be loaded from '{path}' ({type(exc).__name__}).",
-                            parameter="tokenizer") from exc
+        raise LooptoolError(
+            f"no tokenizer could be loaded from '{path}' ({type(exc).__name__}).", parameter="tokenizer"
+        ) from exc
 
 
 def model_tokenizer(model, tokenizer: str | os.PathLike | None = None):
@@ -28,8 +29,10 @@ def model_tokenizer(model, tokenizer: str | os.PathLike | None = None):
     if tokenizer is not None:
         return load_tokenizer(tokenizer)
     if model.tokenizer is None:
-        raise LooptoolError("this model was saved without a tokenizer; pass tokenizer=PATH (a Hugging Face "
-                            "tokenizer folder).", parameter="tokenizer")
+        raise LooptoolError(
+            "this model was saved without a tokenizer; pass tokenizer=PATH (a Hugging Face tokenizer folder).",
+            parameter="tokenizer",
+        )
     return model.tokenizer
 
 
@@ -73,9 +76,9 @@ class IncrementalDecoder:
         return self._piece(final=True)
 
     def _piece(self, final: bool) -> str:
-        before = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        text = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        before = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+        text = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=True)
         if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
-        return text[len(before):]
+        return text[len(before) :]

@@ -20,11 +20,13 @@ def check_output_dir(directory: str | os.PathLike, overwrite: bool) -> Path:
     run this before slow work so a bad target fails fast."""
     final = Path(directory)
     if final.exists() and not overwrite:
-        raise LooptoolError(f"output directory '{final}' already exists; pass overwrite=True to replace it.",
-                            parameter="overwrite")
+        raise LooptoolError(
+            f"output directory '{final}' already exists; pass overwrite=True to replace it.", parameter="overwrite"
+        )
     if final.exists() and not final.is_dir():
-        raise LooptoolError(f"output path '{final}' exists and is not a directory; choose another path.",
-                            parameter="directory")
+        raise LooptoolError(
+            f"output path '{final}' exists and is not a directory; choose another path.", parameter="directory"
+        )
     return final
 
 
@@ -87,8 +89,11 @@ def result_files(folder: str | os.PathLike) -> Iterator[Path]:
     if folder.exists() and not folder.is_dir():
         raise LooptoolError(f"output path '{folder}' exists and is not a directory; choose another path.")
     fresh = not folder.exists()
-    staging = prepare_output_dir(folder, overwrite=False)[1] if fresh else Path(
-        tempfile.mkdtemp(prefix=".results.", suffix=".tmp", dir=folder))
+    staging = (
+        prepare_output_dir(folder, overwrite=False)[1]
+        if fresh
+        else Path(tempfile.mkdtemp(prefix=".results.", suffix=".tmp", dir=folder))
+    )
     try:
         yield staging
         if fresh:

@@ -19,11 +19,11 @@ from safetensors import safe_open
 
 from looptool.core.errors import CheckpointError
 from looptool.core.graph import FLOAT_DTYPES, dtype_from_str, float_dtype
+from looptool.core.plan import plan_from_dict
 from looptool.runtime.model import LoopedModel
 from looptool.runtime.tensors import bind_tensors, graph_tensors
 from looptool.storage.files import sha256_file
 from looptool.storage.save import FORMAT_VERSION, LOOPTOOL_JSON, WEIGHTS
-from looptool.core.plan import plan_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,9 @@ def load(directory: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtyp
     device = str(resolve_device(device))
     directory = Path(directory)
     if not directory.is_dir():
-        raise CheckpointError(f"'{directory}' is not a directory; pass the folder written by save_pretrained or looptool convert.")
+        raise CheckpointError(
+            f"'{directory}' is not a directory; pass the folder written by save_pretrained or looptool convert."
+        )
     meta = read_looptool_json(directory)
     weights = directory / WEIGHTS
     if not weights.exists():
@@ -88,8 +90,14 @@ def load(directory: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtyp
     tokenizer = None
     if any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    model = rebuild(config, meta["recipe"], dtype=dtype, device=device,
-                    attn_implementation=src.get("attn_implementation"), tokenizer=tokenizer)
+    model = rebuild(
+        config,
+        meta["recipe"],
+        dtype=dtype,
+        device=device,
+        attn_implementation=src.get("attn_implementation"),
+        tokenizer=tokenizer,
+    )
     if torch.device(device).type == "meta":  # structure only (looptool inspect): header checked, no data read
         check_weights(model, weights, cast=dtype != saved)
         return model.eval()
@@ -103,8 +111,10 @@ def verify_files(directory: Path, meta: dict) -> None:
     for name, want in meta.get("files", {}).items():
         path = directory / name
         if not path.exists() or path.stat().st_size != want["bytes"] or sha256_file(path) != want["sha256"]:
-            raise CheckpointError(f"{path} is corrupt: its contents differ from the sha256 recorded in "
-                                  f"{LOOPTOOL_JSON} at save; re-save or re-copy the model.")
+            raise CheckpointError(
+                f"{path} is corrupt: its contents differ from the sha256 recorded in "
+                f"{LOOPTOOL_JSON} at save; re-save or re-copy the model."
+            )
 
 
 def check_weights(model: LoopedModel, path: Path, *, cast: bool = False) -> dict[str, str]:
@@ -118,12 +128,16 @@ def check_weights(model: LoopedModel, path: Path, *, cast: bool = False) -> dict
             slices = {n: f.get_slice(n) for n in f.keys()}
             header = {n: (tuple(sl.get_shape()), sl.get_dtype()) for n, sl in slices.items()}
     except Exception as exc:  # safetensors raises its own error types on corrupt files
-        raise CheckpointError(f"{path} could not be read as safetensors ({exc}); the file is corrupt, re-save the model.") from exc
+        raise CheckpointError(
+            f"{path} could not be read as safetensors ({exc}); the file is corrupt, re-save the model."
+        ) from exc
     missing = [n for n in expected if aliases.get(n, n) not in header]
     extra = sorted(set(header) - {aliases.get(n, n) for n in expected})
     if missing or extra:
         what = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"
-        raise CheckpointError(f"{path} does not match the model rebuilt from looptool.json ({what}); re-save the model.")
+        raise CheckpointError(
+            f"{path} does not match the model rebuilt from looptool.json ({what}); re-save the model."
+        )
     for name, ref in expected.items():
         shape, dtype = header[aliases.get(name, name)]
         want, have = str(ref.dtype).removeprefix("torch."), _ST_DTYPES.get(dtype, dtype)
@@ -137,7 +151,17 @@ def check_weights(model: LoopedModel, path: Path, *, cast: bool = False) -> dict
     return aliases
 
 
-_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64", "I32": "int32", "BOOL": "bool", "U8": "uint8", "I8": "int8"}
+_ST_DTYPES = {
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F64": "float64",
+    "I64": "int64",
+    "I32": "int32",
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+}
 _ST_FLOATS = tuple(str(d).removeprefix("torch.") for d in FLOAT_DTYPES)  # the dtypes a cast load accepts
 
 
@@ -152,7 +176,9 @@ def bind_weights(model: LoopedModel, path: Path, *, device: str, trainable=None,
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             loaded = {n: f.get_tensor(n) for n in f.keys()}
     except Exception as exc:
-        raise CheckpointError(f"{path} could not be read as safetensors ({exc}); the file is corrupt, re-save the model.") from exc
+        raise CheckpointError(
+            f"{path} could not be read as safetensors ({exc}); the file is corrupt, re-save the model."
+        ) from exc
     objects: dict[str, torch.Tensor] = {}
 
     def tensor_for(name: str, placeholder: torch.Tensor) -> torch.Tensor:

@@ -54,8 +54,9 @@ def set_rng_states(states: dict, device: torch.device) -> None:
         np.random.set_state(states["numpy"])
 
 
-def write_checkpoint(output: Path, model: LoopedModel, state: dict | None, files: dict[str, str], *,
-                     materialize=None) -> None:
+def write_checkpoint(
+    output: Path, model: LoopedModel, state: dict | None, files: dict[str, str], *, materialize=None
+) -> None:
     """Rebuild ``output`` atomically from ``model``, ``state`` (saved as :data:`STATE_FILE`)
     and the text ``files`` (name → content).
 
@@ -93,8 +94,10 @@ def open_output(output: Path, *, resume: bool, overwrite: bool = False) -> bool:
     if resume and has_checkpoint(output):
         return True
     if resume and output.exists() and not overwrite:
-        raise LooptoolError(f"output directory '{output}' holds no checkpoint to resume (no {STATE_FILE}); "
-                            "choose another output, or set overwrite to replace it.")
+        raise LooptoolError(
+            f"output directory '{output}' holds no checkpoint to resume (no {STATE_FILE}); "
+            "choose another output, or set overwrite to replace it."
+        )
     check_output_dir(output, overwrite or resume)
     return False
 
@@ -106,8 +109,14 @@ def checkpoint_step(output: Path) -> int | None:
     return int(torch.load(output / STATE_FILE, weights_only=False, mmap=True, map_location="cpu")["step"])
 
 
-def resumable_state(output: Path, config, free: set[str], total_steps: int, device: torch.device,
-                    error: type[LooptoolError] = LooptoolError) -> dict:
+def resumable_state(
+    output: Path,
+    config,
+    free: set[str],
+    total_steps: int,
+    device: torch.device,
+    error: type[LooptoolError] = LooptoolError,
+) -> dict:
     """The state of the checkpoint in ``output``, once checked (before any slow work): its
     settings must be the dataclass ``config``'s, except the ``free`` fields (where it runs,
     how often it saves), and it must have steps left of its ``total_steps``."""
@@ -120,4 +129,3 @@ def resumable_state(output: Path, config, free: set[str], total_steps: int, devi
     if state["step"] >= total_steps:
         raise RunComplete(f"the run in '{output}' is already complete ({state['step']} steps); nothing to resume.")
     return state
-

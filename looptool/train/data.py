@@ -66,7 +66,9 @@ def _read_text(path: Path) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise DataError(f"'{path}' is not UTF-8 text ({exc.reason} at byte {exc.start}); convert it to UTF-8.") from None
+        raise DataError(
+            f"'{path}' is not UTF-8 text ({exc.reason} at byte {exc.start}); convert it to UTF-8."
+        ) from None
 
 
 def _jsonl_records(path: Path, text: str) -> Iterator[tuple[int, object]]:
@@ -97,13 +99,21 @@ def read_documents(path: Path) -> list[str]:
 def read_completions(path: Path) -> list[tuple[str, str]]:
     """``(prompt, completion)`` of every line of a JSONL file."""
     if path.suffix.lower() not in JSONL_SUFFIXES:
-        raise DataError(f"'{path}' is not a .jsonl file; format 'completion' reads JSONL lines with 'prompt' and "
-                        "'completion'.", parameter="format")
+        raise DataError(
+            f"'{path}' is not a .jsonl file; format 'completion' reads JSONL lines with 'prompt' and 'completion'.",
+            parameter="format",
+        )
     pairs = []
     for number, record in _jsonl_records(path, _read_text(path)):
-        if not (isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str)):
-            raise DataError(f"'{path}' line {number} needs string 'prompt' and 'completion' fields (format 'completion').",
-                            parameter="format")
+        if not (
+            isinstance(record, dict)
+            and isinstance(record.get("prompt"), str)
+            and isinstance(record.get("completion"), str)
+        ):
+            raise DataError(
+                f"'{path}' line {number} needs string 'prompt' and 'completion' fields (format 'completion').",
+                parameter="format",
+            )
         if not record["completion"]:
             raise DataError(f"'{path}' line {number} has an empty completion; there would be nothing to learn from it.")
         pairs.append((record["prompt"], record["completion"]))
@@ -121,11 +131,18 @@ class Conversation:
 
 def _check_messages(messages: object, origin: str) -> list[dict]:
     """``messages`` if it is a usable conversation, else one sentence on why not."""
-    if not (isinstance(messages, list) and messages and all(
+    if not (
+        isinstance(messages, list)
+        and messages
+        and all(
             isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages)):
-        raise DataError(f"{origin} needs a 'messages' list of objects with string 'role' and 'content' fields "
-                        "(format 'chat').", parameter="format")
+            for m in messages
+        )
+    ):
+        raise DataError(
+            f"{origin} needs a 'messages' list of objects with string 'role' and 'content' fields (format 'chat').",
+            parameter="format",
+        )
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{origin} has no assistant message; there would be nothing to learn from it.")
     return [dict(m) for m in messages]
@@ -134,8 +151,10 @@ def _check_messages(messages: object, origin: str) -> list[dict]:
 def read_conversations(path: Path) -> list[Conversation]:
     """The conversation of every line of a JSONL file (its ``messages``; other fields are ignored)."""
     if path.suffix.lower() not in JSONL_SUFFIXES:
-        raise DataError(f"'{path}' is not a .jsonl file; format 'chat' reads JSONL lines with a 'messages' list.",
-                        parameter="format")
+        raise DataError(
+            f"'{path}' is not a .jsonl file; format 'chat' reads JSONL lines with a 'messages' list.",
+            parameter="format",
+        )
     conversations = []
     for number, record in _jsonl_records(path, _read_text(path)):
         origin = f"'{path}' line {number}"
@@ -163,8 +182,11 @@ def split_files(files: Sequence[Path], val_fraction: float, seed: int) -> tuple[
 def tokenize_files(files: Iterable[Path], tokenizer) -> torch.Tensor:
     """All documents of ``files`` tokenised and joined with EOS, as one 1-D LongTensor."""
     if tokenizer is None:
-        raise DataError("this model has no tokenizer; pass one as tokenizer (a Hugging Face tokenizer, e.g. "
-                        "AutoTokenizer.from_pretrained(folder)).", parameter="tokenizer")
+        raise DataError(
+            "this model has no tokenizer; pass one as tokenizer (a Hugging Face tokenizer, e.g. "
+            "AutoTokenizer.from_pretrained(folder)).",
+            parameter="tokenizer",
+        )
     eos = tokenizer.eos_token_id
     ids: list[int] = []
     for path in files:
@@ -212,7 +234,8 @@ class PackedTokens(_SeededRows):
         if len(self) == 0:
             raise DataError(
                 f"the data holds {self.tokens.numel()} tokens, fewer than one sequence of "
-                f"{self.seq_len}; add text or lower seq_len.", parameter="seq_len"
+                f"{self.seq_len}; add text or lower seq_len.",
+                parameter="seq_len",
             )
 
     def __len__(self) -> int:
@@ -245,8 +268,9 @@ class _LabeledRows(_SeededRows):
     labels: torch.Tensor
     seq_len: int
 
-    def _fill(self, examples: Sequence[tuple[list[int], list[int]]], names: Sequence[str], tokenizer,
-              seq_len: int) -> None:
+    def _fill(
+        self, examples: Sequence[tuple[list[int], list[int]]], names: Sequence[str], tokenizer, seq_len: int
+    ) -> None:
         """Lay out ``(token ids, labels)`` pairs, one per row; ``names[i]`` names example ``i``
         in the error that refuses one longer than ``seq_len``."""
         eos = tokenizer.eos_token_id
@@ -256,10 +280,12 @@ class _LabeledRows(_SeededRows):
         self.labels = torch.full((len(examples), seq_len), IGNORE, dtype=torch.long)
         for row, ((ids, labels), name) in enumerate(zip(examples, names, strict=True)):
             if len(ids) > seq_len:
-                raise DataError(f"{name} has {len(ids)} tokens, more than seq_len {seq_len}; raise seq_len or "
-                                "shorten it.", parameter="seq_len")
-            self.ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-            self.labels[row, :len(labels)] = torch.tensor(labels, dtype=torch.long)
+                raise DataError(
+                    f"{name} has {len(ids)} tokens, more than seq_len {seq_len}; raise seq_len or shorten it.",
+                    parameter="seq_len",
+                )
+            self.ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            self.labels[row, : len(labels)] = torch.tensor(labels, dtype=torch.long)
 
     def __len__(self) -> int:
         return self.ids.shape[0]
@@ -276,8 +302,11 @@ class CompletionExamples(_LabeledRows):
 
     def __init__(self, pairs: Sequence[tuple[str, str]], tokenizer, seq_len: int, source: str = "the data"):
         if tokenizer is None:
-            raise DataError("this model has no tokenizer; pass one as tokenizer (a Hugging Face tokenizer, e.g. "
-                            "AutoTokenizer.from_pretrained(folder)).", parameter="tokenizer")
+            raise DataError(
+                "this model has no tokenizer; pass one as tokenizer (a Hugging Face tokenizer, e.g. "
+                "AutoTokenizer.from_pretrained(folder)).",
+                parameter="tokenizer",
+            )
         if not pairs:
             raise DataError(f"{source} holds no prompt/completion examples.")
         eos = tokenizer.eos_token_id
@@ -286,7 +315,9 @@ class CompletionExamples(_LabeledRows):
             p = tokenizer(prompt, add_special_tokens=True).input_ids
             c = tokenizer(completion, add_special_tokens=False).input_ids + ([eos] if eos is not None else [])
             if not p:
-                raise DataError(f"example {row + 1} of {source} has an empty prompt; the first target needs a token before it.")
+                raise DataError(
+                    f"example {row + 1} of {source} has an empty prompt; the first target needs a token before it."
+                )
             examples.append((p + c, [IGNORE] * len(p) + c))
             names.append(f"example {row + 1} of {source}")
         self._fill(examples, names, tokenizer, seq_len)
@@ -311,18 +342,31 @@ class ChatExamples(_LabeledRows):
     (block-diagonal attention would need a 4-D mask input in the captured graph).
     """
 
-    def __init__(self, conversations: Sequence[Conversation | Sequence[Mapping]], tokenizer, seq_len: int,
-                 source: str = "the data"):
+    def __init__(
+        self,
+        conversations: Sequence[Conversation | Sequence[Mapping]],
+        tokenizer,
+        seq_len: int,
+        source: str = "the data",
+    ):
         if tokenizer is None:
-            raise DataError("this model has no tokenizer; pass one as tokenizer (a Hugging Face tokenizer, e.g. "
-                            "AutoTokenizer.from_pretrained(folder)).", parameter="tokenizer")
+            raise DataError(
+                "this model has no tokenizer; pass one as tokenizer (a Hugging Face tokenizer, e.g. "
+                "AutoTokenizer.from_pretrained(folder)).",
+                parameter="tokenizer",
+            )
         if not getattr(tokenizer, "chat_template", None):
-            raise DataError("this tokenizer has no chat template; pass a tokenizer that has one as tokenizer, or use "
-                            "format='completion'.", parameter="tokenizer")
+            raise DataError(
+                "this tokenizer has no chat template; pass a tokenizer that has one as tokenizer, or use "
+                "format='completion'.",
+                parameter="tokenizer",
+            )
         if not getattr(tokenizer, "is_fast", False):
-            raise DataError("format 'chat' needs a fast tokenizer (one with token offsets) to find the assistant "
-                            "tokens; pass a fast tokenizer (one with a tokenizer.json) as tokenizer.",
-                            parameter="tokenizer")
+            raise DataError(
+                "format 'chat' needs a fast tokenizer (one with token offsets) to find the assistant "
+                "tokens; pass a fast tokenizer (one with a tokenizer.json) as tokenizer.",
+                parameter="tokenizer",
+            )
         if not conversations:
             raise DataError(f"{source} holds no conversations.")
         examples, names = [], []
@@ -343,8 +387,10 @@ def _render_chat(tokenizer, messages: list[dict], origin: str, add_generation_pr
     try:  # a batch of one: apply_chat_template refuses an empty conversation but renders an empty batch item
         return tokenizer.apply_chat_template([messages], tokenize=False, add_generation_prompt=add_generation_prompt)[0]
     except TemplateError as exc:
-        raise DataError(f"the chat template cannot render {origin} ({exc}); fix that conversation or use "
-                        "format='completion'.", parameter="format") from None
+        raise DataError(
+            f"the chat template cannot render {origin} ({exc}); fix that conversation or use format='completion'.",
+            parameter="format",
+        ) from None
 
 
 def _chat_tokens(conversation: Conversation, tokenizer) -> tuple[list[int], list[int]]:
@@ -357,28 +403,36 @@ def _chat_tokens(conversation: Conversation, tokenizer) -> tuple[list[int], list
         if message["role"] != "assistant":
             continue
         before = _render_chat(tokenizer, messages[:i], origin, add_generation_prompt=True)
-        through = _render_chat(tokenizer, messages[:i + 1], origin)
+        through = _render_chat(tokenizer, messages[: i + 1], origin)
         if not (text.startswith(before) and text.startswith(through)):
-            raise DataError(f"the chat template does not render {origin} turn by turn (the text before message "
-                            f"{i + 1} is not a prefix of the whole conversation), so its assistant tokens cannot "
-                            "be found; use format='completion'.", parameter="format")
+            raise DataError(
+                f"the chat template does not render {origin} turn by turn (the text before message "
+                f"{i + 1} is not a prefix of the whole conversation), so its assistant tokens cannot "
+                "be found; use format='completion'.",
+                parameter="format",
+            )
         spans.append((len(before), len(through)))
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc.input_ids)
     labels = [t if any(a <= start < b for a, b in spans) else IGNORE for t, (start, _) in zip(ids, enc.offset_mapping)]
     if all(label == IGNORE for label in labels):
-        raise DataError(f"the assistant messages of {origin} render to no tokens; there would be nothing to learn "
-                        "from it.")
+        raise DataError(
+            f"the assistant messages of {origin} render to no tokens; there would be nothing to learn from it."
+        )
     if labels[0] != IGNORE:
-        raise DataError(f"{origin} starts with an assistant token; the first target needs a token before it, so add "
-                        "a user or system message before it.")
+        raise DataError(
+            f"{origin} starts with an assistant token; the first target needs a token before it, so add "
+            "a user or system message before it."
+        )
     return ids, labels
 
 
 FORMATS = ("text", "completion", "chat")
 
 
-def training_rows(specs, tokenizer, seq_len: int, format: str = "text") -> PackedTokens | CompletionExamples | ChatExamples:
+def training_rows(
+    specs, tokenizer, seq_len: int, format: str = "text"
+) -> PackedTokens | CompletionExamples | ChatExamples:
     """The rows a run trains on, in any of the :data:`FORMATS`."""
     if format not in FORMATS:
         raise DataError(f"format {format!r} is unknown; use {', '.join(FORMATS)}.", parameter="format")

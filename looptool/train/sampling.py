@@ -60,7 +60,7 @@ class BudgetSampler:
         if step >= self.curriculum_steps:
             return self.budgets
         ordered = sorted(self.budgets)
-        return tuple(ordered[:1 + (step * len(ordered)) // self.curriculum_steps])
+        return tuple(ordered[: 1 + (step * len(ordered)) // self.curriculum_steps])
 
     def drawn(self, step: int, micro: int) -> int:
         """The shared uniform draw of a micro-batch (identical on every rank)."""
@@ -104,8 +104,14 @@ def ratio_counts(n: int, ratio: Sequence[float]) -> list[int]:
     return counts
 
 
-def assign_budgets(menu: Sequence[int], ratio: Sequence[float], n: int, *, pass_rates: Sequence[float | None] | None = None,
-                   key: str = "") -> list[int]:
+def assign_budgets(
+    menu: Sequence[int],
+    ratio: Sequence[float],
+    n: int,
+    *,
+    pass_rates: Sequence[float | None] | None = None,
+    key: str = "",
+) -> list[int]:
     """A budget per prompt for one RL step (ELR post-training): prompts are split across
     ``menu`` (shallowest first) by ``ratio`` (e.g. 4:1:1:1 over k = 1..4). Without
     ``pass_rates`` the split is a seeded shuffle (``key``); with them (the pass-rate
@@ -122,7 +128,7 @@ def assign_budgets(menu: Sequence[int], ratio: Sequence[float], n: int, *, pass_
     out = [0] * n
     start = 0
     for k, count in zip(sorted(menu), ratio_counts(n, ratio)):
-        for i in order[start:start + count]:
+        for i in order[start : start + count]:
             out[i] = k
         start += count
     return out

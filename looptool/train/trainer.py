@@ -23,7 +23,6 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,99 +30,24 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from looptool.train.data import FORMATS, find_files, training_rows
-from looptool.runtime.devices import check_dtype, resolve_device
-from looptool.core.errors import LooptoolError
 from looptool.core.graph import ROLE_EMBEDDING, ROLE_HEAD, dtype_from_str, parameter_reader_roles
+from looptool.runtime.devices import check_dtype, resolve_device
 from looptool.runtime.model import LoopedModel
-from looptool.storage.resume import has_checkpoint, resumable_state, rng_states, set_rng_states, write_checkpoint
-from looptool.train.sampling import BudgetSampler
 from looptool.storage.load import load, read_looptool_json
+from looptool.storage.resume import has_checkpoint, resumable_state, rng_states, set_rng_states, write_checkpoint
 from looptool.storage.save import LOOPTOOL_JSON
+from looptool.train.config import (
+    ARGS_FILE,
+    DEFAULT_TOKENS,
+    LOG_FILE,
+    _RESUME_FREE,
+    TrainConfig,
+    TrainingError,
+)
+from looptool.train.data import training_rows
+from looptool.train.sampling import BudgetSampler
 
 log = logging.getLogger(__name__)
-ARGS_FILE = "train_args.json"
-LOG_FILE = "train_log.jsonl"
-SCHEDULES = ("constant", "cosine", "sqrt")
-DEFAULT_TOKENS = 2_000_000  # the run's length when neither tokens nor steps is given
-STRATEGIES = ("ddp", "fsdp")
-# may differ between a run and its resume (checkpointing is exact; the device is where it runs)
-_RESUME_FREE = {"resume", "save_every", "output", "device", "checkpoint"}
-
-
-class TrainingError(LooptoolError):
-    """Training cannot go on (bad settings, diverged loss, mismatched resume)."""
-
-
-@dataclass
-class TrainConfig:
-    """Settings of one training run (the CLI's options)."""
-
-    data: list[str]
-    output: str
-    tokens: int | None = None  # training tokens (default DEFAULT_TOKENS); or give steps instead
-    steps: int | None = None  # optimizer steps, instead of tokens
-    seq_len: int = 512
-    batch: int = 8
-    grad_accum: int = 1
-    lr: float = 3e-5
-    new_lr: float | None = None  # LR of the loop.* parameters (default: lr)
-    weight_decay: float = 0.1
-    override: float = 0.0
-    delay: float = 0.0
-    warmup: float = 0.05
-    schedule: str = "constant"
-    clip: float = 1.0
-    aux_coef: float = 1e-4
-    bf16: bool = False
-    freeze_below_window: bool = False
-    save_every: int = 0
-    seed: int = 0
-    resume: bool = False
-    budgets: list[int] | None = None  # sample only these budgets (e.g. [0]: plain fine-tuning)
-    device: str | None = None  # cpu, cuda, cuda:N; None: cuda when available
-    checkpoint: bool = False  # activation checkpointing per layer application (exact)
-    compile: bool = False  # torch.compile each budget path on first use
-    strategy: str = "ddp"  # ddp | fsdp (FSDP2 under torchrun: one shard unit per source layer)
-    format: str = "text"  # text (packed, every token a target) | completion (JSONL prompt/completion) | chat (JSONL messages)
-    depth_curriculum: float = 0.0  # fraction of steps over which the budget menu grows from the shallowest
-    gate_floor: float = 0.0  # lower bound on the new gates (loop.*_gate) while training ...
-    gate_floor_until: float = 0.5  # ... for this fraction of the steps, then released
-    exit_loss: float = 0.0  # ELR: weight of each earlier loop exit's loss relative to the last one (0: off)
-
-    def check(self) -> None:
-        """Refuse settings that cannot work, one sentence each."""
-        if self.tokens is not None and self.steps is not None:
-            raise TrainingError("tokens and steps both set the length of the run; give one of them.")
-        for name in ("tokens", "steps", "seq_len", "batch", "grad_accum"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise TrainingError(f"{name} must be at least 1.", parameter=name)
-        if self.save_every < 0:
-            raise TrainingError("save_every must be at least 0 (0: checkpoint only at the end).", parameter="save_every")
-        if self.lr <= 0 or (self.new_lr is not None and self.new_lr <= 0):
-            raise TrainingError("learning rates must be positive.")
-        if not 0 <= self.override <= 1:
-            raise TrainingError(f"override {self.override} must be in [0, 1].", parameter="override")
-        for name in ("delay", "warmup"):
-            if not 0 <= getattr(self, name) < 1:
-                raise TrainingError(f"{name} {getattr(self, name)} must be in [0, 1).", parameter=name)
-        if self.strategy not in STRATEGIES:
-            raise TrainingError(f"strategy {self.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}.",
-                                parameter="strategy")
-        for name in ("depth_curriculum", "gate_floor_until"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise TrainingError(f"{name} {getattr(self, name)} is a fraction of the run, in [0, 1].", parameter=name)
-        if self.exit_loss < 0:
-            raise TrainingError("exit_loss is a non-negative weight (0: off).", parameter="exit_loss")
-        if self.gate_floor < 0:
-            raise TrainingError("gate_floor must be non-negative (0: off); gates start at 0 (exact conversion).",
-                                parameter="gate_floor")
-        if self.format not in FORMATS:
-            raise TrainingError(f"format {self.format!r} is unknown; use {', '.join(FORMATS)}.", parameter="format")
-        if self.schedule not in SCHEDULES:
-            raise TrainingError(f"schedule {self.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}.",
-                                parameter="schedule")
-        find_files(self.data)  # a missing data path fails here, before the model loads
 
 
 def exit_weighted_loss(out, labels: torch.Tensor, weight: float) -> torch.Tensor:
@@ -178,15 +102,23 @@ def adamw(model: LoopedModel, lr: float, new_lr: float | None, weight_decay: flo
         # norms and biases (1-D) take no decay either, as is standard
         decay = 0.0 if (name in no_decay or p.dim() < 2) else weight_decay
         groups.setdefault(((new_lr or lr) if is_new else lr, decay), []).append(p)
-    param_groups = [{"params": ps, "lr": g_lr, "initial_lr": g_lr, "weight_decay": wd} for (g_lr, wd), ps in groups.items()]
+    param_groups = [
+        {"params": ps, "lr": g_lr, "initial_lr": g_lr, "weight_decay": wd} for (g_lr, wd), ps in groups.items()
+    ]
     return torch.optim.AdamW(param_groups, betas=(0.9, 0.95), eps=1e-8)
 
 
 class Trainer:
     """Runs a :class:`TrainConfig` on a looped model directory."""
 
-    def __init__(self, model_dir: str | os.PathLike, config: TrainConfig, *, tokenizer=None,
-                 on_step: Callable[[dict], None] | None = None):
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        config: TrainConfig,
+        *,
+        tokenizer=None,
+        on_step: Callable[[dict], None] | None = None,
+    ):
         config.check()
         self.config = config
         self.model_dir = Path(model_dir)
@@ -194,13 +126,18 @@ class Trainer:
         self.on_step = on_step
         self.rank, self.world = _init_distributed()
         if config.strategy == "fsdp" and self.world == 1:
-            raise TrainingError("strategy 'fsdp' shards the model across processes; launch with torchrun with "
-                                "N ≥ 2 processes per node, or use strategy='ddp'.", parameter="strategy")
+            raise TrainingError(
+                "strategy 'fsdp' shards the model across processes; launch with torchrun with "
+                "N ≥ 2 processes per node, or use strategy='ddp'.",
+                parameter="strategy",
+            )
         self.fsdp = config.strategy == "fsdp"
         resuming = config.resume and has_checkpoint(self.output)
         if not config.resume and self.output.exists():
-            raise TrainingError(f"output directory '{self.output}' exists; pass resume=True to continue it or choose "
-                                "another.", parameter="resume")
+            raise TrainingError(
+                f"output directory '{self.output}' exists; pass resume=True to continue it or choose another.",
+                parameter="resume",
+            )
         if self.world > 1:  # every rank has checked the output before rank 0 creates it
             dist.barrier()
         source = self.output if resuming else self.model_dir
@@ -210,18 +147,24 @@ class Trainer:
         self.tokens_per_step = config.seq_len * config.batch * config.grad_accum * self.world
         self.total_steps = config.steps or max(1, (config.tokens or DEFAULT_TOKENS) // self.tokens_per_step)
         # before the slow load: a changed command or a run that is already complete stops here
-        self._state = (resumable_state(self.output, config, _RESUME_FREE, self.total_steps, self.device, TrainingError)
-                       if resuming else None)
+        self._state = (
+            resumable_state(self.output, config, _RESUME_FREE, self.total_steps, self.device, TrainingError)
+            if resuming
+            else None
+        )
         dtype = dtype_from_str(read_looptool_json(source)["source"]["dtype"])
         check_dtype(self.device, dtype)
         if dtype == torch.float16:
             raise TrainingError(
                 "training float16 weights needs loss scaling, which looptool does not do; convert the source "
-                "with dtype=torch.bfloat16 or torch.float32 (and set bf16=True for bf16 autocast).", parameter="dtype"
+                "with dtype=torch.bfloat16 or torch.float32 (and set bf16=True for bf16 autocast).",
+                parameter="dtype",
             )
         if dtype == torch.bfloat16:
-            log.warning("training bfloat16 weights directly: AdamW updates them in bf16 (no fp32 master copy); "
-                        "for fp32 master weights convert with dtype=torch.float32 and train with bf16=True.")
+            log.warning(
+                "training bfloat16 weights directly: AdamW updates them in bf16 (no fp32 master copy); "
+                "for fp32 master weights convert with dtype=torch.float32 and train with bf16=True."
+            )
         # straight onto the device; under FSDP onto the CPU, and each layer moves as it is sharded
         self.model: LoopedModel = load(source, device="cpu" if self.fsdp else str(self.device))
         if config.checkpoint:
@@ -239,23 +182,35 @@ class Trainer:
             self.model.check_budget(k)
         # Under FSDP every rank must run the same layer applications (their all-gathers are
         # collectives), so all ranks draw alike and overrides rotate over accumulation micro-batches.
-        self.sampler = BudgetSampler(menu, config.override, config.grad_accum, 1 if self.fsdp else self.world, config.seed,
-                                     curriculum_steps=round(config.depth_curriculum * self.total_steps))
+        self.sampler = BudgetSampler(
+            menu,
+            config.override,
+            config.grad_accum,
+            1 if self.fsdp else self.world,
+            config.seed,
+            curriculum_steps=round(config.depth_curriculum * self.total_steps),
+        )
         self.floor_steps = round(config.gate_floor_until * self.total_steps) if config.gate_floor > 0 else 0
         self.gates = [p for _, p in self.model.gate_parameters()]  # declared as gates by the passes
         if config.gate_floor > 0 and not self.gates:
-            raise TrainingError("gate_floor needs gates (loop.*_gate parameters); this model has none.",
-                                parameter="gate_floor")
+            raise TrainingError(
+                "gate_floor needs gates (loop.*_gate parameters); this model has none.", parameter="gate_floor"
+            )
         if config.exit_loss > 0 and not self.model.plan.has_loop_exits:
-            raise TrainingError("exit_loss needs loop exits: it applies to ELR (recurrent) models; this one is "
-                                "prefix-looped.", parameter="exit_loss")
+            raise TrainingError(
+                "exit_loss needs loop exits: it applies to ELR (recurrent) models; this one is prefix-looped.",
+                parameter="exit_loss",
+            )
         self._freeze()
         if self.fsdp:
             self._shard()
         self.optimizer = self._optimizer()
         ddp_devices = [self.device.index] if self.device.type == "cuda" else None
-        self.ddp = (torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ddp_devices, find_unused_parameters=True)
-                    if self.world > 1 and not self.fsdp else None)
+        self.ddp = (
+            torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ddp_devices, find_unused_parameters=True)
+            if self.world > 1 and not self.fsdp
+            else None
+        )
         self.start_step = 0
         self.records: list[dict] = []
         if resuming:
@@ -274,7 +229,7 @@ class Trainer:
         prefix = self.model.layer_graph.source.layers_path + "."
         roles = parameter_reader_roles(self.model.layer_graph.graph)
         for name, p in self.model.named_parameters():
-            below = name.startswith(prefix) and int(name[len(prefix):].split(".")[0]) in frozen
+            below = name.startswith(prefix) and int(name[len(prefix) :].split(".")[0]) in frozen
             untied_embedding = ROLE_EMBEDDING in roles.get(name, ()) and ROLE_HEAD not in roles.get(name, ())
             if below or untied_embedding:
                 p.requires_grad_(False)
@@ -302,8 +257,9 @@ class Trainer:
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
-                                     options=StateDictOptions(full_state_dict=True))
+            set_optimizer_state_dict(
+                self.model, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True)
+            )
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         self.start_step = state["step"]
@@ -344,13 +300,15 @@ class Trainer:
                     loss = exit_weighted_loss(out, labels, cfg.exit_loss) if exits else out.loss
                     aux = None
                     if has_router:
-                        aux = balance_loss(out.router_logits, self.model.router_logits_weights(k), moe_top_k,
-                                           cfg.batch, num_routers)
+                        aux = balance_loss(
+                            out.router_logits, self.model.router_logits_weights(k), moe_top_k, cfg.batch, num_routers
+                        )
                         loss = loss + cfg.aux_coef * aux
                     if not torch.isfinite(loss):
                         raise TrainingError(
                             f"the loss became {loss.item()} at step {step} (budget {k}); stopping. The last "
-                            f"checkpoint in '{self.output}' is kept; lower lr or check the data.", parameter="lr"
+                            f"checkpoint in '{self.output}' is kept; lower lr or check the data.",
+                            parameter="lr",
                         )
                     (loss / cfg.grad_accum).backward()
                 budgets.append(k)
@@ -398,8 +356,12 @@ class Trainer:
         """Realised budget frequencies (mixed-depth steps only) next to Eq. 3's expectation."""
         flat = [k for r in self.records for k in record_budgets(r)]
         mixed = [k for r in self.records if r["step"] >= self.switch_step for k in record_budgets(r)]
-        out = {"steps": self.total_steps, "tokens_per_step": self.tokens_per_step, "switch_step": self.switch_step,
-               "expected": self.sampler.expected()}
+        out = {
+            "steps": self.total_steps,
+            "tokens_per_step": self.tokens_per_step,
+            "switch_step": self.switch_step,
+            "expected": self.sampler.expected(),
+        }
         if mixed:
             out["realised"] = {
                 "p_shallowest": sum(k == self.sampler.shallowest for k in mixed) / len(mixed),
@@ -414,10 +376,17 @@ class Trainer:
         state = files = None
         if self.rank == 0:
             config = dataclasses.asdict(self.config)
-            state = {"step": step, "optimizer": optimizer_state, "rng": rng_states(self.device), "records": self.records,
-                     "config": config}
-            files = {ARGS_FILE: json.dumps(config, indent=2),
-                     LOG_FILE: "".join(json.dumps(r) + "\n" for r in self.records)}
+            state = {
+                "step": step,
+                "optimizer": optimizer_state,
+                "rng": rng_states(self.device),
+                "records": self.records,
+                "config": config,
+            }
+            files = {
+                ARGS_FILE: json.dumps(config, indent=2),
+                LOG_FILE: "".join(json.dumps(r) + "\n" for r in self.records),
+            }
         # FSDP: every rank gathers each sharded tensor in the same order; rank 0 writes
         write_checkpoint(self.output, self.model, state, files or {}, materialize=_full if self.fsdp else None)
         if self.world > 1:
@@ -430,8 +399,9 @@ class Trainer:
             return self.optimizer.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.model, self.optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_optimizer_state_dict(
+            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

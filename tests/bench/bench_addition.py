@@ -22,10 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-
 import looptool
-from looptool.runtime.generation import generate
 from looptool.capture.sources import load_source
+from looptool.runtime.generation import generate
 from looptool.train.trainer import TrainConfig, Trainer
 
 
@@ -44,10 +43,10 @@ def accuracy(run_generate, tokenizer, test: list[tuple[str, str]], batch: int = 
     tokenizer.padding_side = "left"
     correct = 0
     for i in range(0, len(test), batch):
-        chunk = test[i:i + batch]
+        chunk = test[i : i + batch]
         enc = tokenizer([p for p, _ in chunk], return_tensors="pt", padding=True)
         seqs = run_generate(enc["input_ids"], enc["attention_mask"])
-        texts = tokenizer.batch_decode(seqs[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        texts = tokenizer.batch_decode(seqs[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         correct += sum(t.split("\n")[0].strip() == answer for t, (_, answer) in zip(texts, chunk))
     return correct / len(test)
 
@@ -67,7 +66,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     tokens = args.steps * args.seq_len * args.batch
     all_problems = problems(args.test + tokens // 8, seed=0)  # ~18 tokens a line: enough never to repeat
-    test, train = all_problems[:args.test], all_problems[args.test:]
+    test, train = all_problems[: args.test], all_problems[args.test :]
     (work / "train.txt").write_text("".join(f"{p}{a}\n" for p, a in train))
     src = load_source("smollm2")
     tok = src.tokenizer
@@ -77,7 +76,9 @@ def main() -> None:
         tok.pad_token = tok.eos_token
 
     def hf_generate(model):
-        return lambda ids, mask: model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=pad)
+        return lambda ids, mask: model.generate(
+            ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=pad
+        )
 
     t0 = time.perf_counter()
     source_acc = accuracy(hf_generate(src.model), tok, test)
@@ -86,15 +87,27 @@ def main() -> None:
     if not (work / "converted").exists():
         looped.save_pretrained(work / "converted")
     del looped, src
-    common = dict(data=[str(work / "train.txt")], tokens=tokens, seq_len=args.seq_len, batch=args.batch, lr=args.lr,
-                  new_lr=args.new_lr, warmup=0.05, freeze_below_window=True, seed=0)
+    common = dict(
+        data=[str(work / "train.txt")],
+        tokens=tokens,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        lr=args.lr,
+        new_lr=args.new_lr,
+        warmup=0.05,
+        freeze_below_window=True,
+        seed=0,
+    )
     for name, extra in (("mixed", {"override": args.override}), ("plain", {"budgets": [0]})):
         out = work / name
         Trainer(work / "converted", TrainConfig(output=str(out), resume=out.exists(), **common, **extra)).run()
 
     def looped_generate(model, budget):
         def run(ids, mask):
-            return generate(model, ids, attention_mask=mask, budget=budget, max_new_tokens=new, pad_token_id=pad).sequences
+            return generate(
+                model, ids, attention_mask=mask, budget=budget, max_new_tokens=new, pad_token_id=pad
+            ).sequences
+
         return run
 
     mixed, plain = looptool.load(work / "mixed"), looptool.load(work / "plain")
@@ -105,9 +118,15 @@ def main() -> None:
         rows.append({"budget": k, "accuracy": acc, "stderr": math.sqrt(acc * (1 - acc) / n)})
     plain_acc = accuracy(looped_generate(plain, 0), tok, test)
     result = {
-        "bench": "addition", "model": "SmolLM2-135M-Instruct", "train_tokens": tokens, "test_problems": n,
-        "settings": vars(args), "source_accuracy": source_acc, "plain_finetune_accuracy": plain_acc,
-        "plain_stderr": math.sqrt(plain_acc * (1 - plain_acc) / n), "mixed": rows,
+        "bench": "addition",
+        "model": "SmolLM2-135M-Instruct",
+        "train_tokens": tokens,
+        "test_problems": n,
+        "settings": vars(args),
+        "source_accuracy": source_acc,
+        "plain_finetune_accuracy": plain_acc,
+        "plain_stderr": math.sqrt(plain_acc * (1 - plain_acc) / n),
+        "mixed": rows,
         "wall_s": time.perf_counter() - t0,
     }
     (work / "bench_addition.json").write_text(json.dumps(result, indent=2))

@@ -48,19 +48,34 @@ def main() -> None:
     d_eff = {r.budget: r.layer_executions for r in elr.cost_table()}
     flops = {r.budget: r.relative_flops for r in elr.cost_table()}
     elr_rows = {
-        k: {**t[f"elr_{k}"].as_dict(), "ratio_to_k1": t[f"elr_{k}"].median / t["elr_1"].median,
-            "d_eff_ratio": d_eff[k] / d_eff[1], "flops_ratio": flops[k]}
+        k: {
+            **t[f"elr_{k}"].as_dict(),
+            "ratio_to_k1": t[f"elr_{k}"].median / t["elr_1"].median,
+            "d_eff_ratio": d_eff[k] / d_eff[1],
+            "flops_ratio": flops[k],
+        }
         for k in elr.budgets
     }
-    print(json.dumps({
-        "bench": "budgets", "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)",
-        "tokens": args.tokens, "batch": 1, "rounds": args.rounds, "threads": torch.get_num_threads(),
-        "machine": platform.machine(), "source": t["source"].as_dict(),
-        "budget0_over_source": base / t["source"].median, "budgets": rows,
-        "elr_k1_over_source": t["elr_1"].median / t["source"].median, "elr": elr_rows,
-        "elr_conditioned_k1": t["elr_cond_1"].as_dict(),
-        "elr_conditioned_k1_over_source": t["elr_cond_1"].median / t["source"].median,
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "budgets",
+                "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)",
+                "tokens": args.tokens,
+                "batch": 1,
+                "rounds": args.rounds,
+                "threads": torch.get_num_threads(),
+                "machine": platform.machine(),
+                "source": t["source"].as_dict(),
+                "budget0_over_source": base / t["source"].median,
+                "budgets": rows,
+                "elr_k1_over_source": t["elr_1"].median / t["source"].median,
+                "elr": elr_rows,
+                "elr_conditioned_k1": t["elr_cond_1"].as_dict(),
+                "elr_conditioned_k1_over_source": t["elr_cond_1"].median / t["source"].median,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -80,7 +80,11 @@ def main() -> None:
     ap.add_argument("--skip-70b", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
-    result = {"bench": "convert", "machine": f"{platform.machine()} {torch.get_num_threads()} threads", "torch": torch.__version__}
+    result = {
+        "bench": "convert",
+        "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
+    }
     result["smollm2"] = bench_smollm2(args.rounds)
     if not args.skip_70b:
         result["llama3_70b_meta"] = bench_70b()

@@ -29,8 +29,8 @@ from shapes import NAMES, source_model
 from transformers.generation.streamers import BaseStreamer
 
 import looptool
-from looptool.runtime.generation import cached_paths, generate, kv_bytes_per_token
 from looptool.runtime.devices import resolve_device
+from looptool.runtime.generation import cached_paths, generate, kv_bytes_per_token
 
 SOTU = Path(__file__).resolve().parents[1] / "data" / "sotu"  # the in-repo subset
 
@@ -61,7 +61,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--shape", default="smollm2", choices=NAMES, help="smollm2-random: its shape, random weights (no download)")
+    ap.add_argument(
+        "--shape", default="smollm2", choices=NAMES, help="smollm2-random: its shape, random weights (no download)"
+    )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_decode.json"))
     args = ap.parse_args()
@@ -88,15 +90,24 @@ def main() -> None:
     def looptool_run(budget: int, kv: str):
         def run() -> float:
             stamps: list[float] = []
-            generate(model, ids, budget=budget, max_new_tokens=args.new, kv=kv, eos_token_id=None,
-                     on_step=lambda _t: stamps.append(time.perf_counter()))
+            generate(
+                model,
+                ids,
+                budget=budget,
+                max_new_tokens=args.new,
+                kv=kv,
+                eos_token_id=None,
+                on_step=lambda _t: stamps.append(time.perf_counter()),
+            )
             return _ms_per_token(stamps)
+
         return run
 
     def hf_run() -> float:
         s = _Stamps()
-        source.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, streamer=s,
-                        pad_token_id=pad)
+        source.generate(
+            ids, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, streamer=s, pad_token_id=pad
+        )
         return _ms_per_token(s.times)
 
     contenders = {"hf_generate": hf_run}
@@ -105,7 +116,7 @@ def main() -> None:
     contenders[f"budget_{deepest}_last_loop"] = looptool_run(deepest, "last-loop")
     samples: dict[str, list[float]] = {name: [] for name in contenders}
     with torch.inference_mode():
-        for name, fn in contenders.items():  # warm-up round
+        for fn in contenders.values():  # warm-up round
             fn()
         for _ in range(args.rounds):
             for name, fn in contenders.items():
@@ -117,18 +128,31 @@ def main() -> None:
     rows = []
     for k in model.budgets:
         v = samples[f"budget_{k}"]
-        rows.append({
-            "budget": k, "ms_per_token": {"min": min(v), "median": med[f"budget_{k}"], "max": max(v)},
-            "ratio_to_budget_0": med[f"budget_{k}"] / base, "ideal_layers": (L + k) / L,
-            "ideal_flops": costs[k].relative_flops, "kv_bytes_per_token": kv_bytes_per_token(model, k, "per-loop"),
-            "kv_bytes_per_token_last_loop": kv_bytes_per_token(model, k, "last-loop"),
-        })
+        rows.append(
+            {
+                "budget": k,
+                "ms_per_token": {"min": min(v), "median": med[f"budget_{k}"], "max": max(v)},
+                "ratio_to_budget_0": med[f"budget_{k}"] / base,
+                "ideal_layers": (L + k) / L,
+                "ideal_flops": costs[k].relative_flops,
+                "kv_bytes_per_token": kv_bytes_per_token(model, k, "per-loop"),
+                "kv_bytes_per_token_last_loop": kv_bytes_per_token(model, k, "last-loop"),
+            }
+        )
     hf = samples["hf_generate"]
     last = samples[f"budget_{deepest}_last_loop"]
     result = {
-        "bench": "decode", "model": args.shape, "device": str(device), "dtype": args.dtype, "batch": 1, "prompt_tokens": ids.shape[1],
-        "new_tokens": args.new, "rounds": args.rounds, "threads": torch.get_num_threads(),
-        "cached_path_build_s": build_s, "budgets": rows,
+        "bench": "decode",
+        "model": args.shape,
+        "device": str(device),
+        "dtype": args.dtype,
+        "batch": 1,
+        "prompt_tokens": ids.shape[1],
+        "new_tokens": args.new,
+        "rounds": args.rounds,
+        "threads": torch.get_num_threads(),
+        "cached_path_build_s": build_s,
+        "budgets": rows,
         "hf_generate_ms_per_token": {"min": min(hf), "median": med["hf_generate"], "max": max(hf)},
         "budget_0_over_hf_generate": base / med["hf_generate"],
         "deepest_last_loop_ms_per_token": {"min": min(last), "median": statistics.median(last), "max": max(last)},

@@ -136,8 +136,9 @@ def encode(tok, rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 @torch.no_grad()
 def accuracy(forward, ids: torch.Tensor, answers: torch.Tensor, tiers: torch.Tensor, batch: int = 500) -> dict:
     """Per tier: accuracy and its standard error (greedy answer at the last prompt position)."""
-    hits = torch.cat([forward(ids[i:i + batch])[:, -1].argmax(-1) == answers[i:i + batch]
-                      for i in range(0, len(ids), batch)])
+    hits = torch.cat(
+        [forward(ids[i : i + batch])[:, -1].argmax(-1) == answers[i : i + batch] for i in range(0, len(ids), batch)]
+    )
     out = {}
     for t in sorted(set(tiers.tolist())):
         h = hits[tiers == t].float()
@@ -150,9 +151,19 @@ def accuracy(forward, ids: torch.Tensor, answers: torch.Tensor, tiers: torch.Ten
 def base_config(layers: int = 3):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=256, num_hidden_layers=layers,
-                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
-                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return LlamaConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
 
 
 def train_base(steps: int, batch: int, lr: float, seed: int, log=print):
@@ -169,8 +180,9 @@ def train_base(steps: int, batch: int, lr: float, seed: int, log=print):
     rng = random.Random(seed)
     history = []
     for step in range(steps):
-        rows = [(t, *example(rng, t)) for t in
-                (0 if rng.random() < 0.2 else rng.randint(1, unlocked) for _ in range(batch))]
+        rows = [
+            (t, *example(rng, t)) for t in (0 if rng.random() < 0.2 else rng.randint(1, unlocked) for _ in range(batch))
+        ]
         _, ids, answers = encode(tok, rows)
         logits = model(ids).logits[:, -1]
         loss = torch.nn.functional.cross_entropy(logits, answers)
@@ -234,12 +246,17 @@ def _arm_setup(arm: str, base):
         from transformers import LlamaForCausalLM
 
         torch.manual_seed(1)
-        return LlamaForCausalLM(base_config()).eval(), looptool.RecurrentLoop(recurrent=(1, 2), max_loops=4, init="paper"), [1, 2, 3]
+        return (
+            LlamaForCausalLM(base_config()).eval(),
+            looptool.RecurrentLoop(recurrent=(1, 2), max_loops=4, init="paper"),
+            [1, 2, 3],
+        )
     raise ValueError(arm)
 
 
-def run_arm(arm: str, base_dir: str, data: str, test: tuple, steps: int, batch: int, lr: float, new_lr: float,
-            seed: int) -> dict:
+def run_arm(
+    arm: str, base_dir: str, data: str, test: tuple, steps: int, batch: int, lr: float, new_lr: float, seed: int
+) -> dict:
     """Convert, train with ``looptool.train.trainer.Trainer`` (completion format), evaluate every budget."""
     torch.set_num_threads(1)
     from transformers import LlamaForCausalLM
@@ -257,9 +274,22 @@ def run_arm(arm: str, base_dir: str, data: str, test: tuple, steps: int, batch: 
     # from scratch gets the base's steps too (roughly); a recipe may scale the steps or set the loop LR
     arm_steps = steps * (2 if arm == "scratch" else 1) * options.pop("steps_factor", 1)
     new_lr = options.pop("new_lr", new_lr)
-    cfg = TrainConfig(data=[data], output=str(work / "trained"), tokens=arm_steps * batch * 21, seq_len=21,
-                      batch=batch, lr=lr, new_lr=new_lr, warmup=0.05, weight_decay=0.1, seed=seed,
-                      budgets=menu, format="completion", device="cpu", **options)
+    cfg = TrainConfig(
+        data=[data],
+        output=str(work / "trained"),
+        tokens=arm_steps * batch * 21,
+        seq_len=21,
+        batch=batch,
+        lr=lr,
+        new_lr=new_lr,
+        warmup=0.05,
+        weight_decay=0.1,
+        seed=seed,
+        budgets=menu,
+        format="completion",
+        device="cpu",
+        **options,
+    )
     t0 = time.perf_counter()
     Trainer(work / "converted", cfg).run()
     seconds = time.perf_counter() - t0
@@ -269,9 +299,16 @@ def run_arm(arm: str, base_dir: str, data: str, test: tuple, steps: int, batch: 
     for k in trained.budgets:
         per_budget[str(k)] = accuracy(lambda x, k=k: trained(x, budget=k).logits, ids, answers, tiers)
     gates = {n: float(p.abs().max()) for n, p in trained.new_parameters()}
-    return {"arm": arm, "plan": plan.to_dict() if hasattr(plan, "to_dict") else str(plan), "menu": menu, "recipe": extra,
-            "steps": arm_steps, "train_seconds": seconds, "accuracy": per_budget,
-            "max_abs_new_param": max(gates.values()) if gates else None}
+    return {
+        "arm": arm,
+        "plan": plan.to_dict() if hasattr(plan, "to_dict") else str(plan),
+        "menu": menu,
+        "recipe": extra,
+        "steps": arm_steps,
+        "train_seconds": seconds,
+        "accuracy": per_budget,
+        "max_abs_new_param": max(gates.values()) if gates else None,
+    }
 
 
 def hard_mean(acc: dict) -> tuple[float, float]:
@@ -293,14 +330,19 @@ def depth_pays(results: dict) -> dict:
         means = [hard_mean(acc[b]) for b in budgets]
         shallow = means[0][0]
         best = max(m for m, _ in means)
-        monotone = all(means[i + 1][0] >= means[i][0] - 2 * math.hypot(means[i][1], means[i + 1][1])
-                       for i in range(len(means) - 1))
+        monotone = all(
+            means[i + 1][0] >= means[i][0] - 2 * math.hypot(means[i][1], means[i + 1][1]) for i in range(len(means) - 1)
+        )
         reference = plain.get(results[arm]["steps"])
         near_plain = reference is not None and abs(shallow - reference) <= 0.02
-        verdict[arm] = {"hard_by_budget": dict(zip(budgets, [round(m, 4) for m, _ in means])),
-                        "gain_points": round(100 * (best - shallow), 2), "monotone": monotone,
-                        "plain_hard": None if reference is None else round(reference, 4), "near_plain": near_plain,
-                        "pays": best - shallow >= 0.10 and monotone and near_plain}
+        verdict[arm] = {
+            "hard_by_budget": dict(zip(budgets, [round(m, 4) for m, _ in means])),
+            "gain_points": round(100 * (best - shallow), 2),
+            "monotone": monotone,
+            "plain_hard": None if reference is None else round(reference, 4),
+            "near_plain": near_plain,
+            "pays": best - shallow >= 0.10 and monotone and near_plain,
+        }
     verdict["depth_pays"] = any(v["pays"] for v in verdict.values() if isinstance(v, dict))
     return verdict
 
@@ -315,7 +357,7 @@ def plot(results: dict, path: Path) -> None:
     cols = min(5, len(arms))
     rows = -(-len(arms) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), sharey=True, squeeze=False)
-    for ax in axes.flat[len(arms):]:
+    for ax in axes.flat[len(arms) :]:
         ax.axis("off")
     for ax, arm in zip(axes.flat, arms):
         menu = results[arm]["menu"]
@@ -330,7 +372,9 @@ def plot(results: dict, path: Path) -> None:
         ax.legend(fontsize=7)
     for row in axes:
         row[0].set_ylabel("accuracy (±2 SE)")
-    fig.suptitle("pointer chasing: accuracy per hop count and budget (dashed: budget outside the trained menu)", fontsize=9)
+    fig.suptitle(
+        "pointer chasing: accuracy per hop count and budget (dashed: budget outside the trained menu)", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -367,8 +411,11 @@ def main() -> None:
     with data.open("w") as f:
         for _, prompt, answer in dataset(args.train_examples, args.seed + 1):
             f.write(json.dumps({"prompt": prompt, "completion": answer}) + "\n")
-    test_rows = [row for t in TIERS for row in
-                 [(t, *example(random.Random(f"test:{args.seed}:{t}:{i}"), t)) for i in range(args.test_per_tier)]]
+    test_rows = [
+        row
+        for t in TIERS
+        for row in [(t, *example(random.Random(f"test:{args.seed}:{t}:{i}"), t)) for i in range(args.test_per_tier)]
+    ]
     test = encode(tok, test_rows)
     arms = [a for a in args.arms.split(",") if a]
     jobs = [(a, str(base_dir), str(data), test, args.steps, args.batch, args.lr, args.new_lr, args.seed) for a in arms]
@@ -386,10 +433,17 @@ def main() -> None:
     from transformers import LlamaForCausalLM
 
     base = LlamaForCausalLM.from_pretrained(base_dir).eval()
-    summary = {"task": "pointer chasing, 16 single-token assignments, tiers 1-6 hops",
-               "base": {"steps": args.base_steps, "seconds": base_info["seconds"],
-                        "accuracy": accuracy(lambda x: base(x).logits, test[1], test[2], test[0])},
-               "settings": vars(args), "arms": results, "verdict": depth_pays(results)}
+    summary = {
+        "task": "pointer chasing, 16 single-token assignments, tiers 1-6 hops",
+        "base": {
+            "steps": args.base_steps,
+            "seconds": base_info["seconds"],
+            "accuracy": accuracy(lambda x: base(x).logits, test[1], test[2], test[0]),
+        },
+        "settings": vars(args),
+        "arms": results,
+        "verdict": depth_pays(results),
+    }
     summary["depth_pays"] = summary["verdict"]["depth_pays"]
     line = json.dumps(summary)
     print(line)

@@ -58,25 +58,29 @@ def main() -> None:
     copy_src = torch.empty(4 * T * d, device=dev, dtype=bf16)  # the adaptive update's 4 tensors' bytes
     copy_dst = torch.empty_like(copy_src)
     # moe: Qwen3-30B-A3B-like
-    E, I, k, dm, Tm = 128, 768, 8, 2048, max(4096, args.tokens // 2)
+    E, I, k, dm, Tm = 128, 768, 8, 2048, max(4096, args.tokens // 2)  # noqa: E741 (I: the expert intermediate size, as in the MoE papers)
     xm = torch.randn(Tm, dm, device=dev, dtype=bf16)
-    gu = torch.randn(E, 2 * I, dm, device=dev, dtype=bf16) * dm ** -0.5
-    dn = torch.randn(E, dm, I, device=dev, dtype=bf16) * I ** -0.5
+    gu = torch.randn(E, 2 * I, dm, device=dev, dtype=bf16) * dm**-0.5
+    dn = torch.randn(E, dm, I, device=dev, dtype=bf16) * I**-0.5
     w, ids = torch.softmax(torch.randn(Tm, E, device=dev), -1).topk(k, dim=-1)
     w = w.to(bf16)
     moe_flops = 2 * Tm * k * (2 * I * dm + I * dm)
     side = int(round((moe_flops / 2) ** (1 / 3) / 64)) * 64
     a_mm, b_mm = (torch.randn(side, side, device=dev, dtype=bf16) for _ in range(2))
-    mm_flops = 2 * side ** 3
+    mm_flops = 2 * side**3
     rank = 64
     sc, sh = gate + 1, gamma
-    down, up = torch.randn(rank, d, device=dev, dtype=bf16) * d ** -0.5, torch.randn(d, rank, device=dev, dtype=bf16) * rank ** -0.5
+    down, up = (
+        torch.randn(rank, d, device=dev, dtype=bf16) * d**-0.5,
+        torch.randn(d, rank, device=dev, dtype=bf16) * rank**-0.5,
+    )
 
     def elementwise_update():
         out = torch.empty_like(s)
         n = s.numel()
         kernels.adaptive_delta_kernel[(n + kernels.ELEMENTWISE_BLOCK - 1) // kernels.ELEMENTWISE_BLOCK,](
-            s, r, z, gamma, ex, n, d, d, out, HAS_EXIT=True, BLOCK=kernels.ELEMENTWISE_BLOCK)
+            s, r, z, gamma, ex, n, d, d, out, HAS_EXIT=True, BLOCK=kernels.ELEMENTWISE_BLOCK
+        )
 
     contenders = {
         "copy_4x": lambda: copy_dst.copy_(copy_src),
@@ -99,7 +103,9 @@ def main() -> None:
     bytes_ad = 4 * T * d * 2  # s, r, z read; out written
     bytes_mod = 3 * T * d * 2  # x read in each of the two passes, out written once
     result = {
-        "device": torch.cuda.get_device_name(), "tokens": T, "hidden": d,
+        "device": torch.cuda.get_device_name(),
+        "tokens": T,
+        "hidden": d,
         "ms": {name: _stats(v) for name, v in times.items()},
         "copy_GBps": copy_bw / 1e9,
         "gated_residual_GBps": bytes_gr / (med["gated_residual"] * 1e-3) / 1e9,
@@ -107,7 +113,8 @@ def main() -> None:
         "modulate_GBps": bytes_mod / (med["modulate"] * 1e-3) / 1e9,
         "moe_TFLOPs": moe_flops / (med["moe"] * 1e-3) / 1e12,
         "dense_mm_TFLOPs": mm_flops / (med["dense_mm_same_flops"] * 1e-3) / 1e12,
-        "moe_tokens": Tm, "moe_shape": {"experts": E, "inter": I, "top_k": k, "hidden": dm},
+        "moe_tokens": Tm,
+        "moe_shape": {"experts": E, "inter": I, "top_k": k, "hidden": dm},
     }
     result["gated_residual_of_copy"] = result["gated_residual_GBps"] / result["copy_GBps"]
     result["adaptive_update_of_copy"] = result["adaptive_update_GBps"] / result["copy_GBps"]

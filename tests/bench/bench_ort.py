@@ -34,12 +34,12 @@ import time
 from pathlib import Path
 
 import torch
-from looptool.backends.onnx import export_onnx
-from looptool.backends.ort import Runtime
 
 import looptool
-from looptool.runtime.generation import generate
+from looptool.backends.onnx import export_onnx
+from looptool.backends.ort import Runtime
 from looptool.capture.sources import load_source
+from looptool.runtime.generation import generate
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_ort.json"
 SOTU = Path(__file__).resolve().parents[1] / "data" / "sotu"
@@ -65,8 +65,12 @@ print(json.dumps({"before_sessions_mib": before, "rss_mib": status("VmRSS"), "pe
 
 def rss_probe(engine: Path, budgets: list[int], tokens: int) -> dict:
     """RSS of a fresh process holding sessions for ``budgets`` (after a short generation each)."""
-    res = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(engine), json.dumps(budgets), str(tokens)],
-                         capture_output=True, text=True, check=True)
+    res = subprocess.run(
+        [sys.executable, "-c", _RSS_PROBE, str(engine), json.dumps(budgets), str(tokens)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -100,13 +104,15 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
-                    help="intra-op threads of both PyTorch and onnxruntime")
+    ap.add_argument(
+        "--threads", type=int, default=torch.get_num_threads(), help="intra-op threads of both PyTorch and onnxruntime"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     src = load_source("smollm2")
-    model = looptool.convert(src.model, looptool.PrefixLoop(window=(8, 20), budgets=(0, 3, 6, 9, 12)),
-                             tokenizer=src.tokenizer)
+    model = looptool.convert(
+        src.model, looptool.PrefixLoop(window=(8, 20), budgets=(0, 3, 6, 9, 12)), tokenizer=src.tokenizer
+    )
     text = " ".join(p.read_text() for p in sorted(SOTU.glob("20*.txt")))
     ids = src.tokenizer(text, return_tensors="pt").input_ids[:, : args.prompt]
     budgets = list(model.budgets)
@@ -123,16 +129,20 @@ def main() -> None:
         linear: dict[int, list[float]] = {budgets[0]: [], budgets[-1]: []}
         for _ in range(args.rounds):
             for k in budgets:
-                for name, fn in (("eager", lambda: generate(model, ids, budget=k, max_new_tokens=args.new)),
-                                 ("ort", lambda: rt.generate(ids, budget=k, max_new_tokens=args.new)),
-                                 ("ort_prepacked", lambda: packed.generate(ids, budget=k, max_new_tokens=args.new))):
+                for name, fn in (
+                    ("eager", lambda k=k: generate(model, ids, budget=k, max_new_tokens=args.new)),
+                    ("ort", lambda k=k: rt.generate(ids, budget=k, max_new_tokens=args.new)),
+                    ("ort_prepacked", lambda k=k: packed.generate(ids, budget=k, max_new_tokens=args.new)),
+                ):
                     out = fn()
                     entry = runs.setdefault(f"{name}_{k}", {"prefill_ms": [], "decode_ms_per_token": []})
                     entry["prefill_ms"].append(out.prefill_seconds * 1e3)
                     entry["decode_ms_per_token"].append(out.decode_seconds * 1e3 / (out.new_tokens - 1))
                     runs[f"{name}_{k}"].setdefault("sequences", out.sequences)
-                same[str(k)] = all(torch.equal(runs[f"eager_{k}"]["sequences"], runs[f"{n}_{k}"]["sequences"])
-                                   for n in ("ort", "ort_prepacked"))
+                same[str(k)] = all(
+                    torch.equal(runs[f"eager_{k}"]["sequences"], runs[f"{n}_{k}"]["sequences"])
+                    for n in ("ort", "ort_prepacked")
+                )
             for k in linear:
                 short = rt.generate(ids, budget=k, max_new_tokens=args.new)
                 long = rt.generate(ids, budget=k, max_new_tokens=2 * args.new)
@@ -140,14 +150,20 @@ def main() -> None:
         last_loop_same = {}
         for k in budgets[1:]:
             ref = generate(model, ids, budget=k, kv="last-loop", max_new_tokens=64)
-            last_loop_same[str(k)] = torch.equal(ref.sequences, rt.generate(ids, budget=k, kv="last-loop",
-                                                                             max_new_tokens=64).sequences)
+            last_loop_same[str(k)] = torch.equal(
+                ref.sequences, rt.generate(ids, budget=k, kv="last-loop", max_new_tokens=64).sequences
+            )
         capacity = args.prompt + args.new
         costs = {c.budget: c for c in model.cost_table()}
-        kv = {str(k): {"per-loop": rt.kv_bytes(k, "per-loop", capacity=capacity) / (capacity * costs[k].kv_bytes_per_token),
-                       "last-loop": rt.kv_bytes(k, "last-loop", capacity=capacity) / (capacity * costs[k].kv_bytes_per_token_last_loop),
-                       "per-loop_over_budget0": costs[k].relative_kv}
-              for k in budgets}
+        kv = {
+            str(k): {
+                "per-loop": rt.kv_bytes(k, "per-loop", capacity=capacity) / (capacity * costs[k].kv_bytes_per_token),
+                "last-loop": rt.kv_bytes(k, "last-loop", capacity=capacity)
+                / (capacity * costs[k].kv_bytes_per_token_last_loop),
+                "per-loop_over_budget0": costs[k].relative_kv,
+            }
+            for k in budgets
+        }
         rt.close()
         packed.close()
         one = rss_probe(engine, budgets[:1], args.prompt)
@@ -157,37 +173,65 @@ def main() -> None:
     for k in budgets:
         e, o, pp = runs[f"eager_{k}"], runs[f"ort_{k}"], runs[f"ort_prepacked_{k}"]
         per_budget[str(k)] = {
-            "ort_prepacked": {"prefill_ms": stats(pp["prefill_ms"]), "decode_ms_per_token": stats(pp["decode_ms_per_token"])},
+            "ort_prepacked": {
+                "prefill_ms": stats(pp["prefill_ms"]),
+                "decode_ms_per_token": stats(pp["decode_ms_per_token"]),
+            },
             "prefill_prepacked_over_eager": statistics.median(pp["prefill_ms"]) / statistics.median(e["prefill_ms"]),
-            "decode_prepacked_over_eager": statistics.median(pp["decode_ms_per_token"]) / statistics.median(e["decode_ms_per_token"]),
+            "decode_prepacked_over_eager": statistics.median(pp["decode_ms_per_token"])
+            / statistics.median(e["decode_ms_per_token"]),
             "eager": {"prefill_ms": stats(e["prefill_ms"]), "decode_ms_per_token": stats(e["decode_ms_per_token"])},
             "ort": {"prefill_ms": stats(o["prefill_ms"]), "decode_ms_per_token": stats(o["decode_ms_per_token"])},
             "prefill_ort_over_eager": statistics.median(o["prefill_ms"]) / statistics.median(e["prefill_ms"]),
-            "decode_ort_over_eager": statistics.median(o["decode_ms_per_token"]) / statistics.median(e["decode_ms_per_token"]),
+            "decode_ort_over_eager": statistics.median(o["decode_ms_per_token"])
+            / statistics.median(e["decode_ms_per_token"]),
             "tokens_identical": same[str(k)],
             "export_max_abs_diff": {b.kv: b.max_abs_diff for b in report.budgets if b.budget == k},
         }
     export_seconds = report.seconds - report.validation_seconds
     result = {
-        "bench": "ort", "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)", "plan": "prefix 8:20, budgets 0,3,6,9,12",
-        "prompt_tokens": args.prompt, "new_tokens": args.new, "batch": 1, "rounds": args.rounds, "threads": args.threads,
+        "bench": "ort",
+        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32)",
+        "plan": "prefix 8:20, budgets 0,3,6,9,12",
+        "prompt_tokens": args.prompt,
+        "new_tokens": args.new,
+        "batch": 1,
+        "rounds": args.rounds,
+        "threads": args.threads,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "onnxruntime": __import__("onnxruntime").__version__, "torch": torch.__version__,
+        "onnxruntime": __import__("onnxruntime").__version__,
+        "torch": torch.__version__,
         "budgets": per_budget,
         "last_loop_tokens_identical_64": last_loop_same,
         "decode_time_2x_tokens_ratio": {str(k): stats(v) for k, v in linear.items()},
         "kv_bytes_over_cost_model": kv,
-        "disk": {"weights_bytes": report.weights_bytes, "other_bytes": report.graph_bytes, "total_bytes": report.total_bytes,
-                 "parameter_bytes": report.parameter_bytes, "ratio": report.disk_ratio},
-        "rss": {"one_session": one, "all_sessions": every,
-                "ratio_process": every["rss_mib"] / one["rss_mib"],
-                "ratio_increment": (every["rss_mib"] - every["before_sessions_mib"]) / (one["rss_mib"] - one["before_sessions_mib"])},
-        "export": {"graphs": len(report.budgets), "composed": sum(b.composed for b in report.budgets),
-                   "bodies": report.layer_functions, "bodies_seconds": report.layer_seconds,
-                   "seconds_with_validation": report.seconds, "validation_seconds": report.validation_seconds,
-                   "seconds_without_validation": export_seconds, "source_export_seconds": t_source,
-                   "ratio_with_validation": report.seconds / t_source, "ratio_without_validation": export_seconds / t_source,
-                   "per_graph_seconds": {f"{b.budget}/{b.kv}": b.seconds for b in report.budgets}},
+        "disk": {
+            "weights_bytes": report.weights_bytes,
+            "other_bytes": report.graph_bytes,
+            "total_bytes": report.total_bytes,
+            "parameter_bytes": report.parameter_bytes,
+            "ratio": report.disk_ratio,
+        },
+        "rss": {
+            "one_session": one,
+            "all_sessions": every,
+            "ratio_process": every["rss_mib"] / one["rss_mib"],
+            "ratio_increment": (every["rss_mib"] - every["before_sessions_mib"])
+            / (one["rss_mib"] - one["before_sessions_mib"]),
+        },
+        "export": {
+            "graphs": len(report.budgets),
+            "composed": sum(b.composed for b in report.budgets),
+            "bodies": report.layer_functions,
+            "bodies_seconds": report.layer_seconds,
+            "seconds_with_validation": report.seconds,
+            "validation_seconds": report.validation_seconds,
+            "seconds_without_validation": export_seconds,
+            "source_export_seconds": t_source,
+            "ratio_with_validation": report.seconds / t_source,
+            "ratio_without_validation": export_seconds / t_source,
+            "per_graph_seconds": {f"{b.budget}/{b.kv}": b.seconds for b in report.budgets},
+        },
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))

@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 import looptool
-from looptool.train.data import PackedTokens, find_files, tokenize_files
+from looptool.capture.sources import load_source
 from looptool.eval.evaluate import gain_shares, mean_loss
 from looptool.report.plots import plot_frontier
-from looptool.capture.sources import load_source
+from looptool.train.data import PackedTokens, find_files, tokenize_files
 from looptool.train.trainer import TrainConfig, Trainer
 
 SOTU = Path(__file__).resolve().parents[1] / "data" / "sotu"  # the in-repo subset; --data for more
@@ -63,18 +63,33 @@ def main() -> None:
         source_loss = mean_loss(lambda ids, m=src.model: m(input_ids=ids, labels=ids).loss, val, 4)
     del looped, src
     tokens = args.steps * args.seq_len * args.batch
-    common = dict(data=[args.data], tokens=tokens, seq_len=args.seq_len, batch=args.batch, lr=args.lr,
-                  new_lr=args.new_lr, warmup=0.05, freeze_below_window=True, seed=0)
+    common = dict(
+        data=[args.data],
+        tokens=tokens,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        lr=args.lr,
+        new_lr=args.new_lr,
+        warmup=0.05,
+        freeze_below_window=True,
+        seed=0,
+    )
     runs = {}
-    recipe = {"gate_floor": args.gate_floor, "gate_floor_until": args.gate_floor_until,
-              "depth_curriculum": args.depth_curriculum}
+    recipe = {
+        "gate_floor": args.gate_floor,
+        "gate_floor_until": args.gate_floor_until,
+        "depth_curriculum": args.depth_curriculum,
+    }
     for name, extra in (("mixed", {"override": args.override, **recipe}), ("plain", {"budgets": [0]})):
         out = work / name
         t0 = time.perf_counter()
         trainer = Trainer(work / "converted", TrainConfig(output=str(out), resume=out.exists(), **common, **extra))
         summary = trainer.run()
-        runs[name] = {"wall_s": time.perf_counter() - t0, "summary": summary,
-                      "tokens_per_s": statistics.median(r["tokens_per_s"] for r in trainer.records)}
+        runs[name] = {
+            "wall_s": time.perf_counter() - t0,
+            "summary": summary,
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in trainer.records),
+        }
     mixed = looptool.load(work / "mixed")
     plain = looptool.load(work / "plain")
     with torch.inference_mode():
@@ -82,25 +97,41 @@ def main() -> None:
         plain_loss = mean_loss(lambda ids: plain(ids, labels=ids, budget=0).loss, val, 4)
     ks = mixed.budgets
     shares = gain_shares(losses)
-    rows = [{"budget": k, "loss": losses[k], "delta_vs_plain": losses[k] - plain_loss,
-             "share_of_endpoint_gain": shares[k]} for k in ks]
+    rows = [
+        {"budget": k, "loss": losses[k], "delta_vs_plain": losses[k] - plain_loss, "share_of_endpoint_gain": shares[k]}
+        for k in ks
+    ]
     L = 30
     exp = runs["mixed"]["summary"]["expected"]
     result = {
-        "bench": "quality", "model": "SmolLM2-135M-Instruct", "train_tokens": tokens, "eval_tokens": val.tokens.numel(),
-        "settings": vars(args), "source_loss": source_loss, "plain_finetune_loss": plain_loss, "mixed": rows,
+        "bench": "quality",
+        "model": "SmolLM2-135M-Instruct",
+        "train_tokens": tokens,
+        "eval_tokens": val.tokens.numel(),
+        "settings": vars(args),
+        "source_loss": source_loss,
+        "plain_finetune_loss": plain_loss,
+        "mixed": rows,
         "monotone": all(losses[a] > losses[b] for a, b in zip(ks, ks[1:])),
         "no_one_loop_tax": losses[ks[0]] - plain_loss <= 0.01,
         "throughput_mixed_over_plain": runs["mixed"]["tokens_per_s"] / runs["plain"]["tokens_per_s"],
         "expected_throughput_ratio": L / (L + exp["mean_budget"]),
         "wall_s": {k: v["wall_s"] for k, v in runs.items()},
-        "realised": runs["mixed"]["summary"].get("realised"), "expected": exp,
+        "realised": runs["mixed"]["summary"].get("realised"),
+        "expected": exp,
     }
     (work / "bench_quality.json").write_text(json.dumps(result, indent=2))
-    plot_frontier({"budgets": [{"budget": k, "loss": losses[k], "ideal_layer_ratio": (L + k) / L} for k in ks],
-                   "source_loss": plain_loss}, work / "quality_frontier.png",
-                  title="SmolLM2, window 8:20, mixed-depth retrofit", reference_label="plain fine-tune",
-                  x="ideal_layer_ratio", xlabel="layer executions ÷ budget 0, (L+k)/L")
+    plot_frontier(
+        {
+            "budgets": [{"budget": k, "loss": losses[k], "ideal_layer_ratio": (L + k) / L} for k in ks],
+            "source_loss": plain_loss,
+        },
+        work / "quality_frontier.png",
+        title="SmolLM2, window 8:20, mixed-depth retrofit",
+        reference_label="plain fine-tune",
+        x="ideal_layer_ratio",
+        xlabel="layer executions ÷ budget 0, (L+k)/L",
+    )
     print(json.dumps(result))
 
 

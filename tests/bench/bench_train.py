@@ -57,8 +57,10 @@ def plans(num_layers: int) -> dict[str, looptool.LoopPlan]:
     m = stop - start
     budgets = tuple(sorted({0, m // 4, m // 2, 3 * m // 4, m}))
     rec = (num_layers // 4, num_layers - num_layers // 4)
-    return {"prefix": looptool.PrefixLoop(window=(start, stop), budgets=budgets),
-            "elr": looptool.RecurrentLoop(recurrent=rec, max_loops=4)}
+    return {
+        "prefix": looptool.PrefixLoop(window=(start, stop), budgets=budgets),
+        "elr": looptool.RecurrentLoop(recurrent=rec, max_loops=4),
+    }
 
 
 class Stepper:
@@ -107,7 +109,7 @@ def throughput(source, looped, ids, device, bf16: bool, steps: int, rounds: int)
     mixed_draws: list[list[int]] = []
     names = list(contenders)
     for r in range(rounds + 1):  # round 0 warms up (and builds each path once)
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             first = len(draws)
             _sync(device)
             t0 = time.perf_counter()
@@ -118,7 +120,9 @@ def throughput(source, looped, ids, device, bf16: bool, steps: int, rounds: int)
                 samples[name].append(tokens / (time.perf_counter() - t0))
                 if name == "mixed":
                     mixed_draws.append(draws[first:])
-    stats = {n: {"min": min(s), "median": statistics.median(s), "max": max(s), "samples": s} for n, s in samples.items()}
+    stats = {
+        n: {"min": min(s), "median": statistics.median(s), "max": max(s), "samples": s} for n, s in samples.items()
+    }
     return stats, {"draws": mixed_draws}
 
 
@@ -173,7 +177,9 @@ def memory(looped, ids, device, bf16: bool, budget: int, rounds: int) -> dict:
     plain, ckpt = out["plain"], out["checkpoint"]
     out["saved_bytes_ratio"] = plain["saved_activation_bytes"] / max(1, ckpt["saved_activation_bytes"])
     if "peak_bytes_over_weights_and_state" in plain:
-        out["peak_ratio"] = plain["peak_bytes_over_weights_and_state"] / max(1, ckpt["peak_bytes_over_weights_and_state"])
+        out["peak_ratio"] = plain["peak_bytes_over_weights_and_state"] / max(
+            1, ckpt["peak_bytes_over_weights_and_state"]
+        )
     out["time_ratio"] = ckpt["step_s"]["median"] / plain["step_s"]["median"]
     return out
 
@@ -200,11 +206,24 @@ def main() -> None:
     device = resolve_device(args.device)
     source = source_model(args.shape, device)[0].train()
     config = source.config
-    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0)).to(device)
-    result = {"bench": "train", "shape": args.shape, "device": str(device), "bf16": args.bf16, "seq_len": args.seq_len,
-              "batch": args.batch, "steps_per_round": args.steps, "rounds": args.rounds, "torch": torch.__version__,
-              "transformers": transformers.__version__, "machine": platform.machine(),
-              "threads": torch.get_num_threads(), "schemes": {}}
+    ids = torch.randint(
+        0, config.vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0)
+    ).to(device)
+    result = {
+        "bench": "train",
+        "shape": args.shape,
+        "device": str(device),
+        "bf16": args.bf16,
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "steps_per_round": args.steps,
+        "rounds": args.rounds,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+        "schemes": {},
+    }
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(device)
     peak = PEAK_FLOPS.get(result.get("gpu", ""))
@@ -220,28 +239,50 @@ def main() -> None:
         for k in looped.budgets:
             measured = tput[f"budget_{k}"]["median"] / plain
             predicted = base / table[k].flops_per_token
-            rows[k] = {"tokens_per_s": tput[f"budget_{k}"], "ratio_to_plain": measured, "predicted": predicted,
-                       "measured_over_predicted": measured / predicted}
+            rows[k] = {
+                "tokens_per_s": tput[f"budget_{k}"],
+                "ratio_to_plain": measured,
+                "predicted": predicted,
+                "measured_over_predicted": measured / predicted,
+            }
             if peak:
-                flops = train_flops_per_token(table[k].flops_per_token, table[k].layer_executions, config.hidden_size, args.seq_len)
+                flops = train_flops_per_token(
+                    table[k].flops_per_token, table[k].layer_executions, config.hidden_size, args.seq_len
+                )
                 rows[k]["mfu"] = flops * tput[f"budget_{k}"]["median"] / peak
         # mixed depth: each round's tokens/s ÷ plain's in the same round, against the
         # prediction from that round's realised draws (a step of budget k costs C(k)/C(0))
         per_round = []
         for drawn, m_tps, p_tps in zip(mixed_info["draws"], tput["mixed"]["samples"], tput["plain"]["samples"]):
             predicted = base / statistics.fmean(table[k].flops_per_token for k in drawn)
-            per_round.append({"draws": drawn, "ratio_to_plain": m_tps / p_tps, "predicted": predicted,
-                              "measured_over_predicted": m_tps / p_tps / predicted})
+            per_round.append(
+                {
+                    "draws": drawn,
+                    "ratio_to_plain": m_tps / p_tps,
+                    "predicted": predicted,
+                    "measured_over_predicted": m_tps / p_tps / predicted,
+                }
+            )
         uniform = base / statistics.fmean(table[k].flops_per_token for k in looped.budgets)
         result["schemes"][scheme] = {
-            "plan": looped.plan.to_dict(), "plain_tokens_per_s": tput["plain"], "budgets": rows,
-            "mixed": {"tokens_per_s": tput["mixed"], "predicted_uniform": uniform, "rounds": per_round,
-                      "measured_over_predicted": statistics.median(r["measured_over_predicted"] for r in per_round)},
-            "memory_deepest": {"budget": looped.budgets[-1],
-                               **memory(looped, ids, device, args.bf16, looped.budgets[-1], args.rounds)},
+            "plan": looped.plan.to_dict(),
+            "plain_tokens_per_s": tput["plain"],
+            "budgets": rows,
+            "mixed": {
+                "tokens_per_s": tput["mixed"],
+                "predicted_uniform": uniform,
+                "rounds": per_round,
+                "measured_over_predicted": statistics.median(r["measured_over_predicted"] for r in per_round),
+            },
+            "memory_deepest": {
+                "budget": looped.budgets[-1],
+                **memory(looped, ids, device, args.bf16, looped.budgets[-1], args.rounds),
+            },
         }
         if peak:
-            flops = train_flops_per_token(base, table[looped.budgets[0]].layer_executions, config.hidden_size, args.seq_len)
+            flops = train_flops_per_token(
+                base, table[looped.budgets[0]].layer_executions, config.hidden_size, args.seq_len
+            )
             result["schemes"][scheme]["plain_mfu"] = flops * plain / peak
         del looped
     line = json.dumps(result)

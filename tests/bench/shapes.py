@@ -10,12 +10,31 @@ import transformers
 from looptool.testing import tiny_model
 
 SHAPES = {
-    "smollm2-random": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                           num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                           max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True),
-    "llama-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                     max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True),
+    "smollm2-random": dict(
+        model_type="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    ),
+    "llama-1b": dict(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    ),
 }
 NAMES = ("smollm2", "tiny", *SHAPES)
 

@@ -125,8 +125,19 @@ def test_compiled_path_on_cuda():
 def test_trainer_on_cuda_with_bf16_checkpoint_and_compile(tmp_path):
     path = tmp_path / "looped"
     looptool.convert(tiny_model("llama"), SCHEMES["prefix"], tokenizer=byte_tokenizer()).save_pretrained(path)
-    cfg = TrainConfig(data=[str(SOTU / "1790*.txt")], output=str(tmp_path / "out"), tokens=64 * 4 * 4, seq_len=64,
-                      batch=4, lr=1e-3, new_lr=1e-2, bf16=True, device="cuda", checkpoint=True, save_every=2)
+    cfg = TrainConfig(
+        data=[str(SOTU / "1790*.txt")],
+        output=str(tmp_path / "out"),
+        tokens=64 * 4 * 4,
+        seq_len=64,
+        batch=4,
+        lr=1e-3,
+        new_lr=1e-2,
+        bf16=True,
+        device="cuda",
+        checkpoint=True,
+        save_every=2,
+    )
     trainer = Trainer(path, cfg)
     summary = trainer.run()
     assert summary["steps"] == 4 and all(r["loss"][0] == r["loss"][0] for r in trainer.records)
@@ -157,10 +168,32 @@ def test_post_training_on_cuda(tmp_path):
     assert len(out.exit_logits) == 2 and out.exit_logits[0].is_cuda
     model.save_pretrained(tmp_path / "m")
     data = tmp_path / "p.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1), "domain": "add"}) + "\n" for a in range(4)))
-    GRPO(tmp_path / "m", RLConfig(data=[str(data)], output=str(tmp_path / "rl"), reward="numeric", steps=2, prompts=3,
-                                  rollouts=4, max_new_tokens=4, device="cuda")).run()
-    Distiller(tmp_path / "m", DistillConfig(data=[str(data)], teachers={"add": str(tmp_path / "rl")},
-                                            output=str(tmp_path / "d"), steps=2, prompts=2, max_new_tokens=4,
-                                            device="cuda")).run()
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1), "domain": "add"}) + "\n" for a in range(4))
+    )
+    GRPO(
+        tmp_path / "m",
+        RLConfig(
+            data=[str(data)],
+            output=str(tmp_path / "rl"),
+            reward="numeric",
+            steps=2,
+            prompts=3,
+            rollouts=4,
+            max_new_tokens=4,
+            device="cuda",
+        ),
+    ).run()
+    Distiller(
+        tmp_path / "m",
+        DistillConfig(
+            data=[str(data)],
+            teachers={"add": str(tmp_path / "rl")},
+            output=str(tmp_path / "d"),
+            steps=2,
+            prompts=2,
+            max_new_tokens=4,
+            device="cuda",
+        ),
+    ).run()
     assert looptool.load(tmp_path / "d").plan == model.plan

@@ -1,0 +1,205 @@
+"""Running TensorRT engines built by :mod:`looptool.backends.tensorrt`: one upload of
+``weights.bin`` to the GPU, its device pointers bound into every budget's execution context,
+and the shared decode loop on top (like the onnxruntime :class:`looptool.backends.ort.Runtime`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from looptool.backends.onnx_format import MANIFEST, WEIGHTS, EngineError, sha256_file
+from looptool.backends.serving import INPUTS, LOGITS, CacheLayout
+from looptool.backends.tensorrt import BUILD_SCRIPT, require_tensorrt
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------- runtime
+def check_built_for(built: dict, capability: tuple[int, int], gpu: str, directory: Path) -> None:
+    """Engines run only on the GPU architecture they were built for: one sentence otherwise."""
+    here = list(capability)
+    if list(built["compute_capability"]) != here:
+        raise EngineError(
+            f"these engines were built for {built['gpu']} (sm_{''.join(map(str, built['compute_capability']))}), "
+            f"this GPU is {gpu} (sm_{''.join(map(str, here))}); rebuild them here with "
+            f"python {directory / BUILD_SCRIPT}."
+        )
+
+
+_TORCH_DTYPES = {
+    "FLOAT": torch.float32,
+    "FLOAT16": torch.float16,
+    "BFLOAT16": torch.bfloat16,
+    "DOUBLE": torch.float64,
+    "INT64": torch.int64,
+    "INT32": torch.int32,
+    "BOOL": torch.bool,
+    "UINT8": torch.uint8,
+    "INT8": torch.int8,
+}
+
+
+class Runtime:
+    """Run TensorRT engines: ``rt.generate(input_ids, budget=k, kv=...)`` like the
+    onnxruntime :class:`looptool.backends.ort.Runtime`.
+
+    ``weights.bin`` is uploaded once into one device buffer; each weight is a view at its
+    manifest offset and the same pointer is bound into every budget's execution context.
+    The contexts use one shared activation buffer (user-managed device memory, sized for
+    the largest engine): budgets run one at a time on one stream."""
+
+    def __init__(self, engine_dir: str | os.PathLike, *, device: str = "cuda", verify: bool = True):
+        from looptool.backends.ort import read_manifest
+
+        self.directory = Path(engine_dir)
+        self.manifest = read_manifest(self.directory)
+        section = self.manifest.get("tensorrt") or {}
+        if not section.get("engines"):
+            raise EngineError(
+                f"'{self.directory}' has no TensorRT engines; run python {self.directory / BUILD_SCRIPT} on this machine."
+            )
+        weights = self.directory / WEIGHTS
+        entry = self.manifest["weights"]
+        if (
+            not weights.exists()
+            or weights.stat().st_size != entry["bytes"]
+            or (verify and sha256_file(weights) != entry["sha256"])
+        ):
+            raise EngineError(
+                f"{weights} does not match the manifest (missing, resized or modified); export the engine again."
+            )
+        if not torch.cuda.is_available():
+            raise EngineError("TensorRT engines need an NVIDIA GPU, and torch sees none here.")
+        self.device = torch.device(device)
+        built = section["built_on"]
+        check_built_for(
+            built,
+            torch.cuda.get_device_capability(self.device),
+            torch.cuda.get_device_name(self.device),
+            self.directory,
+        )
+        trt = require_tensorrt("running TensorRT engines")
+        self.budgets = tuple(sorted(int(b) for b in section["engines"]))
+        self.kv_policies = tuple(sorted({p for ps in section["engines"].values() for p in ps}))
+        self.vocab_size = self.manifest.get("source_config", {}).get("vocab_size")
+        self.mask_dtype = getattr(torch, self.manifest.get("mask_dtype", "int64"))
+        self.store = torch.from_numpy(np.fromfile(weights, dtype=np.uint8)).to(self.device)  # one upload
+        self._weights = {name: self._view(e) for name, e in entry["tensors"].items()}
+        from looptool.backends import trt_plugins
+
+        trt_plugins.register()  # the Moe plugin runs through Python
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        runtime = trt.Runtime(self._logger)
+        self.engines, self.contexts = {}, {}
+        for budget, policies in section["engines"].items():
+            for policy, info in policies.items():
+                path = self.directory / info["file"]
+                if verify and sha256_file(path) != info["sha256"]:
+                    raise EngineError(f"{path} does not match the sha256 in {MANIFEST}; rebuild the engines.")
+                engine = runtime.deserialize_cuda_engine(path.read_bytes())
+                if engine is None:
+                    raise EngineError(
+                        f"TensorRT could not load {path} (built with TensorRT {built['tensorrt']}); rebuild it here."
+                    )
+                self.engines[int(budget), policy] = engine
+        self.activation_bytes = max(e.device_memory_size_v2 for e in self.engines.values())
+        self._activations = torch.empty(self.activation_bytes, dtype=torch.uint8, device=self.device)
+        for key, engine in self.engines.items():
+            ctx = engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+            ctx.set_device_memory(self._activations.data_ptr(), self.activation_bytes)
+            for name in section["graphs"][str(key[0])][key[1]]["weight_inputs"]:
+                ctx.set_tensor_address(name, self._weights[name].data_ptr())
+            self.contexts[key] = ctx
+        self.stream = torch.cuda.Stream(self.device)
+
+    def _view(self, entry: dict) -> torch.Tensor:
+        dtype = _TORCH_DTYPES[entry["dtype"]]
+        return self.store[entry["offset"] : entry["offset"] + entry["length"]].view(dtype).view(entry["shape"])
+
+    def device_bytes(self) -> dict[str, int]:
+        """Device memory the runtime holds: the weights (once) and the shared activations."""
+        return {"weights": self.store.numel(), "activations": self.activation_bytes}
+
+    def generate(
+        self,
+        input_ids,
+        *,
+        budget: int | None = None,
+        max_new_tokens: int = 32,
+        kv: str = "per-loop",
+        attention_mask=None,
+        capacity: int | None = None,
+        **sampling,
+    ):
+        """Cached generation, as :meth:`looptool.backends.ort.Runtime.generate` (the same
+        request checks and decode loop)."""
+        from looptool.backends.ort import check_request
+        from looptool.runtime.generation import decode_loop
+
+        budget = self.budgets[-1] if budget is None else budget
+        if (budget, kv) not in self.contexts:
+            raise EngineError(f"no engine for budget {budget} ({kv}); this directory has {sorted(self.contexts)}.")
+        ids, mask, capacity = check_request(
+            self.manifest,
+            input_ids,
+            attention_mask,
+            max_new_tokens,
+            capacity,
+            sampling.get("temperature", 0.0),
+            sampling.get("top_k"),
+            sampling.get("top_p"),
+        )
+        layout = CacheLayout.from_dict(self.manifest["budgets"][str(budget)][kv]["cache"])
+        binding = _TRTBinding(self, self.contexts[budget, kv], layout, ids.shape[0], capacity)
+        return decode_loop(
+            binding.step,
+            ids,
+            mask,
+            capacity=capacity,
+            max_new_tokens=max_new_tokens,
+            mask_dtype=self.mask_dtype,
+            kv_bytes=binding.kv_bytes,
+            **sampling,
+        )
+
+
+class _TRTBinding:
+    """One generate call on one execution context: caches allocated once (two buffers per
+    cache, swapped each step, since TensorRT gives no guarantee for an input and an output
+    bound to the same memory), inputs copied to the device, profile 0 for the prefill and 1
+    for decode steps."""
+
+    def __init__(self, rt: Runtime, ctx, layout: CacheLayout, batch: int, capacity: int):
+        self.rt, self.ctx = rt, ctx
+        dtype = getattr(torch, layout.dtype)
+        self.past_names, self.present_names = layout.names()
+        shapes = [(batch, p.kv_heads, capacity, p.head_dim) for p in layout.pairs for _ in "kv"]
+        self.caches = [torch.zeros(s, dtype=dtype, device=rt.device) for s in shapes]
+        self.spare = [torch.zeros_like(c) for c in self.caches]
+        self.kv_bytes = 2 * sum(c.numel() * c.element_size() for c in self.caches)
+        self.logits = torch.empty(batch, 1, rt.vocab_size, dtype=dtype, device=rt.device)
+        self.profile = None
+
+    def step(self, ids, mask, position, cache_position):
+        profile = 0 if ids.shape[1] > 1 else 1
+        stream = self.rt.stream
+        if profile != self.profile:
+            self.ctx.set_optimization_profile_async(profile, stream.cuda_stream)
+            self.profile = profile
+        feeds = dict(zip(INPUTS, (ids, mask, position, cache_position)))
+        device_feeds = {name: t.to(self.rt.device, non_blocking=True).contiguous() for name, t in feeds.items()}
+        for name, t in [*device_feeds.items(), *zip(self.past_names, self.caches)]:
+            self.ctx.set_input_shape(name, tuple(t.shape))
+            self.ctx.set_tensor_address(name, t.data_ptr())
+        for name, t in zip(self.present_names, self.spare):
+            self.ctx.set_tensor_address(name, t.data_ptr())
+        self.ctx.set_tensor_address(LOGITS, self.logits.data_ptr())
+        if not self.ctx.execute_async_v3(stream.cuda_stream):
+            raise EngineError("TensorRT failed to execute the step; rerun with TensorRT's verbose log.")
+        stream.synchronize()
+        self.caches, self.spare = self.spare, self.caches
+        return self.logits[:, -1].float().cpu()
