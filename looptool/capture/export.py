@@ -16,7 +16,6 @@ from looptool.capture import cache as capture_cache
 from looptool.capture.facts import kv_shape_of, num_layers_of
 from looptool.core.errors import CaptureError
 
-
 INPUT_NAMES = ("input_ids", "attention_mask")
 
 
@@ -54,7 +53,9 @@ def export_decode_step(model: nn.Module, seq_len: int = 3, cache_len: int = 8, b
     kv_heads, head_dim = kv_shape_of(config)
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
-    caches = [torch.zeros(batch, kv_heads, cache_len, head_dim, dtype=dtype, device=device) for _ in range(2 * n_layers)]
+    caches = [
+        torch.zeros(batch, kv_heads, cache_len, head_dim, dtype=dtype, device=device) for _ in range(2 * n_layers)
+    ]
     ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
     inputs = {
         "input_ids": ids,
@@ -79,8 +80,14 @@ def export_decode_step(model: nn.Module, seq_len: int = 3, cache_len: int = 8, b
 
     def step(input_ids, attention_mask, position_ids, cache_position, caches):
         cache = _bind_static_cache(config, caches, cache_position)
-        out = forward(model, input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids, use_cache=True, **{cache_kw: cache})
+        out = forward(
+            model,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            **{cache_kw: cache},
+        )
         return out.logits
 
     model.forward = step  # export traces the step with the model's own parameter names

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from looptool.core.errors import LooptoolError
 from looptool.train.data import FORMATS, find_files
 
-
 ARGS_FILE = "train_args.json"
 
 

@@ -37,10 +37,10 @@ from looptool.storage.load import load, read_looptool_json
 from looptool.storage.resume import has_checkpoint, resumable_state, rng_states, set_rng_states, write_checkpoint
 from looptool.storage.save import LOOPTOOL_JSON
 from looptool.train.config import (
+    _RESUME_FREE,
     ARGS_FILE,
     DEFAULT_TOKENS,
     LOG_FILE,
-    _RESUME_FREE,
     TrainConfig,
     TrainingError,
 )
