@@ -12,11 +12,11 @@ from pathlib import Path
 os.environ.setdefault(
     "HF_HUB_OFFLINE", "1"
 )  # looptool never needs the hub; prove it (before huggingface_hub reads it at import)
-if (
-    "LOOPTOOL_CACHE" not in os.environ
-):  # a capture cache of this run's own, shared by its xdist workers (they inherit it)
+# A capture cache of this run's own, shared by its xdist workers (they inherit the variable);
+# the SmolLM2 download stays in the user's cache, fetched once.
+if "LOOPTOOL_CACHE" not in os.environ:
     _RUN_CACHE = Path(tempfile.mkdtemp(prefix="looptool-test-cache-"))
-    with contextlib.suppress(OSError):  # but the SmolLM2 download stays in the user's cache, fetched once
+    with contextlib.suppress(OSError):
         _smollm2 = Path.home() / ".cache" / "looptool" / "smollm2"
         _smollm2.mkdir(parents=True, exist_ok=True)
         (_RUN_CACHE / "smollm2").symlink_to(_smollm2, target_is_directory=True)

@@ -75,7 +75,7 @@ def test_round_trip(smollm2, perturbed, ids, tmp_path):
 
 def test_gguf_file_source(smollm2, smollm2_gguf, monkeypatch):
     """The fixture loaded the .gguf path itself; the named source ``"smollm2"`` loads that file."""
-    from looptool import sources
+    from looptool.capture import sources
 
     assert smollm2.model.config.model_type == "llama" and smollm2.model.config.num_hidden_layers == 30
     assert smollm2.tokenizer is not None and smollm2.tokenizer("hello").input_ids
