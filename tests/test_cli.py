@@ -469,3 +469,19 @@ def test_cheap_checks_come_before_the_slow_load(args, message, tiny_dir, tmp_pat
     res = _run(*[a.format(**fill) for a in args])
     assert res.exit_code == 1, res.output
     assert message.format(**fill) in res.output.replace("\n", "")
+
+
+def test_usage_errors_raised_inside_a_command_stay_usage_errors():
+    """typer >= 0.26 bundles its own click: its BadParameter must pass through the error
+    wrapper (click reports it as a usage error, exit 2 with the usage line) instead of being
+    called a looptool bug."""
+    import typer
+
+    from looptool.cli.application import friendly
+
+    @friendly
+    def command():
+        raise typer.BadParameter("not like that")
+
+    with pytest.raises(typer.BadParameter):
+        command()

@@ -63,6 +63,7 @@ def friendly(fn: Callable) -> Callable:
             click.exceptions.Exit,
             click.exceptions.Abort,
             click.ClickException,
+            typer.TyperException,  # typer >= 0.26 bundles its own click: its usage errors subclass this
             KeyboardInterrupt,
         ):
             raise
