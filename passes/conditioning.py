@@ -1,4 +1,4 @@
-"""Loop-conditioned modulation for ELR budget paths (seed 001, Sec. 3.3, Eq. 4).
+"""Loop-conditioned modulation for ELR budget paths (ELR, Sec. 3.3, Eq. 4).
 
 Loop ``i`` of ``k`` is conditioned on ``c_i = MLP([phi(tau_i); phi(kappa)])`` with
 ``tau_i = i/k``, ``kappa = k/K`` and ``phi`` a sinusoidal embedding; the output block uses

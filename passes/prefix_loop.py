@@ -1,4 +1,4 @@
-"""The ``prefix_loop`` pass: fixed-prefix layer looping (Accordion, seed 000).
+"""The ``prefix_loop`` pass: fixed-prefix layer looping (Accordion).
 
 For every budget ``k`` of a :class:`~looptool.core.plan.PrefixLoop` it builds one straight-line
 FX graph from the captured graph in which each layer of the prefix ``S_k`` (Eq. 1) runs a

@@ -1,4 +1,4 @@
-"""The ``recurrent_loop`` pass: elastic latent recurrence (ELR, seed 001, Sec. 3.1, 3.4).
+"""The ``recurrent_loop`` pass: elastic latent recurrence (ELR, Sec. 3.1, 3.4).
 
 Layers ``[start, stop)`` form the recurrent block R, run ``k`` times per budget path; the
 layers before form the input block (``h_in`` is their output) and the layers after the

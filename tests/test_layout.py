@@ -276,10 +276,12 @@ def _docstrings_and_comments(path: pathlib.Path) -> list[tuple[int, str]]:
 def test_docstrings_cite_papers_not_files_and_keep_no_process_notes():
     """Docstrings and comments read like documentation: no internal issue numbers, no paper
     file names (cite a paper by title and equation), no notes about how work was done."""
+    from test_readme import FORBIDDEN  # the Markdown rules; first person is fine in code ("We the People")
+
     forbidden = {
-        "an internal issue number": re.compile(r"\bissues?\s+#?\d", re.I),
-        "a paper's source file": re.compile(r"\bseeds?/|\.pdf\b|\b\d{3}_[0-9a-f]{16}\b", re.I),
-        "a process note": re.compile(r"this session|lack of time|for now\b|\bTODO\b|\bFIXME\b", re.I),
+        "an internal issue number": FORBIDDEN["an internal issue number"],
+        "a paper's source file": FORBIDDEN["a paper's source file (cite it by title and equation)"],
+        "a process note": re.compile(FORBIDDEN["a process note"].pattern + r"|for now\b|\bTODO\b|\bFIXME\b", re.I),
     }
     files = [
         p

@@ -21,7 +21,7 @@ PLAN_FORMAT_VERSION = 1
 
 @dataclass(frozen=True)
 class PrefixLoop:
-    """Fixed-prefix looping (Accordion, seed 000): budget ``k`` runs each of the first ``k``
+    """Fixed-prefix looping (Accordion): budget ``k`` runs each of the first ``k``
     layers of ``window`` twice, consecutively (Eq. 1); the second pass writes through
     zero-initialised per-channel ``tanh`` gates (Eq. 5).
 
@@ -134,7 +134,7 @@ INIT_MODES = ("exact", "paper")
 
 @dataclass(frozen=True)
 class RecurrentLoop:
-    """Elastic latent recurrence (ELR, seed 001): input block ``layers[:start]``, recurrent
+    """Elastic latent recurrence (Elastic Latent Recurrence): input block ``layers[:start]``, recurrent
     block ``layers[start:stop]`` run ``k`` times, output block ``layers[stop:]`` (Sec. 3.1).
 
     Budgets are loop counts ``1..max_loops``. ``update`` picks the state update (Eq. 2 and

@@ -1,6 +1,6 @@
 """``looptool distill``: budget-matched multi-teacher on-policy distillation (MOPD).
 
-Accordion's last post-training stage (seed 000, "Training Pipeline"): the student samples
+Accordion's last post-training stage (section "Training Pipeline"): the student samples
 completions of each prompt at a budget drawn as in training (the mixed-depth sampler, with
 the shallowest-budget override), each prompt's teacher is chosen by the prompt's ``domain``
 field and run *at the same budget* on the student's own samples, and the student minimises

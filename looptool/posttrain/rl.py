@@ -1,6 +1,6 @@
 """``looptool rl``: reinforcement learning from verifiable rewards with GRPO at every budget.
 
-The recipe of ELR's post-training (seed 001, appendix "Post-training"), each setting an
+The recipe of ELR's post-training (appendix "Post-training"), each setting an
 option of :class:`RLConfig`:
 
 * every step draws ``prompts`` prompts and samples ``rollouts`` (16) completions of each,
