@@ -10,9 +10,10 @@ attention code.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,8 +29,10 @@ from transformers import (
 from looptool.capture import build_skeleton, capture
 from looptool.core.errors import LooptoolError
 from looptool.core.graph import LayerGraph, annotation, dtype_from_str, shared_graph_module
+from looptool.core.plan import BudgetCost
 from looptool.passes import PassManager
 from looptool.passes.kv_cache import KV_POLICIES
+from looptool.passes.rowwise_budget import ROWWISE
 
 if TYPE_CHECKING:
     from looptool.runtime.model import LoopedModel
@@ -69,6 +72,8 @@ class GenerationOutput:
     kv_bytes: int  # bytes of the cache tensors allocated for this call
     kv_bytes_per_token: float  # kv_bytes / (batch x cache length)
     logits: tuple[torch.Tensor, ...] = ()  # per step [batch, vocab], with output_logits=True
+    budgets: tuple[int, ...] = ()  # each row's budget
+    row_costs: tuple[BudgetCost, ...] = ()  # each row's per-token cost (its budget's cost-table row)
 
     @property
     def tokens_per_second(self) -> float:
@@ -125,6 +130,51 @@ def cached_paths(model: LoopedModel, kv: str = "per-loop") -> dict[int, CachedPa
     if kv not in store:
         store[kv] = {b: _bind(model, g) for b, g in cached_layer_graph(model, kv).paths.items()}
     return store[kv]
+
+
+def rowwise_layer_graph(model: LoopedModel, kv: str = "per-loop") -> LayerGraph:
+    """:func:`cached_layer_graph` with the ``rowwise_budget`` pass run (through the
+    PassManager): its one path, key :data:`~looptool.passes.rowwise_budget.ROWWISE`, takes
+    ``budgets`` (int64 ``[batch]``) after ``cache_position`` (built once per model and policy)."""
+    store = model.derived.setdefault("cached_paths", {})
+    if ("rowwise_graph", kv) not in store:
+        store[("rowwise_graph", kv)] = PassManager([("rowwise_budget", {})])(cached_layer_graph(model, kv))
+    return store[("rowwise_graph", kv)]
+
+
+def rowwise_path(model: LoopedModel, kv: str = "per-loop") -> CachedPath:
+    """The row-wise-budget cached path: ``module(input_ids, attention_mask, position_ids,
+    cache_position, budgets, *caches) -> logits [batch, 1, vocab]``, every row at its own
+    budget, over the deepest budget's cache slots (``slots``; :func:`allocate_cache` works)."""
+    store = model.derived.setdefault("cached_paths", {})
+    if ("rowwise", kv) not in store:
+        store[("rowwise", kv)] = _bind(model, rowwise_layer_graph(model, kv).paths[ROWWISE])
+    return store[("rowwise", kv)]
+
+
+def row_budgets(model: LoopedModel, budget, batch: int) -> tuple[int, ...]:
+    """Each row's budget from ``budget``: None or an int (every row), or a list / 1-D integer
+    tensor with one budget per row; one sentence refuses anything else."""
+    if budget is None or isinstance(budget, int):
+        return (model.check_budget(budget),) * batch
+    if isinstance(budget, torch.Tensor):
+        if budget.dim() != 1 or budget.dtype.is_floating_point or budget.dtype == torch.bool:
+            raise LooptoolError(
+                f"a budget tensor must be 1-D and integer, got {budget.dtype} of shape {tuple(budget.shape)}; "
+                "give one integer budget per row.",
+                parameter="budget",
+            )
+        budget = budget.tolist()
+    if not isinstance(budget, Sequence) or isinstance(budget, str):
+        raise LooptoolError(f"budget {budget!r} is neither an integer nor a list of integers.", parameter="budget")
+    if len(budget) != batch:
+        raise LooptoolError(
+            f"{len(budget)} budgets for a batch of {batch} rows; give one budget per row.", parameter="budget"
+        )
+    for k in budget:
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise LooptoolError(f"budget {k!r} is not an integer; give whole numbers.", parameter="budget")
+    return tuple(model.check_budget(k) for k in budget)
 
 
 def _bind(model: LoopedModel, graph: fx.Graph) -> CachedPath:
@@ -288,7 +338,7 @@ def generate(
     input_ids: torch.Tensor,
     *,
     attention_mask: torch.Tensor | None = None,
-    budget: int | None = None,
+    budget: int | Sequence[int] | torch.Tensor | None = None,
     max_new_tokens: int = 32,
     kv: str = "per-loop",
     temperature: float = 0.0,
@@ -302,6 +352,10 @@ def generate(
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens per row at ``budget`` with a KV cache.
 
+    ``budget`` is one budget for every row, or one per row (a list or 1-D integer tensor):
+    rows of different budgets then run together through :func:`rowwise_path`, each exactly
+    at its own budget; a batch whose rows share one budget runs that budget's own path.
+
     ``input_ids [batch, prompt]`` may be left-padded (``attention_mask`` 0 on padding).
     ``temperature == 0`` is greedy; otherwise tokens are sampled after temperature,
     top-k and top-p (transformers' warpers) from a generator seeded with ``seed``. Rows
@@ -310,18 +364,20 @@ def generate(
     ends the generation early by returning True;
     ``output_logits=True`` keeps each step's next-token logits.
     """
-    budget = model.check_budget(budget)
     check_generation_args(input_ids, max_new_tokens, temperature, top_k, top_p)
-    path = cached_paths(model, kv)[budget]
-    param = next(model.parameters())
     batch, prompt = input_ids.shape
+    budgets = row_budgets(model, budget, batch)
+    uniform = len(set(budgets)) == 1
+    path = cached_paths(model, kv)[budgets[0]] if uniform else rowwise_path(model, kv)
+    param = next(model.parameters())
     capacity = prompt + max_new_tokens
     caches = allocate_cache(path, batch, capacity, dtype=param.dtype, device=param.device)
+    extra = () if uniform else (torch.tensor(budgets, dtype=torch.long, device=param.device),)
 
     def step(ids, mask, position, cache_position):
-        return path.module(ids, mask, position, cache_position, *caches)[:, -1]
+        return path.module(ids, mask, position, cache_position, *extra, *caches)[:, -1]
 
-    return decode_loop(
+    out = decode_loop(
         step,
         input_ids.to(param.device),
         attention_mask,
@@ -338,3 +394,5 @@ def generate(
         output_logits=output_logits,
         kv_bytes=sum(c.numel() * c.element_size() for c in caches),
     )
+    costs = {c.budget: c for c in model.cost_table()}
+    return dataclasses.replace(out, budgets=budgets, row_costs=tuple(costs[k] for k in budgets))
