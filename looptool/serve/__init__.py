@@ -1,0 +1,21 @@
+"""``looptool serve``: an OpenAI-compatible HTTP server in which every request picks its own
+budget (model id ``NAME@k``, a ``budget`` field, or ``reasoning_effort``) and requests of
+different budgets share one decode batch on one copy of the weights.
+
+Modules, by responsibility: :mod:`~looptool.serve.protocol` (the wire format),
+:mod:`~looptool.serve.budgets` (which budget a request runs at),
+:mod:`~looptool.serve.prompts` (prompts as token ids), :mod:`~looptool.serve.sampling`,
+:mod:`~looptool.serve.engine` (the engine thread: continuous batching over a slot cache),
+:mod:`~looptool.serve.text` and :mod:`~looptool.serve.choices` (events into text and
+``logprobs``), :mod:`~looptool.serve.metrics` (Prometheus), :mod:`~looptool.serve.models`
+(what is served: PyTorch or onnxruntime step engine), :mod:`~looptool.serve.app` (the FastAPI
+routes) and :mod:`~looptool.serve.server` (uvicorn, graceful shutdown).
+"""
+
+from looptool.core.errors import require_extra
+
+require_extra("serve", "looptool serve", "fastapi", "uvicorn", "prometheus_client")
+
+from looptool.serve.server import ServeOptions, Server, prepare  # noqa: E402
+
+__all__ = ["ServeOptions", "Server", "prepare"]

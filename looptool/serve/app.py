@@ -1,0 +1,260 @@
+"""The HTTP side (FastAPI): OpenAI-compatible routes that turn requests into engine jobs and
+engine events into responses or server-sent events.
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true`` sends SSE chunks
+ending in ``data: [DONE]``), ``GET /v1/models`` (``NAME`` and ``NAME@k`` per budget),
+``GET /health`` and ``GET /metrics`` (Prometheus). With an API key, the ``/v1`` routes need
+``Authorization: Bearer KEY``. Every refusal is an OpenAI-shaped JSON error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from looptool.serve.budgets import BudgetChoiceError, BudgetResolver
+from looptool.serve.choices import Choice
+from looptool.serve.engine import BatchEngine, Draining, Event, Job, QueueFull
+from looptool.serve.metrics import CONTENT_TYPE
+from looptool.serve.models import ServedModel
+from looptool.serve.prompts import chat_prompt, check_room, completion_prompts
+from looptool.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chunk,
+    error_body,
+    request_id,
+    response,
+    usage,
+)
+from looptool.serve.sampling import Sampling
+
+
+def create_app(served: ServedModel, batch: BatchEngine, resolver: BudgetResolver, *, api_key: str | None = None):
+    """The FastAPI app serving ``served`` through ``batch`` (started and stopped with the app)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        batch.start()
+        yield
+        await asyncio.to_thread(batch.stop)
+
+    app = FastAPI(title="looptool serve", lifespan=lifespan)
+    app.state.served, app.state.batch, app.state.resolver = served, batch, resolver
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                body = error_body(
+                    "missing or wrong API key; send 'Authorization: Bearer KEY'.",
+                    "invalid_request_error",
+                    code="invalid_api_key",
+                )
+                return JSONResponse(body, status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "running": batch.running}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(batch.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        data = []
+        for model_id in resolver.model_ids():
+            k = resolver.resolve(model_id)
+            data.append(
+                {"id": model_id, "object": "model", "created": 0, "owned_by": "looptool", "cost": served.costs[k]}
+            )
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await _parse(request, CompletionRequest)
+        budget, sampling = _common(req, resolver)
+        prompts, echoes = completion_prompts(req.prompt, served.tokenizer, served.engine.vocab_size)
+        if req.max_tokens is not None and req.max_tokens < 1:
+            raise APIError(f"max_tokens must be at least 1, got {req.max_tokens}.", param="max_tokens")
+        if req.stream and (len(prompts) > 1 or req.echo or req.logprobs is not None):
+            raise APIError("stream takes one prompt, without echo or logprobs.", param="stream")
+        for prompt in prompts:
+            check_room(len(prompt), req.max_tokens, batch.capacity)
+        scoring = req.logprobs if req.echo and req.logprobs is not None else None
+        jobs = [
+            Job(p, budget, req.max_tokens or batch.capacity - len(p), sampling, req.logprobs, scoring, req.ignore_eos)
+            for p in prompts
+        ]
+        rid = request_id("cmpl")
+        stops = req.stops()
+        if req.stream:
+            queue = _submit(batch, jobs[0])
+            return _sse(_stream_completion(rid, req, jobs[0], queue, stops, budget))
+        queues = [_submit(batch, job) for job in jobs]
+        choices = [Choice(i, served.tokenizer, stops, logprobs=req.logprobs) for i in range(len(jobs))]
+        for job, choice in zip(jobs, choices):
+            if scoring is not None:
+                choice.echo_prompt(job.prompt)
+        await asyncio.gather(*(_collect(batch, j, q, c) for j, q, c in zip(jobs, queues, choices)))
+        out = [
+            {
+                "index": c.index,
+                "text": (echoes[c.index] if req.echo else "") + c.text.text,
+                "logprobs": c.logprobs(),
+                "finish_reason": c.reason,
+            }
+            for c in choices
+        ]
+        use = usage(sum(len(p) for p in prompts), sum(len(c.tokens) for c in choices))
+        return response(rid, "text_completion", req.model, out, use, served.costs[budget])
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = await _parse(request, ChatCompletionRequest)
+        budget, sampling = _common(req, resolver)
+        if req.logprobs:
+            raise APIError("logprobs are served on /v1/completions only.", param="logprobs")
+        prompt = chat_prompt(req.messages, served.tokenizer)
+        limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if limit is not None and limit < 1:
+            raise APIError(f"max_tokens must be at least 1, got {limit}.", param="max_tokens")
+        check_room(len(prompt), limit, batch.capacity)
+        job = Job(prompt, budget, limit or batch.capacity - len(prompt), sampling, ignore_eos=req.ignore_eos)
+        rid = request_id("chatcmpl")
+        queue = _submit(batch, job)
+        if req.stream:
+            return _sse(_stream_chat(rid, req, job, queue, budget))
+        choice = Choice(0, served.tokenizer, req.stops())
+        await _collect(batch, job, queue, choice)
+        message = {"role": "assistant", "content": choice.text.text}
+        out = [{"index": 0, "message": message, "logprobs": None, "finish_reason": choice.reason}]
+        return response(
+            rid, "chat.completion", req.model, out, usage(len(prompt), len(choice.tokens)), served.costs[budget]
+        )
+
+    async def _stream_completion(rid, req, job, queue, stops, budget) -> AsyncIterator[dict]:
+        choice = Choice(0, served.tokenizer, stops)
+        async for piece in _pieces(batch, job, queue, choice):
+            yield chunk(
+                rid,
+                "text_completion",
+                req.model,
+                [{"index": 0, "text": piece, "logprobs": None, "finish_reason": None}],
+            )
+        last = [{"index": 0, "text": "", "logprobs": None, "finish_reason": choice.reason}]
+        async for item in _ending(rid, "text_completion", req, last, len(job.prompt), choice, served.costs[budget]):
+            yield item
+
+    async def _stream_chat(rid, req, job, queue, budget) -> AsyncIterator[dict]:
+        kind = "chat.completion.chunk"
+        yield chunk(
+            rid, kind, req.model, [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+        )
+        choice = Choice(0, served.tokenizer, req.stops())
+        async for piece in _pieces(batch, job, queue, choice):
+            yield chunk(rid, kind, req.model, [{"index": 0, "delta": {"content": piece}, "finish_reason": None}])
+        last = [{"index": 0, "delta": {}, "finish_reason": choice.reason}]
+        async for item in _ending(rid, kind, req, last, len(job.prompt), choice, served.costs[budget]):
+            yield item
+
+    return app
+
+
+async def _parse(request: Request, model: type[BaseModel]):
+    """The body as ``model``; malformed JSON or a wrong field is one 400 naming the field."""
+    try:
+        data = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(f"the request body is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc}).") from None
+    if not isinstance(data, dict):
+        raise APIError("the request body must be a JSON object.")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"])
+        raise APIError(f"{field}: {err['msg']}.", param=field or None) from None
+
+
+def _common(req, resolver: BudgetResolver) -> tuple[int, Sampling]:
+    """The request's budget and sampling settings, checked."""
+    if req.n != 1:
+        raise APIError(f"n={req.n}: this server returns one choice per prompt; send n=1.", param="n")
+    try:
+        budget = resolver.resolve(req.model, req.budget, req.reasoning_effort)
+    except BudgetChoiceError as exc:
+        raise APIError(str(exc), status=exc.status, param=exc.parameter, code=exc.code) from None
+    sampling = Sampling(req.temperature, req.checked_top_k(), req.top_p if req.top_p < 1 else None, req.seed)
+    return budget, sampling
+
+
+def _submit(batch: BatchEngine, job: Job) -> asyncio.Queue:
+    """Queue ``job`` with the engine; its events arrive on the returned asyncio queue."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Event] = asyncio.Queue()
+    job.emit = lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)
+    try:
+        batch.submit(job)
+    except QueueFull:
+        batch.metrics.rejected.inc()
+        raise APIError("the server is at capacity (every slot busy, queue full); retry later.", status=503) from None
+    except Draining:
+        batch.metrics.rejected.inc()
+        raise APIError("the server is shutting down and admits no new request.", status=503) from None
+    return queue
+
+
+async def _pieces(batch: BatchEngine, job: Job, queue: asyncio.Queue, choice: Choice) -> AsyncIterator[str]:
+    """The text pieces of ``job`` until it finishes; the job is cancelled (its slot freed) if
+    the consumer stops early (a disconnected client) or a stop string ends it."""
+    try:
+        while not choice.done:
+            piece = choice.push(await queue.get())
+            if piece:
+                yield piece
+        if choice.failed:
+            raise APIError(f"generation failed: {choice.failed}", status=500)
+    finally:
+        batch.cancel(job)  # frees the slot early on a disconnect or a stop string; a no-op once retired
+
+
+async def _collect(batch: BatchEngine, job: Job, queue: asyncio.Queue, choice: Choice) -> None:
+    async for _ in _pieces(batch, job, queue, choice):
+        pass
+
+
+async def _ending(rid, kind, req, last_choices, prompt_tokens: int, choice: Choice, cost: dict) -> AsyncIterator[dict]:
+    """The finishing chunk (with ``cost``) and, with ``stream_options.include_usage``, the usage chunk."""
+    yield chunk(rid, kind, req.model, last_choices, cost=cost)
+    if req.stream_options is not None and req.stream_options.include_usage:
+        yield chunk(rid, kind, req.model, [], usage=usage(prompt_tokens, len(choice.tokens)), cost=cost)
+
+
+def _sse(items: AsyncIterator[dict]) -> StreamingResponse:
+    """Server-sent events: one ``data: {json}`` per item, then ``data: [DONE]``."""
+
+    async def body():
+        try:
+            async for item in items:
+                yield f"data: {json.dumps(item)}\n\n"
+        except APIError as exc:
+            yield f"data: {json.dumps(exc.body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")

@@ -1,0 +1,145 @@
+"""Which budget a request runs at: the model id (``NAME`` or ``NAME@k``), a ``budget`` body
+field, or ``reasoning_effort`` mapped onto the budget menu by the effort ladder.
+
+The default ladder spreads the effort levels over the sorted menu: ``minimal`` is the
+shallowest budget, ``xhigh`` the deepest, ``low``/``medium``/``high`` the quarter points
+(menu index ``i * (n - 1) / 4`` rounded half up, for level ``i`` of the five), so the menu
+``0,3,6,9,12`` maps ``minimal=0, low=3, medium=6, high=9, xhigh=12``. ``none`` goes with
+``minimal`` and ``max`` with ``xhigh``. An ``--effort low=0,high=12`` override maps only the
+levels it names; every other level takes the budget of the nearest mapped level on the
+ladder (the cheaper one on a tie).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from looptool.core.errors import LooptoolError
+
+LEVELS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # the official client's values, in order
+_LADDER = ("minimal", "low", "medium", "high", "xhigh")  # the levels the default ladder spreads over the menu
+
+
+class BudgetChoiceError(LooptoolError):
+    """A request names a model, budget or effort level the server does not serve (HTTP ``status``)."""
+
+    def __init__(self, message: str, *, parameter: str, status: int = 400, code: str = "invalid_value"):
+        super().__init__(message, parameter=parameter)
+        self.status = status
+        self.code = code
+
+
+def default_ladder(budgets: Sequence[int]) -> dict[str, int]:
+    """The documented effort ladder over the sorted menu ``budgets``."""
+    menu = sorted(budgets)
+    n = len(menu)
+    ladder = {level: menu[int(i * (n - 1) / (len(_LADDER) - 1) + 0.5)] for i, level in enumerate(_LADDER)}
+    return {"none": ladder["minimal"], **ladder, "max": ladder["xhigh"]}
+
+
+def parse_effort(text: str, budgets: Sequence[int]) -> dict[str, int]:
+    """``"low=0,medium=6,high=12"`` → the full ladder: the named levels as given, every other
+    level at the budget of its nearest named level (ties: the cheaper one)."""
+    given: dict[str, int] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        level, sep, value = part.partition("=")
+        level = level.strip()
+        if not sep or level not in LEVELS:
+            raise LooptoolError(
+                f"effort entry {part!r} is not LEVEL=BUDGET with LEVEL one of {', '.join(LEVELS)}; "
+                "write e.g. low=0,medium=6,high=12.",
+                parameter="effort",
+            )
+        try:
+            budget = int(value)
+        except ValueError:
+            raise LooptoolError(
+                f"effort {level}={value!r}: the budget must be an integer.", parameter="effort"
+            ) from None
+        if budget not in budgets:
+            raise LooptoolError(
+                f"effort {level}={budget}: {budget} is not in the budget menu {sorted(budgets)}.", parameter="effort"
+            )
+        given[level] = budget
+    if not given:
+        raise LooptoolError("effort is empty; write e.g. low=0,medium=6,high=12.", parameter="effort")
+    ladder = {}
+    for i, level in enumerate(LEVELS):
+        nearest = min(given, key=lambda named: (abs(LEVELS.index(named) - i), given[named]))
+        ladder[level] = given[nearest]
+    return ladder
+
+
+@dataclass(frozen=True)
+class BudgetResolver:
+    """Turns a request's ``model``, ``budget`` and ``reasoning_effort`` into one budget."""
+
+    name: str
+    budgets: tuple[int, ...]
+    default: int
+    ladder: Mapping[str, int]
+
+    @classmethod
+    def create(
+        cls, name: str, budgets: Sequence[int], default: int | None = None, effort: str | None = None
+    ) -> BudgetResolver:
+        """The resolver for model ``name`` with the menu ``budgets``; ``default`` (the budget of
+        the plain ``NAME``; default: the deepest) and the ``effort`` override are checked."""
+        menu = tuple(sorted(budgets))
+        if default is None:
+            default = menu[-1]
+        if default not in menu:
+            raise LooptoolError(
+                f"default_budget {default} is not in the budget menu {list(menu)}; pick one of those.",
+                parameter="default_budget",
+            )
+        if "@" in name:
+            raise LooptoolError(f"the served model name {name!r} may not contain '@'.", parameter="served_model_name")
+        ladder = parse_effort(effort, menu) if effort else default_ladder(menu)
+        return cls(name, menu, default, ladder)
+
+    def model_ids(self) -> list[str]:
+        """What ``/v1/models`` lists: ``NAME`` (the default budget), then ``NAME@k`` per budget."""
+        return [self.name, *(f"{self.name}@{k}" for k in self.budgets)]
+
+    def resolve(self, model: str, budget: int | None = None, effort: str | None = None) -> int:
+        """The budget of a request; every choice it makes must agree."""
+        base, at, suffix = model.partition("@")
+        if base != self.name:
+            raise BudgetChoiceError(
+                f"the model {model!r} does not exist; this server serves {', '.join(self.model_ids())}.",
+                parameter="model",
+                status=404,
+                code="model_not_found",
+            )
+        chosen: list[tuple[str, int]] = []
+        if at:
+            if not suffix.lstrip("-").isdigit() or int(suffix) not in self.budgets:
+                raise BudgetChoiceError(
+                    f"the model {model!r} names budget {suffix!r}, which is not in the menu {list(self.budgets)}.",
+                    parameter="model",
+                    status=404,
+                    code="model_not_found",
+                )
+            chosen.append(("model", int(suffix)))
+        if budget is not None:
+            if budget not in self.budgets:
+                raise BudgetChoiceError(
+                    f"budget {budget} is not in this model's menu {list(self.budgets)}; pick one of those.",
+                    parameter="budget",
+                )
+            chosen.append(("budget", budget))
+        if effort is not None:
+            if effort not in self.ladder:
+                raise BudgetChoiceError(
+                    f"reasoning_effort {effort!r} is not one of {', '.join(LEVELS)}.", parameter="reasoning_effort"
+                )
+            chosen.append(("reasoning_effort", self.ladder[effort]))
+        if len({k for _, k in chosen}) > 1:
+            said = ", ".join(f"{field} → {k}" for field, k in chosen)
+            raise BudgetChoiceError(
+                f"the request asks for different budgets ({said}); give one of model@k, budget or reasoning_effort.",
+                parameter=chosen[-1][0],
+            )
+        return chosen[0][1] if chosen else self.default

@@ -1,0 +1,323 @@
+"""The engine thread: iteration-level (continuous) batching over one slot cache, every request
+at its own budget.
+
+One thread owns the step engine (:class:`looptool.runtime.step_engine.TorchStepEngine`,
+:class:`looptool.backends.ort_engine.OrtStepEngine`, or anything with their surface) and a
+slot cache of ``max_batch`` rows. Each iteration admits waiting requests (a prefill of each at
+its own budget), runs ONE row-wise-budget decode step for every running request whatever its
+budget, and retires finished ones. Running requests stay packed in rows ``[0, n)``: a retired
+row's slot takes the last row (``copy_row``). All rows share one write clock over a cache of
+``2 x capacity`` slots: a request's tokens lie in ``[clock - capacity, clock)``, a prefill
+writes its prompt at ``[clock - len, clock)``, each decode step writes slot ``clock`` for every
+row, and at the end of the buffer ``shift_left(capacity)`` moves everything back by
+``capacity`` (so one decode step is one ``step(cache, slice(0, n), ...)`` with ``T = 1``).
+
+The HTTP side only submits :class:`Job` objects and receives :class:`Event` s through each
+job's ``emit`` callback (called on the engine thread; it must be thread-safe).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from looptool.serve.metrics import Metrics
+from looptool.serve.sampling import Sampling, TokenPicker, top_logprobs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Event:
+    """What the engine tells a request: a ``token``, its ``prompt`` log-probabilities, that it
+    ``finished`` (``reason`` ``stop`` or ``length``), or that it ``failed`` (``message``)."""
+
+    kind: str
+    token: int = -1
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+    reason: str = ""
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    message: str = ""
+
+
+@dataclass(eq=False)
+class Job:
+    """One generation request as the engine sees it."""
+
+    prompt: list[int]
+    budget: int
+    max_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    logprobs: int | None = None  # top-n log-probabilities of each generated token
+    prompt_logprobs: int | None = None  # echo: log-probability (and top-n) of each prompt token
+    ignore_eos: bool = False  # run to max_tokens (load tests)
+    emit: Callable[[Event], None] = lambda event: None
+    cancelled: bool = False
+    arrived: float = field(default_factory=time.perf_counter)
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the waiting queue is full (HTTP 503)."""
+
+
+class Draining(Exception):
+    """The server is shutting down and admits no new request (HTTP 503)."""
+
+
+@dataclass(eq=False)
+class _Row:
+    """A running request: its job, its tokens so far and where it is."""
+
+    job: Job
+    ids: list[int]
+    picker: TokenPicker
+    position: int  # position id of the next token fed
+    generated: int = 0
+    last_time: float = 0.0
+    done: str = ""  # finish reason once finished
+
+
+class BatchEngine:
+    """Continuous batching over ``engine`` with ``max_batch`` slots of ``capacity`` tokens and at
+    most ``max_queue`` requests waiting; ``eos`` token ids stop a request."""
+
+    def __init__(
+        self,
+        engine,
+        *,
+        max_batch: int,
+        capacity: int,
+        max_queue: int,
+        eos: tuple[int, ...] = (),
+        metrics: Metrics | None = None,
+        device: torch.device | str = "cpu",
+    ):
+        self.engine = engine
+        self.max_batch = max_batch
+        self.capacity = capacity
+        self.max_queue = max_queue
+        self.eos = frozenset(eos)
+        self.metrics = metrics or Metrics()
+        self.device = torch.device(device)
+        self.cache = engine.allocate(max_batch, 2 * capacity)
+        self.mask = torch.zeros(max_batch, 2 * capacity, dtype=engine.mask_dtype, device=self.device)
+        self.clock = capacity
+        self.rows: list[_Row] = []
+        self.waiting: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._draining = False
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="looptool-engine", daemon=True)
+        self.steps = 0  # decode steps run (all rows at once)
+
+    # ------------------------------------------------------------------ HTTP side
+    def start(self) -> None:
+        """Start the engine thread."""
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; :class:`QueueFull` when ``max_batch`` run and ``max_queue`` wait,
+        :class:`Draining` once :meth:`drain` was called."""
+        with self._cond:
+            if self._draining:
+                raise Draining()
+            if len(self.rows) + len(self.waiting) >= self.max_batch + self.max_queue:
+                raise QueueFull()
+            self.waiting.append(job)
+            self.metrics.waiting.set(len(self.waiting))
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """Stop ``job`` (its client went away); its slot is freed at the next iteration."""
+        with self._cond:
+            if job.cancelled:
+                return
+            job.cancelled = True
+            if job in self.waiting:  # never admitted: leaves the queue at once
+                self.waiting.remove(job)
+                self.metrics.waiting.set(len(self.waiting))
+                self.metrics.finished.labels(budget=str(job.budget), reason="cancelled").inc()
+            self._cond.notify()
+
+    def drain(self) -> None:
+        """Admit no new request; the queued and running ones finish."""
+        with self._cond:
+            self._draining = True
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish what was admitted, then end the engine thread."""
+        with self._cond:
+            self._draining = True
+            self._stop = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def warm_up(self, budgets) -> None:
+        """Run a one-token prompt and one decode step at every budget before serving (first
+        calls build and compile what they need), outside the metrics."""
+        metrics, self.metrics = self.metrics, Metrics()
+        try:
+            for budget in budgets:
+                self._prefill(Job([0], int(budget), 2))
+                self._decode()
+                self._retire()
+        finally:
+            self.metrics = metrics
+            self.rows.clear()
+            self.mask.zero_()
+
+    @property
+    def running(self) -> int:
+        """Requests holding a slot."""
+        return len(self.rows)
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self.waiting and not self.rows and not self._stop:
+                    self._cond.wait()
+                if self._stop and not self.waiting and not self.rows:
+                    return
+                admitted = [
+                    self.waiting.popleft() for _ in range(min(len(self.waiting), self.max_batch - len(self.rows)))
+                ]
+                self.metrics.waiting.set(len(self.waiting))
+            try:
+                for job in admitted:
+                    if not job.cancelled:
+                        self._admit(job)
+                self._retire()
+                if self.rows:
+                    self._decode()
+                    self._retire()
+            except Exception as exc:  # a failing step fails the requests it served, not the server
+                log.exception("engine step failed")
+                for row in self.rows:
+                    row.job.emit(Event("failed", message=f"{type(exc).__name__}: {exc}"))
+                self.rows.clear()
+                self.mask.zero_()
+            self.metrics.running.set(len(self.rows))
+
+    def _admit(self, job: Job) -> None:
+        """Prefill ``job``; a failure fails that request alone."""
+        try:
+            self._prefill(job)
+        except Exception as exc:
+            log.exception("prefill failed")
+            if self.rows and self.rows[-1].job is job:
+                self.rows.pop()
+            job.emit(Event("failed", message=f"{type(exc).__name__}: {exc}"))
+
+    def _prefill(self, job: Job) -> None:
+        """Write ``job``'s prompt at slots ``[clock - len, clock)`` of the next free row and pick
+        its first token."""
+        n = len(job.prompt)
+        ids = torch.tensor([job.prompt], dtype=torch.long, device=self.device)
+        if job.prompt_logprobs is not None:
+            logp = self.engine.prompt_logprobs(ids, job.budget)
+            job.emit(Event("prompt", prompt_logprobs=_prompt_logprobs(logp, job.prompt, job.prompt_logprobs)))
+        r = len(self.rows)
+        self.mask[r].zero_()
+        self.mask[r, self.clock - n : self.clock] = 1
+        logits = self.engine.step(
+            self.cache,
+            slice(r, r + 1),
+            ids,
+            self.mask[r : r + 1],
+            torch.arange(n, device=self.device)[None],
+            torch.arange(self.clock - n, self.clock, device=self.device),
+            torch.tensor([job.budget], dtype=torch.long, device=self.device),
+        )
+        row = _Row(job, list(job.prompt), TokenPicker(job.sampling, self.device), position=n)
+        self.rows.append(row)
+        self.metrics.prompt_tokens.labels(budget=str(job.budget)).inc(n)
+        self._take(row, logits[0:1])
+
+    def _decode(self) -> None:
+        """One step for all running rows: each feeds its last token at slot ``clock``."""
+        n = len(self.rows)
+        if self.clock == 2 * self.capacity:
+            self.cache.shift_left(self.capacity)
+            self.mask[:, : self.capacity] = self.mask[:, self.capacity :].clone()
+            self.mask[:, self.capacity :] = 0
+            self.clock = self.capacity
+        self.mask[:n, self.clock] = 1
+        dev = self.device
+        logits = self.engine.step(
+            self.cache,
+            slice(0, n),
+            torch.tensor([[row.ids[-1]] for row in self.rows], dtype=torch.long, device=dev),
+            self.mask[:n],
+            torch.tensor([[row.position] for row in self.rows], dtype=torch.long, device=dev),
+            torch.tensor([self.clock], dtype=torch.long, device=dev),
+            torch.tensor([row.job.budget for row in self.rows], dtype=torch.long, device=dev),
+        )
+        self.clock += 1
+        self.steps += 1
+        for i, row in enumerate(self.rows):
+            row.position += 1
+            self._take(row, logits[i : i + 1])
+
+    def _take(self, row: _Row, logits: torch.Tensor) -> None:
+        """Pick ``row``'s next token from ``logits [1, vocab]``, send it, and mark the row done
+        at EOS or ``max_tokens``."""
+        job = row.job
+        if job.cancelled:
+            row.done = "cancelled"
+            return
+        ids = torch.tensor([row.ids], device=self.device) if row.picker.warpers is not None else None
+        token = row.picker(logits.float(), ids)
+        logprob, top = (None, None)
+        if job.logprobs is not None:
+            logprob, top = top_logprobs(torch.log_softmax(logits[0].float(), -1), token, job.logprobs)
+        row.ids.append(token)
+        row.generated += 1
+        now = time.perf_counter()
+        budget = str(job.budget)
+        if row.generated == 1:
+            self.metrics.ttft.labels(budget=budget).observe(now - job.arrived)
+        else:
+            self.metrics.tpot.labels(budget=budget).observe(now - row.last_time)
+        row.last_time = now
+        self.metrics.generation_tokens.labels(budget=budget).inc()
+        job.emit(Event("token", token=token, logprob=logprob, top=top))
+        if token in self.eos and not job.ignore_eos:
+            row.done = "stop"
+        elif row.generated >= job.max_tokens:
+            row.done = "length"
+
+    def _retire(self) -> None:
+        """Free the rows of finished or cancelled requests, keeping the running ones packed."""
+        for r in range(len(self.rows) - 1, -1, -1):
+            row = self.rows[r]
+            if row.job.cancelled and not row.done:
+                row.done = "cancelled"
+            if not row.done:
+                continue
+            last = len(self.rows) - 1
+            if r != last:
+                self.cache.copy_row(last, r)
+                self.mask[r] = self.mask[last]
+                self.rows[r] = self.rows[last]
+            self.rows.pop()
+            job = row.job
+            self.metrics.finished.labels(budget=str(job.budget), reason=row.done).inc()
+            self.metrics.e2e.labels(budget=str(job.budget)).observe(time.perf_counter() - job.arrived)
+            if row.done != "cancelled":
+                job.emit(Event("finished", reason=row.done))
+
+
+def _prompt_logprobs(logp: torch.Tensor, prompt: list[int], n: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per prompt token after the first: its log-probability under ``logp [T, vocab]`` (the
+    log-softmax at the position before it) and the ``n`` most likely tokens there."""
+    logp = logp.float()
+    return [top_logprobs(logp[i - 1], prompt[i], n) for i in range(1, len(prompt))]

@@ -1,0 +1,53 @@
+"""Prometheus metrics of one server (``GET /metrics``), in a registry of its own: requests
+running (holding a slot) and waiting, prompt and generated tokens, finished requests by
+reason, and time-to-first-token, time-per-output-token and end-to-end latency histograms,
+each labelled by budget."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Metrics:
+    """The server's metrics; the engine thread updates them (prometheus-client is thread-safe)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("looptool_requests_running", "Requests holding a cache slot.", registry=r)
+        self.waiting = Gauge("looptool_requests_waiting", "Requests queued for a slot.", registry=r)
+        self.prompt_tokens = Counter("looptool_prompt_tokens", "Prompt tokens prefilled.", ["budget"], registry=r)
+        self.generation_tokens = Counter("looptool_generation_tokens", "Tokens generated.", ["budget"], registry=r)
+        self.finished = Counter(
+            "looptool_requests_finished",
+            "Requests that left the engine, by finish reason.",
+            ["budget", "reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "looptool_requests_rejected", "Requests refused with 503 (queue full or draining).", registry=r
+        )
+        self.ttft = Histogram(
+            "looptool_time_to_first_token_seconds", "Arrival to first token.", ["budget"], buckets=_LATENCY, registry=r
+        )
+        self.tpot = Histogram(
+            "looptool_time_per_output_token_seconds",
+            "Time between consecutive tokens of a request.",
+            ["budget"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "looptool_e2e_request_latency_seconds",
+            "Arrival to the request leaving the engine.",
+            ["budget"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        """The Prometheus text format."""
+        return generate_latest(self.registry)
