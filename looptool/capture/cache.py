@@ -1,29 +1,31 @@
-"""A cache of ``torch.export`` programs, so a repeated capture skips the export.
+"""A cache of ``torch.export`` captures, so a repeated capture skips the export.
 
 ``torch.export`` is the slow step of every capture, and ``looptool.load``, ``convert`` and the
-cached decode paths repeat the same export for the same architecture. The exported program
-(before unlifting: the rest of the capture pipeline runs unchanged) is keyed by everything
-that changes it (:func:`key_of`): the model's config, class, module tree and tensor
-signature, dtype and devices, attention implementation, the capture options, the
-torch / transformers / looptool / Python versions and the source of the export code.
+cached decode paths repeat the same export for the same architecture. The unlifted exported
+module (the rest of the capture pipeline runs unchanged on it) is kept in the stored form of
+:mod:`looptool.capture.programs`, keyed by everything that changes it (:func:`key_of`): the
+model's config, class, module tree and tensor signature, dtype and devices, attention
+implementation, the capture options, the torch / transformers / looptool / Python versions
+and the source of the export code.
 
 Two levels serve a key:
 
 * on disk, under ``$LOOPTOOL_CACHE/captures`` (default ``~/.cache/looptool/captures``;
   ``LOOPTOOL_CACHE=off`` disables both levels): ``<sha256 of the key>.json``, a sidecar
   holding the key, the versions and the sha256 of the program file it names,
-  ``<sha256 of the key>-<sha256 prefix of the file>.pt2`` (``torch.export.save``). Both are
+  ``<sha256 of the key>-<sha256 prefix of the file>.fx`` (:func:`programs.dumps`). Both are
   written to a temporary file and moved into place with ``os.replace``, the sidecar last,
-  so concurrent writers (pytest-xdist workers) never expose a partial entry;
+  so concurrent writers (pytest-xdist workers) never expose a partial entry. Entries are
+  pickles: a folder another user can write to is not read (a warning says so);
 * in process, an LRU of :data:`MEMORY_ENTRIES` programs.
 
-A cached program holds no tensor of the model it came from: every parameter and buffer is
-saved as a ``meta`` placeholder, and a hit rebinds them by name to the *current* model's
-own tensor objects before unlifting, so the returned GraphModule is what a fresh export
-gives (same graph code; its parameters and buffers are the model's own tensors). Each hit
-unlifts into a fresh GraphModule whose nodes and metadata containers are its own; the
-node values (``FakeTensor``/``SymInt``) of an in-process entry are shared read-only, and the
-entry is dropped if its ``ShapeEnv`` changed since it was stored (a caller added a guard).
+A stored program holds no tensor of the model it came from, and a hit rebinds every
+parameter and buffer by name to the *current* model's own tensor objects, so the returned
+GraphModule is what a fresh export gives (same graph code, checked before an entry is kept;
+its parameters and buffers are the model's own tensors). Each hit builds a fresh GraphModule
+whose nodes and metadata containers are its own; the node values (``FakeTensor``/``SymInt``)
+of an entry are shared read-only, and an in-process entry is dropped if its ``ShapeEnv``
+changed since it was stored (a caller added a guard).
 
 An entry that cannot be used (unreadable, bad sha256, other key or versions, a load or
 rebinding failure) is dropped with a warning and rebuilt: the cache never changes a result
@@ -35,10 +37,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import functools
 import hashlib
-import io
 import json
 import logging
 import os
@@ -52,16 +52,17 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from looptool.capture import programs
 from looptool.core.version import __version__
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # of the entries (the key, the sidecar, what a stored program holds)
+FORMAT = 2  # of the entries (the key, the sidecar, what a stored program holds)
 MEMORY_ENTRIES = 8
 SUBDIR = "captures"
 
 STATS: collections.Counter = collections.Counter()  # "memory", "disk", "miss", "dropped", "uncached"
-_memory: collections.OrderedDict[str, tuple[torch.export.ExportedProgram, object]] = collections.OrderedDict()
+_memory: collections.OrderedDict[str, tuple[programs.Program, object]] = collections.OrderedDict()
 _lock = threading.Lock()
 _unwritable: set[Path] = set()
 
@@ -155,12 +156,14 @@ def exported_module(
     if gm is not None:
         return _own_meta(gm)
     STATS["miss"] += 1
-    ep = export()  # errors of the export itself reach the caller unchanged
-    gm = ep.module()
+    gm = export().module()  # errors of the export itself reach the caller unchanged
     try:
-        stored = _strip(ep, own)
+        data = programs.dumps(programs.program_of(gm, own))
+        stored = programs.loads(data)  # what every later hit builds: checked once, here
+        if programs.build(stored, own).code != gm.code:
+            raise ValueError("the stored program does not rebuild the exported module")
         _remember(digest, stored)
-        _write(digest, key, stored)
+        _write(digest, key, data)
     except Exception as exc:  # the cache never fails a capture
         folder = directory()
         (log.debug if folder in _unwritable else log.warning)(
@@ -183,13 +186,13 @@ def _from_memory(digest: str, own: dict[str, torch.Tensor]) -> fx.GraphModule | 
             _memory.move_to_end(digest)
     if entry is None:
         return None
-    ep, state = entry
-    if _shape_env_state(ep) != state:  # someone added guards to the shared ShapeEnv: not pristine
+    program, state = entry
+    if _shape_env_state(program) != state:  # someone added guards to the shared ShapeEnv: not pristine
         log.debug("capture cache: in-process entry %s changed; reading it again", digest[:12])
         _forget(digest)
         return None
     try:
-        gm = _unlift(ep, own)
+        gm = programs.build(program, own)
     except Exception as exc:  # never raises to the caller: export afresh
         log.warning(
             "capture cache: could not use the in-process entry %s (%s: %s); exporting afresh.",
@@ -197,17 +200,15 @@ def _from_memory(digest: str, own: dict[str, torch.Tensor]) -> fx.GraphModule | 
             type(exc).__name__,
             exc,
         )
-        gm = None
-    if gm is None:
         _forget(digest)
         return None
     STATS["memory"] += 1
     return gm
 
 
-def _remember(digest: str, ep: torch.export.ExportedProgram) -> None:
+def _remember(digest: str, program: programs.Program) -> None:
     with _lock:
-        _memory[digest] = (ep, _shape_env_state(ep))
+        _memory[digest] = (program, _shape_env_state(program))
         _memory.move_to_end(digest)
         while len(_memory) > MEMORY_ENTRIES:
             _memory.popitem(last=False)
@@ -231,6 +232,8 @@ def _from_disk(digest: str, key: dict, own: dict[str, torch.Tensor]) -> fx.Graph
     except OSError as exc:
         log.warning("capture cache: cannot read %s (%s); exporting instead.", sidecar, exc)
         return None
+    if not _private(folder):
+        return None
     program = None
     try:
         meta = json.loads(raw)
@@ -244,10 +247,8 @@ def _from_disk(digest: str, key: dict, own: dict[str, torch.Tensor]) -> fx.Graph
         data = program.read_bytes()
         if len(data) != meta["bytes"] or _sha256(data) != meta["sha256"]:
             raise ValueError(f"{program.name} does not match the sha256 recorded")
-        ep = torch.export.load(io.BytesIO(data))
-        gm = _unlift(ep, own)
-        if gm is None:
-            raise ValueError("its tensors do not match the model's")
+        stored = programs.loads(data)
+        gm = programs.build(stored, own)
     except Exception as exc:  # any failure: drop the entry, export afresh
         STATS["dropped"] += 1
         log.warning(
@@ -258,18 +259,33 @@ def _from_disk(digest: str, key: dict, own: dict[str, torch.Tensor]) -> fx.Graph
         )
         _drop(sidecar, raw, program)
         return None
-    _remember(digest, ep)
+    _remember(digest, stored)
     STATS["disk"] += 1
     return gm
 
 
-def _write(digest: str, key: dict, ep: torch.export.ExportedProgram) -> None:
+def _private(folder: Path) -> bool:
+    """Whether only this user can write ``folder`` (entries are pickles: never read one that
+    another user could have written); warns once per folder when not."""
+    if not hasattr(os, "getuid"):
+        return True
+    st = folder.stat()
+    if st.st_uid == os.getuid() and not st.st_mode & 0o022:
+        return True
+    if folder not in _unwritable:
+        log.warning(
+            "capture cache: not reading %s: other users can write to it; make it private "
+            "(chmod go-w) or set LOOPTOOL_CACHE to a private folder.",
+            folder,
+        )
+        _unwritable.add(folder)
+    return False
+
+
+def _write(digest: str, key: dict, data: bytes) -> None:
     folder = directory()
-    buf = io.BytesIO()
-    torch.export.save(ep, buf)
-    data = buf.getvalue()
     sha = _sha256(data)
-    name = f"{digest}-{sha[:16]}.pt2"  # content-named: a sidecar always names a complete file
+    name = f"{digest}-{sha[:16]}.fx"  # content-named: a sidecar always names a complete file
     meta = {
         "format": FORMAT,
         "key": json.loads(_canonical(key)),
@@ -278,7 +294,7 @@ def _write(digest: str, key: dict, ep: torch.export.ExportedProgram) -> None:
         "bytes": len(data),
         "sha256": sha,
     }
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     _atomic_write(folder / name, data)
     _atomic_write(folder / f"{digest}.json", (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode())
     log.debug("capture cache: stored %s (%d bytes)", name, len(data))
@@ -314,62 +330,9 @@ def _own_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
 
 
-def _placeholder(t: torch.Tensor) -> torch.Tensor:
-    m = torch.empty_like(t, device="meta")
-    return nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
-
-
-def _strip(ep: torch.export.ExportedProgram, own: dict[str, torch.Tensor]) -> torch.export.ExportedProgram:
-    """``ep`` holding ``meta`` placeholders in place of the model's tensors (the graph shared)."""
-    out = copy.copy(ep)
-    out._state_dict = {n: _placeholder(t) for n, t in ep.state_dict.items()}
-    out._constants = {
-        n: _placeholder(t) if n in own and isinstance(t, torch.Tensor) else t for n, t in ep.constants.items()
-    }
-    return out
-
-
-def _unlift(ep: torch.export.ExportedProgram, own: dict[str, torch.Tensor]) -> fx.GraphModule | None:
-    """``ep.module()`` with the program's parameters and buffers rebound, by name, to the
-    model's own tensors (None if they do not match: the entry is stale)."""
-
-    def bound(name: str, stored):
-        t = own.get(name)
-        if t is None or not isinstance(stored, torch.Tensor):
-            return None
-        if (
-            tuple(t.shape) != tuple(stored.shape)
-            or t.dtype != stored.dtype
-            or isinstance(t, nn.Parameter) != isinstance(stored, nn.Parameter)
-        ):
-            return None
-        return t
-
-    state = {}
-    for name, stored in ep.state_dict.items():
-        state[name] = bound(name, stored)
-        if state[name] is None:
-            return None
-    constants = {}
-    for name, stored in ep.constants.items():
-        if name in own:
-            constants[name] = bound(name, stored)
-            if constants[name] is None:
-                return None
-        else:  # a tensor the export created (a lifted constant): each capture gets its own copy
-            constants[name] = stored.clone() if isinstance(stored, torch.Tensor) else stored
-    program = copy.copy(ep)
-    program._state_dict, program._constants = state, constants
-    gm = program.module()
-    tensors = {**dict(gm.named_buffers(remove_duplicate=False)), **dict(gm.named_parameters(remove_duplicate=False))}
-    if any(name in own and t is not own[name] for name, t in tensors.items()):
-        return None
-    return gm
-
-
 def _own_meta(gm: fx.GraphModule) -> fx.GraphModule:
     """Give every node its own copies of the metadata containers (``nn_module_stack``,
-    ``source_fn_stack``, ...), which unlifting shares with the program it came from."""
+    ``from_node``, ...), which a build shares with the stored program."""
     for node in gm.graph.nodes:
         for k, v in node.meta.items():
             if type(v) is dict:
@@ -379,14 +342,10 @@ def _own_meta(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _shape_env_state(ep: torch.export.ExportedProgram):
+def _shape_env_state(program: programs.Program):
     """A fingerprint of the program's ShapeEnv (guards, replacements, ranges)."""
-    for node in ep.graph.nodes:
-        mode = getattr(node.meta.get("val"), "fake_mode", None)
-        env = getattr(mode, "shape_env", None)
-        if env is not None:
-            break
-    else:
+    env = program.shape_env()
+    if env is None:
         return None
     deferred = getattr(env, "deferred_runtime_asserts", {}) or {}
     return (
@@ -441,7 +400,8 @@ def _json_default(obj):
 def _export_code_hash() -> str:
     """What looptool's own export code looks like (a change of it must miss)."""
     here = Path(__file__)  # export.py sits beside this module (read, not imported: it imports this one)
-    return _sha256(here.with_name("export.py").read_bytes() + here.read_bytes())[:16]
+    parts = [here.with_name(name).read_bytes() for name in ("export.py", "programs.py")]
+    return _sha256(b"".join(parts) + here.read_bytes())[:16]
 
 
 def _model_code_hash(model: nn.Module) -> str:
