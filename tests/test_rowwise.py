@@ -189,3 +189,36 @@ def test_slot_cache_copy_row_and_shift_left():
         assert torch.equal(b[1:, :, 3:], o[1:, :, 3:])  # the tail keeps its values
     with pytest.raises(LooptoolError, match="cannot shift"):
         cache.shift_left(6)
+
+
+def test_generate_cli_one_budget_per_prompt(model_dir):
+    from typer.testing import CliRunner
+
+    from looptool.cli import app
+
+    args = ["generate", str(model_dir), "-p", "We", "-p", "The cat", "-p", "A", "--max-new-tokens", "3"]
+    res = CliRunner().invoke(app, [*args, "--budget", "0,2,1"])
+    assert res.exit_code == 0, res.output
+    assert "budgets 0,2,1" in res.output and "per row" in res.output
+    table = res.output[res.output.index("per row") :]
+    rows = [line.split("│") for line in table.splitlines() if line.startswith("│")]
+    assert [(r[1].strip(), r[2].strip(), r[3].strip()) for r in rows] == [
+        ("0", "0", "4"),
+        ("1", "2", "6"),
+        ("2", "1", "5"),
+    ]
+    for bad, message in [
+        ("0,9,1", "not in this model's budget menu"),
+        ("0,1", "2 budgets for 3 --prompt(s)"),
+        ("0,1.5,2", "'1.5' is not an integer"),
+    ]:
+        res = CliRunner().invoke(app, [*args, "--budget", bad])
+        assert res.exit_code == 1 and message in res.output, (bad, res.output)
+
+
+def test_looped_model_generate_takes_row_budgets():
+    model = _model("prefix-llama")
+    prompt, mask = _batch(3)
+    ids = model.generate(prompt, attention_mask=mask, budget=[2, 0, 1], max_new_tokens=2, eos_token_id=None)
+    ref = generate(model, prompt, attention_mask=mask, budget=[2, 0, 1], max_new_tokens=2).sequences
+    assert torch.equal(ids, ref)

@@ -12,7 +12,6 @@ from rich.table import Table
 
 from looptool.cli.application import app, console, friendly, out
 from looptool.cli.options import (
-    Budget,
     Device,
     Kv,
     MaxNewTokens,
@@ -32,13 +31,35 @@ from looptool.cli.options import (
 from looptool.cli.progress import progress
 from looptool.core.errors import LooptoolError
 
+RowBudgets = Annotated[
+    str | None,
+    typer.Option("--budget", help="Budget to run, or one per --prompt, e.g. 0,6,12 (default: the deepest)."),
+]
+
+
+def parse_row_budgets(text: str | None, prompts: int) -> int | list[int] | None:
+    """``--budget``: one budget (an int), one per prompt (``0,6,12``: a list), or None."""
+    if text is None:
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    for part in parts:
+        if not part.lstrip("-").isdigit():
+            raise LooptoolError(f"--budget {text!r}: {part!r} is not an integer; give whole numbers such as 0,6,12.")
+    if len(parts) == 1:
+        return int(parts[0])
+    if len(parts) != prompts:
+        raise LooptoolError(
+            f"--budget gives {len(parts)} budgets for {prompts} --prompt(s); give one budget, or one per --prompt."
+        )
+    return [int(p) for p in parts]
+
 
 @app.command()
 @friendly
 def generate(
     model_dir: ModelDir,
     prompt: Prompt,
-    budget: Budget = None,
+    budget: RowBudgets = None,
     max_new_tokens: MaxNewTokens = 64,
     kv: Kv = "per-loop",
     temperature: Temperature = 0.0,
@@ -49,13 +70,15 @@ def generate(
     tokenizer: Tokenizer = None,
     device: Device = "auto",
 ) -> None:
-    """Generate text at one budget with a KV cache; report tokens/s and KV bytes per token."""
+    """Generate text with a KV cache at one budget, or one budget per prompt (--budget 0,6,12: the
+    rows run together, each at its own budget); report tokens/s, KV bytes and each row's cost."""
     from looptool.runtime import text
-    from looptool.runtime.generation import cached_paths, check_sampling
+    from looptool.runtime.generation import cached_paths, check_sampling, row_budgets, rowwise_path
     from looptool.runtime.generation import generate as run_generate
     from looptool.storage.load import load
 
     check_prompts(prompt, stream)
+    budgets = parse_row_budgets(budget, len(prompt))
     check_kv_names(kv)
     check_sampling(max_new_tokens, temperature, top_k, top_p)  # all before the slow load
     device = str(parse_device(device))
@@ -63,9 +86,11 @@ def generate(
         with steps.stage(f"loading {model_dir}"):
             model = load(model_dir, device=device)
         tok = text.model_tokenizer(model, tokenizer)
-        budget = model.check_budget(budget)
+        rows = row_budgets(model, budgets, len(prompt))
         with steps.stage(f"building cached budget paths ({kv})"):
             cached_paths(model, kv)
+            if len(set(rows)) > 1:
+                rowwise_path(model, kv)
     enc = text.encode_prompts(tok, prompt)
     result = _stream_generation(
         tok,
@@ -75,7 +100,7 @@ def generate(
             model,
             enc["input_ids"].to(device),
             attention_mask=enc["attention_mask"].to(device),
-            budget=budget,
+            budget=list(rows),
             max_new_tokens=max_new_tokens,
             kv=kv,
             temperature=temperature,
@@ -87,7 +112,8 @@ def generate(
             on_step=on_step,
         ),
     )
-    _print_generation(tok, prompt, enc, result, stream, f"budget {budget} · kv {kv} · batch {len(prompt)}")
+    shown = f"budget {rows[0]}" if len(set(rows)) == 1 else f"budgets {','.join(map(str, rows))}"
+    _print_generation(tok, prompt, enc, result, stream, f"{shown} · kv {kv} · batch {len(prompt)}")
 
 
 @app.command(name="run")
@@ -95,7 +121,7 @@ def generate(
 def run_cmd(
     engine_dir: Annotated[Path, typer.Argument(help="An engine directory (from looptool export).")],
     prompt: Prompt,
-    budget: Budget = None,
+    budget: RowBudgets = None,
     max_new_tokens: MaxNewTokens = 64,
     kv: Kv = "per-loop",
     capacity: Annotated[
@@ -115,11 +141,15 @@ def run_cmd(
         str, typer.Option(help="onnx (onnxruntime) or tensorrt (the built engines, on a GPU).")
     ] = "onnx",
 ) -> None:
-    """Generate with onnxruntime or TensorRT from an exported engine, with its KV cache (like generate)."""
+    """Generate with onnxruntime or TensorRT from an exported engine, with its KV cache (like generate);
+    --budget 0,6,12 runs one budget per prompt through the engine's row-wise graph (onnx)."""
     from looptool.backends.engines import engine_name, open_runtime
     from looptool.runtime import text
 
     check_prompts(prompt, stream)
+    budgets = parse_row_budgets(budget, len(prompt))
+    if isinstance(budgets, list) and backend == "tensorrt":
+        raise LooptoolError("--budget with one budget per prompt runs on --backend onnx; TensorRT runs one budget.")
     if capacity is not None and capacity < 1:
         raise LooptoolError("--capacity must be at least 1.")
     check_backend(backend)
@@ -130,9 +160,11 @@ def run_cmd(
             "this engine was exported without a tokenizer; pass --tokenizer PATH (a Hugging Face tokenizer folder)."
         )
     tok = text.load_tokenizer(source)
-    budget = rt.budgets[-1] if budget is None else budget
+    budget = rt.budgets[-1] if budgets is None else budgets
+    graph = budget
     if backend == "onnx":
-        rt.session(budget, kv)  # bad budget or policy: fail before tokenising
+        graph, _ = rt.resolve_budget(budget, len(prompt), kv)
+        rt.session(graph, kv)  # bad budget or policy, no row-wise graph: fail before tokenising
     enc = text.encode_prompts(tok, prompt)
     result = _stream_generation(
         tok,
@@ -154,8 +186,9 @@ def run_cmd(
             on_step=on_step,
         ),
     )
-    engine = engine_name(rt, backend, budget, kv)
-    _print_generation(tok, prompt, enc, result, stream, f"budget {budget} · kv {kv} · {engine} · batch {len(prompt)}")
+    engine = engine_name(rt, backend, graph, kv)
+    shown = f"budgets {','.join(map(str, budget))}" if isinstance(budget, list) else f"budget {budget}"
+    _print_generation(tok, prompt, enc, result, stream, f"{shown} · kv {kv} · {engine} · batch {len(prompt)}")
 
 
 def _stream_generation(tok, prompt: list[str], stream: bool, run):
@@ -198,4 +231,26 @@ def _print_generation(tok, prompt: list[str], enc, result, stream: bool, title: 
         human_bytes(result.kv_bytes_per_token),
         human_bytes(result.kv_bytes),
     )
+    console.print(table)
+    budgets = getattr(result, "budgets", ())
+    if len(budgets) > 1:
+        _print_row_costs(budgets, getattr(result, "row_costs", ()))
+
+
+def _print_row_costs(budgets, costs) -> None:
+    """Each row's budget and per-token cost (its budget's cost-table row, when known)."""
+    from looptool.report.tables import human_bytes
+
+    table = Table(title="per row", title_justify="left")
+    for col in ("row", "budget", "layers/tok", "FLOPs/tok (rel.)", "KV/tok (per-loop)"):
+        table.add_column(col, justify="right")
+    for row, budget in enumerate(budgets):
+        cost = costs[row] if row < len(costs) else None
+        table.add_row(
+            str(row),
+            str(budget),
+            str(cost.layer_executions) if cost else "-",
+            f"{cost.relative_flops:.2f}x" if cost else "-",
+            human_bytes(cost.kv_bytes_per_token) if cost else "-",
+        )
     console.print(table)

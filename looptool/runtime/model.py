@@ -294,13 +294,13 @@ class LoopedModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         *,
-        budget: int | None = None,
+        budget: int | list[int] | torch.Tensor | None = None,
         max_new_tokens: int = 32,
         kv: str = "per-loop",
         **kwargs,
     ) -> torch.Tensor:
-        """Generate at ``budget`` with a KV cache (``kv="per-loop"`` or ``"last-loop"``);
-        returns ``[batch, prompt + new]`` token ids like transformers' ``generate``.
+        """Generate at ``budget`` (one for all rows, or a list / tensor with one per row) with a
+        KV cache (``kv="per-loop"`` or ``"last-loop"``); returns ``[batch, prompt + new]`` ids.
 
         Greedy by default; ``temperature``, ``top_k``, ``top_p``, ``seed``,
         ``attention_mask`` (left padding), ``eos_token_id`` (default: the config's) and
