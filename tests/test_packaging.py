@@ -39,6 +39,7 @@ COMMANDS = (
     "plot",
     "export",
     "run",
+    "serve",
 )
 
 

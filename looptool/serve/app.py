@@ -221,13 +221,15 @@ def _submit(batch: BatchEngine, job: Job) -> asyncio.Queue:
 
 
 async def _pieces(batch: BatchEngine, job: Job, queue: asyncio.Queue, choice: Choice) -> AsyncIterator[str]:
-    """The text pieces of ``job`` until it finishes; the job is cancelled (its slot freed) if
-    the consumer stops early (a disconnected client) or a stop string ends it."""
+    """The text piece of each token of ``job`` (and any text left at the end) until it finishes;
+    the job is cancelled (its slot freed) if the consumer stops early (a disconnected client)
+    or a stop string ends it."""
     try:
         while not choice.done:
-            piece = choice.push(await queue.get())
-            if piece:
-                yield piece
+            event = await queue.get()
+            piece = choice.push(event)
+            if event.kind == "token" or piece:
+                yield piece  # one chunk per token (empty while text is held back), so clients can time tokens
         if choice.failed:
             raise APIError(f"generation failed: {choice.failed}", status=500)
     finally:

@@ -1,0 +1,61 @@
+"""``looptool serve``: an OpenAI-compatible server over a looped model directory (PyTorch) or
+an exported engine directory (onnxruntime), each request at its own budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from looptool.cli.application import app, console, friendly
+from looptool.cli.options import Device, Kv, Tokenizer, check_kv_names, check_sizes
+from looptool.cli.progress import progress
+
+
+@app.command()
+@friendly
+def serve(
+    model_dir: Annotated[
+        Path, typer.Argument(help="A looped model directory (PyTorch) or an exported engine directory (onnxruntime).")
+    ],
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    served_model_name: Annotated[
+        str | None,
+        typer.Option(help="Model id clients ask for (default: the directory's name); NAME@k picks budget k."),
+    ] = None,
+    default_budget: Annotated[
+        int | None, typer.Option(help="Budget of the plain model id (default: the deepest).")
+    ] = None,
+    effort: Annotated[
+        str | None,
+        typer.Option(help="reasoning_effort ladder, e.g. low=0,medium=6,high=12 (default: spread over the menu)."),
+    ] = None,
+    max_batch: Annotated[int, typer.Option(help="Cache slots: requests decoded together.")] = 8,
+    capacity: Annotated[int, typer.Option(help="Tokens per slot (prompt plus completion).")] = 1024,
+    max_queue: Annotated[int, typer.Option(help="Requests that may wait for a slot; beyond it: 503.")] = 64,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="LOOPTOOL_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1.")
+    ] = None,
+    device: Device = "auto",
+    kv: Kv = "per-loop",
+    tokenizer: Tokenizer = None,
+    threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads (engine directories).")] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning",
+) -> None:
+    """Serve a model over HTTP (OpenAI API): every request picks its own budget."""
+    from looptool.serve import ServeOptions, prepare
+
+    check_kv_names(kv)
+    check_sizes(max_batch=max_batch, capacity=capacity)
+    options = ServeOptions(host, port, max_batch, capacity, max_queue, default_budget, effort, api_key, log_level)
+    options.check()
+    with progress() as steps:
+        with steps.stage(f"loading {model_dir}"):
+            server = prepare(
+                model_dir, options, name=served_model_name, device=device, kv=kv, tokenizer=tokenizer, threads=threads
+            )
+    console.print(f"serving {', '.join(server.model_ids)} at {server.url}", highlight=False, soft_wrap=True)
+    server.run()
+    console.print("server stopped", highlight=False)

@@ -1,0 +1,253 @@
+"""Serving load on ``looptool serve``: a bounded load generator (asyncio + httpx, a fixed number
+of streamed requests, stops by itself) reporting what serving benchmarks report.
+
+Per scenario: completed / failed requests, request and output-token throughput, and TTFT,
+TPOT (time per output token after the first) and end-to-end latency (mean, p50, p99), overall
+and per budget. Scenarios, run in interleaved rounds (the machine is noisy):
+
+``single``  one stream at a time at ``--budget`` (default: the middle of the menu);
+``mixed``   ``--concurrency`` streams at once spread over every budget (request i at
+            menu[i % len(menu)]);
+``inproc``  ``looptool.runtime.generation.generate`` in this process, same prompt, budget and
+            token count as ``single`` (tokens / (prefill + decode) seconds).
+
+Targets (issue text; SmolLM2-135M 8:20, budgets 0,3,6,9,12, 2 cores): mixed output tok/s ≥ 4×
+single's, mixed p50 TPOT ≤ 2.5× single's, single tok/s ÷ inproc tok/s ≥ 0.9. Every request
+uses ``ignore_eos`` so each one generates exactly ``--new`` tokens.
+
+Run: python tests/bench/bench_serve.py MODEL_DIR [--runs 3] [--requests 16] [--concurrency 8]
+[--prompt 64] [--new 64] [--device cpu] [--out FILE]. Starts its own server on a free port
+(``--url`` uses a running one instead). GPU check: --shape llama-1b --device cuda --dtype
+bfloat16 (random weights of that shape, byte tokenizer, no download). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+SOTU = Path(__file__).resolve().parents[1] / "data" / "sotu"
+
+
+def _stats(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p99": None}
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    return {"mean": statistics.fmean(ordered), "p50": statistics.median(ordered), "p99": p99}
+
+
+def summarise(records: list[dict], wall: float) -> dict:
+    """Serving metrics of one scenario's requests (seconds; throughput per second of wall time)."""
+    ok = [r for r in records if r["ok"]]
+    out = {
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "wall_s": wall,
+        "request_throughput": len(ok) / wall,
+        "output_throughput": sum(r["tokens"] for r in ok) / wall,
+        "ttft_s": _stats([r["ttft"] for r in ok]),
+        "tpot_s": _stats([r["tpot"] for r in ok if r["tpot"] is not None]),
+        "e2e_s": _stats([r["e2e"] for r in ok]),
+    }
+    per = {}
+    for budget in sorted({r["budget"] for r in records}):
+        mine = [r for r in ok if r["budget"] == budget]
+        per[str(budget)] = {
+            "completed": len(mine),
+            "ttft_s": _stats([r["ttft"] for r in mine]),
+            "tpot_s": _stats([r["tpot"] for r in mine if r["tpot"] is not None]),
+            "e2e_s": _stats([r["e2e"] for r in mine]),
+        }
+    out["per_budget"] = per
+    return out
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], budget: int, new: int) -> dict:
+    body = {
+        "model": f"{model}@{budget}",
+        "prompt": prompt,
+        "max_tokens": new,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    first, tokens = None, 0
+    try:
+        async with client.stream("POST", f"{url}/completions", json=body) as r:
+            if r.status_code != 200:
+                return {"ok": False, "budget": budget, "error": r.status_code}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if data.get("usage"):
+                    tokens = data["usage"]["completion_tokens"]
+                elif first is None and data["choices"]:  # one chunk per token: the first token
+                    first = time.perf_counter()
+    except httpx.HTTPError as exc:
+        return {"ok": False, "budget": budget, "error": type(exc).__name__}
+    end = time.perf_counter()
+    first = first or end
+    tpot = (end - first) / (tokens - 1) if tokens > 1 else None
+    return {"ok": tokens > 0, "budget": budget, "ttft": first - t0, "e2e": end - t0, "tokens": tokens, "tpot": tpot}
+
+
+async def load(url: str, model: str, prompt: list[int], budgets: list[int], new: int, concurrency: int) -> dict:
+    """Send ``len(budgets)`` requests (request i at ``budgets[i]``), at most ``concurrency`` at once."""
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+
+        async def run(budget: int) -> dict:
+            async with gate:
+                return await _one(client, url, model, prompt, budget, new)
+
+        t0 = time.perf_counter()
+        records = await asyncio.gather(*(run(b) for b in budgets))
+        wall = time.perf_counter() - t0
+    return summarise(list(records), wall)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: str, args) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    argv = [sys.executable, "-m", "looptool", "serve", model_dir, "--port", str(port), "--device", args.device]
+    argv += ["--max-batch", str(args.concurrency), "--capacity", str(args.capacity), "--served-model-name", "m"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc, f"http://127.0.0.1:{port}/v1"
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the server did not come up within 600 s")
+
+
+def random_model_dir(shape: str, device: str, dtype) -> Path:
+    """A random-weight model of ``shape`` looped like SmolLM2's 8:20 (budgets 0, m/4, m/2, 3m/4, m),
+    saved with the byte tokenizer in a temporary directory (no download)."""
+    import tempfile
+
+    import torch
+    from shapes import source_model
+
+    import looptool
+    from looptool.testing import byte_tokenizer
+
+    source, _ = source_model(shape, torch.device(device), dtype)
+    layers = source.config.num_hidden_layers
+    start, stop = round(0.267 * layers), round(0.667 * layers)
+    m = stop - start
+    plan = looptool.PrefixLoop(window=(start, stop), budgets=tuple(sorted({0, m // 4, m // 2, 3 * m // 4, m})))
+    model = looptool.convert(source, plan, tokenizer=byte_tokenizer())
+    return model.save_pretrained(Path(tempfile.mkdtemp(prefix="bench-serve-")) / shape)
+
+
+def _range(values: list[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir", nargs="?", help="a looped model directory (or --shape)")
+    ap.add_argument(
+        "--shape", default=None, help="instead: a random-weight model of this shape (tests/bench/shapes.py)"
+    )
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=16, help="requests of the mixed scenario per run")
+    ap.add_argument("--single-requests", type=int, default=3, help="requests of the single scenario per run")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--budget", type=int, default=None, help="budget of single and inproc (default: the middle)")
+    ap.add_argument("--capacity", type=int, default=256)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--url", default=None, help="a running server's /v1 URL (its model id: m)")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "serve.json"))
+    args = ap.parse_args()
+
+    import torch
+
+    import looptool
+    from looptool.runtime.generation import generate
+
+    if args.shape:
+        args.model_dir = str(random_model_dir(args.shape, args.device, getattr(torch, args.dtype)))
+    elif not args.model_dir:
+        ap.error("give MODEL_DIR or --shape")
+    model = looptool.load(args.model_dir, device=args.device)
+    menu = list(model.budgets)
+    budget = args.budget if args.budget is not None else menu[len(menu) // 2]
+    text = (SOTU / sorted(p.name for p in SOTU.glob("2*.txt"))[0]).read_text()
+    prompt = model.tokenizer(text)["input_ids"][: args.prompt]
+    ids = torch.tensor([prompt], device=args.device)
+    generate(model, ids, budget=budget, max_new_tokens=2)  # builds the cached paths
+    proc, url = (None, args.url) if args.url else start_server(args.model_dir, args)
+    runs = []
+    try:
+        for _ in range(args.runs):
+            single = asyncio.run(load(url, "m", prompt, [budget] * args.single_requests, args.new, 1))
+            mixed_budgets = [menu[i % len(menu)] for i in range(args.requests)]
+            mixed = asyncio.run(load(url, "m", prompt, mixed_budgets, args.new, args.concurrency))
+            out = generate(model, ids, budget=budget, max_new_tokens=args.new)
+            runs.append({"single": single, "mixed": mixed, "inproc_tok_s": out.tokens_per_second})
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+    single_tok_s = [r["single"]["output_throughput"] for r in runs]
+    ratios = {
+        "mixed_over_single_tok_s": _range([r["mixed"]["output_throughput"] / s for r, s in zip(runs, single_tok_s)]),
+        "mixed_over_single_p50_tpot": _range(
+            [r["mixed"]["tpot_s"]["p50"] / r["single"]["tpot_s"]["p50"] for r in runs]
+        ),
+        "http_over_inproc_tok_s": _range([s / r["inproc_tok_s"] for r, s in zip(runs, single_tok_s)]),
+    }
+    result = {
+        "bench": "serve",
+        "model": args.shape or Path(args.model_dir).name,
+        "menu": menu,
+        "single_budget": budget,
+        "prompt_tokens": len(prompt),
+        "new_tokens": args.new,
+        "concurrency": args.concurrency,
+        "capacity": args.capacity,
+        "device": args.device,
+        "torch_threads": torch.get_num_threads(),
+        "targets": {
+            "mixed_over_single_tok_s": ">= 4",
+            "mixed_over_single_p50_tpot": "<= 2.5",
+            "http_over_inproc_tok_s": ">= 0.9",
+        },
+        "ratios": ratios,
+        "runs": runs,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({"bench": "serve", "ratios": ratios}))
+
+
+if __name__ == "__main__":
+    main()
