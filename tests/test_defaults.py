@@ -104,6 +104,7 @@ def invocations(w: Workspace) -> list[list[str]]:
         ["lm-eval", w.trained, "--tasks", "lt_choice", "--include-path", w.tasks],
         ["export", w.trained, "-o", w.engine],
         ["run", w.engine, "--prompt", "We the People"],
+        ["serve", w.trained],
         ["export", w.trained, "-o", w.trt, "--backend", "tensorrt", "--build-on-target", "--budget", "0"],
         ["demo"],
     ]
@@ -183,6 +184,8 @@ def _check(args: list[str], w: Workspace, output: str) -> None:
         manifest = json.loads(Path(w.engine, "manifest.json").read_text())
         assert sorted(manifest["budgets"]) == ["0", "1", "2"] and manifest["kv_policies"] == ["per-loop"]
         assert manifest["dtype"] == "float32"
+    elif name == "serve":
+        assert "serving trained, trained@0, trained@1, trained@2 at http://127.0.0.1:8000/v1" in output
     elif name == "demo":
         assert "every budget is bit-identical to the source model" in output
 
@@ -196,6 +199,10 @@ def test_command_runs_with_its_defaults(index, workspace, tmp_path, monkeypatch,
     args = invocations(workspace)[index]
     if args[0] == "demo":
         request.getfixturevalue("smollm2_gguf")  # the default source; skipped with pip's reason where unreachable
+    if args[0] == "serve":  # loading and preparing at the defaults runs here; the HTTP side is tests/test_serve.py's
+        from looptool.serve.server import Server
+
+        monkeypatch.setattr(Server, "run", lambda self: None)
     monkeypatch.chdir(tmp_path)
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, f"{' '.join(args)}\n{res.output}"
