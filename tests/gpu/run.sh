@@ -10,8 +10,9 @@
 # Writes: env.json, pytest_gpu.xml + pytest_gpu.log (tests/gpu, exactness and generation on
 # CUDA; tests/test_kernels.py, the Triton kernels on CUDA), kernels.json (bench_kernels: GB/s
 # against copy bandwidth, MoE TFLOP/s against a dense bf16 GEMM), train_smollm2.json, train_llama1b.json (bench_train: tokens/s per budget and mixed
-# vs plain, MFU, memory with and without --checkpoint), decode.json (bench_decode), and
-# gpu_check.json (all of it, with each stage's exit code and seconds), gpu_check.log.
+# vs plain, MFU, memory with and without --checkpoint), decode.json (bench_decode), serve.json
+# (bench_serve: looptool serve on a 1B-shaped random-weight model, one stream and 8 streams over
+# every budget; numbers only), and gpu_check.json (all of it, with each stage's exit code and seconds), gpu_check.log.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
@@ -73,6 +74,8 @@ stage train_llama1b 170 "$PY" tests/bench/bench_train.py --device "$DEVICE" --sh
     --batch 2 --rounds "$ROUNDS" --schemes prefix --out "$OUT/train_llama1b.json"
 stage decode 90 "$PY" tests/bench/bench_decode.py --device "$DEVICE" --shape "$SMALL" --dtype "$DTYPE" \
     --rounds "$ROUNDS" --new "$NEW" --out "$OUT/decode.json"
+stage serve 120 "$PY" tests/bench/bench_serve.py --shape "$LARGE" --device "$DEVICE" --dtype "$DTYPE" --runs 1 \
+    --requests 16 --concurrency 8 --new "$NEW" --capacity 256 --out "$OUT/serve.json"
 
 "$PY" - "$OUT" "${STAGES[@]}" <<'PY'
 import json, sys
@@ -83,7 +86,7 @@ for item in sys.argv[2:]:
     name, rc, seconds = item.rsplit(":", 2)
     stages[name] = {"rc": int(rc), "seconds": int(seconds)}
 result = {"stages": stages}
-for name in ("env", "kernels", "train_smollm2", "train_llama1b", "decode"):
+for name in ("env", "kernels", "train_smollm2", "train_llama1b", "decode", "serve"):
     path = out / f"{name}.json"
     if path.exists():
         result[name] = json.loads(path.read_text())
