@@ -29,6 +29,7 @@ def export_options(
     kv: str | Iterable[str] = "per-loop",
     compose: bool = True,
     ort_fusions: bool = False,
+    rowwise: bool = True,
     precision: str = "fp16",
     build_on_target: bool = False,
     max_batch: int = 8,
@@ -39,10 +40,11 @@ def export_options(
     or :func:`looptool.backends.tensorrt.export_tensorrt`), checked now, before a model is
     loaded: the TensorRT settings (``precision``, ``max_*``, ``build_on_target``) apply to
     ``tensorrt`` only, ``ort_fusions`` to ``onnx`` only; building engines (``tensorrt``
-    without ``build_on_target``) needs TensorRT installed."""
+    without ``build_on_target``) needs TensorRT installed. ``rowwise`` adds the row-wise-budget
+    graph per policy (both backends)."""
     check_backend(backend)
     if backend == "onnx":
-        return dict(kv=kv, compose=compose, ort_fusions=ort_fusions)
+        return dict(kv=kv, compose=compose, ort_fusions=ort_fusions, rowwise=rowwise)
     from looptool.backends.tensorrt import check_precision, require_tensorrt
 
     check_precision(precision)
@@ -57,6 +59,7 @@ def export_options(
     return dict(
         kv=kv,
         compose=compose,
+        rowwise=rowwise,
         precision=precision,
         build_on_target=build_on_target,
         max_batch=max_batch,

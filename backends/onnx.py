@@ -49,6 +49,7 @@ from looptool.backends.onnx_format import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
+    ROWWISE,
     WEIGHTS,
     EngineError,
     ExportError,
@@ -60,6 +61,7 @@ from looptool.backends.onnx_optimize import simplify, strip_metadata
 from looptool.backends.onnx_outline import outline_looptool_functions
 from looptool.backends.onnx_store import INLINE_LIMIT, WeightStore, externalize, to_numpy
 from looptool.backends.onnx_validate import DEFAULT_ATOL, FP16_ATOL, default_atol, validate_engine, validation_prompts
+from looptool.backends.serving import example_budgets
 from looptool.core.errors import require_extra
 
 __all__ = [  # the engine format, store, optimisation and validation names stay importable from here
@@ -69,6 +71,7 @@ __all__ = [  # the engine format, store, optimisation and validation names stay 
     "FORMAT_VERSION",
     "INLINE_LIMIT",
     "MANIFEST",
+    "ROWWISE",
     "WEIGHTS",
     "BudgetExport",
     "EngineError",
@@ -96,9 +99,10 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16)
 # ---------------------------------------------------------------------------- reports
 @dataclass
 class BudgetExport:
-    """What exporting one budget's graph under one KV policy produced."""
+    """What exporting one budget's graph under one KV policy produced (``budget``
+    :data:`ROWWISE` for the row-wise-budget graph)."""
 
-    budget: int
+    budget: int | str
     kv: str
     file: str
     bytes: int
@@ -124,6 +128,7 @@ class ExportReport:
     layer_seconds: float = 0.0  # time spent exporting them
     validation_seconds: float = 0.0
     fusions: dict[str, dict[str, int]] = field(default_factory=dict)  # onnxruntime fusions per body
+    rowwise: list[BudgetExport] = field(default_factory=list)  # the row-wise graphs, one per policy
 
     @property
     def total_bytes(self) -> int:
@@ -138,7 +143,8 @@ class ExportReport:
     @property
     def max_abs_diff(self) -> float:
         """Worst ORT-vs-PyTorch difference over every graph and input."""
-        return max((d for b in self.budgets for d in b.max_abs_diff.values()), default=float("nan"))
+        graphs = [*self.budgets, *self.rowwise]
+        return max((d for b in graphs for d in b.max_abs_diff.values()), default=float("nan"))
 
     def as_dict(self) -> dict:
         """JSON-ready summary."""
@@ -149,9 +155,12 @@ class ExportReport:
 
 # ---------------------------------------------------------------------------- export
 def resolve_budgets(model, budgets: int | str | Iterable[int] | None) -> tuple[int, ...]:
-    """``"all"``/None → every budget; an int or ints → checked against the menu."""
+    """``"all"``/None → every budget; ``"none"`` or no ints → no per-budget graph (an engine of
+    row-wise graphs only); an int or ints → checked against the menu."""
     if budgets is None or budgets == "all":
         return model.budgets
+    if budgets == "none":
+        return ()
     if isinstance(budgets, str):
         try:
             budgets = [int(b) for b in budgets.split(",")]
@@ -187,6 +196,7 @@ def export_onnx(
     kv: str | Iterable[str] = "per-loop",
     compose: bool = True,
     ort_fusions: bool = False,
+    rowwise: bool = True,
     overwrite: bool = False,
     validate: bool = True,
     atol: float | None = None,
@@ -196,6 +206,11 @@ def export_onnx(
     """Export budget paths of ``model`` (a :class:`looptool.LoopedModel`) to an engine
     directory ``output`` sharing one ``weights.bin``: one serving graph per budget and KV
     policy (``kv``: ``per-loop``, ``last-loop``, a comma-separated list or ``all``).
+
+    ``rowwise=True`` also writes, per policy, the row-wise-budget graph ``rowwise.<policy>.onnx``
+    (input ``budgets [batch]``: every row runs its own budget of the whole menu, over the
+    deepest budget's caches), beside the per-budget graphs: a batch whose rows share one budget
+    keeps running that budget's own, cheaper graph.
 
     ``compose=True`` builds the graphs from layer functions, each distinct layer body
     exported once (falls back to a flat export per graph where that fails).
@@ -207,12 +222,14 @@ def export_onnx(
     """
     require_extra("onnx", "ONNX export", "onnx", "onnxscript", "onnx_ir", *(("onnxruntime",) if validate else ()))
     from looptool.backends.onnx_layers import LayerLibrary
-    from looptool.backends.serving import serving_graph
+    from looptool.backends.serving import rowwise_serving_graph, serving_graph
     from looptool.storage.files import commit_output_dir, prepare_output_dir
 
     say = on_progress or (lambda text: None)
     chosen = resolve_budgets(model, budgets)
     policies = resolve_policies(model, kv)
+    if not chosen and not rowwise:
+        raise ExportError("no graph to export: pick budgets, or keep rowwise=True.", parameter="budgets")
     _check_exportable(model, _SUPPORTED_DTYPES + ((torch.bfloat16,) if _allow_bf16 else ()))
     final, temp = prepare_output_dir(output, overwrite)
     t0 = time.perf_counter()
@@ -221,15 +238,19 @@ def export_onnx(
         store = WeightStore(temp / WEIGHTS)
         known = _model_tensor_digests(model)
         results: list[BudgetExport] = []
-        graphs: dict[tuple[int, str], dict] = {}
+        rowwise_results: list[BudgetExport] = []
+        graphs: dict[tuple[int | str, str], dict] = {}
         try:
             for policy in policies:
-                for budget in chosen:
-                    say(f"exporting budget {budget} ({policy})")
-                    result, entry = _export_graph(
-                        serving_graph(model, budget, policy), budget, policy, temp, store, known, library
+                for budget in (*chosen, *((ROWWISE,) if rowwise else ())):
+                    say(f"exporting {'the row-wise graph' if budget == ROWWISE else f'budget {budget}'} ({policy})")
+                    sg = (
+                        rowwise_serving_graph(model, policy)
+                        if budget == ROWWISE
+                        else serving_graph(model, budget, policy)
                     )
-                    results.append(result)
+                    result, entry = _export_graph(sg, budget, policy, temp, store, known, library)
+                    (rowwise_results if budget == ROWWISE else results).append(result)
                     graphs[budget, policy] = entry
         finally:
             store.close()
@@ -241,7 +262,7 @@ def export_onnx(
         if validate:
             say("validating with onnxruntime")
             diffs = validate_engine(model, temp, atol=atol)
-            for r in results:
+            for r in [*results, *rowwise_results]:
                 r.max_abs_diff = diffs[r.budget, r.kv]
                 graphs[r.budget, r.kv]["max_abs_diff"] = r.max_abs_diff
             write_manifest(model, temp, store, graphs, functions, ort_fusions)
@@ -259,12 +280,14 @@ def export_onnx(
             layer_seconds=sum(b.seconds for b in bodies),
             validation_seconds=t_validate,
             fusions=functions,
+            rowwise=rowwise_results,
         )
         commit_output_dir(final, temp)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
-    log.info("exported %d graphs to %s (%.3f x parameter bytes)", len(results), final, report.disk_ratio)
+    n = len(results) + len(rowwise_results)
+    log.info("exported %d graphs to %s (%.3f x parameter bytes)", n, final, report.disk_ratio)
     return report
 
 
@@ -308,9 +331,10 @@ def serving_example(sg) -> tuple[list[torch.Tensor], tuple]:
     ids = torch.zeros(batch, step, dtype=torch.long)
     steps = torch.arange(step)
     caches = [torch.zeros(batch, p.kv_heads, capacity, p.head_dim, dtype=dtype) for p in sg.layout.pairs for _ in "kv"]
-    args = [ids, torch.ones(batch, capacity, dtype=mask_dtype), steps.expand(batch, step), steps, *caches]
+    budgets = [example_budgets(sg.menu, batch)] if sg.rowwise else []
+    args = [ids, torch.ones(batch, capacity, dtype=mask_dtype), steps.expand(batch, step), steps, *budgets, *caches]
     b, t, s = Dim("batch"), Dim("step"), Dim("capacity")
-    shapes = ({0: b, 1: t}, {0: b, 1: s}, {0: b, 1: t}, {0: t}, *[{0: b, 2: s}] * len(caches))
+    shapes = ({0: b, 1: t}, {0: b, 1: s}, {0: b, 1: t}, {0: t}, *[{0: b}] * len(budgets), *[{0: b, 2: s}] * len(caches))
     return args, shapes
 
 
@@ -370,7 +394,9 @@ def export_program(
         logger.removeFilter(_TORCHVISION_NOTICE[1])
 
 
-def _export_graph(sg, budget: int, policy: str, directory: Path, store: WeightStore, known: dict[str, str], library):
+def _export_graph(
+    sg, budget: int | str, policy: str, directory: Path, store: WeightStore, known: dict[str, str], library
+):
     """Export one serving graph (composed from layer functions when ``library`` is given),
     externalise its weights and save it; returns its report and manifest entry."""
     import onnx_ir as ir
@@ -382,7 +408,7 @@ def _export_graph(sg, budget: int, policy: str, directory: Path, store: WeightSt
             onnx_model, calls = _compose(sg, library)
         except Exception as exc:  # noqa: BLE001  (any failure of the composed route: trace flat instead)
             log.warning(
-                "budget %d (%s): composing from layer functions failed (%s: %s); exporting it flat",
+                "budget %s (%s): composing from layer functions failed (%s: %s); exporting it flat",
                 budget,
                 policy,
                 type(exc).__name__,
@@ -412,6 +438,7 @@ def _export_graph(sg, budget: int, policy: str, directory: Path, store: WeightSt
     )
     entry = {
         "file": path.name,
+        **({"menu": list(sg.menu)} if sg.rowwise else {}),
         "initializers": names,
         "fused": sg.fused,
         "composed": bool(calls),
@@ -427,7 +454,7 @@ def _compose(sg, library) -> tuple[object, dict[str, int]]:
     from looptool.backends.onnx_functions import OPSET
 
     comp = library.partition(sg)
-    library.record_examples(comp, sg.layout)
+    library.record_examples(comp, sg)
     library.export_functions(comp, functools.partial(_body_model, ort_fusions=library.ort_fusions))
     onnx_model = library.assemble(comp, sg, {"": OPSET})
     calls: dict[str, int] = {}

@@ -17,6 +17,7 @@ FORMAT = "looptool-onnx-engine"
 FORMAT_VERSION = 2  # 2: serving graphs with KV caches, one per budget and policy
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.bin"
+ROWWISE = "rowwise"  # the row-wise-budget graph's key (in place of a budget) and manifest section
 
 
 class ExportError(LooptoolError):
@@ -27,31 +28,36 @@ class EngineError(LooptoolError):
     """An engine directory is incomplete, tampered with or points outside itself."""
 
 
-def budget_file(budget: int, kv: str = "per-loop") -> str:
-    """File name of one budget's graph under KV policy ``kv``."""
-    return f"budget_{budget}.{kv}.onnx"
+def budget_file(budget: int | str, kv: str = "per-loop") -> str:
+    """File name of one budget's graph under KV policy ``kv`` (``budget`` :data:`ROWWISE`: the
+    row-wise-budget graph, ``rowwise.<policy>.onnx``)."""
+    return f"{ROWWISE}.{kv}.onnx" if budget == ROWWISE else f"budget_{budget}.{kv}.onnx"
 
 
 def write_manifest(
     model,
     directory: Path,
     store: WeightStore,
-    graphs: dict[tuple[int, str], dict],
+    graphs: dict[tuple[int | str, str], dict],
     functions: dict[str, dict[str, int]],
     ort_fusions: bool,
 ) -> None:
+    """Write ``manifest.json``: ``graphs`` maps ``(budget, policy)`` to each graph's entry; the
+    row-wise graphs (key :data:`ROWWISE`) go to the ``rowwise`` section, by policy."""
     from looptool.backends.onnx_functions import DOMAIN, DOMAIN_VERSION, OPSET
-    from looptool.backends.serving import INPUTS, LOGITS
+    from looptool.backends.serving import BUDGETS, INPUTS, LOGITS
     from looptool.core.version import __version__
 
     budgets: dict[str, dict] = {}
-    for (budget, policy), info in sorted(graphs.items()):
+    rowwise: dict[str, dict] = {}
+    order = {key: (key[0] == ROWWISE, 0 if key[0] == ROWWISE else key[0], key[1]) for key in graphs}
+    for (budget, policy), info in sorted(graphs.items(), key=lambda item: order[item[0]]):
         path = directory / info["file"]
-        budgets.setdefault(str(budget), {})[policy] = {
-            **info,
-            "sha256": sha256_file(path),
-            "bytes": path.stat().st_size,
-        }
+        entry = {**info, "sha256": sha256_file(path), "bytes": path.stat().st_size}
+        if budget == ROWWISE:
+            rowwise[policy] = entry
+        else:
+            budgets.setdefault(str(budget), {})[policy] = entry
     mask_dtype = str(model.mask_dtype).removeprefix("torch.")
     manifest = {
         "format": FORMAT,
@@ -68,13 +74,17 @@ def write_manifest(
             "caches": "past_key_values.{j}.key / .value [batch, kv_heads, capacity, head_dim] in, present.{j}.key / "
             ".value out (same buffers may be bound to both)",
             "outputs": {LOGITS: "[batch, 1, vocab] (last position)"},
+            "rowwise": f"the {ROWWISE} graphs take {BUDGETS} int64 [batch] (each row's budget) after "
+            f"{INPUTS[-1]}; their caches are the deepest budget's",
         },
         "kv_policies": sorted({policy for _, policy in graphs}),
         "functions": {"ort_fusions": ort_fusions, "fused_per_body": functions},
         "mask_dtype": mask_dtype,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "plan": model.plan.to_dict(),
+        "costs": [c.as_dict() for c in model.cost_table()],  # per budget: what a row at it costs per token
         "budgets": budgets,
+        ROWWISE: rowwise,
         "weights": {
             "file": WEIGHTS,
             "sha256": sha256_file(directory / WEIGHTS),

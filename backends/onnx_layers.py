@@ -35,7 +35,7 @@ import torch
 from torch import fx
 
 from looptool.backends.onnx_store import to_numpy
-from looptool.backends.serving import LOGITS, ServingGraph
+from looptool.backends.serving import BUDGETS, LOGITS, ServingGraph, example_budgets
 from looptool.core.errors import LooptoolError
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class LayerBody:
     seconds: float = 0.0
     fusions: dict[str, int] = field(default_factory=dict)  # onnxruntime fusions applied to it
     error: str | None = None  # why its export failed, if it did
+    key: str = ""  # its key in the library
 
     def __post_init__(self):
         self.module = fx.GraphModule(torch.nn.Module(), self.graph)
@@ -147,20 +148,26 @@ class LayerLibrary:
             weights = tuple(i.op == "get_attr" for i in unit.inputs)
             key = _canonical(unit.graph, [i.meta.get("val") for i in unit.inputs], weights)
             if key not in self.bodies:
-                self.bodies[key] = LayerBody(len(self.bodies), unit.graph, weights)
+                self.bodies[key] = LayerBody(len(self.bodies), unit.graph, weights, key=key)
             unit.body = self.bodies[key]
             kept.append(unit)
         return Composition(graph, sg.module, _topological(kept))
 
-    def record_examples(self, comp: Composition, layout) -> None:
-        """Run the units once on example inputs so every body records its inputs."""
-        if all(u.body.example is not None for u in comp.units):
-            return
+    def record_examples(self, comp: Composition, sg: ServingGraph) -> None:
+        """Run the units once on example inputs so every body records its inputs. A unit whose
+        inputs have other shapes than its body's recorded ones (same code over a shared ``[d]``
+        vector in one graph and a per-row ``[batch, 1, d]`` one in the row-wise graph, whose
+        nodes may carry no shape metadata) gets a body of its own."""
         placeholders = [n for n in comp.graph.nodes if n.op == "placeholder"]
-        values: dict[fx.Node, torch.Tensor] = dict(zip(placeholders, example_inputs(comp, layout)))
+        values: dict[fx.Node, torch.Tensor] = dict(zip(placeholders, example_inputs(comp, sg)))
         with torch.no_grad():
             for unit in comp.units:
                 args = [values[i] if i in values else _fetch(comp.module, i) for i in unit.inputs]
+                if unit.body.example is not None and _shapes(args) != _shapes(unit.body.example):
+                    key = f"{unit.body.key}|{_shapes(args)}"
+                    if key not in self.bodies:
+                        self.bodies[key] = LayerBody(len(self.bodies), unit.graph, unit.body.weights, key=key)
+                    unit.body = self.bodies[key]
                 if unit.body.example is None:
                     unit.body.example = [a.detach().clone() for a in args]
                 values.update(zip(unit.outputs, unit.body.module(*args)))
@@ -247,9 +254,11 @@ class LayerLibrary:
         return model
 
 
-def example_inputs(comp: Composition, layout) -> list[torch.Tensor]:
+def example_inputs(comp: Composition, sg: ServingGraph) -> list[torch.Tensor]:
     """A prefill step of ``EXAMPLE_STEP`` tokens for ``EXAMPLE_BATCH`` rows into caches of
-    ``EXAMPLE_CAPACITY`` slots, in the layout's dtype."""
+    ``EXAMPLE_CAPACITY`` slots, in the layout's dtype (row-wise graphs: rows cycle through
+    the menu)."""
+    layout = sg.layout
     b, t, s = EXAMPLE_BATCH, EXAMPLE_STEP, EXAMPLE_CAPACITY
     placeholders = [n for n in comp.graph.nodes if n.op == "placeholder"]
     mask = torch.zeros(b, s, dtype=placeholders[1].meta["val"].dtype)
@@ -258,7 +267,8 @@ def example_inputs(comp: Composition, layout) -> list[torch.Tensor]:
     dtype = getattr(torch, layout.dtype)
     caches = [torch.zeros(b, p.kv_heads, s, p.head_dim, dtype=dtype) for p in layout.pairs for _ in "kv"]
     steps = torch.arange(t)
-    return [ids, mask, steps.expand(b, t), steps, *caches]
+    budgets = [example_budgets(sg.menu, b)] if sg.rowwise else []
+    return [ids, mask, steps.expand(b, t), steps, *budgets, *caches]
 
 
 def _interface_types(sg: ServingGraph) -> dict[str, tuple]:
@@ -275,6 +285,7 @@ def _interface_types(sg: ServingGraph) -> dict[str, tuple]:
         "attention_mask": (mask, ["batch", "capacity"]),
         "position_ids": (ir.DataType.INT64, ["batch", "step"]),
         "cache_position": (ir.DataType.INT64, ["step"]),
+        BUDGETS: (ir.DataType.INT64, ["batch"]),
         LOGITS: (float_type, ["batch", 1, sg.vocab_size]),
     }
     past, present = sg.layout.names()
@@ -282,6 +293,11 @@ def _interface_types(sg: ServingGraph) -> dict[str, tuple]:
         for name in (past[2 * j], past[2 * j + 1], present[2 * j], present[2 * j + 1]):
             out[name] = (float_type, ["batch", pair.kv_heads, "capacity", pair.head_dim])
     return out
+
+
+def _shapes(tensors) -> tuple:
+    """The shapes of a body's example inputs (non-tensors as None)."""
+    return tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in tensors)
 
 
 def _is_symbolic(node: fx.Node) -> bool:

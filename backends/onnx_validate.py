@@ -9,7 +9,7 @@ import os
 import numpy as np
 import torch
 
-from looptool.backends.onnx_format import ExportError
+from looptool.backends.onnx_format import ROWWISE, ExportError
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +46,29 @@ def validation_prompts(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+def _check(ref, got, atol: float, what: str, label: str) -> float:
+    """Max abs difference of the next-token logits of two generations; :class:`ExportError`
+    above ``atol × max(1, max |logits|)`` or where the tokens differ."""
+    diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(ref.logits, got.logits))
+    # fp32 kernels accumulate in different orders, so the limit scales with the logits
+    # once they exceed 1 (SmolLM2: |logits| ~ 36, diff ~ 2e-4 even with ORT optimisations off)
+    limit = atol * max(1.0, max(float(t.abs().max()) for t in ref.logits))
+    same = torch.equal(ref.sequences, got.sequences)
+    if not np.isfinite(diff) or diff > limit or not same:
+        raise ExportError(
+            f"{what}: onnxruntime and PyTorch differ by {diff:.3g} on the {label} prompt (limit {limit:.3g})"
+            f"{'' if same else ' and generate different tokens'}; the export was discarded, please report this as a bug."
+        )
+    return diff
+
+
 def validate_engine(
     model, directory: str | os.PathLike, *, atol: float | None = None, new_tokens: int = 6
-) -> dict[tuple[int, str], dict[str, float]]:
+) -> dict[tuple[int | str, str], dict[str, float]]:
     """Generate greedily with every graph of an engine (onnxruntime, :class:`Runtime`) and
     with the PyTorch cached path on the same prompts; returns the max abs difference of the
     next-token logits over the prefill and every decode step, per ``(budget, policy)`` and
-    prompt, raising :class:`ExportError` above ``atol × max(1, max |logits|)`` (``atol``
+    prompt (the row-wise graph: key ``(ROWWISE, policy)``, against the PyTorch row-wise path), raising :class:`ExportError` above ``atol × max(1, max |logits|)`` (``atol``
     default: :func:`default_atol` of the model's dtype) or when the greedy tokens differ."""
     from looptool.backends.ort import Runtime
     from looptool.runtime.generation import generate
@@ -76,17 +92,33 @@ def validate_engine(
                 got = rt.generate(
                     ids, attention_mask=mask, budget=budget, kv=policy, max_new_tokens=new_tokens, output_logits=True
                 )
-                diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(ref.logits, got.logits))
-                # fp32 kernels accumulate in different orders, so the limit scales with the logits
-                # once they exceed 1 (SmolLM2: |logits| ~ 36, diff ~ 2e-4 even with ORT optimisations off)
-                limit = atol * max(1.0, max(float(t.abs().max()) for t in ref.logits))
-                if not np.isfinite(diff) or diff > limit or not torch.equal(ref.sequences, got.sequences):
-                    raise ExportError(
-                        f"budget {budget} ({policy}): onnxruntime and PyTorch differ by {diff:.3g} on the {label} prompt "
-                        f"(limit {limit:.3g}){'' if torch.equal(ref.sequences, got.sequences) else ' and generate different tokens'}; "
-                        "the export was discarded, please report this as a bug."
-                    )
-                diffs[budget, policy][label] = diff
+                diffs[budget, policy][label] = _check(ref, got, atol, f"budget {budget} ({policy})", label)
             log.info("budget %d (%s) validated: %s", budget, policy, diffs[budget, policy])
+        if rt.has_rowwise(policy):
+            diffs[ROWWISE, policy] = _validate_rowwise(model, rt, policy, atol, new_tokens)
     rt.close()
     return diffs
+
+
+def _validate_rowwise(model, rt, policy: str, atol: float, new_tokens: int) -> dict[str, float]:
+    """The row-wise graph against the PyTorch row-wise path on a left-padded batch whose rows
+    take every budget of the menu (and a second, reversed, on the real prompt repeated)."""
+    from looptool.runtime.generation import generate
+
+    menu = rt.rowwise_menu(policy)
+    out: dict[str, float] = {}
+    for label, (ids, mask) in validation_prompts(model).items():
+        rows = list(menu) if label == "random" else list(reversed(menu))
+        reps = -(-len(rows) // ids.shape[0])
+        ids, mask = ids.repeat(reps, 1)[: len(rows)], mask.repeat(reps, 1)[: len(rows)]
+        if len(set(rows)) == 1:
+            continue  # a one-budget menu: the budget's own graph runs it
+        ref = generate(
+            model, ids, attention_mask=mask, budget=rows, kv=policy, max_new_tokens=new_tokens, output_logits=True
+        )
+        got = rt.generate(
+            ids, attention_mask=mask, budget=rows, kv=policy, max_new_tokens=new_tokens, output_logits=True
+        )
+        out[label] = _check(ref, got, atol, f"the row-wise graph ({policy}, rows at budgets {rows})", label)
+    log.info("row-wise graph (%s) validated: %s", policy, out)
+    return out

@@ -15,6 +15,7 @@ copied per token; the attention mask is bound once too and updated in place.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -27,14 +28,18 @@ from looptool.backends.onnx_format import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
+    ROWWISE,
     WEIGHTS,
     EngineError,
     sha256_file,
 )
-from looptool.backends.serving import INPUTS, LOGITS, CacheLayout
+from looptool.backends.ort_binding import CacheBinding, check_request, check_row_budgets, row_costs
+from looptool.backends.serving import CacheLayout
 from looptool.core.errors import require_extra
 
 log = logging.getLogger(__name__)
+_Binding = CacheBinding  # the name tests and older callers import from here
+__all__ = ["CacheBinding", "Runtime", "check_request", "default_providers", "read_manifest"]
 
 _NUMPY_DTYPES = {
     "FLOAT": np.float32,
@@ -166,6 +171,8 @@ class Runtime:
                 f"{self.directory / MANIFEST} does not list its budgets and KV policies; export the engine again."
             ) from exc
         self._layouts = {key: self._layout(*key) for key in self._graphs()}
+        rowwise = self.manifest.get(ROWWISE) or {}
+        self._layouts.update({(ROWWISE, p): self._layout(ROWWISE, p) for p in self.kv_policies if p in rowwise})
         self.providers = providers or default_providers()
         self.threads = threads
         self.prepack = prepack
@@ -191,7 +198,16 @@ class Runtime:
     def _graphs(self) -> list[tuple[int, str]]:
         return [(b, p) for b in self.budgets for p in self.kv_policies]
 
-    def _entry(self, budget: int, kv: str) -> dict:
+    def _entry(self, budget: int | str, kv: str) -> dict:
+        if budget == ROWWISE:
+            entry = (self.manifest.get(ROWWISE) or {}).get(kv)
+            if not isinstance(entry, dict):
+                raise EngineError(
+                    f"'{self.directory}' was exported without the row-wise graph for kv {kv}, so its rows cannot "
+                    "take different budgets; export it again with this looptool (it writes that graph by default).",
+                    parameter="budget",
+                )
+            return entry
         entry = self.manifest["budgets"].get(str(budget), {}).get(kv)
         if not isinstance(entry, dict):
             raise EngineError(
@@ -214,9 +230,43 @@ class Runtime:
                 f"{MANIFEST} does not describe the cache layout of budget {budget} ({kv}); export the engine again."
             ) from exc
 
-    def layout(self, budget: int | None = None, kv: str = "per-loop") -> CacheLayout:
-        """The cache layout of one graph (pairs, dtype) as the manifest records it."""
-        return self._layouts[self._check_budget(budget), self._check_policy(kv)]
+    def layout(self, budget: int | str | None = None, kv: str = "per-loop") -> CacheLayout:
+        """The cache layout of one graph (pairs, dtype) as the manifest records it (``budget``
+        :data:`~looptool.backends.onnx_format.ROWWISE`: the row-wise graph's)."""
+        return self._layouts[self._key(budget, kv)]
+
+    def has_rowwise(self, kv: str = "per-loop") -> bool:
+        """Whether the engine holds the row-wise graph for policy ``kv``."""
+        return (ROWWISE, kv) in self._layouts
+
+    def rowwise_menu(self, kv: str = "per-loop") -> tuple[int, ...]:
+        """The budgets a row of the row-wise graph may take (refused where it was not exported)."""
+        return tuple(int(b) for b in self._entry(ROWWISE, self._check_policy(kv)).get("menu", self.budgets))
+
+    def resolve_budget(self, budget, batch: int, kv: str = "per-loop") -> tuple[int | str, np.ndarray | None]:
+        """The graph :meth:`generate` runs for ``budget`` (one for all rows, or one per row) on
+        ``batch`` rows, and the per-row budgets (None for one budget): rows that agree run
+        their budget's own graph where the engine has it, mixed rows the row-wise graph.
+        One sentence for a bad budget or an engine without the row-wise graph."""
+        if check_row_budgets(budget, None, batch) is None:
+            deepest = self.rowwise_menu(kv)[-1:] if not self.budgets and self.has_rowwise(kv) else ()
+            budget = deepest[0] if budget is None and deepest else budget
+            plain = isinstance(budget, (int, np.integer)) and not isinstance(budget, bool)
+            if plain and self.has_rowwise(kv) and budget not in self.budgets and budget in self.rowwise_menu(kv):
+                return ROWWISE, np.full(batch, int(budget), dtype=np.int64)  # a budget with no graph of its own
+            return self._check_budget(budget), None
+        menu = self.rowwise_menu(kv) if self.has_rowwise(kv) else self.budgets
+        rows = check_row_budgets(budget, menu, batch)
+        key = int(rows[0]) if len(set(rows.tolist())) == 1 and int(rows[0]) in self.budgets else ROWWISE
+        return self._key(key, kv)[0], rows  # no row-wise graph: one sentence
+
+    def _key(self, budget, kv: str) -> tuple[int | str, str]:
+        """``(budget or ROWWISE, policy)``, both checked."""
+        kv = self._check_policy(kv)
+        if isinstance(budget, str) and budget == ROWWISE:
+            self._entry(ROWWISE, kv)  # one sentence where the engine has none
+            return ROWWISE, kv
+        return self._check_budget(budget), kv
 
     def _verify(self, weights: Path) -> None:
         expected = self.manifest["weights"].get("sha256")
@@ -263,7 +313,7 @@ class Runtime:
         """The InferenceSession of one budget and KV policy (created on first use)."""
         import onnxruntime as ort
 
-        key = (self._check_budget(budget), self._check_policy(kv))
+        key = self._key(budget, kv)
         with self._lock:
             sess = self._sessions.get(key)
             if sess is None:
@@ -284,7 +334,7 @@ class Runtime:
                     options.add_initializer(name, self._ort_value(name))
                 sess = ort.InferenceSession(str(path), options, providers=self.providers)
                 self._sessions[key] = sess
-                log.info("created session for budget %d (%s, %s)", key[0], key[1], sess.get_providers()[0])
+                log.info("created session for budget %s (%s, %s)", key[0], key[1], sess.get_providers()[0])
         return sess
 
     def _check_budget(self, budget: int | None) -> int:
@@ -320,7 +370,7 @@ class Runtime:
         self,
         input_ids,
         *,
-        budget: int | None = None,
+        budget=None,
         max_new_tokens: int = 32,
         kv: str = "per-loop",
         attention_mask=None,
@@ -339,19 +389,29 @@ class Runtime:
 
         ``input_ids [batch, prompt]`` may be left-padded (``attention_mask`` 0 on
         padding). The caches hold ``capacity`` tokens (default: prompt + new tokens) and
-        are bound in place for the whole call.
+        are bound in place for the whole call. ``budget`` is one budget for every row, or one
+        per row (a list, tensor or array of ``batch`` budgets): rows of different budgets run
+        through the row-wise graph, each exactly at its own budget.
         """
         from looptool.runtime.generation import decode_loop
 
-        budget, kv = self._check_budget(budget), self._check_policy(kv)
+        kv = self._check_policy(kv)
         ids, mask, capacity = check_request(
             self.manifest, input_ids, attention_mask, max_new_tokens, capacity, temperature, top_k, top_p
         )
-        binding = _Binding(self.session(budget, kv), self._layouts[budget, kv], ids.shape[0], capacity, self.vocab_size)
+        budget, rows = self.resolve_budget(budget, ids.shape[0], kv)
+        binding = CacheBinding(
+            self.session(budget, kv),
+            self._layouts[budget, kv],
+            ids.shape[0],
+            capacity,
+            self.vocab_size,
+            budgets=rows if budget == ROWWISE else None,
+        )
         import torch
 
         mask_dtype = getattr(torch, str(self.mask_dtype))
-        return decode_loop(
+        out = decode_loop(
             binding.step,
             ids,
             mask,
@@ -368,6 +428,8 @@ class Runtime:
             output_logits=output_logits,
             kv_bytes=binding.kv_bytes,
         )
+        budgets = tuple(int(k) for k in rows) if rows is not None else (budget,) * ids.shape[0]
+        return dataclasses.replace(out, budgets=budgets, row_costs=row_costs(self.manifest, budgets))
 
     def kv_bytes(self, budget: int | None = None, kv: str = "per-loop", *, batch: int = 1, capacity: int = 1) -> int:
         """Bytes :meth:`generate` allocates for the caches of ``batch`` rows of ``capacity`` tokens."""
@@ -384,115 +446,3 @@ class Runtime:
             f"Runtime('{self.directory}', budgets={list(self.budgets)}, kv={list(self.kv_policies)}, "
             f"sessions={sorted(self._sessions)})"
         )
-
-
-def check_request(
-    manifest: dict,
-    input_ids,
-    attention_mask,
-    max_new_tokens: int,
-    capacity: int | None,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-):
-    """A generate request checked against an engine's manifest (any runtime): ``(input_ids
-    as a LongTensor [batch, prompt], attention_mask or None, cache capacity)``; one
-    sentence for each thing that is wrong."""
-    import torch
-
-    from looptool.runtime.generation import check_generation_args
-
-    vocab_size = manifest.get("source_config", {}).get("vocab_size")
-    ids = input_ids.detach().cpu() if isinstance(input_ids, torch.Tensor) else torch.from_numpy(np.asarray(input_ids))
-    if ids.dim() != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
-        raise EngineError(f"input_ids must be [batch, sequence] with at least one token, got shape {tuple(ids.shape)}.")
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise EngineError(f"input_ids must be integer token ids, got {ids.dtype}.")
-    if vocab_size is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise EngineError(
-            f"input_ids must lie in [0, {vocab_size}), got values from {int(ids.min())} to {int(ids.max())}."
-        )
-    ids = ids.long()
-    mask = None
-    if attention_mask is not None:
-        mask = (
-            attention_mask.detach().cpu()
-            if isinstance(attention_mask, torch.Tensor)
-            else torch.from_numpy(np.asarray(attention_mask))
-        )
-        if tuple(mask.shape) != tuple(ids.shape):
-            raise EngineError(
-                f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}; they must match."
-            )
-    check_generation_args(ids, max_new_tokens, temperature, top_k, top_p)
-    prompt = ids.shape[1]
-    capacity = prompt + max_new_tokens if capacity is None else capacity
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < prompt:
-        raise EngineError(
-            f"the prompt has {prompt} tokens, more than the cache capacity {capacity}; raise the capacity."
-        )
-    limit = manifest.get("source_config", {}).get("max_position_embeddings")
-    if limit is not None and capacity > limit:
-        raise EngineError(
-            f"a cache of {capacity} tokens exceeds the model's {limit} positions; use a shorter prompt or fewer new tokens."
-        )
-    return ids, mask, int(capacity)
-
-
-class _Binding:
-    """One generate call's IOBinding: caches allocated once and bound as both past and
-    present, the mask and the logits bound once; each step rebinds only the step inputs."""
-
-    def __init__(self, session, layout: CacheLayout, batch: int, capacity: int, vocab_size: int | None = None):
-        import onnxruntime as ort
-
-        self.session = session
-        dtype = {"float32": np.float32, "float16": np.float16}.get(layout.dtype)
-        if dtype is None:
-            raise EngineError(
-                f"the engine's cache dtype {layout.dtype} cannot be allocated by this runtime; export in float32 or float16."
-            )
-        self.caches = [
-            np.zeros((batch, p.kv_heads, capacity, p.head_dim), dtype=dtype) for p in layout.pairs for _ in "kv"
-        ]
-        self.kv_bytes = sum(c.nbytes for c in self.caches)
-        past, present = layout.names()
-        graph_inputs = {i.name for i in session.get_inputs()}
-        graph_outputs = [o.name for o in session.get_outputs()]
-        if graph_inputs != {*INPUTS, *past} or graph_outputs != [LOGITS, *present]:
-            raise EngineError(
-                "the graph's inputs and outputs do not match the cache layout in the manifest; export the engine again."
-            )
-        vocab = session.get_outputs()[0].shape[-1]
-        vocab = vocab if isinstance(vocab, int) else vocab_size  # flat exports name the axis
-        self.logits = np.zeros((batch, 1, vocab or 0), dtype=dtype)
-        self.io = session.io_binding()
-        self._values = [ort.OrtValue.ortvalue_from_numpy(c) for c in self.caches]
-        for name_in, name_out, value in zip(past, present, self._values):
-            self.io.bind_ortvalue_input(name_in, value)
-            self.io.bind_ortvalue_output(name_out, value)  # the same buffer: written in place
-        if self.logits.shape[-1]:
-            self._logits_value = ort.OrtValue.ortvalue_from_numpy(self.logits)
-            self.io.bind_ortvalue_output(LOGITS, self._logits_value)
-        else:
-            self.io.bind_output(LOGITS)
-        self._mask = None
-
-    def step(self, ids, mask, position, cache_position):
-        """One cached step; returns the next-token logits ``[batch, vocab]`` as a torch tensor."""
-        import torch
-
-        if self._mask is not mask:  # bound once over the tensor's memory: the loop updates it in place
-            import onnxruntime as ort
-
-            self._mask_value = ort.OrtValue.ortvalue_from_numpy(mask.numpy())
-            self.io.bind_ortvalue_input("attention_mask", self._mask_value)
-            self._mask = mask
-        self.io.bind_cpu_input("input_ids", ids.numpy())
-        self.io.bind_cpu_input("position_ids", position.numpy())
-        self.io.bind_cpu_input("cache_position", cache_position.numpy())
-        self.session.run_with_iobinding(self.io)
-        if self.logits.shape[-1]:
-            return torch.from_numpy(self.logits[:, -1])
-        return torch.from_numpy(self.io.copy_outputs_to_cpu()[0][:, -1])

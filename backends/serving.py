@@ -25,11 +25,27 @@ loop ``i`` of a recurrent block) it serves.
 (:func:`looptool.runtime.generation.cached_paths`, whose head already reads only the last
 position): the in-place cache writes become functional writes whose results are returned,
 and the fused ops replace their subgraphs. The arithmetic is the cached path's, op for op.
+
+**One batch, many depths.** :func:`rowwise_serving_graph` builds the same interface from the
+row-wise-budget path (the ``rowwise_budget`` pass): one more input, ``budgets [batch]``
+int64 after ``cache_position``, each row's budget; its caches are the deepest budget's
+pairs, a superset of every budget's. Every row gets exactly its own budget's computation
+(Accordion Eq. 1, ELR Eq. 2). Engines keep it *beside* the per-budget graphs: the pass
+masks rows, so the row-wise graph costs the deepest budget whatever its rows ask for, while
+a batch whose rows share a budget runs that budget's own graph on the matching pairs.
+
+A server drives any runtime through :class:`StepEngine` (PyTorch:
+:class:`looptool.runtime.step_engine.TorchStepEngine`; onnxruntime:
+:class:`looptool.backends.ort_engine.OrtStepEngine`) over one
+:class:`~looptool.runtime.step_engine.SlotCache` (buffers ``[slots, kv_heads, length,
+head_dim]``: torch tensors or numpy arrays; ``copy_row(src, dst)``, ``shift_left(n)``,
+``nbytes``).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import fx
@@ -38,8 +54,32 @@ from looptool.core.errors import LooptoolError
 from looptool.core.graph import annotation, copy_graph
 
 INPUTS = ("input_ids", "attention_mask", "position_ids", "cache_position")
+BUDGETS = "budgets"  # the row-wise graph's extra input: int64 [batch], each row's budget
+ROWWISE_INPUTS = (*INPUTS, BUDGETS)
 LOGITS = "logits"
 _aten = torch.ops.aten
+
+
+class StepEngine(Protocol):
+    """What a server drives (structural): cached steps over a contiguous slice of slot-cache
+    rows, each row at its own budget."""
+
+    budgets: tuple[int, ...]  # the menu, sorted
+    vocab_size: int
+    mask_dtype: torch.dtype  # dtype of the attention_mask the graphs take
+
+    def allocate(self, slots: int, length: int) -> Any:
+        """Zeroed persistent caches (a SlotCache), every buffer ``[slots, kv_heads, length, head_dim]``."""
+
+    def step(
+        self, cache: Any, rows: slice, input_ids, attention_mask, position_ids, cache_position, budgets
+    ) -> torch.Tensor:
+        """One cached step over cache rows ``rows`` (zero-copy views): ``input_ids [R, T]``,
+        ``attention_mask [R, length]``, ``position_ids [R, T]``, ``cache_position [T]``,
+        ``budgets [R]``; float32 next-token logits ``[R, vocab]``."""
+
+    def prompt_logprobs(self, input_ids, budget: int) -> torch.Tensor:
+        """float32 log-softmax over the vocabulary at every position of ``input_ids [1, T]``: ``[T, vocab]``."""
 
 
 def past_name(pair: int, kind: str) -> str:
@@ -50,6 +90,13 @@ def past_name(pair: int, kind: str) -> str:
 def present_name(pair: int, kind: str) -> str:
     """Output name of cache pair ``pair``, ``kind`` ``"k"`` or ``"v"``."""
     return f"present.{pair}.{'key' if kind == 'k' else 'value'}"
+
+
+def example_budgets(menu: tuple[int, ...], batch: int) -> torch.Tensor:
+    """Row budgets ``[batch]`` (int64) cycling through ``menu`` from its deepest budget, for
+    tracing and recording a row-wise graph (so a batch of two holds the deepest and the shallowest)."""
+    order = [menu[-1], *menu[:-1]] if menu else [0]
+    return torch.tensor([order[i % len(order)] for i in range(batch)], dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -116,13 +163,18 @@ class ServingGraph:
     output_names: list[str]
     fused: dict[str, int]
     vocab_size: int
+    menu: tuple[int, ...] = ()  # row-wise graphs: the budgets a row may take (else empty)
+
+    @property
+    def rowwise(self) -> bool:
+        """Whether this is the row-wise graph (input ``budgets`` after ``cache_position``)."""
+        return BUDGETS in self.input_names
 
 
 def serving_graph(model, budget: int, kv: str = "per-loop", *, fuse: bool = True) -> ServingGraph:
     """The decode-interface graph of ``model`` at ``budget`` under KV policy ``kv``, reading
     the model's own tensors (nothing is copied). With ``fuse`` the ``fuse`` pass runs (through
     the PassManager) on the cached path of ``budget``."""
-    from looptool.core.graph import shared_graph_module
     from looptool.passes import PassManager
     from looptool.passes.fuse import fused_counts
     from looptool.runtime.generation import cached_layer_graph, cached_paths
@@ -137,6 +189,37 @@ def serving_graph(model, budget: int, kv: str = "per-loop", *, fuse: bool = True
         counts = fused_counts(graph)
     else:
         graph = copy_graph(path.module.graph)
+    return interface_graph(model, path, graph, counts, INPUTS, f"budget {budget}")
+
+
+def rowwise_serving_graph(model, kv: str = "per-loop", *, fuse: bool = True) -> ServingGraph:
+    """The row-wise-budget graph of ``model`` under KV policy ``kv`` in the decode interface:
+    the step inputs, then ``budgets`` (int64 ``[batch]``, each row's budget), then the deepest
+    budget's cache pairs (:func:`looptool.runtime.generation.rowwise_path`). With ``fuse`` the
+    ``fuse`` pass runs (through the PassManager) on the row-wise LayerGraph."""
+    from looptool.passes import PassManager
+    from looptool.passes.fuse import fused_counts
+    from looptool.runtime.generation import rowwise_layer_graph, rowwise_path
+
+    path = rowwise_path(model, kv)
+    counts: dict[str, int] = {}
+    if fuse:
+        fused = PassManager([("fuse", {})])(rowwise_layer_graph(model, kv))
+        (graph,) = fused.paths.values()  # a new graph, this function's own to rewrite
+        counts = fused_counts(graph)
+    else:
+        graph = copy_graph(path.module.graph)
+    return interface_graph(model, path, graph, counts, ROWWISE_INPUTS, "the row-wise graph", model.budgets)
+
+
+def interface_graph(
+    model, path, graph: fx.Graph, counts: dict[str, int], inputs: tuple[str, ...], what: str, menu: tuple = ()
+) -> ServingGraph:
+    """``graph`` (this caller's own copy of cached path ``path``'s graph, maybe fused) in the
+    decode interface with step inputs ``inputs``: functional cache writes, placeholders in
+    interface order, outputs ``(logits, present...)``."""
+    from looptool.core.graph import shared_graph_module
+
     order = functional_cache_writes(graph)
     by_name = {s.name: s for s in path.slots}
     pairs: list[CachePair] = []
@@ -151,9 +234,9 @@ def serving_graph(model, budget: int, kv: str = "per-loop", *, fuse: bool = True
         names[slot_name] = past_name(index[key], slot.kind)
     if len(names) != 2 * len(pairs):
         raise LooptoolError(
-            f"budget {budget}: the cached path's cache inputs do not form key/value pairs; please report this as a bug."
+            f"{what}: the cached path's cache inputs do not form key/value pairs; please report this as a bug."
         )
-    _order_inputs(graph, names)
+    _order_inputs(graph, names, inputs)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     layout = CacheLayout(tuple(pairs), dtype)
     past, present = layout.names()
@@ -163,10 +246,11 @@ def serving_graph(model, budget: int, kv: str = "per-loop", *, fuse: bool = True
     return ServingGraph(
         shared_graph_module(model, graph),
         layout,
-        [*INPUTS, *past],
+        [*inputs, *past],
         [LOGITS, *present],
         dict(counts),
         int(text.vocab_size),
+        tuple(menu),
     )
 
 
@@ -205,13 +289,16 @@ def functional_cache_writes(graph: fx.Graph) -> list[str]:
     return order
 
 
-def _order_inputs(graph: fx.Graph, names: dict[str, str]) -> None:
-    """Put the placeholders in interface order: the four step inputs, then the cache pairs
+def _order_inputs(graph: fx.Graph, names: dict[str, str], inputs: tuple[str, ...] = INPUTS) -> None:
+    """Put the placeholders in interface order: the step ``inputs``, then the cache pairs
     by index, key before value (FX placeholder names stay Python identifiers; the interface
     names are given to the exporter)."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    unknown = [n.target for n in placeholders if n.target not in inputs and n.target not in names]
+    if unknown:
+        raise LooptoolError(f"the cached path has input(s) {unknown} outside the decode interface {list(inputs)}.")
     interface = {
-        n: (INPUTS.index(n.target), 0, 0) if n.target in INPUTS else (len(INPUTS), *_pair_order(names[n.target]))
+        n: (inputs.index(n.target), 0, 0) if n.target in inputs else (len(inputs), *_pair_order(names[n.target]))
         for n in placeholders
     }
     first = placeholders[0]

@@ -40,8 +40,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from looptool.backends.onnx_format import MANIFEST, WEIGHTS, ExportError, budget_file, sha256_file
-from looptool.backends.serving import INPUTS, CacheLayout
+from looptool.backends.onnx_format import MANIFEST, ROWWISE, WEIGHTS, ExportError, budget_file, sha256_file
+from looptool.backends.serving import BUDGETS, INPUTS, CacheLayout
 from looptool.backends.trt_kernels import AOT_OPS
 from looptool.core.errors import require_extra
 
@@ -55,12 +55,12 @@ BUILD_SCRIPT = "build.py"
 INSTALL_HINT = 'pip install "looptool[tensorrt]"'
 
 
-def trt_graph_file(budget: int, kv: str) -> str:
-    """The TensorRT variant of ``budget_<k>.<policy>.onnx``."""
+def trt_graph_file(budget: int | str, kv: str) -> str:
+    """The TensorRT variant of ``budget_<k>.<policy>.onnx`` (or ``rowwise.<policy>.onnx``)."""
     return budget_file(budget, kv).removesuffix(".onnx") + ".trt.onnx"
 
 
-def engine_file(budget: int, kv: str, precision: str) -> str:
+def engine_file(budget: int | str, kv: str, precision: str) -> str:
     return budget_file(budget, kv).removesuffix(".onnx") + f".{precision}.engine"
 
 
@@ -175,18 +175,19 @@ def _split_adaptive_delta(graph, domain: str) -> None:
 
 def write_variants(directory: Path) -> dict[str, dict[str, dict]]:
     """Write the TensorRT variant of every graph in ``directory``'s manifest; returns the
-    manifest entries ``{budget: {policy: {...}}}``."""
+    manifest entries ``{budget: {policy: {...}}}``, the row-wise graphs' under :data:`ROWWISE`."""
     import onnx
 
     manifest = json.loads((directory / MANIFEST).read_text())
     entries: dict[str, dict[str, dict]] = {}
-    for budget, policies in manifest["budgets"].items():
-        for policy, info in policies.items():
-            model = onnx.load(str(directory / info["file"]), load_external_data=False)
-            variant, meta = tensorrt_variant(model)
-            name = trt_graph_file(int(budget), policy)
-            onnx.save(variant, str(directory / name))
-            entries.setdefault(budget, {})[policy] = {"file": name, "sha256": sha256_file(directory / name), **meta}
+    graphs = [(b, p, info) for b, ps in manifest["budgets"].items() for p, info in ps.items()]
+    graphs += [(ROWWISE, p, info) for p, info in (manifest.get(ROWWISE) or {}).items()]
+    for budget, policy, info in graphs:
+        model = onnx.load(str(directory / info["file"]), load_external_data=False)
+        variant, meta = tensorrt_variant(model)
+        name = trt_graph_file(budget if budget == ROWWISE else int(budget), policy)
+        onnx.save(variant, str(directory / name))
+        entries.setdefault(budget, {})[policy] = {"file": name, "sha256": sha256_file(directory / name), **meta}
     return entries
 
 
@@ -215,12 +216,14 @@ def export_tensorrt(
     max_prefill: int = 2048,
     max_capacity: int = 4096,
     compose: bool = True,
+    rowwise: bool = True,
     overwrite: bool = False,
     validate: bool = True,
     on_progress: Callable[[str], None] | None = None,
 ):
     """Export ``model`` for TensorRT into ``output``: the ONNX engine directory plus a
-    TensorRT variant of every graph, ``build.py``, and (unless ``build_on_target``) the
+    TensorRT variant of every graph (with ``rowwise``, the row-wise-budget graph's too: one
+    engine serves every budget), ``build.py``, and (unless ``build_on_target``) the
     engines. Everything is checked before anything is written; a failure removes the output.
 
     ``precision`` is the engines' dtype: the model is exported in it (a cast copy where it
@@ -260,6 +263,7 @@ def export_tensorrt(
         budgets,
         kv=kv,
         compose=compose,
+        rowwise=rowwise,
         overwrite=overwrite,
         validate=validate and precision != "bf16",
         on_progress=on_progress,
@@ -304,8 +308,11 @@ if __name__ == "__main__":
 '''
 
 
-def profile_shapes(manifest: dict, layout: CacheLayout, decode: bool) -> dict[str, tuple[tuple, tuple, tuple]]:
-    """(min, opt, max) shapes of every dynamic input for the prefill or the decode profile."""
+def profile_shapes(
+    manifest: dict, layout: CacheLayout, decode: bool, rowwise: bool = False
+) -> dict[str, tuple[tuple, tuple, tuple]]:
+    """(min, opt, max) shapes of every dynamic input for the prefill or the decode profile
+    (``rowwise``: the row-wise graph, which also takes ``budgets [batch]``)."""
     limits = manifest["tensorrt"]["profiles"]
     batch, cap = limits["max_batch"], limits["max_capacity"]
     step = (1, 1, 1) if decode else (1, min(128, limits["max_prefill"]), limits["max_prefill"])
@@ -316,6 +323,7 @@ def profile_shapes(manifest: dict, layout: CacheLayout, decode: bool) -> dict[st
         INPUTS[1]: tuple((b[i], c[i]) for i in range(3)),
         INPUTS[2]: tuple((b[i], step[i]) for i in range(3)),
         INPUTS[3]: tuple((step[i],) for i in range(3)),
+        **({BUDGETS: tuple((b[i],) for i in range(3))} if rowwise else {}),
     }
     past, _ = layout.names()
     for pair, (key, value) in zip(layout.pairs, zip(past[0::2], past[1::2])):
@@ -346,7 +354,7 @@ def build_engines(directory: str | os.PathLike, *, on_progress: Callable[[str], 
     engines: dict[str, dict[str, dict]] = {}
     for budget, policies in section["graphs"].items():
         for policy, info in policies.items():
-            say(f"building budget {budget} ({policy})")
+            say(f"building {'the row-wise graph' if budget == ROWWISE else f'budget {budget}'} ({policy})")
             flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
             network = builder.create_network(flags)
             parser = trt.OnnxParser(network, logger)
@@ -354,10 +362,11 @@ def build_engines(directory: str | os.PathLike, *, on_progress: Callable[[str], 
                 errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
                 raise ExportError(f"TensorRT could not parse {info['file']}: {errors}")
             config = builder.create_builder_config()
-            layout = CacheLayout.from_dict(manifest["budgets"][budget][policy]["cache"])
+            entry = manifest[ROWWISE][policy] if budget == ROWWISE else manifest["budgets"][budget][policy]
+            layout = CacheLayout.from_dict(entry["cache"])
             for decode in (False, True):
                 profile = builder.create_optimization_profile()
-                for name, (lo, opt, hi) in profile_shapes(manifest, layout, decode).items():
+                for name, (lo, opt, hi) in profile_shapes(manifest, layout, decode, budget == ROWWISE).items():
                     profile.set_shape(name, lo, opt, hi)
                 config.add_optimization_profile(profile)
             plan = builder.build_serialized_network(network, config)
@@ -365,7 +374,7 @@ def build_engines(directory: str | os.PathLike, *, on_progress: Callable[[str], 
                 raise ExportError(
                     f"TensorRT failed to build an engine for {info['file']}; rerun with TensorRT's verbose log."
                 )
-            name = engine_file(int(budget), policy, section["precision"])
+            name = engine_file(budget if budget == ROWWISE else int(budget), policy, section["precision"])
             (directory / name).write_bytes(bytes(plan))
             engines.setdefault(budget, {})[policy] = {
                 "file": name,

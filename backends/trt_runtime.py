@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from looptool.backends.onnx_format import MANIFEST, WEIGHTS, EngineError, sha256_file
+from looptool.backends.onnx_format import MANIFEST, ROWWISE, WEIGHTS, EngineError, sha256_file
 from looptool.backends.serving import INPUTS, LOGITS, CacheLayout
 from looptool.backends.tensorrt import BUILD_SCRIPT, require_tensorrt
 
@@ -83,7 +83,9 @@ class Runtime:
             self.directory,
         )
         trt = require_tensorrt("running TensorRT engines")
-        self.budgets = tuple(sorted(int(b) for b in section["engines"]))
+        self.budgets = tuple(
+            sorted(int(b) for b in section["engines"] if b != ROWWISE)
+        )  # the row-wise engine: no budget
         self.kv_policies = tuple(sorted({p for ps in section["engines"].values() for p in ps}))
         self.vocab_size = self.manifest.get("source_config", {}).get("vocab_size")
         self.mask_dtype = getattr(torch, self.manifest.get("mask_dtype", "int64"))
@@ -105,7 +107,7 @@ class Runtime:
                     raise EngineError(
                         f"TensorRT could not load {path} (built with TensorRT {built['tensorrt']}); rebuild it here."
                     )
-                self.engines[int(budget), policy] = engine
+                self.engines[budget if budget == ROWWISE else int(budget), policy] = engine
         self.activation_bytes = max(e.device_memory_size_v2 for e in self.engines.values())
         self._activations = torch.empty(self.activation_bytes, dtype=torch.uint8, device=self.device)
         for key, engine in self.engines.items():

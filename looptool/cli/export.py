@@ -23,7 +23,10 @@ def export_cmd(
         str,
         typer.Option(help="Lowering target: onnx (onnxruntime) or tensorrt (ONNX + TensorRT variants and engines)."),
     ] = "onnx",
-    budget: Annotated[str, typer.Option(help="A budget, a comma-separated list, or 'all'.")] = "all",
+    budget: Annotated[
+        str,
+        typer.Option(help="A budget, a comma-separated list, 'all', or 'none' (only the row-wise graph)."),
+    ] = "all",
     validate: Annotated[
         bool, typer.Option("--validate/--no-validate", help="Compare every graph with the PyTorch path.")
     ] = True,
@@ -45,6 +48,13 @@ def export_cmd(
             help="Apply onnxruntime's transformer fusions (com.microsoft ops; onnxruntime-only graphs).",
         ),
     ] = False,
+    rowwise: Annotated[
+        bool,
+        typer.Option(
+            "--rowwise/--no-rowwise",
+            help="Also write the row-wise-budget graph per policy (rows of one batch at different budgets).",
+        ),
+    ] = True,
     precision: Annotated[str, typer.Option(help="tensorrt: engine dtype, fp16, bf16 or fp32.")] = "fp16",
     build_on_target: Annotated[
         bool,
@@ -57,8 +67,9 @@ def export_cmd(
     max_prefill: Annotated[int, typer.Option(help="tensorrt: longest prompt step the prefill profile accepts.")] = 2048,
     max_capacity: Annotated[int, typer.Option(help="tensorrt: largest KV cache capacity in tokens.")] = 4096,
 ) -> None:
-    """Lower budget paths to ONNX serving engines (prefill + KV-cached decode) sharing one weights.bin;
-    --backend tensorrt adds TensorRT graphs with looptool plugins and builds one engine per budget."""
+    """Lower budget paths to ONNX serving engines (prefill + KV-cached decode) sharing one weights.bin,
+    one graph per budget plus one row-wise graph (every row at its own budget);
+    --backend tensorrt adds TensorRT graphs with looptool plugins and builds their engines."""
     from looptool.backends.engines import export_engines, export_options
     from looptool.backends.onnx import resolve_budgets, resolve_policies
     from looptool.report.tables import human_bytes
@@ -67,7 +78,9 @@ def export_cmd(
 
     check_backend(backend)
     check_kv_names(kv, allow_all=True)
-    if budget.strip() != "all":
+    if budget.strip() == "none" and not rowwise:
+        raise LooptoolError("--budget none with --no-rowwise leaves no graph to export; drop one of them.")
+    if budget.strip() not in ("all", "none"):
         from looptool.core.plan import parse_budgets
 
         parse_budgets(budget)  # the syntax now; whether the model has them once it is loaded
@@ -81,6 +94,7 @@ def export_cmd(
         kv=kv,
         compose=compose,
         ort_fusions=ort_fusions,
+        rowwise=rowwise,
         precision=precision,
         build_on_target=build_on_target,
         max_batch=max_batch,
@@ -91,9 +105,9 @@ def export_cmd(
     with progress() as steps:
         with steps.stage(f"loading {model_dir}"):
             model = load(model_dir)
-        chosen = resolve_budgets(model, budget)
+        chosen = resolve_budgets(model, budget.strip())
         policies = resolve_policies(model, kv)
-        graphs = len(chosen) * len(policies)
+        graphs = (len(chosen) + int(rowwise)) * len(policies)
         with steps.stage("exporting", total=graphs + int(validate), done="exported") as step:
             counted = iter(range(graphs + 1))
 
@@ -127,7 +141,7 @@ def export_cmd(
         "export s",
     ):
         table.add_column(col, justify="right")
-    for b in report.budgets:
+    for b in [*report.budgets, *report.rowwise]:
         fused = ", ".join(f"{k}×{v}" for k, v in b.fused.items() if v) or "-"
         calls = f"{sum(b.layer_calls.values())} of {len(b.layer_calls)}" if b.composed else "flat"
         diff = b.max_abs_diff
