@@ -104,6 +104,9 @@ def test_bad_row_budgets():
         generate(model, prompt, budget=[0, 1, 2])
     with pytest.raises(LooptoolError, match="not an integer"):
         generate(model, prompt, budget=[0, 1.5])
+    with pytest.raises(LooptoolError, match="not an integer"):
+        generate(model, prompt, budget=[0, True])
+    assert generate(model, prompt, budget=[torch.tensor(0), 2], max_new_tokens=1).budgets == (0, 2)
     with pytest.raises(LooptoolError, match="1-D and integer"):
         generate(model, prompt, budget=torch.tensor([0.0, 1.0]))
 
@@ -130,7 +133,7 @@ def test_step_engine_over_a_slice_of_a_bigger_cache(kv):
     all rows together (mixed budgets) over a slice of a bigger slot cache: every row's logits
     equal generating it alone."""
     model = _model("elr-llama-conditioning")
-    engine = TorchStepEngine(model, kv)
+    engine = TorchStepEngine(model, kv) if kv != "per-loop" else TorchStepEngine(model)  # the default
     menu = list(engine.budgets)
     prompt, mask = _batch(len(menu), length=6)
     cache = engine.allocate(slots=len(menu) + 2, length=12)

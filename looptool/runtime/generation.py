@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -171,10 +172,16 @@ def row_budgets(model: LoopedModel, budget, batch: int) -> tuple[int, ...]:
         raise LooptoolError(
             f"{len(budget)} budgets for a batch of {batch} rows; give one budget per row.", parameter="budget"
         )
+    rows = []
     for k in budget:
-        if isinstance(k, bool) or not isinstance(k, int):
+        try:  # ints and integer scalars (numpy, 0-d tensors); not bools, floats or strings
+            value = None if isinstance(k, bool) else operator.index(k)
+        except TypeError:
+            value = None
+        if value is None:
             raise LooptoolError(f"budget {k!r} is not an integer; give whole numbers.", parameter="budget")
-    return tuple(model.check_budget(k) for k in budget)
+        rows.append(model.check_budget(value))
+    return tuple(rows)
 
 
 def _bind(model: LoopedModel, graph: fx.Graph) -> CachedPath:
