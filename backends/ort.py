@@ -255,10 +255,17 @@ class Runtime:
             if plain and self.has_rowwise(kv) and budget not in self.budgets and budget in self.rowwise_menu(kv):
                 return ROWWISE, np.full(batch, int(budget), dtype=np.int64)  # a budget with no graph of its own
             return self._check_budget(budget), None
-        menu = self.rowwise_menu(kv) if self.has_rowwise(kv) else self.budgets
+        # the model's menu (its cost table), so a mixed list on an engine without the row-wise
+        # graph is refused for that reason, not for a budget the engine simply has no graph of
+        menu = self.rowwise_menu(kv) if self.has_rowwise(kv) else self._menu()
         rows = check_row_budgets(budget, menu, batch)
-        key = int(rows[0]) if len(set(rows.tolist())) == 1 and int(rows[0]) in self.budgets else ROWWISE
-        return self._key(key, kv)[0], rows  # no row-wise graph: one sentence
+        if len(set(rows.tolist())) == 1 and (int(rows[0]) in self.budgets or not self.has_rowwise(kv)):
+            return self._check_budget(int(rows[0])), rows
+        return self._key(ROWWISE, kv)[0], rows  # no row-wise graph: one sentence
+
+    def _menu(self) -> tuple[int, ...]:
+        """The model's whole budget menu as the manifest's cost table lists it (else this engine's budgets)."""
+        return tuple(sorted(int(c["budget"]) for c in self.manifest.get("costs") or [])) or self.budgets
 
     def _key(self, budget, kv: str) -> tuple[int | str, str]:
         """``(budget or ROWWISE, policy)``, both checked."""
