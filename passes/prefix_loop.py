@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from looptool.core.graph import ROLE_GATE, LayerGraph, LayerInfo, NewParam, Write, annotate
+from looptool.core.graph import ROLE_GATE, LayerGraph, LayerInfo, NewParam, Write, annotate, copy_node
 from looptool.core.plan import PrefixLoop
 from looptool.passes.emit import emit_layers, last_node, resolve_plan
 from looptool.passes.manager import register_pass
@@ -57,7 +57,9 @@ def build_path(lg: LayerGraph, repeated: tuple[int, ...]) -> fx.Graph:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in lg.graph.nodes:
-        env[node] = graph.node_copy(node, lambda n: env[n])
+        env[node] = copy_node(
+            graph, node, fx.node.map_arg(node.args, env.__getitem__), fx.node.map_arg(node.kwargs, env.__getitem__)
+        )
         if node in after:
             info = after[node]
             out = nodes[info.output]

@@ -35,7 +35,7 @@ def retarget_device(lg: LayerGraph, config: dict) -> LayerGraph:
         return swap(tuple(args)), {k: swap(v) for k, v in kwargs.items()}
 
     graph = copy_graph(lg.graph, transform)
-    module = shared_graph_module(lg.module, graph)
+    module = shared_graph_module(lg.module, graph, lazy=True)  # never run itself: its code only if asked
     # Higher-order ops (e.g. a rotary embedding under ``torch.autocast(enabled=False)`` in
     # some transformers versions) keep their bodies as GraphModule children: retarget those
     # too, as new objects, so the input LayerGraph's are untouched.

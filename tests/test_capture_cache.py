@@ -335,3 +335,88 @@ def test_a_changed_in_process_entry_is_read_again(populated, cache_dir):
     env.guards.append(env.guards[0] if env.guards else None)  # as if a caller had added a guard
     assert export_source(_skeleton()).code == code
     assert (cache.STATS["disk"], cache.STATS["memory"]) == (2, 0)
+
+
+def test_a_stored_program_rebuilds_the_export(monkeypatch):
+    """The stored form (programs) read back builds the exported module again: same code, the
+    model's own tensors with their kinds and persistence, one node value per description."""
+    from looptool.capture import programs
+
+    model = tiny_model("llama")
+    with monkeypatch.context() as m:
+        _off(m)
+        gm = export_source(model)
+    own = _tensors(model)
+    stored = programs.loads(programs.dumps(programs.program_of(gm, own)))
+    built = programs.build(stored, own)
+    assert built.code == gm.code
+    assert all(t is own[name] for name, t in _tensors(built).items())
+    assert dict(built.named_parameters(remove_duplicate=False)).keys() == dict(gm.named_parameters()).keys()
+    assert set(built.state_dict()) == set(gm.state_dict())  # non-persistent buffers stay so
+    vals = [n.meta["val"] for n in built.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    assert len({id(v) for v in vals}) < len(vals)  # shared per description
+    wrong = dict(own)
+    name = next(n for n, t in own.items() if t.dim() == 2)
+    wrong[name] = torch.zeros(3, 3)
+    with pytest.raises(programs.StaleProgram, match=name):
+        programs.build(stored, wrong)
+
+
+def test_a_folder_others_can_write_is_not_read(populated, cache_dir, caplog):
+    """Entries are pickles: a cache folder another user could write is not read (one warning)."""
+    folder, code = populated
+    shutil.copytree(folder, cache_dir)
+    cache_dir.chmod(0o777)
+    try:
+        with caplog.at_level("WARNING", logger="looptool.capture.cache"):
+            assert export_source(_skeleton()).code == code
+        assert "other users can write to it" in caplog.text
+        assert (cache.STATS["disk"], cache.STATS["miss"]) == (0, 1)
+    finally:
+        cache_dir.chmod(0o700)
+
+
+def test_the_weight_reader_equals_safetensors(tmp_path):
+    """One pass reads every tensor into its own 64-byte-aligned storage, equal to what
+    safetensors reads, and hashes the file as sha256_file does; a cut file is refused."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from looptool.storage.files import sha256_file
+    from looptool.storage.weights import read_safetensors
+
+    path = tmp_path / "w.safetensors"
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.arange(7, dtype=torch.int64),
+        "c": torch.randn(4, dtype=torch.bfloat16),
+        "d": torch.tensor(1.5, dtype=torch.float16),
+        "e": torch.zeros(0, 4),
+    }
+    save_file(tensors, str(path), metadata={"k": "v"})
+    got, metadata, sha = read_safetensors(path)
+    assert sha == sha256_file(path) and metadata == {"k": "v"}
+    with safe_open(str(path), framework="pt") as f:
+        assert got.keys() == set(f.keys())
+        for name in f.keys():
+            want = f.get_tensor(name)
+            assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
+    assert all(t.data_ptr() % 64 == 0 for t in got.values() if t.numel())
+    path.write_bytes(path.read_bytes()[:-3])
+    with pytest.raises(ValueError, match="ends early"):
+        read_safetensors(path)
+
+
+def test_a_cut_weight_file_is_refused_as_corrupt(tmp_path, monkeypatch):
+    saved = _saved("llama", TINY_PLAN, tmp_path / "m", monkeypatch)
+    weights = saved / "model.safetensors"
+    meta = json.loads((saved / "looptool.json").read_text())
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] + bytes(len(data) - len(data) // 2))  # same size, zeros
+    with pytest.raises(looptool.LooptoolError, match="is corrupt: its contents differ from the sha256"):
+        looptool.load(saved)
+    del meta["files"]  # saved before checksums: the reader's errors still name the file
+    (saved / "looptool.json").write_text(json.dumps(meta))
+    weights.write_bytes(data[:-8])
+    with pytest.raises(looptool.LooptoolError, match="could not be read as safetensors"):
+        looptool.load(saved)

@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 
 from looptool.core.errors import CaptureError
+from looptool.core.graph import copy_node, lazy_graph_module
 
 CAST_TARGETS = {  # dtype/device casts (also read by looptool.posttrain.merge)
     torch.ops.aten.to.dtype,
@@ -39,7 +40,9 @@ def clean_module(exported: fx.GraphModule, inputs: tuple[str, ...] | None) -> fx
         if node.op == "output":
             out_node = node
             continue
-        env[node] = new.node_copy(node, lambda n: env[n])
+        env[node] = copy_node(
+            new, node, fx.node.map_arg(node.args, env.__getitem__), fx.node.map_arg(node.kwargs, env.__getitem__)
+        )
     leaves = [leaf for leaf in _flatten(out_node.args[0]) if isinstance(leaf, fx.Node)]
     if len(leaves) != 1:
         raise CaptureError(
@@ -49,7 +52,7 @@ def clean_module(exported: fx.GraphModule, inputs: tuple[str, ...] | None) -> fx
     new.output(env[leaves[0]])
     _drop_noop_casts(new)
     new.eliminate_dead_code()
-    gm = fx.GraphModule(exported, new)
+    gm = lazy_graph_module(exported, new)  # capture never runs it: its code only if asked
     for graph in [gm.graph] + [m.graph for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm]:
         _device_neutral_histc(graph)
     return gm

@@ -31,6 +31,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from looptool.core.graph import lazy_graph_module
+
 
 class StaleProgram(ValueError):
     """A stored program does not fit the model it is built for (its tensors differ)."""
@@ -157,7 +159,7 @@ def build(program: Program, own: dict[str, torch.Tensor]) -> fx.GraphModule:
     """The unlifted module of ``program``: fresh graph, nodes and top-level metadata dicts;
     its parameters and buffers are ``own``'s tensor objects (raises :class:`StaleProgram`
     when ``own`` lacks one or it differs in shape, dtype or kind)."""
-    gm = fx.GraphModule(nn.Module(), fx.Graph())
+    gm = lazy_graph_module(nn.Module(), fx.Graph())  # capture cleans it, never runs it
     for name, kind, persistent, stored in program.tensors:
         if isinstance(stored, OwnTensor):
             t = own.get(name)
@@ -179,9 +181,12 @@ def build(program: Program, own: dict[str, torch.Tensor]) -> fx.GraphModule:
         return nodes[a.index] if isinstance(a, _Ref) else a
 
     for name, op, target, args, kwargs, type_, meta in program.records:
-        node = graph.create_node(
-            op, target, fx.node.map_aggregate(args, node_of), fx.node.map_aggregate(kwargs, node_of), name, type_
-        )
+        node = graph.create_node(op, target, (), {}, name, type_)  # arguments set after: see copy_node
+        args, kwargs = fx.node.map_aggregate(args, node_of), fx.node.map_aggregate(kwargs, node_of)
+        if args:
+            node.args = tuple(args)
+        if kwargs:
+            node.kwargs = dict(kwargs)
         node.meta = dict(meta)
         nodes.append(node)
     graph._codegen = program.codegen

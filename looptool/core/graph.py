@@ -12,6 +12,7 @@ read roles and layer indices, never module names: all per-architecture knowledge
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -253,21 +254,51 @@ def copy_graph(graph: fx.Graph, transform=None) -> fx.Graph:
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
-        copied = new.node_copy(node, lambda n: env[n])
+        args = fx.node.map_arg(node.args, env.__getitem__)
+        kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
         if transform is not None:
-            copied.args, copied.kwargs = transform(node, copied.args, copied.kwargs)
-        env[node] = copied
+            args, kwargs = transform(node, args, kwargs)
+        env[node] = copy_node(new, node, args, kwargs)
     return new
 
 
-def shared_graph_module(owner: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
-    """A GraphModule running ``graph`` whose attributes are ``owner``'s own submodules.
+def copy_node(graph: fx.Graph, node: fx.Node, args: tuple, kwargs: dict) -> fx.Node:
+    """``graph.node_copy(node)`` with the copy's arguments given (already mapped into
+    ``graph``): the same node, name, type and shallow-copied metadata.
+
+    It creates the node bare and sets its arguments after, which skips the scan
+    ``Graph.create_node`` makes of every argument for raw ``SymInt`` values (a pytree walk,
+    most of the time of copying a graph) that a node of an existing graph passed already.
+    """
+    copied = graph.create_node(node.op, node.target, (), {}, node.name, node.type)
+    if args:
+        copied.args = tuple(args)
+    if kwargs:
+        copied.kwargs = dict(kwargs)
+    copied.meta = copy.copy(node.meta)
+    return copied
+
+
+def lazy_graph_module(root: torch.nn.Module | dict, graph: fx.Graph) -> fx.GraphModule:
+    """``fx.GraphModule(root, graph)`` whose Python code is generated when first needed (a
+    call, ``.code``), not at construction: capture and load build several modules of the
+    whole source graph that no one runs (about 0.25 s each for SmolLM2)."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # older torch: generate it now
+        return fx.GraphModule(root, graph)
+    return _LazyGraphModule(root, graph)
+
+
+def shared_graph_module(owner: torch.nn.Module, graph: fx.Graph, *, lazy: bool = False) -> fx.GraphModule:
+    """A GraphModule running ``graph`` whose attributes are ``owner``'s own submodules
+    (``lazy``: its code generated on first use, :func:`lazy_graph_module`).
 
     ``fx.GraphModule`` would otherwise build fresh intermediate modules; re-pointing the
     top-level children at ``owner``'s makes every path read the very same parameter and
     buffer objects (one copy of the weights), even after they are re-bound on load.
     """
-    gm = fx.GraphModule(owner, graph)
+    gm = lazy_graph_module(owner, graph) if lazy else fx.GraphModule(owner, graph)
     for name in list(gm._modules):
         gm._modules[name] = owner._modules[name]
     return gm

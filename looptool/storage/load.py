@@ -24,6 +24,7 @@ from looptool.runtime.model import LoopedModel
 from looptool.runtime.tensors import bind_tensors, graph_tensors
 from looptool.storage.files import sha256_file
 from looptool.storage.save import FORMAT_VERSION, LOOPTOOL_JSON, WEIGHTS
+from looptool.storage.weights import WeightReader
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,12 @@ def load(directory: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtyp
     weights = directory / WEIGHTS
     if not weights.exists():
         raise CheckpointError(f"'{directory}' has no {WEIGHTS}; the save was incomplete, re-save the model.")
-    if torch.device(device).type != "meta":  # meta (inspect) reads only headers: stays cheap
+    reader = None
+    if torch.device(device).type == "cpu":  # read and hashed in one pass, beside the tokenizer
+        check_file_sizes(directory, meta)
+        verify_files(directory, meta, skip=(WEIGHTS,))
+        reader = WeightReader(weights)
+    elif torch.device(device).type != "meta":  # meta (inspect) reads only headers: stays cheap
         verify_files(directory, meta)  # before the slow rebuild: a corrupt file fails fast
     plan_from_dict(meta["plan"])  # refuses unknown kinds / versions with a clear message
     src = meta["source"]
@@ -90,6 +96,7 @@ def load(directory: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtyp
     tokenizer = None
     if any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    loaded = None if reader is None else read_weights(reader, meta)  # before the slow rebuild
     model = rebuild(
         config,
         meta["recipe"],
@@ -101,20 +108,53 @@ def load(directory: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtyp
     if torch.device(device).type == "meta":  # structure only (looptool inspect): header checked, no data read
         check_weights(model, weights, cast=dtype != saved)
         return model.eval()
-    bind_weights(model, weights, device=device, trainable=meta.get("trainable"), cast=dtype != saved)
+    bind_weights(model, weights, device=device, trainable=meta.get("trainable"), cast=dtype != saved, loaded=loaded)
     return model.eval()
 
 
-def verify_files(directory: Path, meta: dict) -> None:
-    """Refuse a file of ``directory`` whose size or sha256 differs from the one recorded in
-    ``meta["files"]`` (looptool.json); models saved without checksums pass unchecked."""
+def check_file_sizes(directory: Path, meta: dict) -> None:
+    """The cheap part of :func:`verify_files`: every recorded file exists with its size."""
     for name, want in meta.get("files", {}).items():
         path = directory / name
+        if not path.exists() or path.stat().st_size != want["bytes"]:
+            raise _corrupt(path)
+
+
+def read_weights(reader: WeightReader, meta: dict) -> dict[str, torch.Tensor]:
+    """The tensors ``reader`` read, refused like :func:`verify_files` refuses them when their
+    file's sha256 differs from the one recorded."""
+    path = reader.path
+    want = meta.get("files", {}).get(path.name)
+    try:
+        tensors, _, sha = reader.result()
+    except Exception as exc:
+        if want is not None:  # what was saved parsed: this file is not what was saved
+            raise _corrupt(path) from exc
+        raise CheckpointError(
+            f"{path} could not be read as safetensors ({exc}); the file is corrupt, re-save the model."
+        ) from exc
+    if want is not None and sha != want["sha256"]:
+        raise _corrupt(path)
+    return tensors
+
+
+def _corrupt(path: Path) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is corrupt: its contents differ from the sha256 recorded in "
+        f"{LOOPTOOL_JSON} at save; re-save or re-copy the model."
+    )
+
+
+def verify_files(directory: Path, meta: dict, skip: tuple[str, ...] = ()) -> None:
+    """Refuse a file of ``directory`` (but those in ``skip``) whose size or sha256 differs
+    from the one recorded in ``meta["files"]`` (looptool.json); models saved without
+    checksums pass unchecked."""
+    for name, want in meta.get("files", {}).items():
+        if name in skip:
+            continue
+        path = directory / name
         if not path.exists() or path.stat().st_size != want["bytes"] or sha256_file(path) != want["sha256"]:
-            raise CheckpointError(
-                f"{path} is corrupt: its contents differ from the sha256 recorded in "
-                f"{LOOPTOOL_JSON} at save; re-save or re-copy the model."
-            )
+            raise _corrupt(path)
 
 
 def check_weights(model: LoopedModel, path: Path, *, cast: bool = False) -> dict[str, str]:
@@ -168,17 +208,28 @@ _ST_FLOATS = tuple(str(d).removeprefix("torch.") for d in FLOAT_DTYPES)  # the d
 _ALIGN = 64  # bytes: what torch's CPU allocator guarantees
 
 
-def bind_weights(model: LoopedModel, path: Path, *, device: str, trainable=None, cast: bool = False) -> None:
+def bind_weights(
+    model: LoopedModel,
+    path: Path,
+    *,
+    device: str,
+    trainable=None,
+    cast: bool = False,
+    loaded: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Replace every (meta) tensor of ``model`` with the one stored in ``path`` (with
-    ``cast``: converted to the dtype of the model's own tensor as it is read)."""
+    ``cast``: converted to the dtype of the model's own tensor as it is read); ``loaded``:
+    the file's tensors, already read (:func:`read_weights`)."""
     aliases = check_weights(model, path, cast=cast)
-    try:
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
-            loaded = {n: f.get_tensor(n) for n in f.keys()}
-    except Exception as exc:
-        raise CheckpointError(
-            f"{path} could not be read as safetensors ({exc}); the file is corrupt, re-save the model."
-        ) from exc
+    if loaded is None:
+        try:
+            with safe_open(str(path), framework="pt", device=str(device)) as f:
+                loaded = {n: f.get_tensor(n) for n in f.keys()}
+        except Exception as exc:
+            raise CheckpointError(
+                f"{path} could not be read as safetensors ({exc}); the file is corrupt, re-save the model."
+            ) from exc
+    loaded = dict(loaded)
     objects: dict[str, torch.Tensor] = {}
 
     def tensor_for(name: str, placeholder: torch.Tensor) -> torch.Tensor:
