@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import os
 import shutil
 import tempfile
@@ -50,26 +51,89 @@ def converted(model_type: str):
     return _converted[model_type]
 
 
-# The longest test files first (measured on the 2-core CI machine): under --dist loadfile a
-# file runs on one worker, and handing out the longest files first keeps the two workers'
-# finishing times close (the longest-processing-time rule). Order within a file is kept.
-_LONGEST_FIRST = (
-    "test_examples.py",
-    "test_smollm2.py",
-    "test_onnx.py",
-    "test_readme.py",
-    "test_ort_generate.py",
-    "test_train.py",
-    "test_fsdp.py",
-    "test_cli.py",
-    "test_distill.py",
-    "test_devices.py",
+# Work units for the two xdist workers, longest first (the longest-processing-time rule keeps
+# the workers' finishing times close). A unit runs on one worker, so it is what shares that
+# worker's module- and session-scoped fixtures: a file by default; the files below are split
+# into units that share nothing (each ONNX case's export), and the SmolLM2 tests of three files
+# form one unit so the GGUF is dequantised and captured once. Rough seconds of one worker on the
+# 2-core machine (new files estimated); an unlisted unit counts as short and runs last.
+_SMOLLM2_UNIT = (
+    "tests/test_smollm2.py::",
+    "tests/test_examples.py::test_example_runs[smollm2_convert.py]",
+    "tests/test_defaults.py::test_command_runs_with_its_defaults[demo]",
 )
+_UNIT_SECONDS = {
+    "smollm2": 200,
+    "tests/test_onnx.py::llama": 90,
+    "tests/test_readme.py": 90,
+    "tests/test_train.py": 80,
+    "tests/test_fsdp.py": 70,
+    "tests/test_defaults.py": 70,
+    "tests/test_ort_generate.py::llama-recurrent": 60,
+    "tests/test_onnx.py::qwen3_moe": 50,
+    "tests/test_examples.py::test_example_runs[export_onnx.py]": 30,
+    "tests/test_examples.py::test_example_runs[posttrain.py]": 25,
+    "tests/test_cli.py": 45,
+    "tests/test_distill.py": 40,
+    "tests/test_rl.py": 40,
+    "tests/test_ort_generate.py::gpt_neox-prefix": 35,
+    "tests/test_ort_generate.py::gemma3_text-prefix": 30,
+    "tests/test_ort_generate.py::qwen3_moe-prefix": 30,
+    "tests/test_devices.py": 30,
+    "tests/test_capture_cache.py": 30,
+    "tests/test_tensorrt.py": 25,
+    "tests/test_serve.py": 40,
+    "tests/test_rowwise_onnx.py": 40,
+    "tests/test_rowwise.py": 20,
+    "tests/test_serve_batching.py": 20,
+}
+
+
+def _split_onnx(name: str) -> str:
+    return "qwen3_moe" if "qwen3_moe" in name or name.startswith(("test_prepacked", "test_unfused_moe")) else "llama"
+
+
+def _split_ort_generate(name: str) -> str:
+    return name[name.index("[") + 1 : -1] if "[" in name else "llama-recurrent"  # the sampling test's case
+
+
+_SPLIT = {
+    "tests/test_onnx.py": _split_onnx,
+    "tests/test_ort_generate.py": _split_ort_generate,
+    "tests/test_examples.py": lambda name: name,  # each example on its own: they share nothing
+}
+
+
+def work_unit(nodeid: str) -> str:
+    """The xdist work unit of a test (its file unless listed above)."""
+    if nodeid.startswith(_SMOLLM2_UNIT):
+        return "smollm2"
+    path, _, name = nodeid.partition("::")
+    split = _SPLIT.get(path)
+    return f"{path}::{split(name)}" if split else path
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
-    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    # longest units first; a stable sort keeps the order within a unit
+    items.sort(key=lambda item: -_UNIT_SECONDS.get(work_unit(item.nodeid), 0))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` (the configured default) with :func:`work_unit` as the unit and the
+    collection order kept (xdist would reorder units by their number of tests)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnitScheduling(LoadScopeScheduling):
+        def __init__(self, config, log=None) -> None:
+            super().__init__(config, log)
+            config.option.loadscopereorder = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return WorkUnitScheduling(config, log)
 
 
 @pytest.fixture(params=TINY_MODEL_TYPES)
@@ -82,6 +146,30 @@ def arch(request) -> str:
 def input_ids() -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
     return torch.randint(0, 256, (2, 9), generator=g)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _gguf_dequantised_once():
+    """A GGUF file is dequantised once per worker (SmolLM2: ~20 s of CPU): a later load of the
+    same file, dtype and device (the SmolLM2 example, ``looptool demo``) gets a deep copy of
+    that first load. ``load_source``'s own resolution (``"smollm2"`` → the fetched file) runs
+    every time; only ``_load_gguf``, transformers' dequantisation, is served from here."""
+    from looptool.capture import sources
+
+    real, pristine = sources._load_gguf, {}
+
+    def load_once(path, dtype, device, origin):
+        key = (Path(path).resolve(), dtype, str(device))
+        if key not in pristine:
+            first = real(path, dtype, device, origin)
+            pristine[key] = copy.deepcopy(first)  # kept apart from the copy the caller may change
+            return first
+        kept = pristine[key]
+        return sources.Source(copy.deepcopy(kept.model), copy.deepcopy(kept.tokenizer), origin)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sources, "_load_gguf", load_once)
+        yield
 
 
 @pytest.fixture(scope="session")

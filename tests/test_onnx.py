@@ -50,11 +50,22 @@ def looped(case: str) -> looptool.LoopedModel:
     return _models[case]
 
 
+class _Engines(dict):
+    """Each case exported once, every budget and both KV policies (validated by the export),
+    when a test first asks for it: the two cases are separate xdist work units (conftest)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, case: str):
+        self[case] = (export_onnx(looped(case), self.root / case, "all", kv="all"), self.root / case)
+        return self[case]
+
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    """Each case exported once, every budget and both KV policies (validated by the export)."""
-    root = tmp_path_factory.mktemp("engines")
-    return {case: (export_onnx(looped(case), root / case, "all", kv="all"), root / case) for case in CASES}
+    return _Engines(tmp_path_factory.mktemp("engines"))
 
 
 def _graph(path: Path) -> onnx.ModelProto:

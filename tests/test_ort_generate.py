@@ -20,12 +20,16 @@ CASES = {  # dense, parallel residual, post-norm (sandwich norms, sliding window
 }
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """Each case converted, its new parameters trained-like (non-zero), exported (ELR: both KV policies)."""
-    root = tmp_path_factory.mktemp("generate")
-    out = {}
-    for case, (arch, plan) in CASES.items():
+class _Exports(dict):
+    """Each case converted, its new parameters trained-like (non-zero), exported (ELR: both KV
+    policies) when a test first asks for it: the cases are separate xdist work units (conftest)."""
+
+    def __init__(self, root) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, case: str):
+        arch, plan = CASES[case]
         model = looptool.convert(tiny_model(arch), plan)
         g = torch.Generator().manual_seed(3)
         with torch.no_grad():
@@ -34,9 +38,14 @@ def exported(tmp_path_factory):
         # the tests below compare more than validation does; last-loop caches matter for ELR (prefix
         # last-loop engines are covered by tests/test_onnx.py), so prefix cases export per-loop only
         kv = "all" if isinstance(plan, looptool.RecurrentLoop) else "per-loop"
-        export_onnx(model, root / case, "all", kv=kv, validate=False)
-        out[case] = (model, Runtime(root / case))
-    return out
+        export_onnx(model, self.root / case, "all", kv=kv, validate=False)
+        self[case] = (model, Runtime(self.root / case))
+        return self[case]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    return _Exports(tmp_path_factory.mktemp("generate"))
 
 
 @pytest.mark.parametrize("case", list(CASES))
