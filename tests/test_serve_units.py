@@ -85,3 +85,21 @@ def test_room_check_names_prompt_or_max_tokens():
     with pytest.raises(APIError) as err:
         check_room(10, 55, 64)
     assert err.value.parameter == "max_tokens" and "at most 54" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["/no/such/dir"], "is not a directory"),
+        (["/no/such/dir", "--max-batch", "0"], "--max-batch must be at least 1"),
+        (["/no/such/dir", "--kv", "bogus"], "unknown KV cache policy"),
+        (["/no/such/dir", "--max-queue", "-1"], "max_queue must be at least 0"),
+    ],
+)
+def test_cli_bad_input_is_one_sentence_before_any_load(args, message):
+    from typer.testing import CliRunner
+
+    from looptool.cli import app
+
+    res = CliRunner().invoke(app, ["serve", *args])
+    assert res.exit_code == 1 and message in res.output, res.output

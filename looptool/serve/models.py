@@ -68,21 +68,14 @@ def _open_model_dir(path: Path, name: str, device: str, kv: str, tokenizer) -> S
     model = load(path, device=str(dev))
     tok = text.model_tokenizer(model, tokenizer)
     engine = TorchStepEngine(model, kv=kv)
-    key = "kv_bytes_per_token_last_loop" if kv == "last-loop" else "kv_bytes_per_token"
-    costs = {
-        c.budget: {"budget": c.budget, "layer_executions": c.layer_executions, "kv_bytes_per_token": getattr(c, key)}
-        for c in model.cost_table()
-    }
+    costs = _costs([c.as_dict() for c in model.cost_table()], engine.budgets, kv)
     eos = _eos_ids(tok, getattr(model.config, "eos_token_id", None))
     return ServedModel(name, engine, tok, tuple(engine.budgets), costs, eos, str(dev), "pytorch")
 
 
 def _open_engine_dir(path: Path, name: str, kv: str, tokenizer, threads: int | None) -> ServedModel:
-    import transformers
-
     from looptool.backends.ort import Runtime
     from looptool.backends.ort_engine import OrtStepEngine
-    from looptool.core.plan import plan_from_dict
     from looptool.runtime import text
 
     rt = Runtime(path, threads=threads)
@@ -94,19 +87,29 @@ def _open_engine_dir(path: Path, name: str, kv: str, tokenizer, threads: int | N
         )
     tok = text.load_tokenizer(source)
     engine = OrtStepEngine(rt, kv=kv)
-    config = dict(rt.manifest["source_config"])
-    config = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
-    plan = plan_from_dict(rt.manifest["plan"])
-    costs = {
-        k: {
-            "budget": k,
-            "layer_executions": plan.layer_executions(k, config.num_hidden_layers),
-            "kv_bytes_per_token": rt.layout(k, kv).bytes_per_token(),
-        }
-        for k in rt.budgets
-    }
-    eos = _eos_ids(tok, getattr(config, "eos_token_id", None))
+    costs = _costs(rt.manifest.get("costs", []), engine.budgets, kv)
+    missing = sorted(set(engine.budgets) - set(costs))
+    if missing:
+        raise LooptoolError(
+            f"{path} has no cost-table entry for budget {missing[0]}; export the engine again.", parameter="model_dir"
+        )
+    eos = _eos_ids(tok, rt.manifest.get("source_config", {}).get("eos_token_id"))
     return ServedModel(name, engine, tok, tuple(engine.budgets), costs, eos, "cpu", "onnxruntime")
+
+
+def _costs(table: list[dict], budgets, kv: str) -> dict[int, dict]:
+    """``budget -> {"budget", "layer_executions", "kv_bytes_per_token"}`` from cost-table rows
+    (Accordion Eq. 6; last-loop KV where ``kv`` is ``last-loop``)."""
+    key = "kv_bytes_per_token_last_loop" if kv == "last-loop" else "kv_bytes_per_token"
+    return {
+        int(c["budget"]): {
+            "budget": int(c["budget"]),
+            "layer_executions": int(c["layer_executions"]),
+            "kv_bytes_per_token": int(c[key]),
+        }
+        for c in table
+        if int(c["budget"]) in budgets
+    }
 
 
 def _eos_ids(tok, config_eos) -> tuple[int, ...]:

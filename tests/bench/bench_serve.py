@@ -16,7 +16,7 @@ single's, mixed p50 TPOT ≤ 2.5× single's, single tok/s ÷ inproc tok/s ≥ 0.
 uses ``ignore_eos`` so each one generates exactly ``--new`` tokens.
 
 Run: python tests/bench/bench_serve.py MODEL_DIR [--runs 3] [--requests 16] [--concurrency 8]
-[--prompt 64] [--new 64] [--device cpu] [--out FILE]. Starts its own server on a free port
+[--prompt 64] [--new 64] [--device cpu] [--threads N] [--out FILE]. Starts its own server on a free port
 (``--url`` uses a running one instead). GPU check: --shape llama-1b --device cuda --dtype
 bfloat16 (random weights of that shape, byte tokenizer, no download). Prints one JSON line.
 """
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -130,7 +131,8 @@ def start_server(model_dir: str, args) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     argv = [sys.executable, "-m", "looptool", "serve", model_dir, "--port", str(port), "--device", args.device]
     argv += ["--max-batch", str(args.concurrency), "--capacity", str(args.capacity), "--served-model-name", "m"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -184,6 +186,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=None, help="budget of single and inproc (default: the middle)")
     ap.add_argument("--capacity", type=int, default=256)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads of the server and of inproc alike")
     ap.add_argument("--url", default=None, help="a running server's /v1 URL (its model id: m)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "serve.json"))
     args = ap.parse_args()
@@ -192,6 +195,9 @@ def main() -> None:
 
     import looptool
     from looptool.runtime.generation import generate
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     if args.shape:
         args.model_dir = str(random_model_dir(args.shape, args.device, getattr(torch, args.dtype)))
