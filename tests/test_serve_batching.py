@@ -70,6 +70,7 @@ def test_elr_requests_of_every_budget_batch_together_and_equal_generating_alone(
     _check(got, tok, alone)
 
 
+@pytest.mark.slow  # the ONNX export of every budget and the row-wise graph dominates
 def test_the_onnxruntime_engine_serves_the_same_way(model, tmp_path):
     pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
     from looptool.backends.onnx import export_onnx
