@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -113,6 +114,7 @@ def main() -> None:
         "cache_gather": gather,
     }
     times: dict[str, list[float]] = {name: [] for name in contenders}
+    load_before = os.getloadavg()[0]  # other processes on the machine skew every contender
     with torch.no_grad():
         for fn in contenders.values():  # warm-up
             fn()
@@ -137,6 +139,7 @@ def main() -> None:
         "spread": SPREAD,
         "rounds": args.rounds,
         "steps_per_round": args.steps,
+        "load_average": {"before": load_before, "after": os.getloadavg()[0], "cpus": os.cpu_count()},
         "ms_per_step": ms,
         "ratios_of_medians": {
             "a_all_0_vs_path_0": med["engine_all_0"] / med["path_0"],
