@@ -345,6 +345,10 @@ class Runtime:
         return sess
 
     def _check_budget(self, budget: int | None) -> int:
+        if budget is None and not self.budgets:
+            raise EngineError(
+                f"'{self.directory}' holds only the row-wise graph; name a budget, or use '{ROWWISE}' for its layout."
+            )
         if budget is None:
             return self.budgets[-1]
         if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or int(budget) not in self.budgets:
