@@ -370,7 +370,7 @@ def test_cli_export_and_run(tmp_path):
         and "× the parameter bytes" in res.output
         and "gated_residual×4" in res.output
     )
-    assert sorted(p.name for p in engines.glob("*.onnx")) == ["budget_2.per-loop.onnx"]
+    assert sorted(p.name for p in engines.glob("*.onnx")) == ["budget_2.per-loop.onnx", "rowwise.per-loop.onnx"]
     res = runner.invoke(app, ["run", str(engines), "--budget", "2", "--prompt", "Hello", "--max-new-tokens", "4"])
     assert res.exit_code == 0, res.output
     assert (
@@ -389,7 +389,7 @@ def test_cli_export_and_run(tmp_path):
         ),
         (["export", str(tmp_path / "looped"), "-o", str(tmp_path / "e2"), "--budget", "7"], "budget 7 is not in"),
         (["export", str(tmp_path / "looped"), "-o", str(engines)], "already exists"),
-        (["run", str(engines), "--budget", "0", "--prompt", "x"], "budget 0 is not in"),
+        (["run", str(engines), "--budget", "7", "--prompt", "x"], "budget 7 is not in"),
         (["run", str(engines), "--prompt", "x", "--kv", "last-loop"], "exported with KV policies ['per-loop']"),
         (["run", str(engines), "--prompt", "Hello", "--capacity", "3"], "more than the cache capacity 3"),
         (["run", str(tmp_path), "--prompt", "x"], "no manifest.json"),
