@@ -36,14 +36,11 @@ overrides are not cached (the key cannot see what such code does).
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
-import hashlib
 import json
 import logging
 import os
 import sys
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -54,6 +51,7 @@ from torch import nn
 
 from looptool.capture import programs
 from looptool.core.version import __version__
+from looptool.storage.disk_cache import DiskCache, canonical, enabled, sha256
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +62,12 @@ SUBDIR = "captures"
 STATS: collections.Counter = collections.Counter()  # "memory", "disk", "miss", "dropped", "uncached"
 _memory: collections.OrderedDict[str, tuple[programs.Program, object]] = collections.OrderedDict()
 _lock = threading.Lock()
-_unwritable: set[Path] = set()
-
-
-def enabled() -> bool:
-    """False when ``LOOPTOOL_CACHE=off``."""
-    return os.environ.get("LOOPTOOL_CACHE", "").strip().lower() != "off"
+_STORE = DiskCache(SUBDIR, FORMAT, ".fx", "capture cache", log)
 
 
 def directory() -> Path:
     """Where the exported programs are kept: ``<looptool cache dir>/captures``."""
-    from looptool.capture.sources import cache_dir
-
-    return cache_dir() / SUBDIR
+    return _STORE.directory()
 
 
 def clear_memory() -> None:
@@ -165,14 +156,7 @@ def exported_module(
         _remember(digest, stored)
         _write(digest, key, data)
     except Exception as exc:  # the cache never fails a capture
-        folder = directory()
-        (log.debug if folder in _unwritable else log.warning)(
-            "capture cache: could not store the exported program in %s (%s: %s); continuing without it.",
-            folder,
-            type(exc).__name__,
-            exc,
-        )
-        _unwritable.add(folder)  # warned once per folder
+        _STORE.could_not_store(exc, "the exported program")
     return _own_meta(gm)
 
 
@@ -223,103 +207,24 @@ def _forget(digest: str) -> None:
 
 
 def _from_disk(digest: str, key: dict, own: dict[str, torch.Tensor]) -> fx.GraphModule | None:
-    folder = directory()
-    sidecar = folder / f"{digest}.json"
-    try:
-        raw = sidecar.read_bytes()
-    except (FileNotFoundError, NotADirectoryError):  # not cached (yet)
-        return None
-    except OSError as exc:
-        log.warning("capture cache: cannot read %s (%s); exporting instead.", sidecar, exc)
-        return None
-    if not _private(folder):
-        return None
-    program = None
-    try:
-        meta = json.loads(raw)
-        if meta.get("format") != FORMAT or meta.get("key") != json.loads(_canonical(key)):
-            raise ValueError("it was written for another key")
-        if meta.get("versions") != versions():
-            raise ValueError(f"it was written by other versions ({meta.get('versions')})")
-        program = folder / str(meta["file"])
-        if program.parent != folder:
-            raise ValueError(f"it names a file outside the cache ({meta['file']!r})")
-        data = program.read_bytes()
-        if len(data) != meta["bytes"] or _sha256(data) != meta["sha256"]:
-            raise ValueError(f"{program.name} does not match the sha256 recorded")
+    built: list[programs.Program] = []
+
+    def decode(data: bytes) -> fx.GraphModule:
         stored = programs.loads(data)
         gm = programs.build(stored, own)
-    except Exception as exc:  # any failure: drop the entry, export afresh
-        STATS["dropped"] += 1
-        log.warning(
-            "capture cache: dropping the corrupt or stale entry %s (%s: %s); exporting afresh.",
-            sidecar,
-            type(exc).__name__,
-            exc,
-        )
-        _drop(sidecar, raw, program)
+        built.append(stored)
+        return gm
+
+    gm = _STORE.read(digest, key, versions(), decode, on_drop=lambda: STATS.update(["dropped"]))
+    if gm is None:
         return None
-    _remember(digest, stored)
+    _remember(digest, built[0])
     STATS["disk"] += 1
     return gm
 
 
-def _private(folder: Path) -> bool:
-    """Whether only this user can write ``folder`` (entries are pickles: never read one that
-    another user could have written); warns once per folder when not."""
-    if not hasattr(os, "getuid"):
-        return True
-    st = folder.stat()
-    if st.st_uid == os.getuid() and not st.st_mode & 0o022:
-        return True
-    if folder not in _unwritable:
-        log.warning(
-            "capture cache: not reading %s: other users can write to it; make it private "
-            "(chmod go-w) or set LOOPTOOL_CACHE to a private folder.",
-            folder,
-        )
-        _unwritable.add(folder)
-    return False
-
-
 def _write(digest: str, key: dict, data: bytes) -> None:
-    folder = directory()
-    sha = _sha256(data)
-    name = f"{digest}-{sha[:16]}.fx"  # content-named: a sidecar always names a complete file
-    meta = {
-        "format": FORMAT,
-        "key": json.loads(_canonical(key)),
-        "versions": versions(),
-        "file": name,
-        "bytes": len(data),
-        "sha256": sha,
-    }
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _atomic_write(folder / name, data)
-    _atomic_write(folder / f"{digest}.json", (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode())
-    log.debug("capture cache: stored %s (%d bytes)", name, len(data))
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def _drop(sidecar: Path, raw: bytes, program: Path | None) -> None:
-    """Remove a bad entry (the sidecar only if no other writer replaced it meanwhile)."""
-    with contextlib.suppress(OSError):
-        if sidecar.read_bytes() == raw:
-            sidecar.unlink()
-    if program is not None:
-        with contextlib.suppress(OSError):
-            program.unlink()
+    _STORE.write(digest, key, versions(), data)
 
 
 # -- programs -----------------------------------------------------------------------------
@@ -387,7 +292,7 @@ def _config_json(config) -> dict | None:
 
 
 def _canonical(obj) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_json_default)
+    return canonical(obj, default=_json_default)
 
 
 def _json_default(obj):
@@ -428,5 +333,4 @@ def _file_sha256(path: str, mtime_ns: int, size: int) -> str:
     return _sha256(Path(path).read_bytes())
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+_sha256 = sha256

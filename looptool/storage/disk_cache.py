@@ -1,0 +1,186 @@
+"""Keyed entries of a cache on disk, shared by concurrent processes and never trusted blindly.
+
+One kind of entry (the capture cache's exported programs, the ONNX export's layer bodies)
+lives in its own folder under the looptool cache (``$LOOPTOOL_CACHE``, default
+``~/.cache/looptool``; ``LOOPTOOL_CACHE=off`` turns every such cache off). An entry is two
+files named by the sha256 of its key:
+
+* ``<digest>.json``, the sidecar: the format, the key, the versions it was written by, and
+  the name, size and sha256 of its data file;
+* ``<digest>-<sha256 prefix of the data><suffix>``, the data (content-named, so a sidecar
+  always names a complete file).
+
+Both are written to a temporary file and moved into place with ``os.replace``, the sidecar
+last, so concurrent writers (pytest-xdist workers, a sweep's processes) never expose a
+partial entry. A folder another user can write to is not read (a warning says so, once). An
+entry that cannot be used (unreadable, other key, format or versions, a bad sha256, or data
+its reader rejects) is dropped with a warning and the caller rebuilds it: a cache never
+changes a result and never raises to its caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def enabled() -> bool:
+    """False when ``LOOPTOOL_CACHE=off``."""
+    return os.environ.get("LOOPTOOL_CACHE", "").strip().lower() != "off"
+
+
+def sha256(data: bytes) -> str:
+    """Hex sha256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def canonical(obj, default: Callable | None = None) -> str:
+    """``obj`` as compact JSON with sorted keys (the form keys are hashed and compared in)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=default)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class DiskCache:
+    """The entries of one kind: ``subdir`` of the looptool cache, data files ending in
+    ``suffix``, warnings on ``log`` prefixed with ``label`` (e.g. ``"capture cache"``)."""
+
+    def __init__(self, subdir: str, fmt: int, suffix: str, label: str, log: logging.Logger) -> None:
+        self.subdir, self.format, self.suffix, self.label, self.log = subdir, fmt, suffix, label, log
+        self.unwritable: set[Path] = set()  # folders warned about (once each)
+
+    def directory(self) -> Path:
+        """``<looptool cache dir>/<subdir>``."""
+        from looptool.capture.sources import cache_dir
+
+        return cache_dir() / self.subdir
+
+    def read(
+        self,
+        digest: str,
+        key: dict,
+        versions: dict,
+        decode: Callable[[bytes], T],
+        on_drop: Callable[[], None] | None = None,
+    ) -> T | None:
+        """``decode(data)`` of the entry ``digest`` when its sidecar holds ``key``, this format
+        and ``versions`` and its data has the recorded sha256; None when there is none. A bad
+        entry (or one ``decode`` raises on) is dropped with a warning (``on_drop`` is called),
+        and None returned."""
+        folder = self.directory()
+        sidecar = folder / f"{digest}.json"
+        try:
+            raw = sidecar.read_bytes()
+        except (FileNotFoundError, NotADirectoryError):  # not cached (yet)
+            return None
+        except OSError as exc:
+            self.log.warning("%s: cannot read %s (%s); exporting instead.", self.label, sidecar, exc)
+            return None
+        if not self.private(folder):
+            return None
+        data_file = None
+        try:
+            meta = json.loads(raw)
+            if meta.get("format") != self.format or meta.get("key") != json.loads(canonical(key)):
+                raise ValueError("it was written for another key")
+            if meta.get("versions") != versions:
+                raise ValueError(f"it was written by other versions ({meta.get('versions')})")
+            data_file = folder / str(meta["file"])
+            if data_file.parent != folder:
+                raise ValueError(f"it names a file outside the cache ({meta['file']!r})")
+            data = data_file.read_bytes()
+            if len(data) != meta["bytes"] or sha256(data) != meta["sha256"]:
+                raise ValueError(f"{data_file.name} does not match the sha256 recorded")
+            return decode(data)
+        except Exception as exc:  # any failure: drop the entry, the caller rebuilds it
+            self.log.warning(
+                "%s: dropping the corrupt or stale entry %s (%s: %s); exporting afresh.",
+                self.label,
+                sidecar,
+                type(exc).__name__,
+                exc,
+            )
+            self._drop(sidecar, raw, data_file)
+            if on_drop is not None:
+                on_drop()
+            return None
+
+    def write(self, digest: str, key: dict, versions: dict, data: bytes) -> None:
+        """Store ``data`` as the entry ``digest`` (raises OSError where the folder cannot be written)."""
+        folder = self.directory()
+        sha = sha256(data)
+        name = f"{digest}-{sha[:16]}{self.suffix}"
+        meta = {
+            "format": self.format,
+            "key": json.loads(canonical(key)),
+            "versions": versions,
+            "file": name,
+            "bytes": len(data),
+            "sha256": sha,
+        }
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        atomic_write(folder / name, data)
+        atomic_write(folder / f"{digest}.json", (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode())
+        self.log.debug("%s: stored %s (%d bytes)", self.label, name, len(data))
+
+    def could_not_store(self, exc: BaseException, what: str) -> None:
+        """Warn (once per folder) that ``what`` could not be stored; the caller goes on without it."""
+        folder = self.directory()
+        (self.log.debug if folder in self.unwritable else self.log.warning)(
+            "%s: could not store %s in %s (%s: %s); continuing without it.",
+            self.label,
+            what,
+            folder,
+            type(exc).__name__,
+            exc,
+        )
+        self.unwritable.add(folder)
+
+    def private(self, folder: Path) -> bool:
+        """Whether only this user can write ``folder`` (never read an entry another user could
+        have written); warns once per folder when not."""
+        if not hasattr(os, "getuid"):
+            return True
+        st = folder.stat()
+        if st.st_uid == os.getuid() and not st.st_mode & 0o022:
+            return True
+        if folder not in self.unwritable:
+            self.log.warning(
+                "%s: not reading %s: other users can write to it; make it private "
+                "(chmod go-w) or set LOOPTOOL_CACHE to a private folder.",
+                self.label,
+                folder,
+            )
+            self.unwritable.add(folder)
+        return False
+
+    @staticmethod
+    def _drop(sidecar: Path, raw: bytes, data_file: Path | None) -> None:
+        """Remove a bad entry (the sidecar only if no other writer replaced it meanwhile)."""
+        with contextlib.suppress(OSError):
+            if sidecar.read_bytes() == raw:
+                sidecar.unlink()
+        if data_file is not None:
+            with contextlib.suppress(OSError):
+                data_file.unlink()
+
