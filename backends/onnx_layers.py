@@ -34,6 +34,7 @@ import onnx
 import torch
 from torch import fx
 
+from looptool.backends import onnx_body_cache
 from looptool.backends.onnx_store import to_numpy
 from looptool.backends.serving import BUDGETS, LOGITS, ServingGraph, example_budgets
 from looptool.core.errors import LooptoolError
@@ -174,7 +175,8 @@ class LayerLibrary:
 
     def export_functions(self, comp: Composition, export: Callable) -> None:
         """Export the bodies ``comp`` calls that are not exported yet: ``export(module,
-        example, dynamic_shapes)`` returns ``(onnx_ir model, fusion counts)``; the model
+        example, dynamic_shapes)`` returns ``(onnx_ir model, fusion counts)`` (served from
+        :mod:`looptool.backends.onnx_body_cache` for a body exported before); the model
         becomes an ONNX function. A body that cannot be exported fails every later call fast."""
         for body in {u.body.index: u.body for u in comp.units}.values():
             if body.function is not None:
@@ -186,7 +188,14 @@ class LayerLibrary:
             t0 = time.perf_counter()
             try:
                 shapes = [None if w else _dims(t, body) for t, w in zip(body.example, body.weights)]
-                model, body.fusions = export(body.module, tuple(body.example), shapes)
+                model, body.fusions = onnx_body_cache.cached(
+                    export,
+                    body.key,
+                    body.example,
+                    shapes,
+                    f"ort_fusions={self.ort_fusions}",
+                    export_args=(body.module, tuple(body.example), shapes),
+                )
                 _check_symbolic(model, body)
                 body.function, body.functions = _as_function(model, body.name)
             except Exception as exc:

@@ -1,0 +1,124 @@
+"""The ONNX body cache: an export served from it writes the same files as a fresh one, a
+model with other (trained) weights reuses every body and still validates against PyTorch,
+a bad entry is dropped and rebuilt, a change of any key field misses, and
+``LOOPTOOL_CACHE=off`` writes nothing."""
+
+from __future__ import annotations
+
+import filecmp
+import shutil
+
+import pytest
+import torch
+
+import looptool
+from looptool.backends import onnx_body_cache
+from looptool.backends.onnx import export_onnx
+from looptool.testing import tiny_model
+
+PLAN = looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return looptool.convert(tiny_model("llama"), PLAN)
+
+
+@pytest.fixture(scope="module")
+def populated(model, tmp_path_factory):
+    """``(cache folder, engine)``: one fresh export (nothing cached) and the cache it filled."""
+    root = tmp_path_factory.mktemp("body-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LOOPTOOL_CACHE", str(root / "cache"))
+        onnx_body_cache.STATS.clear()
+        _export(model, root / "fresh", validate=False)
+        assert not onnx_body_cache.STATS["hit"] and onnx_body_cache.STATS["miss"] >= 3  # glue, layer, gated pass
+    return root / "cache" / onnx_body_cache.SUBDIR, root / "fresh"
+
+
+@pytest.fixture
+def cache(populated, tmp_path, monkeypatch):
+    """A copy of the populated cache of the test's own, and the counts from zero."""
+    folder = tmp_path / "cache"
+    shutil.copytree(populated[0], folder / onnx_body_cache.SUBDIR)
+    monkeypatch.setenv("LOOPTOOL_CACHE", str(folder))
+    onnx_body_cache.STATS.clear()
+    return folder / onnx_body_cache.SUBDIR
+
+
+def _export(model, path, **kw):
+    return export_onnx(model, path, [1], kv="per-loop", rowwise=False, **kw)
+
+
+def _same_files(a, b) -> None:
+    cmp = filecmp.dircmp(a, b)
+    assert not cmp.diff_files and not cmp.left_only and not cmp.right_only
+    assert "budget_1.per-loop.onnx" in cmp.same_files
+
+
+def test_a_cached_export_writes_the_same_files_and_trained_weights_reuse_every_body(model, populated, cache, tmp_path):
+    bodies = len(list(cache.glob("*.json")))
+    _export(model, tmp_path / "cached", validate=False)
+    assert onnx_body_cache.STATS == {"hit": bodies}
+    _same_files(populated[1], tmp_path / "cached")
+
+    trained = looptool.convert(tiny_model("llama"), PLAN)  # other weights, every gate non-zero
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    report = _export(trained, tmp_path / "trained")  # validated: onnxruntime against PyTorch
+    assert onnx_body_cache.STATS == {"hit": 2 * bodies}
+    assert max(report.budgets[0].max_abs_diff.values()) < 1e-4
+
+
+def test_a_bad_entry_is_dropped_with_a_warning_and_rebuilt(model, populated, cache, tmp_path, caplog):
+    victim = sorted(p for p in cache.iterdir() if p.suffix == ".onnx")[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="looptool.backends.onnx_body_cache"):
+        _export(model, tmp_path / "again", validate=False)
+    assert "ONNX body cache: dropping the corrupt or stale entry" in caplog.text
+    assert onnx_body_cache.STATS["dropped"] == onnx_body_cache.STATS["miss"] == 1
+    _same_files(populated[1], tmp_path / "again")
+    assert len(list(cache.glob("*.onnx"))) == len(list(cache.glob("*.json")))  # rebuilt, the bad file gone
+
+
+def _tiny_body():
+    """A one-node ONNX model, as an export of a body would return it."""
+    import onnx_ir as ir
+
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["batch", 4]))
+    node = ir.Node("", "Relu", [x], num_outputs=1)
+    node.outputs[0].name = "y"
+    graph = ir.Graph([x], node.outputs, nodes=[node], opset_imports={"": 18})
+    return ir.Model(graph, ir_version=10)
+
+
+def test_every_key_field_misses_and_off_writes_nothing(cache, monkeypatch):
+    calls = []
+
+    def export(tag):
+        calls.append(tag)
+        return _tiny_body(), {"SkipRMSNorm": len(calls)}
+
+    example, shapes = [torch.zeros(11, 4)], [{0: "batch"}]
+    first = onnx_body_cache.cached(export, "code", example, shapes, "v", export_args=("a",))
+    again = onnx_body_cache.cached(export, "code", example, shapes, "v", export_args=("b",))
+    assert calls == ["a"] and again[1] == first[1] == {"SkipRMSNorm": 1}
+    assert [n.op_type for n in again[0].graph] == ["Relu"] and again[0].graph.inputs[0].shape[0] == "batch"
+    for other in [  # code, input shape, input dtype, dynamic dimensions, variant
+        ("code2", example, shapes, "v"),
+        ("code", [torch.zeros(11, 5)], shapes, "v"),
+        ("code", [torch.zeros(11, 4, dtype=torch.float16)], shapes, "v"),
+        ("code", example, [None], "v"),
+        ("code", example, shapes, "ort_fusions=True"),
+    ]:
+        onnx_body_cache.cached(export, *other, export_args=(other[0],))
+    assert len(calls) == 6 and onnx_body_cache.STATS["miss"] == 6
+    entries = sorted(cache.iterdir())
+    monkeypatch.setenv("LOOPTOOL_CACHE", "off")
+    onnx_body_cache.cached(export, "code", example, shapes, "v", export_args=("off",))
+    assert calls[-1] == "off" and onnx_body_cache.STATS["uncached"] == 1
+    assert sorted(cache.iterdir()) == entries
