@@ -183,4 +183,3 @@ class DiskCache:
         if data_file is not None:
             with contextlib.suppress(OSError):
                 data_file.unlink()
-
