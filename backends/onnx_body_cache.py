@@ -16,7 +16,7 @@ shapes and dtypes only, so it is kept, keyed by:
   looptool's ONNX lowering code (``backends/*.py``, ``looptool/ops/*.py``).
 
 Entries live under ``$LOOPTOOL_CACHE/onnx-bodies`` (``LOOPTOOL_CACHE=off`` disables it) in
-:class:`looptool.storage.disk_cache.DiskCache`'s form: the data is the body's ONNX model
+:class:`looptool.capture.disk_cache.DiskCache`'s form: the data is the body's ONNX model
 and its fusion counts. A bad entry is dropped with a warning and the body exported afresh;
 the export's validation (onnxruntime against PyTorch) runs either way.
 """
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
+from looptool.capture.disk_cache import DiskCache, canonical, enabled, sha256
 from looptool.core.version import __version__
-from looptool.storage.disk_cache import DiskCache, canonical, enabled, sha256
 
 log = logging.getLogger(__name__)
 

@@ -35,6 +35,7 @@ import torch
 from torch import fx
 
 from looptool.backends import onnx_body_cache
+from looptool.backends.onnx_crossings import unflatten_crossings
 from looptool.backends.onnx_store import to_numpy
 from looptool.backends.serving import BUDGETS, LOGITS, ServingGraph, example_budgets
 from looptool.core.errors import LooptoolError
@@ -120,7 +121,7 @@ class LayerLibrary:
         from looptool.passes.checkpoint import regions_of
 
         graph = sg.module.graph
-        if _unflatten_crossings(graph):
+        if unflatten_crossings(graph):
             sg.module.recompile()
         groups: list[list[fx.Node]] = list(regions_of(graph))
         in_layer = {n for region in groups for n in region}
@@ -309,67 +310,6 @@ def _interface_types(sg: ServingGraph) -> dict[str, tuple]:
 def _shapes(tensors) -> tuple:
     """The shapes of a body's example inputs (non-tensors as None)."""
     return tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in tensors)
-
-
-def _unflatten_crossings(graph: fx.Graph) -> int:
-    """Carry every tensor that one layer application hands to another with its tokens
-    flattened (``[batch·step, …]``: MoE route replay passes loop 1's top-k weights and
-    experts to later loops) as ``[batch, step, …]``, flattened again inside the reader: a
-    body input must have named dynamic dimensions, and a product of two has no name that
-    ``torch.export`` accepts. The producer's application gets the view, each reading
-    application its own flatten (same values, same order). Returns the tensors rewritten."""
-    from looptool.passes.checkpoint import application_of
-
-    sized = [n for n in graph.nodes if n.op == "placeholder" and _is_tensor(n) and n.meta["val"].dim() >= 2]
-    done = 0
-    for node in list(graph.nodes):
-        owner = application_of(node)
-        if owner is None or not _is_tensor(node) or node.meta["val"].dim() == 0:
-            continue
-        readers: dict[tuple[int, int], list[fx.Node]] = {}
-        for user in node.users:
-            key = application_of(user)
-            if key is not None and key != owner:
-                readers.setdefault(key, []).append(user)
-        source = _tokens_source(node.meta["val"], sized) if readers else None
-        if source is None:
-            continue
-        val = node.meta["val"]
-        with graph.inserting_after(node):
-            batch = graph.call_function(torch.ops.aten.sym_size.int, (source, 0))
-            batch.meta["val"] = source.meta["val"].shape[0]
-        with graph.inserting_after(batch):
-            step = graph.call_function(torch.ops.aten.sym_size.int, (source, 1))
-            step.meta["val"] = source.meta["val"].shape[1]
-        with graph.inserting_after(step):
-            tokens = graph.call_function(torch.ops.aten.view.default, (node, [batch, step, *val.shape[1:]]))
-            tokens.meta = {**node.meta, "val": val.unflatten(0, tuple(source.meta["val"].shape[:2]))}
-        for users in readers.values():
-            with graph.inserting_before(users[0]):
-                flat = graph.call_function(torch.ops.aten.flatten.using_ints, (tokens, 0, 1))
-                flat.meta = {**users[0].meta, "val": val}
-            for user in users:
-                user.replace_input_with(node, flat)
-        done += 1
-    return done
-
-
-def _is_tensor(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), torch.Tensor)
-
-
-def _tokens_source(val: torch.Tensor, sized: list[fx.Node]) -> fx.Node | None:
-    """An input whose first two sizes (batch, step) multiply to ``val``'s first, when that
-    is a product of symbols; else None."""
-    first = val.shape[0]
-    if not isinstance(first, torch.SymInt):
-        return None
-    expr = first.node.expr
-    for node in sized:
-        b, s = node.meta["val"].shape[:2]
-        if isinstance(b, torch.SymInt) and isinstance(s, torch.SymInt) and (b.node.expr * s.node.expr - expr) == 0:
-            return node
-    return None
 
 
 def _is_symbolic(node: fx.Node) -> bool:

@@ -50,8 +50,8 @@ import torch.fx as fx
 from torch import nn
 
 from looptool.capture import programs
+from looptool.capture.disk_cache import DiskCache, canonical, enabled, sha256
 from looptool.core.version import __version__
-from looptool.storage.disk_cache import DiskCache, canonical, enabled, sha256
 
 log = logging.getLogger(__name__)
 
