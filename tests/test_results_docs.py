@@ -1055,7 +1055,9 @@ def _load():
     yield R("`looptool.load`, warm disk cache, fresh process", *mmm(L["warm_disk"]))
     yield R("`looptool.load`, warm in-process cache (a second load)", *mmm(L["warm_memory"]))
     yield R("`import looptool`", *mmm(d["import_s"]))
-    yield R("`looptool generate --budget 0`, 16 tokens, first process (empty cache)", None, None, *mmm(G["first"]))  # settings
+    yield R(
+        "`looptool generate --budget 0`, 16 tokens, first process (empty cache)", None, None, *mmm(G["first"])
+    )  # settings
     yield R("the same, second process (the cache the first left)", *mmm(G["second"]))
     yield R("second ÷ first", *mmm(d["generate_ratio"]))
     yield P("`tests/bench/bench_load.py --rounds {}`", d["rounds"])
