@@ -91,7 +91,7 @@ _UNIT_SECONDS = {  # seconds measured on the 2-core machine, rounded
 # Left unlisted on purpose, so they run last: the files that capture every architecture
 # (test_capture, test_generation, test_recurrent_loop, test_serialization, test_cast, ...).
 # Run after the units above have filled this run's capture cache they mostly hit it; run
-# early, both workers capture the same architectures at once (measured: +170 s of work).
+# early, both workers capture the same architectures at once (measured: ~70 s more work in all).
 
 
 def _split_onnx(name: str) -> str:
