@@ -62,14 +62,14 @@ def versions() -> dict[str, str]:
     }
 
 
-def cached(export: Export, code_key: str, example, shapes, variant: str, *, export_args: tuple) -> tuple[object, dict]:
-    """``export(*export_args)`` — a body's ``(onnx_ir model, fusion counts)`` — served from
-    the cache when a body of the same ``code_key`` (the library's canonical form of its
-    code), input shapes and dtypes (``example``), dynamic dimensions (``shapes``) and
-    ``variant`` was exported before by the same versions and code."""
+def cached(export: Export, module, example, shapes, *, code_key: str, variant: str) -> tuple[object, dict]:
+    """``export(module, tuple(example), shapes)`` — a body's ``(onnx_ir model, fusion
+    counts)`` — served from the cache when a body of the same ``code_key`` (the library's
+    canonical form of its code), input shapes and dtypes (``example``), dynamic dimensions
+    (``shapes``) and ``variant`` was exported before by the same versions and code."""
     if not enabled():
         STATS["uncached"] += 1
-        return export(*export_args)
+        return export(module, tuple(example), shapes)
     key = {
         "format": FORMAT,
         "code": code_key,
@@ -78,15 +78,15 @@ def cached(export: Export, code_key: str, example, shapes, variant: str, *, expo
         "variant": variant,
         "lowering": _lowering_code_hash(),
     }
-    digest = sha256(canonical(key).encode())
-    found = _STORE.read(digest, key, versions(), _decode, on_drop=lambda: STATS.update(["dropped"]))
+    digest, written_by = sha256(canonical(key).encode()), versions()
+    found = _STORE.read(digest, key, written_by, _decode, on_drop=lambda: STATS.update(["dropped"]))
     if found is not None:
         STATS["hit"] += 1
         return found
     STATS["miss"] += 1
-    model, fusions = export(*export_args)  # errors of the export itself reach the caller unchanged
+    model, fusions = export(module, tuple(example), shapes)  # errors of the export reach the caller unchanged
     try:
-        _STORE.write(digest, key, versions(), _encode(model, fusions))
+        _STORE.write(digest, key, written_by, _encode(model, fusions))
     except Exception as exc:  # the cache never fails an export
         _STORE.could_not_store(exc, "the exported body")
     return model, fusions

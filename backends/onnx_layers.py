@@ -193,11 +193,11 @@ class LayerLibrary:
                 shapes = [None if w else _dims(t, body) for t, w in zip(body.example, body.weights)]
                 model, body.fusions = onnx_body_cache.cached(
                     export,
-                    body.key,
+                    body.module,
                     body.example,
                     shapes,
-                    f"ort_fusions={self.ort_fusions}",
-                    export_args=(body.module, tuple(body.example), shapes),
+                    code_key=body.key,
+                    variant=f"ort_fusions={self.ort_fusions}",
                 )
                 _check_symbolic(model, body)
                 body.function, body.functions = _as_function(model, body.name)

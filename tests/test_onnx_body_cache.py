@@ -99,26 +99,26 @@ def _tiny_body():
 def test_every_key_field_misses_and_off_writes_nothing(cache, monkeypatch):
     calls = []
 
-    def export(tag):
+    def export(tag, example, shapes):  # the module argument stands for which call this is
         calls.append(tag)
         return _tiny_body(), {"SkipRMSNorm": len(calls)}
 
     example, shapes = [torch.zeros(11, 4)], [{0: "batch"}]
-    first = onnx_body_cache.cached(export, "code", example, shapes, "v", export_args=("a",))
-    again = onnx_body_cache.cached(export, "code", example, shapes, "v", export_args=("b",))
+    first = onnx_body_cache.cached(export, "a", example, shapes, code_key="code", variant="v")
+    again = onnx_body_cache.cached(export, "b", example, shapes, code_key="code", variant="v")
     assert calls == ["a"] and again[1] == first[1] == {"SkipRMSNorm": 1}
     assert [n.op_type for n in again[0].graph] == ["Relu"] and again[0].graph.inputs[0].shape[0] == "batch"
-    for other in [  # code, input shape, input dtype, dynamic dimensions, variant
+    for code, ex, dims, variant in [  # code, input shape, input dtype, dynamic dimensions, variant
         ("code2", example, shapes, "v"),
         ("code", [torch.zeros(11, 5)], shapes, "v"),
         ("code", [torch.zeros(11, 4, dtype=torch.float16)], shapes, "v"),
         ("code", example, [None], "v"),
         ("code", example, shapes, "ort_fusions=True"),
     ]:
-        onnx_body_cache.cached(export, *other, export_args=(other[0],))
+        onnx_body_cache.cached(export, code, ex, dims, code_key=code, variant=variant)
     assert len(calls) == 6 and onnx_body_cache.STATS["miss"] == 6
     entries = sorted(cache.iterdir())
     monkeypatch.setenv("LOOPTOOL_CACHE", "off")
-    onnx_body_cache.cached(export, "code", example, shapes, "v", export_args=("off",))
+    onnx_body_cache.cached(export, "off", example, shapes, code_key="code", variant="v")
     assert calls[-1] == "off" and onnx_body_cache.STATS["uncached"] == 1
     assert sorted(cache.iterdir()) == entries

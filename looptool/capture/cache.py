@@ -207,18 +207,15 @@ def _forget(digest: str) -> None:
 
 
 def _from_disk(digest: str, key: dict, own: dict[str, torch.Tensor]) -> fx.GraphModule | None:
-    built: list[programs.Program] = []
-
-    def decode(data: bytes) -> fx.GraphModule:
+    def decode(data: bytes) -> tuple[programs.Program, fx.GraphModule]:
         stored = programs.loads(data)
-        gm = programs.build(stored, own)
-        built.append(stored)
-        return gm
+        return stored, programs.build(stored, own)
 
-    gm = _STORE.read(digest, key, versions(), decode, on_drop=lambda: STATS.update(["dropped"]))
-    if gm is None:
+    found = _STORE.read(digest, key, versions(), decode, on_drop=lambda: STATS.update(["dropped"]))
+    if found is None:
         return None
-    _remember(digest, built[0])
+    stored, gm = found
+    _remember(digest, stored)
     STATS["disk"] += 1
     return gm
 
