@@ -117,7 +117,9 @@ class LayerLibrary:
 
     def partition(self, sg: ServingGraph) -> Composition:
         """Cut ``sg`` into units (layer applications and the glue runs between them) and
-        register their bodies."""
+        register their bodies. Rewrites ``sg.module`` in place first where a flattened-token
+        tensor crosses units (:func:`~looptool.backends.onnx_crossings.unflatten_crossings`:
+        views only, the same values)."""
         from looptool.passes.checkpoint import regions_of
 
         graph = sg.module.graph
