@@ -58,6 +58,7 @@ from looptool.backends.onnx_format import (
     write_manifest,
 )
 from looptool.backends.onnx_optimize import simplify, strip_metadata
+from looptool.core.tracing import without_stack_traces
 from looptool.backends.onnx_outline import outline_looptool_functions
 from looptool.backends.onnx_store import INLINE_LIMIT, WeightStore, externalize, to_numpy
 from looptool.backends.onnx_validate import DEFAULT_ATOL, FP16_ATOL, default_atol, validate_engine, validation_prompts
@@ -365,14 +366,15 @@ def export_program(
 ):
     """``torch.onnx.export`` (dynamo, no exporter optimisation, looptool's translations), in
     eval mode (serving graphs are inference graphs; ``gm``'s mode is restored after)."""
-    from looptool.backends.onnx_functions import OPSET, translation_table
+    from looptool.backends.onnx_functions import OPSET, reused_torchlib_registry, translation_table
 
     training = gm.training
     logger = logging.getLogger(_TORCHVISION_NOTICE[0])
     logger.addFilter(_TORCHVISION_NOTICE[1])
     gm.eval()
     try:
-        with warnings.catch_warnings():  # the exporter warns that inputs share axis names
+        with warnings.catch_warnings(), without_stack_traces(), reused_torchlib_registry():
+            # the exporter warns that inputs share axis names
             warnings.filterwarnings("ignore", message=".*axis name.*", category=UserWarning)
             # and torch.export's own pytree deprecation notice (torch's code, not the user's)
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)

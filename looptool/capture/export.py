@@ -15,6 +15,7 @@ from transformers.cache_utils import StaticLayer
 from looptool.capture import cache as capture_cache
 from looptool.capture.facts import kv_shape_of, num_layers_of
 from looptool.core.errors import CaptureError
+from looptool.core.tracing import without_stack_traces
 
 INPUT_NAMES = ("input_ids", "attention_mask")
 
@@ -131,7 +132,8 @@ def _export(model: nn.Module, kwargs: dict, dynamic_shapes: dict, key: dict | No
 
     def export() -> torch.export.ExportedProgram:
         try:
-            return torch.export.export(model, (), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+            with without_stack_traces():
+                return torch.export.export(model, (), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except Exception as exc:  # torch.export raises many types; say which model failed
             raise CaptureError(
                 f"torch.export could not capture {type(model).__name__} "
