@@ -144,7 +144,7 @@ def test_parallel_sum_in_any_order_is_found(order, nest_left, input_ids):
     schemes on the stock Cohere layer run in the architecture-wide tests)."""
     import looptool
 
-    model = tiny_model("cohere", num_layers=3)
+    model = tiny_model("cohere", num_layers=2)  # two layers: one stream joins them, window 1:2 fits
     for layer in model.model.layers:
         layer.forward = types.MethodType(_parallel_forward(order, nest_left), layer)
     lg = capture(model)

@@ -20,6 +20,7 @@ from looptool.runtime.generation import generate
 from looptool.testing import tiny_config, tiny_model
 
 ELR = looptool.RecurrentLoop(recurrent=(1, 3), max_loops=3)
+SKELETON_LAYERS = 1  # the cache's mechanics do not depend on depth; a one-layer capture is the cheapest
 
 
 @pytest.fixture(autouse=True)
@@ -106,7 +107,7 @@ def test_cached_export_holds_the_models_own_tensors(decode, monkeypatch):
     """Served from disk or memory, the unlifted module equals a fresh export's: same code, and
     every parameter and buffer (rotary inv_freq, a non-persistent buffer, too) is the model's
     own tensor object; no module or metadata container is shared between two captures."""
-    model = tiny_model("llama")
+    model = tiny_model("llama", num_layers=SKELETON_LAYERS)
     fn = export_decode_step if decode else export_source
     with monkeypatch.context() as m:
         _off(m)
@@ -146,8 +147,12 @@ def populated(tmp_path_factory):
     return root / cache.SUBDIR, code
 
 
+def _config(**overrides):
+    return tiny_config("llama", **{"num_layers": SKELETON_LAYERS, **overrides})
+
+
 def _skeleton(**overrides):
-    return build_skeleton(tiny_config("llama", **overrides), torch.float32)
+    return build_skeleton(_config(**overrides), torch.float32)
 
 
 def _entry(folder):
@@ -226,10 +231,10 @@ def test_every_key_field_changes_the_key(monkeypatch):
     named.config._name_or_path = "/somewhere/else"  # where a config came from does not matter
     assert _digest(named) == base
     others = {
-        "dtype": _digest(build_skeleton(tiny_config("llama"), torch.bfloat16)),
+        "dtype": _digest(build_skeleton(_config(), torch.bfloat16)),
         "config": _digest(_skeleton(rms_norm_eps=1e-3)),
-        "layers": _digest(_skeleton(num_layers=3)),
-        "attention": _digest(build_skeleton(tiny_config("llama"), torch.float32, "eager")),
+        "layers": _digest(_skeleton(num_layers=SKELETON_LAYERS + 1)),
+        "attention": _digest(build_skeleton(_config(), torch.float32, "eager")),
         "device": _digest(_skeleton().to_empty(device="cpu")),
         "class": _digest(_subclassed(_skeleton())),
         "seq_len": _digest(_skeleton(), {"decode": False, "seq_len": 9, "batch": 2}),
@@ -342,7 +347,7 @@ def test_a_stored_program_rebuilds_the_export(monkeypatch):
     model's own tensors with their kinds and persistence, one node value per description."""
     from looptool.capture import programs
 
-    model = tiny_model("llama")
+    model = tiny_model("llama", num_layers=SKELETON_LAYERS)
     with monkeypatch.context() as m:
         _off(m)
         gm = export_source(model)
