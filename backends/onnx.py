@@ -58,12 +58,12 @@ from looptool.backends.onnx_format import (
     write_manifest,
 )
 from looptool.backends.onnx_optimize import simplify, strip_metadata
-from looptool.core.tracing import without_stack_traces
 from looptool.backends.onnx_outline import outline_looptool_functions
 from looptool.backends.onnx_store import INLINE_LIMIT, WeightStore, externalize, to_numpy
 from looptool.backends.onnx_validate import DEFAULT_ATOL, FP16_ATOL, default_atol, validate_engine, validation_prompts
 from looptool.backends.serving import example_budgets
 from looptool.core.errors import require_extra
+from looptool.core.tracing import without_stack_traces
 
 __all__ = [  # the engine format, store, optimisation and validation names stay importable from here
     "DEFAULT_ATOL",

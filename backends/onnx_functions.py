@@ -143,7 +143,9 @@ def reused_torchlib_registry() -> Iterator[None]:
         registry_type = _registration.ONNXRegistry
         built = registry_type.__dict__["from_torchlib"]
         probe = registry_type()
-        if not (isinstance(built, classmethod) and isinstance(probe.functions, dict) and hasattr(probe, "_opset_version")):
+        if not (
+            isinstance(built, classmethod) and isinstance(probe.functions, dict) and hasattr(probe, "_opset_version")
+        ):
             raise AttributeError("unexpected ONNXRegistry")
     except (ImportError, AttributeError, KeyError, TypeError):
         yield

@@ -103,11 +103,18 @@ def key_of(model: nn.Module, options: dict) -> dict | None:
     return key if not reason else None
 
 
-def _key(model: nn.Module, options: dict) -> dict:
+def _key(model: nn.Module, options: dict, *, device: bool = True) -> dict:
     config = getattr(model, "config", None)
     tensors = [
-        (name, list(t.shape), str(t.dtype), str(t.device), bool(t.requires_grad), isinstance(t, nn.Parameter))
-        for name, t in _own_tensors(model).items()
+        (
+            name,
+            list(t.shape),
+            str(t.dtype),
+            str(t.device) if device else None,
+            t.requires_grad,
+            isinstance(t, nn.Parameter),
+        )
+        for name, t in own_tensors(model).items()
     ]
     modules = [(name, type(m).__module__ + "." + type(m).__qualname__, m.training) for name, m in model.named_modules()]
     param = next(model.parameters(), None)
@@ -118,7 +125,7 @@ def _key(model: nn.Module, options: dict) -> dict:
                 "model_class": type(model).__module__ + "." + type(model).__qualname__,
                 "config": _config_json(config),
                 "dtype": str(param.dtype) if param is not None else None,
-                "device": str(param.device) if param is not None else None,
+                "device": str(param.device) if param is not None and device else None,
                 "attn_implementation": getattr(config, "_attn_implementation", None),
                 "options": dict(options),
                 "versions": versions(),
@@ -132,6 +139,19 @@ def _key(model: nn.Module, options: dict) -> dict:
     )
 
 
+def same_but_device(a: nn.Module, b: nn.Module) -> bool:
+    """Whether ``a`` and ``b`` would export the same program but for the device their tensors
+    live on: every key field but the device agrees (class and its code, config, dtype,
+    attention, module tree and modes, each tensor's name, shape, dtype, kind and
+    ``requires_grad``), and neither has hooks or a patched ``forward``."""
+    try:
+        if _uncacheable(a) or _uncacheable(b):
+            return False
+        return _key(a, {}, device=False) == _key(b, {}, device=False)
+    except Exception:  # a config JSON cannot hold: not provably the same
+        return False
+
+
 def exported_module(
     model: nn.Module, key: dict | None, export: Callable[[], torch.export.ExportedProgram]
 ) -> fx.GraphModule:
@@ -140,7 +160,7 @@ def exported_module(
     if key is None:
         return export().module()
     digest = _sha256(_canonical(key).encode())
-    own = _own_tensors(model)
+    own = own_tensors(model)
     gm = _from_memory(digest, own)
     if gm is None:
         gm = _from_disk(digest, key, own)
@@ -227,7 +247,7 @@ def _write(digest: str, key: dict, data: bytes) -> None:
 # -- programs -----------------------------------------------------------------------------
 
 
-def _own_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+def own_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters and buffers by every name they have (tied ones twice)."""
     return {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
 

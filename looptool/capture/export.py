@@ -3,6 +3,7 @@ cached decode step over a caller-owned static KV cache."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -13,8 +14,10 @@ from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from looptool.capture import cache as capture_cache
+from looptool.capture import programs
 from looptool.capture.facts import kv_shape_of, num_layers_of
 from looptool.core.errors import CaptureError
+from looptool.core.graph import copy_graph, device_swap, retarget_bodies, shared_graph_module
 from looptool.core.tracing import without_stack_traces
 
 INPUT_NAMES = ("input_ids", "attention_mask")
@@ -24,17 +27,59 @@ def export_source(model: nn.Module, seq_len: int = 8, batch: int = 2) -> fx.Grap
     """``torch.export`` the model's full-sequence forward (dynamic batch/sequence), unlifted.
 
     The returned GraphModule's parameters and buffers are the model's own tensor objects.
+
+    A model on a real device is exported through its weightless twin on ``meta`` (the same
+    architecture, config, dtype and tensors, built as ``looptool.load`` builds one) when the
+    twin provably matches it (:func:`looptool.capture.cache.same_but_device`): the program is
+    the one a load of the saved model captures, so converting a model and later loading it
+    share one capture-cache entry, and the graph does not depend on the device it was captured
+    on. The twin's program is rebuilt with the model's own tensors and its device constants
+    retargeted to the model's device. Any other model (hooks, a patched ``forward``, a class or
+    tensors the twin does not reproduce) is exported as it is.
     """
-    device = next(model.parameters()).device
+    options = {"decode": False, "seq_len": seq_len, "batch": batch}
+    twin = _meta_twin(model)
+    target = model if twin is None else twin
+    device = next(target.parameters()).device
     input_ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
     attention_mask = torch.ones(batch, seq_len, dtype=torch.long, device=device)
     dims = {0: Dim.AUTO, 1: Dim.AUTO}
-    return _export(
-        model,
+    gm = _export(
+        target,
         {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False},
         {"input_ids": dims, "attention_mask": dims, "use_cache": None},
-        capture_cache.key_of(model, {"decode": False, "seq_len": seq_len, "batch": batch}),
+        capture_cache.key_of(target, options),
     )
+    return gm if twin is None else _bound_to(gm, twin, model)
+
+
+def _meta_twin(model: nn.Module) -> nn.Module | None:
+    """The model's weightless twin on ``meta``, or None (on ``meta`` already, or no twin
+    provably the same but for the device)."""
+    param = next(model.parameters(), None)
+    config = getattr(model, "config", None)
+    if param is None or config is None or param.device.type == "meta":
+        return None
+    try:
+        twin = build_skeleton(copy.deepcopy(config), param.dtype, getattr(config, "_attn_implementation", None)).train(
+            model.training
+        )
+    except Exception:  # noqa: BLE001  (an architecture from_config cannot build: export the model itself)
+        return None
+    return twin if type(twin) is type(model) and capture_cache.same_but_device(twin, model) else None
+
+
+def _bound_to(gm: fx.GraphModule, twin: nn.Module, model: nn.Module) -> fx.GraphModule:
+    """``gm`` (exported from ``twin``) rebuilt with ``model``'s own tensors, its ``meta``
+    device constants (and its higher-order ops' bodies') retargeted to ``model``'s device."""
+    own = capture_cache.own_tensors(model)
+    bound = programs.build(programs.program_of(gm, capture_cache.own_tensors(twin)), own)
+    transform = device_swap(torch.device("meta"), next(model.parameters()).device)
+    graph = copy_graph(bound.graph, transform)
+    graph._codegen = bound.graph._codegen  # the unlifted module's calling convention
+    out = shared_graph_module(bound, graph, lazy=True)
+    retarget_bodies(out, transform)
+    return out
 
 
 def export_decode_step(model: nn.Module, seq_len: int = 3, cache_len: int = 8, batch: int = 2) -> fx.GraphModule:

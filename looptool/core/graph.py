@@ -312,3 +312,31 @@ def is_call(node: Any, target: Any) -> bool:
 def value_users(node: fx.Node) -> list[fx.Node]:
     """The users that consume ``node``'s value (export's dtype/shape assertions do not)."""
     return [u for u in node.users if u.target is not torch.ops.aten._assert_tensor_metadata.default]
+
+
+def device_swap(src: torch.device, dst: torch.device):
+    """A :func:`copy_graph` transform replacing every ``torch.device`` argument equal to
+    ``src`` (in ``arange(device=...)``, ``to(device=...)`` and the like) by ``dst``."""
+
+    def swap(value):
+        if isinstance(value, torch.device) and value == src:
+            return dst
+        if isinstance(value, (list, tuple)):
+            return type(value)(swap(v) for v in value)
+        return value
+
+    def transform(node, args, kwargs):
+        return swap(tuple(args)), {k: swap(v) for k, v in kwargs.items()}
+
+    return transform
+
+
+def retarget_bodies(module: torch.nn.Module, transform) -> None:
+    """Replace ``module``'s GraphModule children (the bodies of higher-order ops, e.g. a
+    rotary embedding under ``torch.autocast(enabled=False)`` in some transformers versions)
+    by copies whose graphs ``transform`` rewrote; the originals are untouched."""
+    for name, child in list(module._modules.items()):
+        if isinstance(child, fx.GraphModule):
+            new = fx.GraphModule(child, copy_graph(child.graph, transform))
+            retarget_bodies(new, transform)
+            module._modules[name] = new
