@@ -74,7 +74,6 @@ _UNIT_SECONDS = {  # seconds measured on the 2-core machine, rounded
     "tests/test_onnx.py::qwen3_moe": 56,
     "tests/test_defaults.py": 55,
     "tests/test_train.py": 44,
-    "tests/test_devices.py": 40,  # with a cold Inductor cache (a fresh machine): compiled training ~30 s
     "tests/test_examples.py::test_example_runs[export_onnx.py]": 39,
     "tests/test_onnx_body_cache.py": 31,
     "tests/test_ort_generate.py::llama-recurrent": 26,
@@ -83,6 +82,7 @@ _UNIT_SECONDS = {  # seconds measured on the 2-core machine, rounded
     "tests/test_ort_generate.py::gemma3_text-prefix": 22,
     "tests/test_distill.py": 18,
     "tests/test_ort_generate.py::gpt_neox-prefix": 16,
+    "tests/test_devices.py": 13,
     "tests/test_rowwise.py": 9,
     "tests/test_examples.py::test_example_runs[posttrain.py]": 7,
     "tests/test_ort_generate.py::qwen3_moe-prefix": 5,
