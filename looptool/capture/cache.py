@@ -93,7 +93,7 @@ def key_of(model: nn.Module, options: dict) -> dict | None:
     if not enabled():
         return None
     try:
-        reason = _uncacheable(model)
+        reason = uncacheable(model)
         key = None if reason else _key(model, options)
     except Exception as exc:  # e.g. a config field JSON cannot hold: the cache never fails a capture
         reason = f"{type(exc).__name__}: {exc}"
@@ -145,7 +145,7 @@ def same_but_device(a: nn.Module, b: nn.Module) -> bool:
     attention, module tree and modes, each tensor's name, shape, dtype, kind and
     ``requires_grad``), and neither has hooks or a patched ``forward``."""
     try:
-        if _uncacheable(a) or _uncacheable(b):
+        if uncacheable(a) or uncacheable(b):
             return False
         return _key(a, {}, device=False) == _key(b, {}, device=False)
     except Exception:  # a config JSON cannot hold: not provably the same
@@ -282,7 +282,9 @@ def _shape_env_state(program: programs.Program):
 # -- keys ---------------------------------------------------------------------------------
 
 
-def _uncacheable(model: nn.Module) -> str | None:
+def uncacheable(model: nn.Module) -> str | None:
+    """Why exporting ``model`` cannot be cached (global or module forward hooks, a module with
+    its own ``forward``), or None: what it runs is not what its class and config say."""
     from torch.nn.modules import module as M
 
     for hooks in ("_global_forward_hooks", "_global_forward_pre_hooks"):

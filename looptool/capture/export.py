@@ -58,8 +58,8 @@ def _meta_twin(model: nn.Module) -> nn.Module | None:
     provably the same but for the device)."""
     param = next(model.parameters(), None)
     config = getattr(model, "config", None)
-    if param is None or config is None or param.device.type == "meta":
-        return None
+    if param is None or config is None or param.device.type == "meta" or capture_cache.uncacheable(model):
+        return None  # (hooks or a patched forward: no twin could match it, so none is built)
     try:
         twin = build_skeleton(copy.deepcopy(config), param.dtype, getattr(config, "_attn_implementation", None)).train(
             model.training
