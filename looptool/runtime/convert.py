@@ -66,8 +66,10 @@ def rebuild(
     ``config`` built on ``meta`` in ``dtype``, captured, the ``recipe`` of passes replayed and
     the graphs retargeted to ``device``. Binding the weights is the caller's (load, cast)."""
     lg = capture(build_skeleton(config, dtype, attn_implementation))
-    lg = PassManager([(name, cfg) for name, cfg in recipe])(lg)
+    # retargeted before the recipe: the captured graph is copied once, not every budget path
+    # the recipe builds (the passes read the device from ``lg.source``)
     lg = PassManager([("retarget_device", {"to": str(device)})])(lg)
+    lg = PassManager([(name, cfg) for name, cfg in recipe])(lg)
     return LoopedModel(lg, tokenizer=tokenizer)
 
 
