@@ -83,12 +83,17 @@ def cached(export: Export, module, example, shapes, *, code_key: str, variant: s
     if found is not None:
         STATS["hit"] += 1
         return found
-    STATS["miss"] += 1
-    model, fusions = export(module, tuple(example), shapes)  # errors of the export reach the caller unchanged
-    try:
-        _STORE.write(digest, key, written_by, _encode(model, fusions))
-    except Exception as exc:  # the cache never fails an export
-        _STORE.could_not_store(exc, "the exported body")
+    with _STORE.one_builder(digest):  # a process exporting the same body: wait, then read its entry
+        found = _STORE.read(digest, key, written_by, _decode, on_drop=lambda: STATS.update(["dropped"]))
+        if found is not None:
+            STATS["hit"] += 1
+            return found
+        STATS["miss"] += 1
+        model, fusions = export(module, tuple(example), shapes)  # errors of the export reach the caller unchanged
+        try:
+            _STORE.write(digest, key, written_by, _encode(model, fusions))
+        except Exception as exc:  # the cache never fails an export
+            _STORE.could_not_store(exc, "the exported body")
     return model, fusions
 
 

@@ -7,6 +7,7 @@ import json
 import shutil
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -316,6 +317,35 @@ def test_concurrent_writers_of_one_key_leave_a_valid_entry(populated, cache_dir)
     assert not list(cache_dir.glob(".*.tmp"))
     assert export_source(_skeleton()).code == code
     assert (cache.STATS["disk"], cache.STATS["dropped"]) == (1, 0)
+
+
+def test_concurrent_misses_of_one_key_export_once(cache_dir, monkeypatch):
+    """Callers that miss one entry at the same time (the ranks of a DDP run, xdist workers)
+    export it once: the others wait on its lock file, then read the entry it wrote."""
+    real, exports = torch.export.export, []
+
+    def slow_export(*args, **kwargs):
+        exports.append(threading.current_thread().name)
+        time.sleep(1.0)  # the other callers miss the entry meanwhile
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", slow_export)
+    models = [_skeleton() for _ in range(3)]
+    start, codes = threading.Barrier(len(models)), {}
+
+    def capture_one(i):
+        start.wait()
+        codes[i] = export_source(models[i]).code
+
+    threads = [threading.Thread(target=capture_one, args=(i,), name=f"caller{i}") for i in range(len(models))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(exports) == 1, exports
+    assert len(codes) == len(models) and len(set(codes.values())) == 1
+    assert (cache.STATS["miss"], cache.STATS["disk"] + cache.STATS["memory"]) == (1, len(models) - 1)
+    assert cache.STATS["dropped"] == 0
 
 
 def test_an_unwritable_cache_warns_once_and_captures(tmp_path, monkeypatch, caplog):

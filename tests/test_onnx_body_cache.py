@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import filecmp
 import shutil
+import threading
+import time
 
 import pytest
 import torch
@@ -122,3 +124,27 @@ def test_every_key_field_misses_and_off_writes_nothing(cache, monkeypatch):
     onnx_body_cache.cached(export, "off", example, shapes, code_key="code", variant="v")
     assert calls[-1] == "off" and onnx_body_cache.STATS["uncached"] == 1
     assert sorted(cache.iterdir()) == entries
+
+
+def test_concurrent_misses_of_one_body_export_it_once(cache):
+    """Processes that miss the same body at once (pytest-xdist workers, a sweep) export it
+    once: the others wait on its lock file, then read the entry it wrote."""
+    calls, start, got = [], threading.Barrier(3), {}
+
+    def export(tag, example, shapes):
+        calls.append(tag)
+        time.sleep(0.5)  # the other callers miss the entry meanwhile
+        return _tiny_body(), {"SkipRMSNorm": 7}
+
+    def one(i):
+        start.wait()
+        got[i] = onnx_body_cache.cached(export, i, [torch.zeros(3, 4)], [{0: "batch"}], code_key="same", variant="v")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and (onnx_body_cache.STATS["miss"], onnx_body_cache.STATS["hit"]) == (1, 2)
+    assert all(fusions == {"SkipRMSNorm": 7} for _, fusions in got.values()) and len(got) == 3
+    assert [n.op_type for _, (model, _f) in sorted(got.items()) for n in model.graph] == ["Relu"] * 3

