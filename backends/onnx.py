@@ -63,7 +63,7 @@ from looptool.backends.onnx_store import INLINE_LIMIT, WeightStore, externalize,
 from looptool.backends.onnx_validate import DEFAULT_ATOL, FP16_ATOL, default_atol, validate_engine, validation_prompts
 from looptool.backends.serving import example_budgets
 from looptool.core.errors import require_extra
-from looptool.core.tracing import without_stack_traces
+from looptool.core.tracing import fast_tracing
 
 __all__ = [  # the engine format, store, optimisation and validation names stay importable from here
     "DEFAULT_ATOL",
@@ -363,9 +363,12 @@ def export_program(
     input_names=None,
     output_names=None,
     extra_translations: dict | None = None,
+    fake_tensor_cache: bool = True,
 ):
     """``torch.onnx.export`` (dynamo, no exporter optimisation, looptool's translations), in
-    eval mode (serving graphs are inference graphs; ``gm``'s mode is restored after)."""
+    eval mode (serving graphs are inference graphs; ``gm``'s mode is restored after), under
+    :func:`looptool.core.tracing.fast_tracing` (``fake_tensor_cache=False`` for a small graph
+    such as one layer body, which traces faster without it)."""
     from looptool.backends.onnx_functions import OPSET, reused_torchlib_registry, translation_table
 
     training = gm.training
@@ -373,7 +376,7 @@ def export_program(
     logger.addFilter(_TORCHVISION_NOTICE[1])
     gm.eval()
     try:
-        with warnings.catch_warnings(), without_stack_traces(), reused_torchlib_registry():
+        with warnings.catch_warnings(), fast_tracing(fake_tensor_cache=fake_tensor_cache), reused_torchlib_registry():
             # the exporter warns that inputs share axis names
             warnings.filterwarnings("ignore", message=".*axis name.*", category=UserWarning)
             # and torch.export's own pytree deprecation notice (torch's code, not the user's)
@@ -468,7 +471,7 @@ def _compose(sg, library) -> tuple[object, dict[str, int]]:
 def _body_model(module, example, shapes, *, ort_fusions: bool = False):
     """One body exported and tidied (fused ops outlined, shape arithmetic folded), with
     onnxruntime's transformer fusions when ``ort_fusions``; returns ``(model, fusion counts)``."""
-    program = export_program(module, example, shapes)
+    program = export_program(module, example, shapes, fake_tensor_cache=False)  # one body: small
     model = program.model
     outline_looptool_functions(model)
     simplify(model)

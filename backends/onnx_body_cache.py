@@ -13,7 +13,8 @@ shapes and dtypes only, so it is kept, keyed by:
 * every input's shape and dtype (the example sizes fix which dimensions are dynamic);
 * the export variant (onnxruntime fusions or not);
 * the torch / onnx / onnxscript / onnx_ir / looptool / Python versions and the source of
-  looptool's ONNX lowering code (``backends/*.py``, ``looptool/ops/*.py``).
+  looptool's ONNX lowering code (``backends/*.py``, ``looptool/ops/*.py``) and the
+  settings it traces under (``looptool/core/tracing.py``).
 
 Entries live under ``$LOOPTOOL_CACHE/onnx-bodies`` (``LOOPTOOL_CACHE=off`` disables it) in
 :class:`looptool.capture.disk_cache.DiskCache`'s form: the data is the body's ONNX model
@@ -122,5 +123,5 @@ def _lowering_code_hash() -> str:
 
     here = Path(__file__).resolve().parent
     ops = Path(looptool.ops.__file__).resolve().parent
-    files = sorted(here.glob("*.py")) + sorted(ops.glob("*.py"))
+    files = sorted(here.glob("*.py")) + sorted(ops.glob("*.py")) + [ops.parent / "core" / "tracing.py"]
     return sha256(b"".join(f.name.encode() + b"\0" + f.read_bytes() for f in files))[:16]

@@ -331,6 +331,7 @@ def _export_code_hash() -> str:
     """What looptool's own export code looks like (a change of it must miss)."""
     here = Path(__file__)  # export.py sits beside this module (read, not imported: it imports this one)
     parts = [here.with_name(name).read_bytes() for name in ("export.py", "programs.py")]
+    parts.append((here.parents[1] / "core" / "tracing.py").read_bytes())  # the settings it traces under
     return _sha256(b"".join(parts) + here.read_bytes())[:16]
 
 

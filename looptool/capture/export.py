@@ -18,9 +18,12 @@ from looptool.capture import programs
 from looptool.capture.facts import kv_shape_of, num_layers_of
 from looptool.core.errors import CaptureError
 from looptool.core.graph import copy_graph, device_swap, retarget_bodies, shared_graph_module
-from looptool.core.tracing import without_stack_traces
+from looptool.core.tracing import fast_tracing
 
 INPUT_NAMES = ("input_ids", "attention_mask")
+# A forward export of fewer layers than this traces faster without FakeTensor's dispatch cache;
+# a decode step always does (measured: :func:`looptool.core.tracing.fast_tracing`).
+FAKE_CACHE_MIN_LAYERS = 8
 
 
 def export_source(model: nn.Module, seq_len: int = 8, batch: int = 2) -> fx.GraphModule:
@@ -49,8 +52,17 @@ def export_source(model: nn.Module, seq_len: int = 8, batch: int = 2) -> fx.Grap
         {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False},
         {"input_ids": dims, "attention_mask": dims, "use_cache": None},
         capture_cache.key_of(target, options),
+        fake_tensor_cache=_layers(target) >= FAKE_CACHE_MIN_LAYERS,
     )
     return gm if twin is None else _bound_to(gm, twin, model)
+
+
+def _layers(model: nn.Module) -> int:
+    """The model's decoder layer count (0 when its config does not say)."""
+    try:
+        return num_layers_of(model.config)
+    except Exception:  # noqa: BLE001  (no config, or one without a layer count)
+        return 0
 
 
 def _meta_twin(model: nn.Module) -> nn.Module | None:
@@ -138,7 +150,7 @@ def export_decode_step(model: nn.Module, seq_len: int = 3, cache_len: int = 8, b
 
     model.forward = step  # export traces the step with the model's own parameter names
     try:
-        return _export(model, inputs, shapes, key)
+        return _export(model, inputs, shapes, key, fake_tensor_cache=False)
     finally:
         del model.forward
 
@@ -172,12 +184,15 @@ def _bind_static_cache(config, caches: list[torch.Tensor], cache_position: torch
     return cache
 
 
-def _export(model: nn.Module, kwargs: dict, dynamic_shapes: dict, key: dict | None = None) -> fx.GraphModule:
-    """The unlifted export of ``model`` (served by the capture cache under ``key``, if any)."""
+def _export(
+    model: nn.Module, kwargs: dict, dynamic_shapes: dict, key: dict | None = None, *, fake_tensor_cache: bool = True
+) -> fx.GraphModule:
+    """The unlifted export of ``model`` (served by the capture cache under ``key``, if any),
+    traced under :func:`looptool.core.tracing.fast_tracing`."""
 
     def export() -> torch.export.ExportedProgram:
         try:
-            with without_stack_traces():
+            with fast_tracing(fake_tensor_cache=fake_tensor_cache):
                 return torch.export.export(model, (), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
         except Exception as exc:  # torch.export raises many types; say which model failed
             raise CaptureError(
