@@ -33,6 +33,16 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+def cache_dir() -> Path:
+    """Where looptool keeps downloads (the SmolLM2 demo model) and its caches (this module's
+    entries: captured programs, ONNX layer bodies): ``$LOOPTOOL_CACHE`` or
+    ``~/.cache/looptool`` (also when it is ``off``, which turns off the caches only)."""
+    value = os.environ.get("LOOPTOOL_CACHE", "").strip()
+    if not value or value.lower() == "off":
+        return Path.home() / ".cache" / "looptool"
+    return Path(value)
+
+
 def enabled() -> bool:
     """False when ``LOOPTOOL_CACHE=off``."""
     return os.environ.get("LOOPTOOL_CACHE", "").strip().lower() != "off"
@@ -89,8 +99,6 @@ class DiskCache:
 
     def directory(self) -> Path:
         """``<looptool cache dir>/<subdir>``."""
-        from looptool.capture.sources import cache_dir
-
         return cache_dir() / self.subdir
 
     def read(

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from looptool.capture.disk_cache import exclusive
+from looptool.capture.disk_cache import cache_dir, exclusive
 from looptool.core.errors import SourceError
 
 log = logging.getLogger(__name__)
@@ -41,16 +41,6 @@ class Source:
     model: nn.Module
     tokenizer: object | None
     origin: str
-
-
-def cache_dir() -> Path:
-    """Where looptool keeps downloads (and exported programs, :mod:`looptool.capture.cache`):
-    ``$LOOPTOOL_CACHE`` or ``~/.cache/looptool`` (also when it is ``off``, which turns off
-    the capture cache only)."""
-    value = os.environ.get("LOOPTOOL_CACHE", "").strip()
-    if not value or value.lower() == "off":
-        return Path.home() / ".cache" / "looptool"
-    return Path(value)
 
 
 def fetch_smollm2(say=log.info) -> Path:

@@ -396,7 +396,7 @@ def main() -> None:
     parser.add_argument("--merge", action="store_true", help="keep the arms already in --out (same settings)")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, args.workers)))
-    from looptool.capture.sources import cache_dir
+    from looptool.capture.disk_cache import cache_dir
 
     base_dir = cache_dir() / f"depth-base-{args.base_steps}-{args.batch}-{args.seed}"
     tok = tokenizer()
