@@ -106,18 +106,20 @@ def check_policy(model: LoopedModel, kv: str) -> str:
 def cached_layer_graph(model: LoopedModel, kv: str = "per-loop") -> LayerGraph:
     """The decode-step LayerGraph of ``model`` under KV policy ``kv``, whose budget paths are
     the cached paths before binding (built once per model and policy, every rewrite a pass
-    run by the PassManager: a ``meta`` capture of the decode step, the model's recipe
-    replayed, ``kv_cache``, ``last_position`` and ``retarget_device``); later rewrites of
-    the cached paths (the serving graph's ``fuse``) start from it."""
+    run by the PassManager: a ``meta`` capture of the decode step, ``retarget_device`` to the
+    model's device (before the passes that build budget paths, so one graph is copied), the
+    model's recipe replayed, ``kv_cache`` and ``last_position``); later rewrites of the cached
+    paths (the serving graph's ``fuse``) start from it."""
     kv = check_policy(model, kv)
     store = model.derived.setdefault("cached_paths", {})
     if ("layer_graph", kv) not in store:
         if "decode" not in store:  # the captured decode step with the recipe replayed, shared by the policies
             lg = model.layer_graph
             skeleton = build_skeleton(lg.config, dtype_from_str(lg.source.dtype), lg.source.attn_implementation)
-            store["decode"] = PassManager(model.recipe)(capture(skeleton, decode=True))
-        param = next(model.parameters())
-        steps = [("kv_cache", {"policy": kv}), ("last_position", {}), ("retarget_device", {"to": str(param.device)})]
+            device = str(next(model.parameters()).device)
+            captured = PassManager([("retarget_device", {"to": device})])(capture(skeleton, decode=True))
+            store["decode"] = PassManager(model.recipe)(captured)
+        steps = [("kv_cache", {"policy": kv}), ("last_position", {})]
         store[("layer_graph", kv)] = PassManager(steps)(store["decode"])
     return store[("layer_graph", kv)]
 
