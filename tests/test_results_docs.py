@@ -1062,9 +1062,10 @@ def _load():
     yield R("second ÷ first", *mmm(d["generate_ratio"]))
     yield P("`tests/bench/bench_load.py --rounds {}`", d["rounds"])
     yield P(
-        "Targets: `generate` second ÷ first ≤ {} — met ({})",
+        "Targets: `generate` second ÷ first ≤ {} — **missed** ({})",
         d["targets"]["generate_ratio"],
-        Le(d["generate_ratio"]["median"]),
+        d["generate_ratio"]["median"],
+        claim=d["generate_ratio"]["median"] > d["targets"]["generate_ratio"],
     )
     yield P(
         "Load from a warm cache ≤ {} s — met in process ({} s), **missed in a fresh process** ({} s)",
