@@ -61,7 +61,7 @@ def _layers(model: nn.Module) -> int:
     """The model's decoder layer count (0 when its config does not say)."""
     try:
         return num_layers_of(model.config)
-    except Exception:  # noqa: BLE001  (no config, or one without a layer count)
+    except (AttributeError, CaptureError):  # no config, or one without a layer count
         return 0
 
 

@@ -63,8 +63,8 @@ def rebuild(
     config, recipe, *, dtype: torch.dtype, device: str, attn_implementation: str | None = None, tokenizer=None
 ) -> LoopedModel:
     """The structure of a looped model with weights on ``meta``: the source architecture of
-    ``config`` built on ``meta`` in ``dtype``, captured, the ``recipe`` of passes replayed and
-    the graphs retargeted to ``device``. Binding the weights is the caller's (load, cast)."""
+    ``config`` built on ``meta`` in ``dtype``, captured, its graph retargeted to ``device`` and
+    the ``recipe`` of passes replayed. Binding the weights is the caller's (load, cast)."""
     lg = capture(build_skeleton(config, dtype, attn_implementation))
     # retargeted before the recipe: the captured graph is copied once, not every budget path
     # the recipe builds (the passes read the device from ``lg.source``)
