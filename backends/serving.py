@@ -180,10 +180,10 @@ def serving_graph(model, budget: int, kv: str = "per-loop", *, fuse: bool = True
     from looptool.runtime.generation import cached_layer_graph, cached_paths
 
     budget = model.check_budget(budget)
-    path = cached_paths(model, kv)[budget]
+    path = cached_paths(model, kv, (budget,))[budget]
     counts: dict[str, int] = {}
     if fuse:
-        decode = cached_layer_graph(model, kv)
+        decode = cached_layer_graph(model, kv, (budget,))
         fused = PassManager([("fuse", {})])(decode.replace(paths={budget: decode.paths[budget]}))
         graph = fused.paths[budget]  # a new graph, this function's own to rewrite
         counts = fused_counts(graph)

@@ -208,3 +208,29 @@ def test_kv_cache_pass_routes_every_attention_execution():
             assert len({w.args[0] for w in writes}) == len(caches)  # every slot written
     with pytest.raises(PassError, match="decode-step capture"):
         PassManager([("kv_cache", {"policy": "per-loop"})])(looped.layer_graph)
+
+
+def test_cached_paths_build_only_the_budgets_asked_for():
+    """A call that decodes at one budget rewrites and binds that budget's path alone; the
+    others are added when asked for, and every path equals the one a whole-menu build gives."""
+    source, _ = converted("llama")
+    model = looptool.convert(source, looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)))  # derived cache its own
+    one = cached_paths(model, "per-loop", [2])
+    assert list(one) == [2]
+    from looptool.runtime.generation import cached_layer_graph
+
+    assert list(cached_layer_graph(model, "per-loop", [2]).paths) == [2]
+    assert list(model.derived["cached_paths"][("layer_graph", "per-loop")].paths) == [2]  # nothing else rewritten
+    full = cached_paths(model, "per-loop")
+    assert list(full) == [0, 1, 2] and full[2] is one[2]  # the path built first is kept, the rest added
+    assert list(cached_layer_graph(model, "per-loop").paths) == [0, 1, 2]
+    fresh = looptool.convert(source, looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)))
+    for budget, path in cached_paths(fresh, "per-loop").items():  # built the whole menu at once
+        assert path.module.code == full[budget].module.code and path.slots == full[budget].slots
+    prompt = _prompt()
+    with _perturbed(model):
+        want = generate(model, prompt, budget=2, max_new_tokens=NEW).sequences
+    with _perturbed(fresh):
+        assert torch.equal(generate(fresh, prompt, budget=2, max_new_tokens=NEW).sequences, want)
+    with pytest.raises(LooptoolError):
+        cached_paths(model, "per-loop", [5])  # not on the menu

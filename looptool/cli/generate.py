@@ -88,9 +88,10 @@ def generate(
         tok = text.model_tokenizer(model, tokenizer)
         rows = row_budgets(model, budgets, len(prompt))
         with steps.stage(f"building cached budget paths ({kv})"):
-            cached_paths(model, kv)
-            if len(set(rows)) > 1:
+            if len(set(rows)) > 1:  # the rows run together through the row-wise path
                 rowwise_path(model, kv)
+            else:  # the one budget asked for: its path alone is built
+                cached_paths(model, kv, rows[:1])
     enc = text.encode_prompts(tok, prompt)
     result = _stream_generation(
         tok,

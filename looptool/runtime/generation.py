@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -103,36 +103,62 @@ def check_policy(model: LoopedModel, kv: str) -> str:
     return kv
 
 
-def cached_layer_graph(model: LoopedModel, kv: str = "per-loop") -> LayerGraph:
+def cached_layer_graph(model: LoopedModel, kv: str = "per-loop", budgets: Iterable[int] | None = None) -> LayerGraph:
     """The decode-step LayerGraph of ``model`` under KV policy ``kv``, whose budget paths are
-    the cached paths before binding (built once per model and policy, every rewrite a pass
-    run by the PassManager: a ``meta`` capture of the decode step, ``retarget_device`` to the
-    model's device (before the passes that build budget paths, so one graph is copied), the
+    the cached paths before binding (built once per model, policy and budget, every rewrite a
+    pass run by the PassManager: a ``meta`` capture of the decode step, ``retarget_device`` to
+    the model's device (before the passes that build budget paths, so one graph is copied), the
     model's recipe replayed, ``kv_cache`` and ``last_position``); later rewrites of the cached
-    paths (the serving graph's ``fuse``) start from it."""
+    paths (the serving graph's ``fuse``) start from it.
+
+    ``budgets`` (default: every budget) limits the paths ``kv_cache`` and ``last_position``
+    rewrite to those asked for: a call that decodes at one budget (``looptool generate
+    --budget 0``) rewrites one path, not the whole menu; paths asked for later are added."""
     kv = check_policy(model, kv)
+    wanted = _wanted(model, budgets)
     store = model.derived.setdefault("cached_paths", {})
-    if ("layer_graph", kv) not in store:
-        if "decode" not in store:  # the captured decode step with the recipe replayed, shared by the policies
-            lg = model.layer_graph
-            skeleton = build_skeleton(lg.config, dtype_from_str(lg.source.dtype), lg.source.attn_implementation)
-            device = str(next(model.parameters()).device)
-            captured = PassManager([("retarget_device", {"to": device})])(capture(skeleton, decode=True))
-            store["decode"] = PassManager(model.recipe)(captured)
+    if "decode" not in store:  # the captured decode step with the recipe replayed, shared by the policies
+        lg = model.layer_graph
+        skeleton = build_skeleton(lg.config, dtype_from_str(lg.source.dtype), lg.source.attn_implementation)
+        device = str(next(model.parameters()).device)
+        captured = PassManager([("retarget_device", {"to": device})])(capture(skeleton, decode=True))
+        store["decode"] = PassManager(model.recipe)(captured)
+    done: LayerGraph | None = store.get(("layer_graph", kv))
+    missing = [b for b in wanted if done is None or b not in done.paths]
+    if missing:
+        decode = store["decode"]
         steps = [("kv_cache", {"policy": kv}), ("last_position", {})]
-        store[("layer_graph", kv)] = PassManager(steps)(store["decode"])
-    return store[("layer_graph", kv)]
+        built = PassManager(steps)(decode.replace(paths={b: decode.paths[b] for b in missing}))
+        if done is not None:
+            built = done.replace(paths=dict(sorted({**done.paths, **built.paths}.items())))
+        store[("layer_graph", kv)] = done = built
+    if set(done.paths) == set(wanted):
+        return done
+    return done.replace(paths={b: done.paths[b] for b in wanted})
 
 
-def cached_paths(model: LoopedModel, kv: str = "per-loop") -> dict[int, CachedPath]:
+def cached_paths(
+    model: LoopedModel, kv: str = "per-loop", budgets: Iterable[int] | None = None
+) -> dict[int, CachedPath]:
     """The cached budget paths of ``model`` under KV policy ``kv``: the paths of
-    :func:`cached_layer_graph` bound to the model's own tensors (built once per model and
-    policy). Each returns ``logits [batch, 1, vocab]``."""
+    :func:`cached_layer_graph` bound to the model's own tensors (built once per model, policy
+    and budget; ``budgets``, default every budget, limits which are built and returned). Each
+    returns ``logits [batch, 1, vocab]``."""
     kv = check_policy(model, kv)
-    store = model.derived.setdefault("cached_paths", {})
-    if kv not in store:
-        store[kv] = {b: _bind(model, g) for b, g in cached_layer_graph(model, kv).paths.items()}
-    return store[kv]
+    wanted = _wanted(model, budgets)
+    bound = model.derived.setdefault("cached_paths", {}).setdefault(kv, {})
+    missing = [b for b in wanted if b not in bound]
+    if missing:
+        for b, g in cached_layer_graph(model, kv, missing).paths.items():
+            bound[b] = _bind(model, g)
+    return {b: bound[b] for b in wanted}
+
+
+def _wanted(model: LoopedModel, budgets: Iterable[int] | None) -> tuple[int, ...]:
+    """``budgets`` checked against the menu, sorted, each once (None: the whole menu)."""
+    if budgets is None:
+        return model.budgets
+    return tuple(sorted({model.check_budget(b) for b in budgets}))
 
 
 def rowwise_layer_graph(model: LoopedModel, kv: str = "per-loop") -> LayerGraph:
@@ -377,7 +403,7 @@ def generate(
     batch, prompt = input_ids.shape
     budgets = row_budgets(model, budget, batch)
     uniform = len(set(budgets)) == 1
-    path = cached_paths(model, kv)[budgets[0]] if uniform else rowwise_path(model, kv)
+    path = cached_paths(model, kv, budgets[:1])[budgets[0]] if uniform else rowwise_path(model, kv)
     param = next(model.parameters())
     capacity = prompt + max_new_tokens
     caches = allocate_cache(path, batch, capacity, dtype=param.dtype, device=param.device)

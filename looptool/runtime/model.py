@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 from torch import nn
-from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from looptool.core.errors import LooptoolError, PassError
@@ -281,6 +280,10 @@ class LoopedModel(nn.Module):
             exit_logits, rest = tuple(rest[:n_exits]), rest[n_exits:]
         loss = None
         if labels is not None:
+            # imported here: transformers' loss package imports scipy.optimize (~0.5 s of every
+            # `import looptool`) for losses a causal LM never uses
+            from transformers.loss.loss_utils import ForCausalLMLoss
+
             loss = ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1], **loss_kwargs)
         if output_exit_logits:
             return LoopedCausalLMOutput(
