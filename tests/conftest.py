@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import copy
 import os
 import shutil
 import tempfile
@@ -151,30 +150,6 @@ def arch(request) -> str:
 def input_ids() -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
     return torch.randint(0, 256, (2, 9), generator=g)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _gguf_dequantised_once():
-    """A GGUF file is dequantised once per worker (SmolLM2: ~20 s of CPU): a later load of the
-    same file, dtype and device (the SmolLM2 example, ``looptool demo``) gets a deep copy of
-    that first load. ``load_source``'s own resolution (``"smollm2"`` → the fetched file) runs
-    every time; only ``_load_gguf``, transformers' dequantisation, is served from here."""
-    from looptool.capture import sources
-
-    real, pristine = sources._load_gguf, {}
-
-    def load_once(path, dtype, device, origin):
-        key = (Path(path).resolve(), dtype, str(device))
-        if key not in pristine:
-            first = real(path, dtype, device, origin)
-            pristine[key] = copy.deepcopy(first)  # kept apart from the copy the caller may change
-            return first
-        kept = pristine[key]
-        return sources.Source(copy.deepcopy(kept.model), copy.deepcopy(kept.tokenizer), origin)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sources, "_load_gguf", load_once)
-        yield
 
 
 @pytest.fixture(scope="session")

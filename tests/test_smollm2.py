@@ -87,6 +87,35 @@ def test_gguf_file_source(smollm2, smollm2_gguf, monkeypatch):
     assert seen == {"path": smollm2_gguf, "origin": sources.SMOLLM2}
 
 
+def test_gguf_cache_serves_transformers_own_load(smollm2, smollm2_gguf, monkeypatch):
+    """A second load of the GGUF is served by the GGUF cache and equals transformers' own load
+    of the file: every tensor bit for bit, the tie, the config, the tokenizer, the logits."""
+    from looptool.capture import gguf_cache, sources
+
+    direct = smollm2  # the fixture's load dequantised the file when this process missed the cache
+    if not gguf_cache.STATS["miss"]:  # the cache was warm (a user's LOOPTOOL_CACHE): load it uncached
+        with monkeypatch.context() as m:
+            m.setenv("LOOPTOOL_CACHE", "off")
+            direct = sources.load_source(smollm2_gguf)
+    served = gguf_cache.STATS["disk"]
+    hit = sources.load_source(smollm2_gguf)
+    assert gguf_cache.STATS["disk"] == served + 1
+    a, b = direct.model, hit.model
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert b.lm_head.weight is b.model.embed_tokens.weight
+    assert a.config.to_dict() == b.config.to_dict()
+    assert a.generation_config.to_dict() == b.generation_config.to_dict()
+    text = "The Constitution of the United States — 1787, ünïcode 😀\n"
+    ta, tb = direct.tokenizer, hit.tokenizer
+    assert ta(text).input_ids == tb(text).input_ids and ta.all_special_tokens == tb.all_special_tokens
+    chat = [{"role": "user", "content": "hi"}]
+    assert ta.apply_chat_template(chat, tokenize=False) == tb.apply_chat_template(chat, tokenize=False)
+    ids = torch.tensor([ta(text).input_ids])
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)
+
+
 def test_elr_every_update_rule_and_conditioning(smollm2, ids):
     from looptool.capture import capture
     from looptool.core.plan import UPDATE_RULES

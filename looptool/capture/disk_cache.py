@@ -93,8 +93,11 @@ class DiskCache:
     """The entries of one kind: ``subdir`` of the looptool cache, data files ending in
     ``suffix``, warnings on ``log`` prefixed with ``label`` (e.g. ``"capture cache"``)."""
 
-    def __init__(self, subdir: str, fmt: int, suffix: str, label: str, log: logging.Logger) -> None:
+    def __init__(
+        self, subdir: str, fmt: int, suffix: str, label: str, log: logging.Logger, rebuild: str = "exporting"
+    ) -> None:
         self.subdir, self.format, self.suffix, self.label, self.log = subdir, fmt, suffix, label, log
+        self.rebuild = rebuild  # what the caller does on a miss, for the warnings ("exporting")
         self.unwritable: set[Path] = set()  # folders warned about (once each)
 
     def directory(self) -> Path:
@@ -120,7 +123,7 @@ class DiskCache:
         except (FileNotFoundError, NotADirectoryError):  # not cached (yet)
             return None
         except OSError as exc:
-            self.log.warning("%s: cannot read %s (%s); exporting instead.", self.label, sidecar, exc)
+            self.log.warning("%s: cannot read %s (%s); %s instead.", self.label, sidecar, exc, self.rebuild)
             return None
         if not self.private(folder):
             return None
@@ -140,11 +143,12 @@ class DiskCache:
             return decode(data)
         except Exception as exc:  # any failure: drop the entry, the caller rebuilds it
             self.log.warning(
-                "%s: dropping the corrupt or stale entry %s (%s: %s); exporting afresh.",
+                "%s: dropping the corrupt or stale entry %s (%s: %s); %s afresh.",
                 self.label,
                 sidecar,
                 type(exc).__name__,
                 exc,
+                self.rebuild,
             )
             self._drop(sidecar, raw, data_file)
             if on_drop is not None:

@@ -184,17 +184,23 @@ def _load_hf(name: str | Path, dtype: torch.dtype, device: str, *, origin: str, 
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: str, origin: str) -> Source:
-    import transformers
+    """A GGUF file dequantised by transformers (served from the GGUF cache, :mod:`gguf_cache`,
+    after the first time), then moved to ``device``."""
+    from looptool.capture import gguf_cache
 
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    except ImportError as exc:
-        raise SourceError(f"loading GGUF needs the 'gguf' extra: pip install 'looptool[gguf]' ({exc}).") from exc
-    except Exception as exc:
-        raise SourceError(f"transformers could not load GGUF '{path}' ({type(exc).__name__}: {exc}).") from exc
-    model = model.to(device).eval()
-    tokenizer = _try_tokenizer(path.parent, gguf_file=path.name)
-    return Source(model, tokenizer, origin)
+    def load() -> tuple[nn.Module, object | None]:
+        import transformers
+
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        except ImportError as exc:
+            raise SourceError(f"loading GGUF needs the 'gguf' extra: pip install 'looptool[gguf]' ({exc}).") from exc
+        except Exception as exc:
+            raise SourceError(f"transformers could not load GGUF '{path}' ({type(exc).__name__}: {exc}).") from exc
+        return model, _try_tokenizer(path.parent, gguf_file=path.name)
+
+    model, tokenizer = gguf_cache.cached_load(path, dtype, load)
+    return Source(model.to(device).eval(), tokenizer, origin)
 
 
 def _try_tokenizer(path: str | Path, **kwargs):
