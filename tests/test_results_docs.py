@@ -1062,11 +1062,14 @@ def _load():
     yield R("second ÷ first", *mmm(d["generate_ratio"]))
     yield P("`tests/bench/bench_load.py --rounds {}`", d["rounds"])
     yield P(
-        "Targets: `generate` second ÷ first ≤ {} — **missed** ({})",
+        "Targets: `generate` second ÷ first ≤ {} — met ({})",
         d["targets"]["generate_ratio"],
         d["generate_ratio"]["median"],
-        claim=d["generate_ratio"]["median"] > d["targets"]["generate_ratio"],
+        claim=d["generate_ratio"]["median"] <= d["targets"]["generate_ratio"],
     )
+    c = d["compare"]  # the code before the change, measured in the same rounds
+    yield P("the code before this change\nmeasured {} in the same rounds", c["generate_ratio"]["median"])
+    yield P("second call {} s median against {} s", c["generate_s"]["second"]["median"], G["second"]["median"])
     yield P(
         "Load from a warm cache ≤ {} s — met in process ({} s), **missed in a fresh process** ({} s)",
         d["targets"]["load_warm_disk_s"],
