@@ -183,8 +183,7 @@ def serving_graph(model, budget: int, kv: str = "per-loop", *, fuse: bool = True
     path = cached_paths(model, kv, (budget,))[budget]
     counts: dict[str, int] = {}
     if fuse:
-        decode = cached_layer_graph(model, kv, (budget,))
-        fused = PassManager([("fuse", {})])(decode.replace(paths={budget: decode.paths[budget]}))
+        fused = PassManager([("fuse", {})])(cached_layer_graph(model, kv, (budget,)))  # that path alone
         graph = fused.paths[budget]  # a new graph, this function's own to rewrite
         counts = fused_counts(graph)
     else:

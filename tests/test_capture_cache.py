@@ -252,7 +252,7 @@ def test_every_key_field_changes_the_key(monkeypatch):
         m.setattr(cache, "_export_code_hash", lambda: "edited")
         others["export code"] = _digest(_skeleton())
     with monkeypatch.context() as m:
-        m.setattr(cache, "_file_sha256", lambda *a: "edited")  # an edited modeling_llama.py
+        m.setattr(cache, "file_sha256", lambda *a: "edited")  # an edited modeling_llama.py
         others["model code"] = _digest(_skeleton())
     trained = _skeleton()
     trained.train()

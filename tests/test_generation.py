@@ -14,6 +14,7 @@ import looptool
 from looptool.core.errors import LooptoolError
 from looptool.runtime.generation import (
     allocate_cache,
+    cached_layer_graph,
     cached_paths,
     generate,
     kv_bytes_per_token,
@@ -217,8 +218,6 @@ def test_cached_paths_build_only_the_budgets_asked_for():
     model = looptool.convert(source, looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)))  # derived cache its own
     one = cached_paths(model, "per-loop", [2])
     assert list(one) == [2]
-    from looptool.runtime.generation import cached_layer_graph
-
     assert list(cached_layer_graph(model, "per-loop", [2]).paths) == [2]
     assert list(model.derived["cached_paths"][("layer_graph", "per-loop")].paths) == [2]  # nothing else rewritten
     full = cached_paths(model, "per-loop")

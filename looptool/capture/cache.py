@@ -41,7 +41,6 @@ import collections
 import functools
 import json
 import logging
-import os
 import sys
 import threading
 from collections.abc import Callable
@@ -52,7 +51,7 @@ import torch.fx as fx
 from torch import nn
 
 from looptool.capture import programs
-from looptool.capture.disk_cache import DiskCache, canonical, enabled, sha256
+from looptool.capture.disk_cache import DiskCache, canonical, enabled, file_sha256, sha256
 from looptool.core.version import __version__
 
 log = logging.getLogger(__name__)
@@ -347,16 +346,10 @@ def _model_code_hash(model: nn.Module) -> str:
     parts = []
     for path in sorted(files):
         try:
-            st = os.stat(path)
-            parts.append(f"{path}:{_file_sha256(path, st.st_mtime_ns, st.st_size)}")
+            parts.append(f"{path}:{file_sha256(path)}")
         except OSError:
             parts.append(f"{path}:?")
     return _sha256("\n".join(parts).encode())[:16]
-
-
-@functools.lru_cache(maxsize=64)
-def _file_sha256(path: str, mtime_ns: int, size: int) -> str:
-    return _sha256(Path(path).read_bytes())
 
 
 _sha256 = sha256

@@ -21,6 +21,7 @@ changes a result and never raises to its caller.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -51,6 +52,23 @@ def enabled() -> bool:
 def sha256(data: bytes) -> str:
     """Hex sha256 of ``data``."""
     return hashlib.sha256(data).hexdigest()
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's contents (read in 4 MiB blocks), remembered per path, size and
+    modification time: a cache key that names a file (a model's source code, a GGUF source)
+    hashes it once per process until it changes. Raises OSError when it cannot be read."""
+    st = os.stat(path)
+    return _file_sha256(os.fspath(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=128)
+def _file_sha256(path: str, mtime_ns: int, size: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
 
 
 def canonical(obj, default: Callable | None = None) -> str:

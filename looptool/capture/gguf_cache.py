@@ -7,9 +7,10 @@ dequantising is 2.3 s. ``looptool convert smollm2``, ``looptool demo`` and a dis
 teacher repeat that on every run. This cache keeps what one load produced — the state dict
 (tied tensors once), the config and the tokenizer's files — as one safetensors entry of a
 :class:`~looptool.capture.disk_cache.DiskCache` under ``$LOOPTOOL_CACHE/gguf``, keyed by the
-file's sha256, the dtype and the torch / transformers / gguf / looptool versions; a hit
-rebuilds the model with ``from_pretrained(state_dict=...)`` and the tokenizer from its files.
-The weights are the dequantised values bit for bit (safetensors stores them as they are).
+file's sha256, the dtype and the torch / transformers / gguf / looptool versions. A hit is
+rebuilt by transformers' own ``from_pretrained`` of the entry (as ``model.safetensors`` beside
+its config) and the tokenizer from its files, then checked against the entry tensor for tensor
+and tie for tie; the weights are the dequantised values bit for bit.
 
 The entry is checked like every looptool cache entry (sha256, key, versions); one that cannot
 be used is dropped with a warning and the file is loaded afresh. ``LOOPTOOL_CACHE=off``
@@ -19,8 +20,6 @@ disables it. Entries are about four bytes per parameter in fp32 (SmolLM2: 540 MB
 from __future__ import annotations
 
 import collections
-import functools
-import hashlib
 import json
 import logging
 import tempfile
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from looptool.capture.disk_cache import DiskCache, canonical, enabled, sha256
+from looptool.capture.disk_cache import DiskCache, canonical, enabled, file_sha256, sha256
 from looptool.core.version import __version__
 
 log = logging.getLogger(__name__)
@@ -61,7 +60,7 @@ def cached_load(path: Path, dtype: torch.dtype, load: Callable[[], Loaded]) -> L
     served from the cache when an entry for the file's contents holds it."""
     if not enabled():
         return load()
-    key = {"format": FORMAT, "gguf_sha256": _file_sha256(path), "dtype": str(dtype)}
+    key = {"format": FORMAT, "gguf_sha256": file_sha256(path.resolve()), "dtype": str(dtype)}
     digest = sha256(canonical(key).encode())
     found = _read(path, digest, key, dtype)
     if found is not None:
@@ -90,20 +89,6 @@ def _read(path: Path, digest: str, key: dict, dtype: torch.dtype) -> Loaded | No
         tokenizer.name_or_path = str(path.parent)
     log.info("GGUF cache: %s read from %s", path.name, _STORE.directory())
     return found
-
-
-def _file_sha256(path: Path) -> str:
-    st = path.stat()
-    return _sha256_of(str(path.resolve()), st.st_mtime_ns, st.st_size)
-
-
-@functools.lru_cache(maxsize=8)
-def _sha256_of(path: str, mtime_ns: int, size: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _unique_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
