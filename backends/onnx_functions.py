@@ -5,7 +5,10 @@ opset-18 ops) ships inside the model, so onnxruntime runs it as is and a TensorR
 can claim the node by domain and name instead. The translation table also lowers
 ``aten.linear`` so that weights are read in their stored ``[out, in]`` layout
 (``Gemm(transB=1)``) rather than through a ``Transpose`` that a runtime would fold into a
-second, per-session copy of every weight matrix.
+second, per-session copy of every weight matrix, and the four ops of looptool's graphs that
+torchlib has no translation for (``index_copy`` of the KV cache writes, ``__and__`` of
+masks, ``to.dtype`` / ``to.device``), so a graph of only translatable ops skips the
+exporter's decomposition retrace (:func:`decompose_only_what_onnx_lacks`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import onnxscript
 import torch
 from onnxscript import INT64
 from onnxscript import opset18 as op
+from onnxscript.function_libs.torch_lib.ops.core import aten__to_copy, aten_bitwise_and
 from onnxscript.function_libs.torch_lib.tensor_typing import TFloat
 
 import looptool.ops  # noqa: F401  (registers torch.ops.looptool.*)
@@ -112,6 +116,26 @@ def _modulate(x, scale, shift, down, up):
 FUNCTIONS = {"gated_residual": GatedResidual, "adaptive_delta": AdaptiveDelta, "modulate": Modulate, "moe": Moe}
 
 
+def _index_copy(self, dim: int, index, source):
+    """``self`` with ``self.select(dim, index[i]) = source.select(dim, i)`` (``aten.index_copy``,
+    the KV cache writes): ``ScatterElements`` along ``dim`` with ``index`` broadcast to
+    ``source``'s shape."""
+    rank = len(source.shape)
+    dim = dim % rank
+    along = op.Reshape(index, op.Constant(value_ints=[1] * dim + [-1] + [1] * (rank - dim - 1)))
+    return op.ScatterElements(self, op.Expand(along, op.Shape(source)), source, axis=dim)
+
+
+def _to_dtype(self, dtype, non_blocking=False, copy=False, memory_format=None):
+    """``aten.to.dtype``: a cast (``aten._to_copy``'s translation)."""
+    return aten__to_copy(self, dtype=dtype)
+
+
+def _to_device(self, device, dtype, non_blocking=False, copy=False, memory_format=None):
+    """``aten.to.device``: a cast; an ONNX graph has no devices."""
+    return aten__to_copy(self, dtype=dtype)
+
+
 def translation_table() -> dict:
     """The ``custom_translation_table`` for ``torch.onnx.export(..., dynamo=True)``."""
     return {
@@ -120,7 +144,74 @@ def translation_table() -> dict:
         torch.ops.looptool.modulate.default: _modulate,
         torch.ops.looptool.moe.default: _moe,
         torch.ops.aten.linear.default: _linear,
+        torch.ops.aten.index_copy.default: _index_copy,
+        torch.ops.aten.__and__.Tensor: aten_bitwise_and,  # bool masks: And; integers: BitwiseAnd
+        torch.ops.aten.to.dtype: _to_dtype,
+        torch.ops.aten.to.device: _to_device,
     }
+
+
+@contextlib.contextmanager
+def decompose_only_what_onnx_lacks() -> Iterator[None]:
+    """Within the block, ``torch.onnx.export`` skips its decomposition of an exported program
+    whose every op has an ONNX translation.
+
+    Before translating, the exporter runs ``ExportedProgram.run_decompositions`` with a table
+    of the ops that have *no* translation. That retraces the whole program under fake tensors
+    even when no op of it is in the table (looptool's graphs are already ATen graphs), and it
+    costs about as much as the export's own trace: 0.85 s of a layer body's 1.7 s on the
+    2-core machine. The retrace then changes no op, so it is skipped when every node is a
+    call of a translated op (or an assertion the exporter removes next, or a Python
+    ``operator``), the program has no nested graphs and its signature no mutations; anything
+    else is decomposed as before. A torch whose exporter has another shape exports as before."""
+    try:
+        from torch.export.graph_signature import InputKind, OutputKind
+        from torch.onnx._internal.exporter import _decomp, _fx_passes
+
+        decompose = _fx_passes.decompose_with_registry
+        implemented_overloads = _decomp.get_onnx_implemented_overloads
+    except (ImportError, AttributeError):
+        yield
+        return
+    plain_inputs = {InputKind.USER_INPUT, InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR}
+
+    def translatable(program, registry) -> bool:
+        signature = program.graph_signature
+        if any(s.kind not in plain_inputs for s in signature.input_specs):
+            return False
+        if any(s.kind != OutputKind.USER_OUTPUT for s in signature.output_specs):
+            return False
+        if any(m is not program.graph_module for m in program.graph_module.modules()):
+            return False  # higher-order ops' subgraphs
+        implemented = set(implemented_overloads(registry))
+        for node in program.graph.nodes:
+            if node.op in ("call_module", "call_method"):
+                return False
+            if node.op == "call_function" and not (
+                node.target in implemented
+                or node.target in _ASSERTIONS
+                or getattr(node.target, "__module__", None) in ("operator", "_operator")
+            ):
+                return False
+        return True
+
+    def decompose_with_registry(program, registry):
+        return program if translatable(program, registry) else decompose(program, registry)
+
+    _fx_passes.decompose_with_registry = decompose_with_registry
+    try:
+        yield
+    finally:
+        _fx_passes.decompose_with_registry = decompose
+
+
+_ASSERTIONS = {  # what the exporter's remove_assertion_nodes drops after decomposing
+    torch.ops.aten.sym_constrain_range_for_size.default,
+    torch.ops.aten._assert_async.default,
+    torch.ops.aten._assert_async.msg,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten._assert_tensor_metadata.default,
+}
 
 
 _REGISTRY_LOCK = threading.Lock()

@@ -227,6 +227,55 @@ def test_unfused_moe_does_not_export_but_fused_does():
         export_program(raw.module, args, shapes)
 
 
+class _TranslatedOps(torch.nn.Module):
+    """The four ops looptool translates itself (index_copy along a middle and the last dim,
+    ``&`` of bool and integer tensors, ``to`` a dtype and a device+dtype)."""
+
+    def forward(self, cache, index, new, mask, bits, x):
+        return (
+            cache.index_copy(1, index, new),
+            cache.transpose(1, 2).contiguous().index_copy(-1, index, new.transpose(1, 2)),
+            mask & mask.flip(-1),
+            bits & bits.flip(0),
+            x.to(torch.float16),
+            x.to("cpu", torch.float64),
+        )
+
+
+class _UntranslatedOp(torch.nn.Module):
+    def forward(self, x, index, source):
+        return x.index_add(0, index, source)  # no torchlib translation: decomposed
+
+
+def test_graphs_of_translated_ops_skip_the_decomposition_retrace(monkeypatch):
+    from torch.onnx._internal.exporter import _fx_passes
+
+    decomposed = []
+    original = _fx_passes.decompose_with_registry
+    monkeypatch.setattr(
+        _fx_passes, "decompose_with_registry", lambda ep, registry: decomposed.append(ep) or original(ep, registry)
+    )
+    g = torch.Generator().manual_seed(3)
+    args = (
+        torch.randn(2, 7, 4, generator=g),
+        torch.tensor([5, 0, 3]),
+        torch.randn(2, 3, 4, generator=g),
+        torch.rand(3, 5, generator=g) > 0.5,
+        torch.randint(0, 64, (6,), generator=g),
+        torch.randn(3, 5, generator=g),
+    )
+    program = export_program(_TranslatedOps(), args, [None] * len(args))
+    assert decomposed == []  # every op translated: no retrace
+    ops = {n.op_type for n in program.model.graph}
+    assert {"ScatterElements", "And", "BitwiseAnd", "Cast"} <= ops, ops
+    for got, want in zip(program(*args), _TranslatedOps()(*args), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    args = (torch.randn(4, 3, generator=g), torch.tensor([2, 0]), torch.randn(2, 3, generator=g))
+    program = export_program(_UntranslatedOp(), args, [None] * len(args))
+    assert len(decomposed) == 1  # an op without a translation: decomposed as before
+    assert torch.allclose(program(*args)[0], _UntranslatedOp()(*args))
+
+
 def test_flat_export_matches_composed(tmp_path):
     model = looped("llama-prefix")
     report = export_onnx(model, tmp_path / "flat", 1, compose=False)
