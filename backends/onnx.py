@@ -369,24 +369,15 @@ def export_program(
     eval mode (serving graphs are inference graphs; ``gm``'s mode is restored after), under
     :func:`looptool.core.tracing.fast_tracing` (``fake_tensor_cache=False`` for a small graph
     such as one layer body, which traces faster without it)."""
-    from looptool.backends.onnx_functions import (
-        OPSET,
-        decompose_only_what_onnx_lacks,
-        reused_torchlib_registry,
-        translation_table,
-    )
+    from looptool.backends.onnx_exporter import faster_exporter
+    from looptool.backends.onnx_functions import OPSET, translation_table
 
     training = gm.training
     logger = logging.getLogger(_TORCHVISION_NOTICE[0])
     logger.addFilter(_TORCHVISION_NOTICE[1])
     gm.eval()
     try:
-        with (
-            warnings.catch_warnings(),
-            fast_tracing(fake_tensor_cache=fake_tensor_cache),
-            reused_torchlib_registry(),
-            decompose_only_what_onnx_lacks(),
-        ):
+        with warnings.catch_warnings(), fast_tracing(fake_tensor_cache=fake_tensor_cache), faster_exporter():
             # the exporter warns that inputs share axis names
             warnings.filterwarnings("ignore", message=".*axis name.*", category=UserWarning)
             # and torch.export's own pytree deprecation notice (torch's code, not the user's)
