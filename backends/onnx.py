@@ -427,7 +427,8 @@ def _export_graph(
             budget,
         ).model
     outline_looptool_functions(onnx_model)
-    simplify(onnx_model)
+    if not calls:  # a composed graph is only calls of bodies, each simplified when it was exported
+        simplify(onnx_model)
     names = externalize(onnx_model, directory, store, known, budget)
     strip_metadata(onnx_model)
     path = directory / budget_file(budget, policy)
