@@ -85,11 +85,20 @@ def _weights(path: Path) -> dict:
     return load_file(path / "model.safetensors")
 
 
-def test_fsdp_equals_one_process_on_the_same_rows(model_dir, tmp_path):
-    """Two FSDP ranks with 2 rows each compute what one process computes with the same 4
-    rows per micro-batch and the same budgets: weights agree to fp32 reduction order."""
-    res, fsdp = _run_fsdp(model_dir, tmp_path / "fsdp", 29541)
+@pytest.fixture(scope="module")
+def fsdp_run(model_dir, tmp_path_factory) -> Path:
+    """One uninterrupted two-rank FSDP run, checkpointing every step: the reference of both
+    the one-process comparison and the kill-and-resume test (one torchrun launch, not two)."""
+    res, out = _run_fsdp(model_dir, tmp_path_factory.mktemp("fsdp") / "ref", 29541, "--save-every", "1")
     assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+def test_fsdp_equals_one_process_on_the_same_rows(model_dir, fsdp_run, tmp_path):
+    """Two FSDP ranks with 2 rows each compute what one process computes with the same 4
+    rows per micro-batch and the same budgets: weights agree to fp32 reduction order (the
+    FSDP run checkpoints every step, so this also shows that checkpointing changes nothing)."""
+    fsdp = fsdp_run
     single = tmp_path / "single"
     res = subprocess.run(
         [sys.executable, "-m", "looptool", "train", str(model_dir), "-o", str(single), "--batch", "4", *ARGS],
@@ -112,9 +121,8 @@ def test_fsdp_equals_one_process_on_the_same_rows(model_dir, tmp_path):
     assert type(model).__name__ == "LoopedModel"
 
 
-def test_fsdp_resume_after_kill_is_exact(model_dir, tmp_path):
-    res, ref = _run_fsdp(model_dir, tmp_path / "ref", 29543, "--save-every", "1")
-    assert res.returncode == 0, res.stderr[-3000:]
+def test_fsdp_resume_after_kill_is_exact(model_dir, fsdp_run, tmp_path):
+    ref = fsdp_run
     killed = tmp_path / "killed"
     proc = subprocess.Popen(
         _fsdp(model_dir, killed, 29545, "--save-every", "1"),
