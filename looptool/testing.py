@@ -105,6 +105,57 @@ def save_to_hub_cache(
     return snapshot
 
 
+def write_tiny_gguf(path: Path, num_layers: int = 2, seed: int = 0) -> Path:
+    """A tiny Llama GGUF file (fp32 tensors, a byte-pair vocabulary of eight tokens) at
+    ``path``, written with gguf's own ``GGUFWriter`` and loadable by transformers like any
+    GGUF checkpoint (needs the ``gguf`` package)."""
+    import gguf
+    import numpy as np
+
+    d, ff, heads, kv_heads = 32, 64, 4, 2
+    tokens = ["a", "b", "c", "ab", "bc", "abc", "<s>", "</s>"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny")
+    writer.add_block_count(num_layers)
+    writer.add_context_length(64)
+    writer.add_embedding_length(d)
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges(["a b", "b c", "ab c"])
+    writer.add_bos_token_id(tokens.index("<s>"))
+    writer.add_eos_token_id(tokens.index("</s>"))
+    rng = np.random.default_rng(seed)
+    kv = kv_heads * d // heads
+    shapes = {"token_embd.weight": (len(tokens), d), "output_norm.weight": (d,), "output.weight": (len(tokens), d)}
+    for i in range(num_layers):
+        shapes.update(
+            {
+                f"blk.{i}.attn_norm.weight": (d,),
+                f"blk.{i}.attn_q.weight": (d, d),
+                f"blk.{i}.attn_k.weight": (kv, d),
+                f"blk.{i}.attn_v.weight": (kv, d),
+                f"blk.{i}.attn_output.weight": (d, d),
+                f"blk.{i}.ffn_norm.weight": (d,),
+                f"blk.{i}.ffn_gate.weight": (ff, d),
+                f"blk.{i}.ffn_up.weight": (ff, d),
+                f"blk.{i}.ffn_down.weight": (d, ff),
+            }
+        )
+    for name, shape in shapes.items():
+        writer.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def byte_tokenizer():
     """A real fast tokenizer over the 256 byte-level symbols (ids 0-255, no merges), so tiny
     models with ``vocab_size=256`` can read and write text. EOS is the byte-level newline."""

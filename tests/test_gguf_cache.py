@@ -113,3 +113,45 @@ def test_a_failing_load_reaches_the_caller_and_stores_nothing(cache, gguf):
     with pytest.raises(RuntimeError, match="not a GGUF file"):
         gguf_cache.cached_load(gguf, torch.float32, broken)
     assert not list(cache.glob("*.json"))
+
+
+def test_a_gguf_parsed_once_loads_what_transformers_loads(tmp_path, monkeypatch):
+    """A cache miss dequantises the file with gguf's reader built once per file and its tensor
+    name map once per architecture (transformers would build the reader three times and the
+    map once per module); what it loads equals transformers' own load of the file: every
+    tensor, the config, the tokenizer and the logits. The patched names are restored after."""
+    gguf = pytest.importorskip("gguf", reason="needs the gguf package (pip install 'looptool[gguf]')")
+    import transformers
+
+    from looptool.capture import sources
+    from looptool.testing import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
+    ref_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    built = {"readers": 0, "name maps": 0}
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    class CountingReader(reader_class):
+        def __init__(self, *args, **kwargs):
+            built["readers"] += 1
+            super().__init__(*args, **kwargs)
+
+    def counting_name_map(*args):
+        built["name maps"] += 1
+        return name_map(*args)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counting_name_map)
+    monkeypatch.setenv("LOOPTOOL_CACHE", "off")
+    got = sources.load_source(path)
+    assert built == {"readers": 1, "name maps": 1}
+    assert gguf.GGUFReader is CountingReader and gguf.get_tensor_name_map is counting_name_map
+    sa, sb = ref.state_dict(), got.model.state_dict()
+    assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert ref.config.to_dict() == got.model.config.to_dict()
+    assert ref_tok.get_vocab() == got.tokenizer.get_vocab()
+    assert ref_tok("abc ab cab").input_ids == got.tokenizer("abc ab cab").input_ids
+    ids = torch.tensor([[0, 3, 5, 2, 1]])
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, got.model(ids).logits)

