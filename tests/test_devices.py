@@ -82,10 +82,19 @@ def test_checkpointed_training_is_exact(model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_compiled_training_matches_eager(model_dir, tmp_path):
-    """--compile: per-step losses within fp32 tolerance of eager (one budget, so one compile)."""
+def test_compiled_training_matches_eager(model_dir, tmp_path, caplog):
+    """--compile: per-step losses within fp32 tolerance of eager (one budget, so one compile),
+    and they come from the compiled path: dynamo captured it, AOTAutograd made its backward,
+    Inductor built it, and no step fell back to eager (which would match eager trivially)."""
+    from torch._dynamo.utils import counters
+
     eager = _run(model_dir, tmp_path / "eager", budgets=[2])
-    compiled = _run(model_dir, tmp_path / "compiled", budgets=[2], compile=True)
+    counters.clear()
+    with caplog.at_level("WARNING"):
+        compiled = _run(model_dir, tmp_path / "compiled", budgets=[2], compile=True)
+    assert "torch.compile failed" not in caplog.text
+    assert counters["stats"]["unique_graphs"] >= 1 and counters["aot_autograd"]["ok"] >= 1
+    assert sum(counters["inductor"].values()) >= 1
     for a, b in zip(eager.records, compiled.records, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
 
