@@ -58,7 +58,8 @@ quality and gate-LR runs; earlier runs the docs cite for comparison (training's 
 "0.951", "+30%", "+15%"; the throwaway quality probe's 3.139 … 3.178 / 3.157; ORT's separate
 last-position A/B 281 → 234 / 358 → 318 ms and the earlier engines' 5.9×); the export's
 "about 16 s" for assembling graphs; approximations ("~40% floor", "0.6× eager", "~15%",
-"540 MB"); the papers' numbers; settings the results files do not record (windows of the
+"540 MB"); the load section's ``python -X importtime`` seconds (one profiled load, not
+stored); the papers' numbers; settings the results files do not record (windows of the
 addition and post-training runs, model shapes, token counts of the analyze training runs);
 and settings that only appear in command lines.
 """
@@ -1070,6 +1071,12 @@ def _load():
     c = d["compare"]  # the code before the change, measured in the same rounds
     yield P("the code before this change\nmeasured {} in the same rounds", c["generate_ratio"]["median"])
     yield P("second call {} s median against {} s", c["generate_s"]["second"]["median"], G["second"]["median"])
+    yield P("first {} s against {} s", c["generate_s"]["first"]["median"], G["first"]["median"])
+    yield P(
+        "in the same rounds: warm fresh-process load {} / {} / {} s, in-process {} / {} / {} s",
+        *mmm(c["load_s"]["warm_disk"]),
+        *mmm(c["load_s"]["warm_memory"]),
+    )
     yield P(
         "Load from a warm cache ≤ {} s — met in process ({} s), **missed in a fresh process** ({} s)",
         d["targets"]["load_warm_disk_s"],
