@@ -5,10 +5,11 @@ mapping its tensor names and dequantising each tensor, then builds the tokenizer
 same fields again: 24–27 s for SmolLM2-135M's Q4_1 file on the 2-core machine, 9–11 s with
 the file parsed once (:func:`looptool.capture.sources._gguf_parsed_once`, which a miss uses),
 of which dequantising is about 3 s. ``looptool convert smollm2``, ``looptool demo`` and a
-distillation teacher would repeat that on every run. This cache keeps what one load produced — the state dict
-(tied tensors once), the config and the tokenizer's files — as one safetensors entry of a
-:class:`~looptool.capture.disk_cache.DiskCache` under ``$LOOPTOOL_CACHE/gguf``, keyed by the
-file's sha256, the dtype and the torch / transformers / gguf / looptool versions. A hit is
+distillation teacher would repeat that on every run. This cache keeps what one load
+produced — the state dict (tied tensors once), the config and the tokenizer's files — as one
+safetensors entry of a :class:`~looptool.capture.disk_cache.DiskCache` under
+``$LOOPTOOL_CACHE/gguf``, keyed by the file's sha256, the dtype and the torch / transformers /
+gguf / looptool versions. A hit is
 rebuilt by transformers' own ``from_pretrained`` of the entry (as ``model.safetensors`` beside
 its config) and the tokenizer from its files, then checked against the entry tensor for tensor
 and tie for tie; the weights are the dequantised values bit for bit.
