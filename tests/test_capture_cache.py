@@ -4,6 +4,7 @@ bit-identical to uncached ones; bad entries are rebuilt; every key field misses.
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 import sys
 import threading
@@ -382,7 +383,25 @@ def test_a_stored_program_rebuilds_the_export(monkeypatch):
         _off(m)
         gm = export_source(model)
     own = _tensors(model)
-    stored = programs.loads(programs.dumps(programs.program_of(gm, own)))
+    program = programs.program_of(gm, own)
+    from torch.fx._graph_pickler import GraphPickler
+
+    fell_back = []
+    with monkeypatch.context() as m:  # stored on the C pickler: GraphPickler's own is not used
+        m.setattr(GraphPickler, "dumps", classmethod(lambda *a, **k: fell_back.append(True)))
+        data = programs.dumps(program)
+    assert not fell_back and isinstance(data, bytes)
+    refused = []
+
+    def no_fast_pickler():
+        refused.append(True)
+        raise pickle.PicklingError("a value the C pickler cannot hold")
+
+    with monkeypatch.context() as m:  # the fallback (GraphPickler's own pickler) reads back the same
+        m.setattr(programs, "_fast_pickler", no_fast_pickler)
+        fallback = programs.build(programs.loads(programs.dumps(program)), own)
+    assert refused and fallback.code == gm.code
+    stored = programs.loads(data)
     built = programs.build(stored, own)
     assert built.code == gm.code
     assert all(t is own[name] for name, t in _tensors(built).items())
