@@ -13,6 +13,8 @@ from collections.abc import Iterator
 
 import torch
 
+from looptool.core.tracing import overridden
+
 
 @contextlib.contextmanager
 def faster_exporter() -> Iterator[None]:
@@ -68,11 +70,8 @@ def decompose_only_what_onnx_lacks() -> Iterator[None]:
     def decompose_with_registry(program, registry):
         return program if translatable(program, registry) else decompose(program, registry)
 
-    _fx_passes.decompose_with_registry = decompose_with_registry
-    try:
+    with overridden(_fx_passes.__name__, "decompose_with_registry", decompose_with_registry):
         yield
-    finally:
-        _fx_passes.decompose_with_registry = decompose
 
 
 _ASSERTIONS = {  # what the exporter's remove_assertion_nodes drops after decomposing

@@ -6,9 +6,9 @@ many exports. The capture cache keeps instead what the rest of the capture reads
 unlifted module (:func:`program_of`): each node's name, op, target, arguments, type and
 metadata, the graph's code generator, and where every parameter, buffer and submodule sits.
 It is pickled with torch's ``GraphPickler`` reductions (which store ``FakeTensor``/``SymInt``
-node values by description), on Python's C pickler (:func:`dumps`). Node values with the same description (shape expressions, strides,
-dtype, device, layout, ``requires_grad``) are stored once and shared read-only by the nodes
-that had them: SmolLM2's 2,253 tensor values have 50 descriptions, and reading it back
+node values by description), on Python's C pickler (:func:`dumps`). Node values with the
+same description (shape expressions, strides, dtype, device, layout, ``requires_grad``) are
+stored once and shared read-only by the nodes that had them: SmolLM2's 2,253 tensor values have 50 descriptions, and reading it back
 takes about 0.3 s.
 
 No tensor of the model is stored: its parameters and buffers are recorded by name with a

@@ -17,7 +17,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from torch import nn
 
 from looptool.capture.disk_cache import cache_dir, exclusive
 from looptool.core.errors import SourceError
+from looptool.core.tracing import overridden
 
 log = logging.getLogger(__name__)
 
@@ -210,9 +210,6 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str, origin: str) -> Sour
     return Source(model.to(device).eval(), tokenizer, origin)
 
 
-_GGUF_PATCH = threading.Lock()
-
-
 @contextlib.contextmanager
 def _gguf_parsed_once() -> Iterator[None]:
     """Within the block, gguf's ``GGUFReader`` and ``get_tensor_name_map`` are memoised.
@@ -223,29 +220,26 @@ def _gguf_parsed_once() -> Iterator[None]:
     name map again for every module of the model (397 times for SmolLM2, about 9 s in all).
     Both are functions of their arguments only, and transformers only reads what they return,
     so one reader per file and one map per architecture serve the whole load. transformers
-    imports both names from ``gguf`` at call time, so replacing the module's attributes here
-    reaches it; they are restored on leaving (one such block at a time). Without ``gguf``
-    installed the block changes nothing (the load then says what to install)."""
+    imports both names from ``gguf`` at call time, so replacing the module's attributes
+    (:func:`~looptool.core.tracing.overridden`, restored on leaving) reaches it. Without
+    ``gguf`` installed the block changes nothing (the load then says what to install)."""
     try:
         import gguf
     except ImportError:
         yield
         return
-    with _GGUF_PATCH:
-        reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-        readers: dict[tuple, object] = {}
+    reader_class = gguf.GGUFReader
+    readers: dict[tuple, object] = {}
 
-        def reader(path, mode: str = "r"):
-            key = (os.path.realpath(path), mode)
-            if key not in readers:
-                readers[key] = reader_class(path, mode)
-            return readers[key]
+    def reader(path, mode: str = "r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = reader_class(path, mode)
+        return readers[key]
 
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
-        try:
-            yield
-        finally:
-            gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+    name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+    with overridden("gguf", "GGUFReader", reader), overridden("gguf", "get_tensor_name_map", name_map):
+        yield
 
 
 def _try_tokenizer(path: str | Path, **kwargs):

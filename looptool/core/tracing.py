@@ -1,6 +1,8 @@
 """How looptool runs torch's tracers (``torch.export`` in capture, ``torch.onnx.export`` in
 the backends): without the Python stack trace torch.fx records on every traced node, and,
-where it is measured to be slower, without FakeTensor's dispatch cache."""
+where it is measured to be slower, without FakeTensor's dispatch cache; and
+:func:`overridden`, the one way looptool replaces a library's module attribute for a block
+(these config settings, the ONNX exporter's decomposition step, gguf's reader)."""
 
 from __future__ import annotations
 
@@ -10,15 +12,16 @@ import threading
 from collections.abc import Iterator
 
 _LOCK = threading.Lock()
-_DEPTH: dict[tuple[str, str], int] = {}  # (config module, setting) -> nesting depth
-_SAVED: dict[tuple[str, str], object] = {}  # the user's value, restored when the depth returns to 0
+_DEPTH: dict[tuple[str, str], int] = {}  # (module, attribute) -> nesting depth
+_SAVED: dict[tuple[str, str], object] = {}  # the value before, restored when the depth returns to 0
 
 
 @contextlib.contextmanager
-def _overridden(module: str, name: str, value: object) -> Iterator[None]:
-    """``<module>.<name> = value`` for the block (a torch config setting); the user's value is
-    restored on exit; nested and concurrent uses share one override. A torch without the
-    setting runs the block unchanged."""
+def overridden(module: str, name: str, value: object) -> Iterator[None]:
+    """``<module>.<name> = value`` for the block (a torch config setting, or a library function
+    looptool replaces while it calls that library); the previous value is restored on exit;
+    nested and concurrent uses share one override (the first one's ``value``), which stays
+    until the last of them exits. A module without the attribute runs the block unchanged."""
     config = importlib.import_module(module)
     if not hasattr(config, name):
         yield
@@ -44,7 +47,7 @@ def without_stack_traces() -> contextlib.AbstractContextManager[None]:
     looptool reads no stack trace of a traced node, and the ONNX backend strips them from the
     graphs it writes; extracting and symbolising one per node is about a tenth of a capture
     (three tiny-model captures: 8.7–9.6 s with them, 7.8 s without, on the 2-core machine)."""
-    return _overridden("torch.fx.config", "do_not_emit_stack_traces", True)
+    return overridden("torch.fx.config", "do_not_emit_stack_traces", True)
 
 
 @contextlib.contextmanager
@@ -60,5 +63,5 @@ def fast_tracing(*, fake_tensor_cache: bool = True) -> Iterator[None]:
     (small per-layer bodies) 17.2 / 11.9 s. The traced graph has the same ops either way."""
     with without_stack_traces(), contextlib.ExitStack() as stack:
         if not fake_tensor_cache:
-            stack.enter_context(_overridden("torch._dynamo.config", "fake_tensor_cache_enabled", False))
+            stack.enter_context(overridden("torch._dynamo.config", "fake_tensor_cache_enabled", False))
         yield
