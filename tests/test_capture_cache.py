@@ -15,7 +15,7 @@ import torch
 from conftest import TINY_PLAN
 
 import looptool
-from looptool.capture import cache
+from looptool.capture import cache, config_cache
 from looptool.capture import capture as capture_graph
 from looptool.capture.export import build_skeleton, export_decode_step, export_source
 from looptool.runtime.generation import generate
@@ -30,10 +30,12 @@ def cache_dir(tmp_path, monkeypatch):
     """A cache of this test's own (never the user's or the session's), memory cleared."""
     path = tmp_path / "cache"
     monkeypatch.setenv("LOOPTOOL_CACHE", str(path))
-    cache.clear_memory()
-    cache.STATS.clear()
+    for level in (cache, config_cache):
+        level.clear_memory()
+        level.STATS.clear()
     yield path / cache.SUBDIR
     cache.clear_memory()
+    config_cache.clear_memory()
 
 
 def _off(monkeypatch):
@@ -80,7 +82,8 @@ def _generations(model, prompt) -> dict:
 def test_cached_load_is_bit_identical(arch, plan, decode, tmp_path, monkeypatch, cache_dir, input_ids):
     """A load served by a fresh export (writing the cache), then from disk, then from memory,
     equals a load with the cache off at every budget; with ``decode`` so does cached
-    generation under both KV policies (its decode-step capture is cached too)."""
+    generation under both KV policies (its decode-step capture is cached too). The loads from
+    disk and memory build no model: the config cache's records serve them."""
     saved = _saved(arch, plan, tmp_path / "m", monkeypatch)
     prompt = input_ids[:, :5]
     with monkeypatch.context() as m:
@@ -92,16 +95,18 @@ def test_cached_load_is_bit_identical(arch, plan, decode, tmp_path, monkeypatch,
     for path in ("miss", "disk", "memory"):
         if path == "disk":
             cache.clear_memory()
+            config_cache.clear_memory()
         loaded = looptool.load(saved)
         assert loaded.layer_graph.module.code == code
         got = _logits(loaded, input_ids), _generations(loaded, prompt) if decode else {}
         assert cache.STATS[path] == (2 if decode else 1), (path, dict(cache.STATS))  # the forward (and the decode step)
+        assert config_cache.STATS[path] == (2 if decode else 1), (path, dict(config_cache.STATS))
         for k in want[0]:
             assert torch.equal(want[0][k], got[0][k]), f"{arch} {path} budget {k}"
         for key, out in want[1].items():
             assert torch.equal(out.sequences, got[1][key].sequences), (path, key)
             assert all(torch.equal(a, b) for a, b in zip(out.logits, got[1][key].logits, strict=True)), (path, key)
-    assert cache.STATS["dropped"] == 0
+    assert cache.STATS["dropped"] == config_cache.STATS["dropped"] == config_cache.STATS["stale"] == 0
 
 
 @pytest.mark.parametrize("decode", [False, True], ids=["forward", "decode"])

@@ -30,17 +30,20 @@ from __future__ import annotations
 
 import logging
 
+import torch
+import torch.fx as fx
 from torch import nn
 
+from looptool.capture import config_cache
 from looptool.capture.annotate import annotate_cache, annotate_graph
 from looptool.capture.clean import CAST_TARGETS, clean_module
 from looptool.capture.experts import annotate_experts
-from looptool.capture.export import INPUT_NAMES, build_skeleton, export_decode_step, export_source
+from looptool.capture.export import INPUT_NAMES, build_skeleton, export_decode_step, export_key, export_source
 from looptool.capture.facts import (
     find_layers_path,
     hidden_size_of,
     kv_shape_of,
-    module_path,
+    layer_and_head_paths,
     moe_shape_of,
     norm_eps_of,
     num_layers_of,
@@ -57,6 +60,7 @@ __all__ = [
     "annotate_graph",
     "build_skeleton",
     "capture",
+    "capture_config",
     "export_decode_step",
     "export_source",
     "find_layers_path",
@@ -89,22 +93,55 @@ def capture(model: nn.Module, *, decode: bool = False) -> LayerGraph:
         exported = export_decode_step(model) if decode else export_source(model)
     finally:
         model.train(was_training)
+    layers_path, head_path = layer_and_head_paths(model, config)
+    param = next(model.parameters())
+    return _layer_graph(exported, config, layers_path, head_path, param.dtype, param.device, decode=decode)
+
+
+def capture_config(
+    config, dtype: torch.dtype, attn_implementation: str | None = None, *, decode: bool = False
+) -> LayerGraph:
+    """``capture(build_skeleton(config, dtype, attn_implementation), decode=decode)``: the
+    architecture of ``config`` captured on ``meta``, without building it when
+    :mod:`~looptool.capture.config_cache` holds a record of that capture (the same graph,
+    on fresh ``meta`` tensors of the same names, shapes, dtypes and ties)."""
+    key = config_cache.key_of(config, dtype, attn_implementation, decode)
+    found = config_cache.served(key, config)
+    if found is not None:
+        gm, entry = found
+        return _layer_graph(gm, config, entry["layers_path"], entry["head_path"], dtype, "meta", decode=decode)
+    before = config_cache.snapshot(config) if key is not None else {}
+    model = build_skeleton(config, dtype, attn_implementation)
+    lg = capture(model, decode=decode)
+    config_cache.record(key, model, before, export_key(model, decode=decode) if key is not None else None)
+    return lg
+
+
+def _layer_graph(
+    exported: fx.GraphModule,
+    config,
+    layers_path: str,
+    head_path: str | None,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    *,
+    decode: bool,
+) -> LayerGraph:
+    """The LayerGraph of an unlifted export of ``config``'s architecture (its layers at
+    ``layers_path``, its head at ``head_path``): cleaned, each node annotated."""
     n_layers = num_layers_of(config)
-    layers_path = find_layers_path(model, n_layers)
-    head_path = module_path(model, model.get_output_embeddings())
     module = clean_module(exported, None if decode else INPUT_NAMES)
     layers = annotate_graph(module.graph, layers_path, n_layers, head_path)
     annotate_experts(module.graph)
     if decode:
         annotate_cache(module.graph, n_layers)
     annotate_norm_parameters(module)
-    param = next(model.parameters())
     num_experts, experts_per_token = moe_shape_of(config)
     kv_heads, head_dim = kv_shape_of(config)
     source = SourceInfo(
-        model_type=getattr(config, "model_type", type(model).__name__),
-        dtype=str(param.dtype),
-        device=str(param.device),
+        model_type=getattr(config, "model_type", type(config).__name__),
+        dtype=str(dtype),
+        device=str(device),
         attn_implementation=getattr(config, "_attn_implementation", None),
         num_layers=n_layers,
         hidden_size=hidden_size_of(config),

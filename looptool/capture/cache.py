@@ -124,7 +124,7 @@ def _key(model: nn.Module, options: dict, *, device: bool = True) -> dict:
             {  # plain JSON (raises here for a value JSON cannot hold)
                 "format": FORMAT,
                 "model_class": type(model).__module__ + "." + type(model).__qualname__,
-                "config": _config_json(config),
+                "config": config_json(config),
                 "dtype": str(param.dtype) if param is not None else None,
                 "device": str(param.device) if param is not None and device else None,
                 "attn_implementation": getattr(config, "_attn_implementation", None),
@@ -160,13 +160,11 @@ def exported_module(
     always export). Its parameters and buffers are ``model``'s own tensor objects."""
     if key is None:
         return export().module()
-    digest = _sha256(_canonical(key).encode())
     own = own_tensors(model)
-    gm = _from_memory(digest, own)
-    if gm is None:
-        gm = _from_disk(digest, key, own)
+    gm = cached_module(key, own)
     if gm is not None:
-        return _own_meta(gm)
+        return gm
+    digest = _sha256(_canonical(key).encode())
     with _STORE.one_builder(digest):  # a process exporting the same key: wait, then read its entry
         gm = _from_disk(digest, key, own)
         if gm is not None:
@@ -183,6 +181,16 @@ def exported_module(
         except Exception as exc:  # the cache never fails a capture
             _STORE.could_not_store(exc, "the exported program")
     return _own_meta(gm)
+
+
+def cached_module(key: dict, own: dict[str, torch.Tensor]) -> fx.GraphModule | None:
+    """The module an export under ``key`` gave, built on the tensors ``own`` (name → tensor)
+    from the in-process or the disk entry; None when neither holds it (nothing is exported)."""
+    digest = _sha256(_canonical(key).encode())
+    gm = _from_memory(digest, own)
+    if gm is None:
+        gm = _from_disk(digest, key, own)
+    return None if gm is None else _own_meta(gm)
 
 
 # -- in process -------------------------------------------------------------------------
@@ -303,14 +311,16 @@ def uncacheable(model: nn.Module) -> str | None:
     return None
 
 
-_VOLATILE = ("_name_or_path", "architectures", "transformers_version")  # do not change the program
+VOLATILE = ("_name_or_path", "architectures", "transformers_version")  # config fields that do not change the program
 
 
-def _config_json(config) -> dict | None:
+def config_json(config) -> dict | None:
+    """The config as its keys hold it: ``to_dict()`` without the fields that do not change
+    the program (its folder, ``architectures``, the version that wrote it)."""
     if config is None:
         return None
     d = config.to_dict()
-    for k in _VOLATILE:
+    for k in VOLATILE:
         d.pop(k, None)
     return json.loads(_canonical(d))
 
@@ -334,17 +344,22 @@ def _export_code_hash() -> str:
     return _sha256(b"".join(parts) + here.read_bytes())[:16]
 
 
-def _model_code_hash(model: nn.Module) -> str:
-    """What the source files of the model's module classes hold (an edited or newer
-    remote-code ``modeling_*.py`` must miss; torch's own modules are covered by its version)."""
+def model_code_files(model: nn.Module) -> list[str]:
+    """The source files of the model's module classes but torch's (whose code its version covers)."""
     files = set()
     for m in model.modules():
         mod = sys.modules.get(type(m).__module__)
         path = getattr(mod, "__file__", None)
         if path and not type(m).__module__.startswith("torch."):
             files.add(path)
+    return sorted(files)
+
+
+def _model_code_hash(model: nn.Module) -> str:
+    """What the source files of the model's module classes hold (an edited or newer
+    remote-code ``modeling_*.py`` must miss; torch's own modules are covered by its version)."""
     parts = []
-    for path in sorted(files):
+    for path in model_code_files(model):
         try:
             parts.append(f"{path}:{file_sha256(path)}")
         except OSError:

@@ -24,9 +24,25 @@ INPUT_NAMES = ("input_ids", "attention_mask")
 # A forward export of fewer layers than this traces faster without FakeTensor's dispatch cache;
 # a decode step always does (measured: :func:`looptool.core.tracing.fast_tracing`).
 FAKE_CACHE_MIN_LAYERS = 8
+# the example sizes each export traces with (a field of its capture-cache key, :func:`export_options`)
+SOURCE_SIZES = {"seq_len": 8, "batch": 2}
+DECODE_SIZES = {"seq_len": 3, "cache_len": 8, "batch": 2}
 
 
-def export_source(model: nn.Module, seq_len: int = 8, batch: int = 2) -> fx.GraphModule:
+def export_options(decode: bool = False, **sizes: int) -> dict:
+    """The capture options an export is keyed by in the capture cache: ``decode`` and its
+    example ``sizes`` (default: :data:`SOURCE_SIZES` or :data:`DECODE_SIZES`)."""
+    return {"decode": decode, **(DECODE_SIZES if decode else SOURCE_SIZES), **sizes}
+
+
+def export_key(model: nn.Module, *, decode: bool = False) -> dict | None:
+    """The capture-cache key ``capture(model, decode=decode)`` exports under (None: not cached)."""
+    return capture_cache.key_of(model, export_options(decode))
+
+
+def export_source(
+    model: nn.Module, seq_len: int = SOURCE_SIZES["seq_len"], batch: int = SOURCE_SIZES["batch"]
+) -> fx.GraphModule:
     """``torch.export`` the model's full-sequence forward (dynamic batch/sequence), unlifted.
 
     The returned GraphModule's parameters and buffers are the model's own tensor objects.
@@ -40,7 +56,7 @@ def export_source(model: nn.Module, seq_len: int = 8, batch: int = 2) -> fx.Grap
     retargeted to the model's device. Any other model (hooks, a patched ``forward``, a class or
     tensors the twin does not reproduce) is exported as it is.
     """
-    options = {"decode": False, "seq_len": seq_len, "batch": batch}
+    options = export_options(False, seq_len=seq_len, batch=batch)
     twin = _meta_twin(model)
     target = model if twin is None else twin
     device = next(target.parameters()).device
@@ -94,7 +110,12 @@ def _bound_to(gm: fx.GraphModule, twin: nn.Module, model: nn.Module) -> fx.Graph
     return out
 
 
-def export_decode_step(model: nn.Module, seq_len: int = 3, cache_len: int = 8, batch: int = 2) -> fx.GraphModule:
+def export_decode_step(
+    model: nn.Module,
+    seq_len: int = DECODE_SIZES["seq_len"],
+    cache_len: int = DECODE_SIZES["cache_len"],
+    batch: int = DECODE_SIZES["batch"],
+) -> fx.GraphModule:
     """``torch.export`` one cached step of the model (prefill or decode), unlifted.
 
     The step is the way transformers' export-with-static-cache wrappers run a model: a
@@ -105,7 +126,7 @@ def export_decode_step(model: nn.Module, seq_len: int = 3, cache_len: int = 8, b
     ``cache_position [T]`` and ``2 * layers`` caches ``[B, kv_heads, S, head_dim]``
     (layer ``i``: keys ``caches_{2i}``, values ``caches_{2i+1}``); output: logits.
     """
-    key = capture_cache.key_of(model, {"decode": True, "seq_len": seq_len, "cache_len": cache_len, "batch": batch})
+    key = capture_cache.key_of(model, export_options(True, seq_len=seq_len, cache_len=cache_len, batch=batch))
     config = model.config.get_text_config()
     n_layers = num_layers_of(config)
     kv_heads, head_dim = kv_shape_of(config)

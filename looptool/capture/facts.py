@@ -70,3 +70,8 @@ def module_path(model: nn.Module, target: nn.Module | None) -> str | None:
     if target is None:
         return None
     return next((name for name, mod in model.named_modules() if mod is target), None)
+
+
+def layer_and_head_paths(model: nn.Module, config) -> tuple[str, str | None]:
+    """Where the model's decoder-layer list and its output head (None: it has none) are."""
+    return find_layers_path(model, num_layers_of(config)), module_path(model, model.get_output_embeddings())

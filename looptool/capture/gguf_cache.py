@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from looptool.capture.disk_cache import DiskCache, canonical, enabled, file_sha256, sha256
+from looptool.capture.tokenizer_cache import load_tokenizer
 from looptool.core.version import __version__
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ def _decode(data: bytes, dtype: torch.dtype) -> Loaded:
             tok.mkdir()
             for name, text in files.items():
                 (tok / name).write_text(text)
-            tokenizer = transformers.AutoTokenizer.from_pretrained(tok)
+            tokenizer = load_tokenizer(tok)  # keyed by its files' contents: a hit, after the first time
     stored, got_aliases = _unique_tensors(model)
     if got_aliases != aliases:
         raise ValueError(f"the rebuilt model ties other tensors ({got_aliases}) than the stored one ({aliases})")

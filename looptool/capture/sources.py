@@ -243,10 +243,10 @@ def _gguf_parsed_once() -> Iterator[None]:
 
 
 def _try_tokenizer(path: str | Path, **kwargs):
-    import transformers
+    from looptool.capture.tokenizer_cache import load_tokenizer
 
     try:
-        return transformers.AutoTokenizer.from_pretrained(path, **kwargs)
+        return load_tokenizer(path, **kwargs)
     except Exception as exc:  # a model without tokenizer files is still a valid source
         log.info("no tokenizer loaded from %s (%s)", path, exc)
         return None

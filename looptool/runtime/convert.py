@@ -8,7 +8,7 @@ import os
 import torch
 from torch import nn
 
-from looptool.capture import build_skeleton, capture, num_layers_of
+from looptool.capture import capture, capture_config, num_layers_of
 from looptool.capture.sources import load_source
 from looptool.core.errors import LooptoolError
 from looptool.core.graph import dtype_from_str, float_dtype
@@ -65,7 +65,7 @@ def rebuild(
     """The structure of a looped model with weights on ``meta``: the source architecture of
     ``config`` built on ``meta`` in ``dtype``, captured, its graph retargeted to ``device`` and
     the ``recipe`` of passes replayed. Binding the weights is the caller's (load, cast)."""
-    lg = capture(build_skeleton(config, dtype, attn_implementation))
+    lg = capture_config(config, dtype, attn_implementation)  # served without building it after the first time
     # retargeted before the recipe: the captured graph is copied once, not every budget path
     # the recipe builds (the passes read the device from ``lg.source``)
     lg = PassManager([("retarget_device", {"to": str(device)})])(lg)

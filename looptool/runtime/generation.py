@@ -27,7 +27,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from looptool.capture import build_skeleton, capture
+from looptool.capture import capture_config
 from looptool.core.errors import LooptoolError
 from looptool.core.graph import LayerGraph, annotation, dtype_from_str, shared_graph_module
 from looptool.core.plan import BudgetCost
@@ -119,9 +119,11 @@ def cached_layer_graph(model: LoopedModel, kv: str = "per-loop", budgets: Iterab
     store = model.derived.setdefault("cached_paths", {})
     if "decode" not in store:  # the captured decode step with the recipe replayed, shared by the policies
         lg = model.layer_graph
-        skeleton = build_skeleton(lg.config, dtype_from_str(lg.source.dtype), lg.source.attn_implementation)
+        captured = capture_config(
+            lg.config, dtype_from_str(lg.source.dtype), lg.source.attn_implementation, decode=True
+        )
         device = str(next(model.parameters()).device)
-        captured = PassManager([("retarget_device", {"to": device})])(capture(skeleton, decode=True))
+        captured = PassManager([("retarget_device", {"to": device})])(captured)
         store["decode"] = PassManager(model.recipe)(captured)
     done: LayerGraph | None = store.get(("layer_graph", kv))
     missing = [b for b in wanted if done is None or b not in done.paths]

@@ -13,10 +13,10 @@ from looptool.core.errors import LooptoolError
 
 def load_tokenizer(path: str | os.PathLike):
     """The Hugging Face tokenizer at ``path``, or one sentence saying it could not be loaded."""
-    import transformers
+    from looptool.capture.tokenizer_cache import load_tokenizer as cached
 
     try:
-        return transformers.AutoTokenizer.from_pretrained(path)
+        return cached(path)
     except Exception as exc:
         raise LooptoolError(
             f"no tokenizer could be loaded from '{path}' ({type(exc).__name__}).", parameter="tokenizer"

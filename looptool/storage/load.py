@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from looptool.capture.tokenizer_cache import load_tokenizer
 from looptool.core.errors import CheckpointError
 from looptool.core.graph import FLOAT_DTYPES, dtype_from_str, float_dtype
 from looptool.core.plan import plan_from_dict
@@ -97,7 +98,7 @@ def load(directory: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtyp
         raise CheckpointError(f"config.json in '{directory}' could not be read ({exc}).") from exc
     tokenizer = None
     if any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+        tokenizer = load_tokenizer(directory)  # served from the tokenizer cache after the first load
     with _no_gc():
         model = rebuild(
             config,

@@ -1,0 +1,184 @@
+"""Hugging Face tokenizers loaded from a folder, served from a cache of their pickles.
+
+``AutoTokenizer.from_pretrained`` of a BPE tokenizer parses ``tokenizer.json`` in Python
+twice and once more in Rust: 0.6 s of every warm ``looptool.load`` of SmolLM2 (a 3.5 MB
+``tokenizer.json``), a third of it. Unpickling the loaded tokenizer (its Rust part travels
+as its own serialisation) takes 0.06 s. Entries live under ``$LOOPTOOL_CACHE/tokenizers``
+(:class:`~looptool.capture.disk_cache.DiskCache`; ``LOOPTOOL_CACHE=off`` disables them),
+keyed by the sha256 of every file of the folder that is not a weight file (the tokenizer's
+own files, ``config.json``, chat templates, anything else a tokenizer class may read) and
+by the transformers / tokenizers / Python versions; an in-process LRU holds the pickles of
+the last :data:`MEMORY_ENTRIES` folders, so each load still gets an object of its own.
+
+A miss loads with transformers, pickles the result and keeps the pickle only when what it
+unpickles to equals the loaded tokenizer in every attribute (the Rust tokenizer compared by
+its serialisation): a hit returns what transformers' own load returns, with
+``name_or_path`` set to the folder asked for. Loads with keyword arguments are not cached.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import pickle
+import sys
+import threading
+from pathlib import Path
+
+from looptool.capture.disk_cache import DiskCache, canonical, enabled, file_sha256, sha256
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+MEMORY_ENTRIES = 4
+SUBDIR = "tokenizers"
+# files a tokenizer never reads (weights, engines, exported graphs): not hashed into the key
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".onnx", ".data", ".engine", ".plan")
+MAX_FILE_BYTES = 256 << 20  # a folder holding a larger non-weight file is not cached (hashing it would cost more)
+
+STATS: collections.Counter = collections.Counter()  # "memory", "disk", "miss", "uncached", "dropped"
+_memory: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+_lock = threading.Lock()
+_STORE = DiskCache(SUBDIR, FORMAT, ".pkl", "tokenizer cache", log, rebuild="loading")
+
+
+def load_tokenizer(path: str | os.PathLike, **kwargs):
+    """``transformers.AutoTokenizer.from_pretrained(path, **kwargs)``, from the cache when
+    ``path`` is a local folder and no keyword argument is given. Raises what transformers
+    raises when the folder holds no tokenizer (a miss is transformers' own load)."""
+    import transformers
+
+    key = None if kwargs else key_of(path)
+    if key is None:
+        return transformers.AutoTokenizer.from_pretrained(path, **kwargs)
+    digest = sha256(canonical(key).encode())
+    tokenizer = _from_memory(digest)
+    if tokenizer is None:
+        tokenizer = _from_disk(digest, key)
+    if tokenizer is not None:
+        return _named(tokenizer, path)
+    STATS["miss"] += 1
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    try:
+        data = pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
+        differs = _differing_attribute(tokenizer, pickle.loads(data))
+        if differs is not None:
+            raise ValueError(f"its pickle does not reproduce the attribute {differs!r}")
+        _remember(digest, data)
+        _STORE.write(digest, key, versions(), data)
+    except Exception as exc:  # the cache never fails a load
+        _STORE.could_not_store(exc, f"the tokenizer of {path}")
+    return tokenizer
+
+
+def key_of(path: str | os.PathLike) -> dict | None:
+    """The key of the tokenizer in folder ``path``: the sha256 of each of its files but weight
+    files (and of ``additional_chat_templates/``); None when not cached (the cache is off,
+    ``path`` is not a local folder, or it holds a non-weight file over :data:`MAX_FILE_BYTES`)."""
+    folder = Path(path)
+    if not enabled() or not folder.is_dir():
+        return None
+    files: dict[str, str] = {}
+    try:
+        for sub in (folder, folder / "additional_chat_templates"):
+            if not sub.is_dir():
+                continue
+            for entry in sorted(sub.iterdir()):
+                if not entry.is_file() or entry.name.endswith(WEIGHT_SUFFIXES):
+                    continue
+                if entry.stat().st_size > MAX_FILE_BYTES:
+                    STATS["uncached"] += 1
+                    return None
+                files[entry.relative_to(folder).as_posix()] = file_sha256(entry)
+    except OSError as exc:
+        log.debug("tokenizer cache: not caching %s (%s)", folder, exc)
+        STATS["uncached"] += 1
+        return None
+    return {"format": FORMAT, "files": files}
+
+
+def versions() -> dict[str, str]:
+    """What an entry was written by (an entry of other versions is dropped and rebuilt)."""
+    import tokenizers
+    import transformers
+
+    return {
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
+    }
+
+
+def clear_memory() -> None:
+    """Forget the in-process entries (the next load reads the disk or transformers)."""
+    with _lock:
+        _memory.clear()
+
+
+def _named(tokenizer, path: str | os.PathLike):
+    """``tokenizer`` as transformers' load of ``path`` names it (an entry may have been
+    stored from another folder with the same files)."""
+    tokenizer.name_or_path = str(path)
+    if isinstance(getattr(tokenizer, "init_kwargs", None), dict) and "name_or_path" in tokenizer.init_kwargs:
+        tokenizer.init_kwargs["name_or_path"] = str(path)
+    return tokenizer
+
+
+def _differing_attribute(a, b) -> str | None:
+    """The first instance attribute of ``a`` that ``b`` lacks or holds another value of
+    (a ``tokenizers.Tokenizer`` compared by its JSON serialisation); None when all agree."""
+    import tokenizers
+
+    if type(a) is not type(b) or vars(a).keys() != vars(b).keys():
+        return "__class__ / __dict__"
+    for name, value in vars(a).items():
+        other = vars(b)[name]
+        if isinstance(value, tokenizers.Tokenizer):
+            same = isinstance(other, tokenizers.Tokenizer) and value.to_str() == other.to_str()
+        else:
+            try:
+                same = bool(value == other)
+            except Exception:
+                same = False
+        if not same:
+            return name
+    return None
+
+
+def _from_memory(digest: str):
+    with _lock:
+        data = _memory.get(digest)
+        if data is not None:
+            _memory.move_to_end(digest)
+    if data is None:
+        return None
+    try:
+        tokenizer = pickle.loads(data)
+    except Exception as exc:  # never raises to the caller: load afresh
+        log.warning("tokenizer cache: could not use the in-process entry %s (%s); loading afresh.", digest[:12], exc)
+        with _lock:
+            _memory.pop(digest, None)
+        return None
+    STATS["memory"] += 1
+    return tokenizer
+
+
+def _from_disk(digest: str, key: dict):
+    found = _STORE.read(
+        digest, key, versions(), lambda data: (data, pickle.loads(data)), on_drop=lambda: STATS.update(["dropped"])
+    )
+    if found is None:
+        return None
+    data, tokenizer = found
+    _remember(digest, data)
+    STATS["disk"] += 1
+    return tokenizer
+
+
+def _remember(digest: str, data: bytes) -> None:
+    with _lock:
+        _memory[digest] = data
+        _memory.move_to_end(digest)
+        while len(_memory) > MEMORY_ENTRIES:
+            _memory.popitem(last=False)
