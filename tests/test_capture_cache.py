@@ -435,14 +435,20 @@ def test_a_folder_others_can_write_is_not_read(populated, cache_dir, caplog):
         cache_dir.chmod(0o700)
 
 
-def test_the_weight_reader_equals_safetensors(tmp_path):
+@pytest.mark.parametrize("chunk", [None, 64], ids=["one-chunk", "64-byte-chunks"])
+def test_the_weight_reader_equals_safetensors(tmp_path, monkeypatch, chunk):
     """One pass reads every tensor into its own 64-byte-aligned storage, equal to what
-    safetensors reads, and hashes the file as sha256_file does; a cut file is refused."""
+    safetensors reads, and hashes the file as sha256_file does; a cut file is refused. With
+    64-byte chunks the data is read in several chunks, and a tensor larger than one alone."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from looptool.storage import weights
     from looptool.storage.files import sha256_file
-    from looptool.storage.weights import read_safetensors
+    from looptool.storage.weights import WeightReader, read_safetensors
+
+    if chunk is not None:
+        monkeypatch.setattr(weights, "CHUNK_BYTES", chunk)
 
     path = tmp_path / "w.safetensors"
     tensors = {
@@ -451,19 +457,23 @@ def test_the_weight_reader_equals_safetensors(tmp_path):
         "c": torch.randn(4, dtype=torch.bfloat16),
         "d": torch.tensor(1.5, dtype=torch.float16),
         "e": torch.zeros(0, 4),
+        "f": torch.randn(50),  # 200 bytes: larger than a 64-byte chunk
+        "g": torch.tensor([True, False, True]),
     }
     save_file(tensors, str(path), metadata={"k": "v"})
-    got, metadata, sha = read_safetensors(path)
-    assert sha == sha256_file(path) and metadata == {"k": "v"}
-    with safe_open(str(path), framework="pt") as f:
-        assert got.keys() == set(f.keys())
-        for name in f.keys():
-            want = f.get_tensor(name)
-            assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
-    assert all(t.data_ptr() % 64 == 0 for t in got.values() if t.numel())
+    for got, metadata, sha in (read_safetensors(path), WeightReader(path).result()):
+        assert sha == sha256_file(path) and metadata == {"k": "v"}
+        with safe_open(str(path), framework="pt") as f:
+            assert got.keys() == set(f.keys())
+            for name in f.keys():
+                want = f.get_tensor(name)
+                assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
+        assert all(t.data_ptr() % 64 == 0 for t in got.values() if t.numel())
     path.write_bytes(path.read_bytes()[:-3])
     with pytest.raises(ValueError, match="ends early"):
         read_safetensors(path)
+    with pytest.raises(ValueError, match="ends early"):
+        WeightReader(path).result()
 
 
 def test_a_cut_weight_file_is_refused_as_corrupt(tmp_path, monkeypatch):

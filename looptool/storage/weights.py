@@ -34,19 +34,27 @@ _DTYPES = {
 
 
 class WeightReader:
-    """Reads ``path`` (safetensors) on a thread started at construction; :meth:`result`
-    waits for it and returns ``(tensors by stored name, header metadata, sha256 hex)``."""
+    """Reads ``path`` (safetensors): the header and the tensors' allocation at construction,
+    the data on a thread started then; :meth:`result` waits for it and returns ``(tensors by
+    stored name, header metadata, sha256 hex)``."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self._out: tuple[dict[str, torch.Tensor], dict, str] | None = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="looptool-weights", daemon=True)
+        try:
+            plan = _Plan(self.path)
+        except BaseException as exc:  # re-raised by result(), like the reading's own errors
+            self._error = exc
+            plan = None
+        self._thread = threading.Thread(target=self._run, args=(plan,), name="looptool-weights", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
+    def _run(self, plan: _Plan | None) -> None:
+        if plan is None:
+            return
         try:
-            self._out = read_safetensors(self.path)
+            self._out = plan.read()
         except BaseException as exc:  # re-raised in the caller's thread by result()
             self._error = exc
 
@@ -63,33 +71,90 @@ def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict, str]:
     """Every tensor of the safetensors file ``path`` in its own CPU storage, the header's
     ``__metadata__``, and the sha256 of the whole file (raises ``ValueError`` on a malformed
     file)."""
-    h = hashlib.sha256()
-    tensors: dict[str, torch.Tensor] = {}
-    with open(path, "rb", buffering=0) as f:
-        size = _read(f, 8, h)
-        (n,) = struct.unpack("<Q", size)
-        if n > 100 << 20:
-            raise ValueError(f"a header of {n} bytes")
-        header = json.loads(_read(f, n, h))
-        metadata = header.pop("__metadata__", None) or {}
-        pos = 0  # in the data section
-        for name, spec in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            begin, end = spec["data_offsets"]
-            if begin < pos:
-                raise ValueError(f"tensor '{name}' overlaps another")
-            _read(f, begin - pos, h)  # padding, if any (hashed: the sha256 covers the whole file)
-            t = torch.empty(spec["shape"], dtype=_DTYPES[spec["dtype"]])
-            if t.numel() * t.element_size() != end - begin:
-                raise ValueError(f"tensor '{name}' has {end - begin} bytes for shape {spec['shape']}")
-            if end > begin:
-                view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return _Plan(Path(path)).read()
+
+
+CHUNK_BYTES = 64 << 20  # the data is read a chunk of consecutive tensors at a time (a larger one alone)
+
+
+class _Plan:
+    """How to read one file: its header parsed and hashed, every tensor allocated, and the data
+    section cut into steps. Each step is one ``readinto`` of a chunk of consecutive tensors
+    (:data:`CHUNK_BYTES`), one hash update and one ``torch._foreach_copy_`` from the chunk
+    into its tensors, or, for a tensor larger than a chunk, a read straight into it.
+
+    Everything that calls into torch per tensor happens here, before the reading thread
+    starts: every torch call releases the GIL, and a thread that takes it back waits for a
+    busy main thread (up to its 5 ms switch interval) each time. Reading SmolLM2's 273 tensors
+    one call at a time took 7.7 s beside a busy main thread (0.4 s alone), so a load's rebuild
+    held most of the read back until it ended; the thread now takes the GIL a few times per
+    chunk."""
+
+    def __init__(self, path: Path):
+        self.hash = hashlib.sha256()
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.file = open(path, "rb", buffering=0)  # noqa: SIM115  (closed by read)
+        try:
+            (n,) = struct.unpack("<Q", _read(self.file, 8, self.hash))
+            if n > 100 << 20:
+                raise ValueError(f"a header of {n} bytes")
+            header = json.loads(_read(self.file, n, self.hash))
+            self.metadata = header.pop("__metadata__", None) or {}
+            spans: list[tuple[torch.Tensor, int, int]] = []
+            pos = 0  # in the data section
+            for name, spec in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                begin, end = spec["data_offsets"]
+                if begin < pos:
+                    raise ValueError(f"tensor '{name}' overlaps another")
+                t = torch.empty(spec["shape"], dtype=_DTYPES[spec["dtype"]])
+                if t.numel() * t.element_size() != end - begin:
+                    raise ValueError(f"tensor '{name}' has {end - begin} bytes for shape {spec['shape']}")
+                self.tensors[name] = t
+                spans.append((t, begin, end))
+                pos = end
+            self.steps = self._steps(spans)
+        except BaseException:
+            self.file.close()
+            raise
+
+    def _steps(self, spans: list[tuple[torch.Tensor, int, int]]) -> list[tuple]:
+        """``(bytes to read, memoryview to read them into, copy destinations, copy sources)``."""
+        steps: list[tuple] = []
+        buffer: torch.Tensor | None = None
+        pos, i = 0, 0
+        while i < len(spans):
+            j = i + 1
+            while j < len(spans) and spans[j][2] - pos <= CHUNK_BYTES:
+                j += 1
+            t, begin, end = spans[i]
+            if j == i + 1 and end - pos > CHUNK_BYTES:  # larger than a chunk: the gap, then straight into it
+                if begin > pos:
+                    steps.append((begin - pos, None, [], []))
+                steps.append((end - begin, memoryview(t.reshape(-1).view(torch.uint8).numpy()), [], []))
+            else:
+                end = spans[j - 1][2]
+                if buffer is None:
+                    buffer = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
+                dsts = [t.reshape(-1).view(torch.uint8) for t, b, e in spans[i:j] if e > b]
+                srcs = [buffer[b - pos : e - pos] for _, b, e in spans[i:j] if e > b]
+                steps.append((end - pos, memoryview(buffer.numpy())[: end - pos], dsts, srcs))
+            pos, i = end, j
+        return steps
+
+    def read(self) -> tuple[dict[str, torch.Tensor], dict, str]:
+        """Run the steps (on the calling thread); the tensors, metadata and sha256."""
+        with self.file as f:
+            for n, view, dsts, srcs in self.steps:
+                if view is None:
+                    _read(f, n, self.hash)
+                    continue
                 _read_into(f, view)
-                h.update(view)
-            tensors[name] = t
-            pos = end
-        while block := f.read(1 << 20):  # anything after the last tensor
-            h.update(block)
-    return tensors, metadata, h.hexdigest()
+                self.hash.update(view)
+                if dsts:
+                    torch._foreach_copy_(dsts, srcs)
+            while block := f.read(1 << 20):  # anything after the last tensor
+                self.hash.update(block)
+        return self.tensors, self.metadata, self.hash.hexdigest()
 
 
 def _read_into(f, view: memoryview) -> None:
