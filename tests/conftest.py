@@ -140,6 +140,22 @@ def pytest_xdist_make_scheduler(config, log):
     return WorkUnitScheduling(config, log)
 
 
+@contextlib.contextmanager
+def own_caches(monkeypatch, path: Path, *levels):
+    """``LOOPTOOL_CACHE`` set to ``path`` (a test's own cache, never the user's or the run's)
+    for the block, with the in-process entries and counters of each cache module in
+    ``levels`` cleared before and the entries after."""
+    monkeypatch.setenv("LOOPTOOL_CACHE", str(path))
+    for level in levels:
+        level.clear_memory()
+        level.STATS.clear()
+    try:
+        yield path
+    finally:
+        for level in levels:
+            level.clear_memory()
+
+
 @pytest.fixture(params=TINY_MODEL_TYPES)
 def arch(request) -> str:
     """Every architecture the capture supports."""

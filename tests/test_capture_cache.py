@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import TINY_PLAN
+from conftest import TINY_PLAN, own_caches
 
 import looptool
 from looptool.capture import cache, config_cache
@@ -28,14 +28,8 @@ SKELETON_LAYERS = 1  # the cache's mechanics do not depend on depth; a one-layer
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path, monkeypatch):
     """A cache of this test's own (never the user's or the session's), memory cleared."""
-    path = tmp_path / "cache"
-    monkeypatch.setenv("LOOPTOOL_CACHE", str(path))
-    for level in (cache, config_cache):
-        level.clear_memory()
-        level.STATS.clear()
-    yield path / cache.SUBDIR
-    cache.clear_memory()
-    config_cache.clear_memory()
+    with own_caches(monkeypatch, tmp_path / "cache", cache, config_cache) as path:
+        yield path / cache.SUBDIR
 
 
 def _off(monkeypatch):

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import TINY_PLAN
+from conftest import TINY_PLAN, own_caches
 
 import looptool
 from looptool.capture import cache, capture_config, config_cache
@@ -23,14 +23,8 @@ from looptool.testing import byte_tokenizer, tiny_config, tiny_model
 @pytest.fixture(autouse=True)
 def cache_root(tmp_path, monkeypatch):
     """A cache of this test's own, memory and counters cleared."""
-    path = tmp_path / "cache"
-    monkeypatch.setenv("LOOPTOOL_CACHE", str(path))
-    for level in (cache, config_cache):
-        level.clear_memory()
-        level.STATS.clear()
-    yield path
-    cache.clear_memory()
-    config_cache.clear_memory()
+    with own_caches(monkeypatch, tmp_path / "cache", cache, config_cache) as path:
+        yield path
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import transformers
+from conftest import own_caches
 
 from looptool.capture import tokenizer_cache
 from looptool.capture.tokenizer_cache import load_tokenizer
@@ -23,12 +24,8 @@ CHAT = [{"role": "user", "content": "Who wrote it?"}, {"role": "assistant", "con
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path, monkeypatch):
     """A cache of this test's own, memory and counters cleared."""
-    path = tmp_path / "cache"
-    monkeypatch.setenv("LOOPTOOL_CACHE", str(path))
-    tokenizer_cache.clear_memory()
-    tokenizer_cache.STATS.clear()
-    yield path / tokenizer_cache.SUBDIR
-    tokenizer_cache.clear_memory()
+    with own_caches(monkeypatch, tmp_path / "cache", tokenizer_cache) as path:
+        yield path / tokenizer_cache.SUBDIR
 
 
 @pytest.fixture(scope="module")

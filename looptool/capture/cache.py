@@ -42,7 +42,6 @@ import functools
 import json
 import logging
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -51,7 +50,7 @@ import torch.fx as fx
 from torch import nn
 
 from looptool.capture import programs
-from looptool.capture.disk_cache import DiskCache, canonical, enabled, file_sha256, sha256
+from looptool.capture.disk_cache import DiskCache, MemoryLRU, canonical, enabled, file_sha256, sha256
 from looptool.core.version import __version__
 
 log = logging.getLogger(__name__)
@@ -61,8 +60,7 @@ MEMORY_ENTRIES = 8
 SUBDIR = "captures"
 
 STATS: collections.Counter = collections.Counter()  # "memory", "disk", "miss", "dropped", "uncached"
-_memory: collections.OrderedDict[str, tuple[programs.Program, object]] = collections.OrderedDict()
-_lock = threading.Lock()
+_memory: MemoryLRU[tuple[programs.Program, object]] = MemoryLRU(MEMORY_ENTRIES)
 _STORE = DiskCache(SUBDIR, FORMAT, ".fx", "capture cache", log)
 
 
@@ -73,8 +71,7 @@ def directory() -> Path:
 
 def clear_memory() -> None:
     """Forget the in-process entries (the next capture reads the disk or exports)."""
-    with _lock:
-        _memory.clear()
+    _memory.clear()
 
 
 def versions() -> dict[str, str]:
@@ -197,16 +194,13 @@ def cached_module(key: dict, own: dict[str, torch.Tensor]) -> fx.GraphModule | N
 
 
 def _from_memory(digest: str, own: dict[str, torch.Tensor]) -> fx.GraphModule | None:
-    with _lock:
-        entry = _memory.get(digest)
-        if entry is not None:
-            _memory.move_to_end(digest)
+    entry = _memory.get(digest)
     if entry is None:
         return None
     program, state = entry
     if _shape_env_state(program) != state:  # someone added guards to the shared ShapeEnv: not pristine
         log.debug("capture cache: in-process entry %s changed; reading it again", digest[:12])
-        _forget(digest)
+        _memory.pop(digest)
         return None
     try:
         gm = programs.build(program, own)
@@ -217,23 +211,14 @@ def _from_memory(digest: str, own: dict[str, torch.Tensor]) -> fx.GraphModule | 
             type(exc).__name__,
             exc,
         )
-        _forget(digest)
+        _memory.pop(digest)
         return None
     STATS["memory"] += 1
     return gm
 
 
 def _remember(digest: str, program: programs.Program) -> None:
-    with _lock:
-        _memory[digest] = (program, _shape_env_state(program))
-        _memory.move_to_end(digest)
-        while len(_memory) > MEMORY_ENTRIES:
-            _memory.popitem(last=False)
-
-
-def _forget(digest: str) -> None:
-    with _lock:
-        _memory.pop(digest, None)
+    _memory.put(digest, (program, _shape_env_state(program)))
 
 
 # -- on disk ------------------------------------------------------------------------------

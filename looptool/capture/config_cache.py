@@ -37,7 +37,6 @@ import copy
 import functools
 import json
 import logging
-import threading
 from pathlib import Path
 
 import torch
@@ -45,7 +44,7 @@ import torch.fx as fx
 from torch import nn
 
 from looptool.capture import cache as capture_cache
-from looptool.capture.disk_cache import DiskCache, canonical, enabled, file_sha256, sha256
+from looptool.capture.disk_cache import DiskCache, MemoryLRU, canonical, enabled, file_sha256, sha256
 from looptool.capture.facts import layer_and_head_paths
 from looptool.core.graph import dtype_from_str
 
@@ -56,8 +55,7 @@ SUBDIR = "configs"
 MEMORY_ENTRIES = 16
 
 STATS: collections.Counter = collections.Counter()  # "memory", "disk", "miss", "stale", "uncached", "dropped"
-_memory: collections.OrderedDict[str, dict] = collections.OrderedDict()
-_lock = threading.Lock()
+_memory: MemoryLRU[dict] = MemoryLRU(MEMORY_ENTRIES)
 _STORE = DiskCache(SUBDIR, FORMAT, ".json", "config capture cache", log, rebuild="building the model")
 
 
@@ -133,7 +131,11 @@ def served(key: dict | None, config) -> tuple[fx.GraphModule, dict] | None:
     if key is None:
         return None
     digest = sha256(canonical(key).encode())
-    entry = _from_memory(digest) or _from_disk(digest, key)
+    entry = _memory.get(digest)
+    if entry is not None:
+        STATS["memory"] += 1
+    else:
+        entry = _from_disk(digest, key)
     if entry is None:
         STATS["miss"] += 1
         return None
@@ -179,7 +181,7 @@ def record(key: dict | None, model: nn.Module, before: dict, export_key: dict | 
         }
         data = (json.dumps(entry, sort_keys=True) + "\n").encode()
         digest = sha256(canonical(key).encode())
-        _remember(digest, json.loads(data))
+        _memory.put(digest, json.loads(data))
         _STORE.write(digest, key, capture_cache.versions(), data)
     except Exception as exc:  # the cache never fails a capture
         _STORE.could_not_store(exc, f"the capture record of {type(model).__name__}")
@@ -199,8 +201,7 @@ def meta_tensors(specs: list) -> dict[str, torch.Tensor]:
 
 def clear_memory() -> None:
     """Forget the in-process records."""
-    with _lock:
-        _memory.clear()
+    _memory.clear()
 
 
 def _sha_or_none(path: str) -> str | None:
@@ -218,27 +219,9 @@ def _capture_code_hash() -> str:
     return sha256(b"".join(p.name.encode() + p.read_bytes() for p in files))[:16]
 
 
-def _from_memory(digest: str) -> dict | None:
-    with _lock:
-        entry = _memory.get(digest)
-        if entry is not None:
-            _memory.move_to_end(digest)
-    if entry is not None:
-        STATS["memory"] += 1
-    return entry
-
-
 def _from_disk(digest: str, key: dict) -> dict | None:
     entry = _STORE.read(digest, key, capture_cache.versions(), json.loads, on_drop=lambda: STATS.update(["dropped"]))
     if entry is not None:
-        _remember(digest, entry)
+        _memory.put(digest, entry)
         STATS["disk"] += 1
     return entry
-
-
-def _remember(digest: str, entry: dict) -> None:
-    with _lock:
-        _memory[digest] = entry
-        _memory.move_to_end(digest)
-        while len(_memory) > MEMORY_ENTRIES:
-            _memory.popitem(last=False)

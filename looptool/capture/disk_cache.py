@@ -20,6 +20,7 @@ changes a result and never raises to its caller.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import hashlib
@@ -27,9 +28,10 @@ import json
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -248,3 +250,47 @@ class DiskCache:
         if data_file is not None:
             with contextlib.suppress(OSError):
                 data_file.unlink()
+
+
+class MemoryLRU(Generic[T]):
+    """The in-process level of a cache: the ``limit`` most recently used entries by digest
+    (thread-safe; an entry is never None)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._entries: collections.OrderedDict[str, T] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, digest: str) -> T | None:
+        """The entry ``digest`` (now the most recently used), or None."""
+        with self._lock:
+            entry = self._entries.get(digest)
+            if entry is not None:
+                self._entries.move_to_end(digest)
+            return entry
+
+    def put(self, digest: str, entry: T) -> None:
+        """Keep ``entry`` as the most recently used, dropping the least recently used beyond the limit."""
+        with self._lock:
+            self._entries[digest] = entry
+            self._entries.move_to_end(digest)
+            while len(self._entries) > self.limit:
+                self._entries.popitem(last=False)
+
+    def pop(self, digest: str) -> None:
+        """Forget the entry ``digest`` (if held)."""
+        with self._lock:
+            self._entries.pop(digest, None)
+
+    def clear(self) -> None:
+        """Forget every entry."""
+        with self._lock:
+            self._entries.clear()
+
+    def values(self) -> list[T]:
+        """The entries, least recently used first."""
+        with self._lock:
+            return list(self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)

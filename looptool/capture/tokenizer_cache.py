@@ -23,10 +23,9 @@ import logging
 import os
 import pickle
 import sys
-import threading
 from pathlib import Path
 
-from looptool.capture.disk_cache import DiskCache, canonical, enabled, file_sha256, sha256
+from looptool.capture.disk_cache import DiskCache, MemoryLRU, canonical, enabled, file_sha256, sha256
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +37,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".on
 MAX_FILE_BYTES = 256 << 20  # a folder holding a larger non-weight file is not cached (hashing it would cost more)
 
 STATS: collections.Counter = collections.Counter()  # "memory", "disk", "miss", "uncached", "dropped"
-_memory: collections.OrderedDict[str, bytes] = collections.OrderedDict()
-_lock = threading.Lock()
+_memory: MemoryLRU[bytes] = MemoryLRU(MEMORY_ENTRIES)
 _STORE = DiskCache(SUBDIR, FORMAT, ".pkl", "tokenizer cache", log, rebuild="loading")
 
 
@@ -65,7 +63,7 @@ def load_tokenizer(path: str | os.PathLike, **kwargs):
         differs = _differing_attribute(tokenizer, pickle.loads(data))
         if differs is not None:
             raise ValueError(f"its pickle does not reproduce the attribute {differs!r}")
-        _remember(digest, data)
+        _memory.put(digest, data)
         _STORE.write(digest, key, versions(), data)
     except Exception as exc:  # the cache never fails a load
         _STORE.could_not_store(exc, f"the tokenizer of {path}")
@@ -112,8 +110,7 @@ def versions() -> dict[str, str]:
 
 def clear_memory() -> None:
     """Forget the in-process entries (the next load reads the disk or transformers)."""
-    with _lock:
-        _memory.clear()
+    _memory.clear()
 
 
 def _named(tokenizer, path: str | os.PathLike):
@@ -147,18 +144,14 @@ def _differing_attribute(a, b) -> str | None:
 
 
 def _from_memory(digest: str):
-    with _lock:
-        data = _memory.get(digest)
-        if data is not None:
-            _memory.move_to_end(digest)
+    data = _memory.get(digest)
     if data is None:
         return None
     try:
         tokenizer = pickle.loads(data)
     except Exception as exc:  # never raises to the caller: load afresh
         log.warning("tokenizer cache: could not use the in-process entry %s (%s); loading afresh.", digest[:12], exc)
-        with _lock:
-            _memory.pop(digest, None)
+        _memory.pop(digest)
         return None
     STATS["memory"] += 1
     return tokenizer
@@ -171,14 +164,6 @@ def _from_disk(digest: str, key: dict):
     if found is None:
         return None
     data, tokenizer = found
-    _remember(digest, data)
+    _memory.put(digest, data)
     STATS["disk"] += 1
     return tokenizer
-
-
-def _remember(digest: str, data: bytes) -> None:
-    with _lock:
-        _memory[digest] = data
-        _memory.move_to_end(digest)
-        while len(_memory) > MEMORY_ENTRIES:
-            _memory.popitem(last=False)
