@@ -121,8 +121,5 @@ def reused_torchlib_registry() -> Iterator[None]:
         copy.functions = {target: list(metas) for target, metas in kept.functions.items()}
         return copy
 
-    registry_type.from_torchlib = classmethod(from_torchlib)
-    try:
+    with overridden(f"{_registration.__name__}.ONNXRegistry", "from_torchlib", classmethod(from_torchlib)):
         yield
-    finally:
-        registry_type.from_torchlib = built

@@ -148,3 +148,28 @@ def test_concurrent_misses_of_one_body_export_it_once(cache):
     assert len(calls) == 1 and (onnx_body_cache.STATS["miss"], onnx_body_cache.STATS["hit"]) == (1, 2)
     assert all(fusions == {"SkipRMSNorm": 7} for _, fusions in got.values()) and len(got) == 3
     assert [n.op_type for _, (model, _f) in sorted(got.items()) for n in model.graph] == ["Relu"] * 3
+
+
+def test_the_torchlib_registry_is_built_once_and_each_export_gets_its_own_copy():
+    """Inside ``reused_torchlib_registry`` every ``ONNXRegistry.from_torchlib`` returns a copy
+    of one registry built once per opset, equal to torch's own build, whose per-op lists are
+    its own; after the block torch's classmethod is back, the very same descriptor."""
+    from torch.onnx._internal.exporter._registration import ONNXRegistry
+
+    from looptool.backends import onnx_exporter
+
+    own = vars(ONNXRegistry)["from_torchlib"]
+    fresh = ONNXRegistry.from_torchlib()
+    with onnx_exporter.reused_torchlib_registry():
+        a, b = ONNXRegistry.from_torchlib(), ONNXRegistry.from_torchlib()
+        kept = onnx_exporter._PRISTINE[fresh.opset_version]
+    assert vars(ONNXRegistry)["from_torchlib"] is own
+    assert a is not b and a is not kept
+    assert a.opset_version == fresh.opset_version
+    assert a.functions.keys() == fresh.functions.keys()
+    for target, metas in fresh.functions.items():
+        assert [m.onnx_function for m in a.functions[target]] == [m.onnx_function for m in metas]
+        assert a.functions[target] is not b.functions[target] is not kept.functions[target]
+    target = next(iter(a.functions))
+    a.functions[target].append("a custom translation")
+    assert "a custom translation" not in b.functions[target] + kept.functions[target]

@@ -1,8 +1,9 @@
 """How looptool runs torch's tracers (``torch.export`` in capture, ``torch.onnx.export`` in
 the backends): without the Python stack trace torch.fx records on every traced node, and,
 where it is measured to be slower, without FakeTensor's dispatch cache; and
-:func:`overridden`, the one way looptool replaces a library's module attribute for a block
-(these config settings, the ONNX exporter's decomposition step, gguf's reader)."""
+:func:`overridden`, the one way looptool replaces a library's module or class attribute for a
+block (these config settings, the ONNX exporter's decomposition step and registry, gguf's
+reader)."""
 
 from __future__ import annotations
 
@@ -12,25 +13,32 @@ import threading
 from collections.abc import Iterator
 
 _LOCK = threading.Lock()
-_DEPTH: dict[tuple[str, str], int] = {}  # (module, attribute) -> nesting depth
+_DEPTH: dict[tuple[str, str], int] = {}  # (owner, attribute) -> nesting depth
 _SAVED: dict[tuple[str, str], object] = {}  # the value before, restored when the depth returns to 0
+_INHERITED = object()  # saved for a class attribute the class itself does not define
 
 
 @contextlib.contextmanager
-def overridden(module: str, name: str, value: object) -> Iterator[None]:
-    """``<module>.<name> = value`` for the block (a torch config setting, or a library function
-    looptool replaces while it calls that library); the previous value is restored on exit;
-    nested and concurrent uses share one override (the first one's ``value``), which stays
-    until the last of them exits. A module without the attribute runs the block unchanged."""
-    config = importlib.import_module(module)
-    if not hasattr(config, name):
+def overridden(owner: str, name: str, value: object) -> Iterator[None]:
+    """``<owner>.<name> = value`` for the block, ``owner`` the dotted path of a module or of a
+    class in one (a torch config setting, a library function or classmethod looptool replaces
+    while it calls that library); the previous value is restored on exit (a class's own
+    descriptor, such as a ``classmethod``, as it was; an inherited one by deleting the
+    override); nested and concurrent uses share one override (the first one's ``value``),
+    which stays until the last of them exits. An owner without the attribute runs the block
+    unchanged."""
+    target = _resolve(owner)
+    if not hasattr(target, name):
         yield
         return
-    slot = (module, name)
+    slot = (owner, name)
     with _LOCK:
         if not _DEPTH.get(slot):
-            _SAVED[slot] = getattr(config, name)
-            setattr(config, name, value)
+            if isinstance(target, type):
+                _SAVED[slot] = vars(target).get(name, _INHERITED)
+            else:
+                _SAVED[slot] = getattr(target, name)
+            setattr(target, name, value)
         _DEPTH[slot] = _DEPTH.get(slot, 0) + 1
     try:
         yield
@@ -38,7 +46,25 @@ def overridden(module: str, name: str, value: object) -> Iterator[None]:
         with _LOCK:
             _DEPTH[slot] -= 1
             if not _DEPTH[slot]:
-                setattr(config, name, _SAVED.pop(slot))
+                saved = _SAVED.pop(slot)
+                if saved is _INHERITED:
+                    delattr(target, name)
+                else:
+                    setattr(target, name, saved)
+
+
+def _resolve(path: str) -> object:
+    """The module, or the attribute of the longest importable module prefix, ``path`` names."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for part in parts[i:]:
+            obj = getattr(obj, part)
+        return obj
+    raise ImportError(f"no module in {path!r}")
 
 
 def without_stack_traces() -> contextlib.AbstractContextManager[None]:
