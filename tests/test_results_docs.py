@@ -59,7 +59,8 @@ quality and gate-LR runs; earlier runs the docs cite for comparison (training's 
 last-position A/B 281 → 234 / 358 → 318 ms and the earlier engines' 5.9×); the export's
 "about 16 s" for assembling graphs; approximations ("~40% floor", "0.6× eager", "~15%",
 "540 MB"); the load section's ``python -X importtime`` seconds (one profiled load, not
-stored) and its earlier run of the same change (1.85 / 2.07 / 2.49 s; not kept); the papers' numbers; settings the results files do not record (windows of the
+stored) and its other runs of the same change (1.88 / 2.00 / 2.11 s and 1.85 / 2.07 / 2.49 s;
+not kept); the papers' numbers; settings the results files do not record (windows of the
 addition and post-training runs, model shapes, token counts of the analyze training runs);
 and settings that only appear in command lines.
 """
