@@ -101,11 +101,12 @@ def test_modulate_matches_eq4_elementwise_and_has_gradients():
     down = torch.randn(r, d, generator=g, dtype=torch.float64, requires_grad=True)
     up = torch.randn(d, r, generator=g, dtype=torch.float64, requires_grad=True)
     out = torch.ops.looptool.modulate(x, scale, shift, down, up)
+    xv, sc, sh, dn, u = (p.detach() for p in (x, scale, shift, down, up))  # the reference reads values only
     for b in range(2):
         for t in range(3):
-            xt = [float(shift[c] + scale[c] * x[b, t, c]) for c in range(d)]
-            low = [sum(float(down[j, c]) * xt[c] for c in range(d)) for j in range(r)]
-            want = [xt[c] + sum(float(up[c, j]) * low[j] for j in range(r)) for c in range(d)]
+            xt = [float(sh[c] + sc[c] * xv[b, t, c]) for c in range(d)]
+            low = [sum(float(dn[j, c]) * xt[c] for c in range(d)) for j in range(r)]
+            want = [xt[c] + sum(float(u[c, j]) * low[j] for j in range(r)) for c in range(d)]
             assert torch.allclose(out[b, t].detach(), torch.tensor(want, dtype=torch.float64))
     torch.autograd.gradcheck(lambda *a: torch.ops.looptool.modulate(*a), (x, scale, shift, down, up))
 
