@@ -106,14 +106,16 @@ def capture_config(
     :mod:`~looptool.capture.config_cache` holds a record of that capture (the same graph,
     on fresh ``meta`` tensors of the same names, shapes, dtypes and ties)."""
     key = config_cache.key_of(config, dtype, attn_implementation, decode)
+    if key is None:  # not cached (the cache is off, or the config cannot be keyed)
+        return capture(build_skeleton(config, dtype, attn_implementation), decode=decode)
     found = config_cache.served(key, config)
     if found is not None:
         gm, entry = found
         return _layer_graph(gm, config, entry["layers_path"], entry["head_path"], dtype, "meta", decode=decode)
-    before = config_cache.snapshot(config) if key is not None else {}
+    before = config_cache.snapshot(config)
     model = build_skeleton(config, dtype, attn_implementation)
     lg = capture(model, decode=decode)
-    config_cache.record(key, model, before, export_key(model, decode=decode) if key is not None else None)
+    config_cache.record(key, model, before, export_key(model, decode=decode))
     return lg
 
 

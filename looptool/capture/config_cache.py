@@ -124,12 +124,10 @@ def set_state(config, changes: dict) -> None:
         vars(config)[name] = value
 
 
-def served(key: dict | None, config) -> tuple[fx.GraphModule, dict] | None:
+def served(key: dict, config) -> tuple[fx.GraphModule, dict] | None:
     """The exported module of ``key``'s capture, on fresh ``meta`` tensors, and its record,
     when a record and the capture cache's program serve it; the record's config attributes
     are then set on ``config``. None otherwise (the caller builds the skeleton)."""
-    if key is None:
-        return None
     digest = sha256(canonical(key).encode())
     entry = _memory.get(digest)
     if entry is not None:
@@ -152,11 +150,11 @@ def served(key: dict | None, config) -> tuple[fx.GraphModule, dict] | None:
     return gm, entry
 
 
-def record(key: dict | None, model: nn.Module, before: dict, export_key: dict | None) -> None:
+def record(key: dict, model: nn.Module, before: dict, export_key: dict | None) -> None:
     """Record the capture of ``model`` (the skeleton built for ``key``; ``before``: the
     :func:`snapshot` of its config before it was built) for :func:`served`. Nothing is
-    recorded when the export was not cached."""
-    if key is None or export_key is None:
+    recorded when the export was not cached (``export_key`` None)."""
+    if export_key is None:
         return
     try:
         config = model.config

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from looptool.capture.disk_cache import cache_dir, exclusive
+from looptool.capture.tokenizer_cache import load_tokenizer
 from looptool.core.errors import SourceError
 from looptool.core.tracing import overridden
 
@@ -243,8 +244,6 @@ def _gguf_parsed_once() -> Iterator[None]:
 
 
 def _try_tokenizer(path: str | Path, **kwargs):
-    from looptool.capture.tokenizer_cache import load_tokenizer
-
     try:
         return load_tokenizer(path, **kwargs)
     except Exception as exc:  # a model without tokenizer files is still a valid source

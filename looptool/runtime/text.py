@@ -8,15 +8,14 @@ import copy
 import os
 from collections.abc import Sequence
 
+from looptool.capture.tokenizer_cache import load_tokenizer as cached_tokenizer
 from looptool.core.errors import LooptoolError
 
 
 def load_tokenizer(path: str | os.PathLike):
     """The Hugging Face tokenizer at ``path``, or one sentence saying it could not be loaded."""
-    from looptool.capture.tokenizer_cache import load_tokenizer as cached
-
     try:
-        return cached(path)
+        return cached_tokenizer(path)
     except Exception as exc:
         raise LooptoolError(
             f"no tokenizer could be loaded from '{path}' ({type(exc).__name__}).", parameter="tokenizer"

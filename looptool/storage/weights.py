@@ -135,8 +135,11 @@ class _Plan:
                 end = spans[j - 1][2]
                 if buffer is None:
                     buffer = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
-                dsts = [t.reshape(-1).view(torch.uint8) for t, b, e in spans[i:j] if e > b]
-                srcs = [buffer[b - pos : e - pos] for _, b, e in spans[i:j] if e > b]
+                dsts, srcs = [], []
+                for dst, b, e in spans[i:j]:
+                    if e > b:  # (an empty tensor has nothing to copy)
+                        dsts.append(dst.reshape(-1).view(torch.uint8))
+                        srcs.append(buffer[b - pos : e - pos])
                 steps.append((end - pos, memoryview(buffer.numpy())[: end - pos], dsts, srcs))
             pos, i = end, j
         return steps
