@@ -90,8 +90,9 @@ def test_models_lists_the_name_and_one_id_per_budget_with_its_cost(client, model
         ({"model": NAME, "extra_body": {"budget": 0}}, 0),
         ({"model": NAME, "extra_body": {"reasoning_effort": "medium"}}, 1),  # the ladder over 0,1,2
         ({"model": NAME}, 2),
+        ({"model": NAME, "extra_body": {"budget": "minimal"}}, 0),  # an effort level in the budget field
     ],
-    ids=["model@k", "extra_body budget", "reasoning_effort", "default"],
+    ids=["model@k", "extra_body budget", "reasoning_effort", "default", "budget effort level"],
 )
 def test_completion_runs_at_the_budget_the_request_picks(client, model, how, budget):
     prompt = "We the People"
@@ -172,13 +173,16 @@ def test_seeded_sampling_equals_generate_with_that_seed(client, model):
     assert r.choices[0].text == text_of(model, want)
 
 
-def test_stop_strings_cut_the_text(client, model):
+def test_stop_strings_cut_the_text_and_count_as_stop(client, server, model):
     prompt = "We the People"
-    full = client.completions.create(model=f"{NAME}@0", prompt=prompt, max_tokens=20, temperature=0)
+    full = client.completions.create(model=f"{NAME}@0", prompt=prompt, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
     text = full.choices[0].text
     stop = text[3:5]
-    r = client.completions.create(model=f"{NAME}@0", prompt=prompt, max_tokens=20, temperature=0, stop=[stop])
+    before = {r: metric(server.metrics(), "looptool_requests_finished_total", budget="0", reason=r) for r in ("stop", "cancelled")}
+    r = client.completions.create(model=f"{NAME}@0", prompt=prompt, max_tokens=20, temperature=0, stop=[stop], extra_body={"ignore_eos": True})
     assert r.choices[0].text == text[: text.index(stop)] and r.choices[0].finish_reason == "stop"
+    after = {r: metric(server.metrics(), "looptool_requests_finished_total", budget="0", reason=r) for r in ("stop", "cancelled")}
+    assert after == {"stop": before["stop"] + 1, "cancelled": before["cancelled"]}
 
 
 def test_echo_logprobs_of_token_prompts_are_the_models_log_likelihoods(server, model):
@@ -238,6 +242,9 @@ FAULTS = [
     ({"model": "nope", "prompt": "a"}, 404, "model"),
     ({"model": f"{NAME}@7", "prompt": "a"}, 404, "model"),
     ({"model": NAME, "prompt": "a", "budget": 5}, 400, "budget"),
+    ({"model": NAME, "prompt": "a", "budget": "1"}, 400, "budget"),
+    ({"model": NAME, "prompt": "a", "budget": 1.0}, 400, "budget"),
+    ({"model": NAME, "prompt": "a", "budget": True}, 400, "budget"),
     ({"model": NAME, "prompt": "a", "reasoning_effort": "enormous"}, 400, "reasoning_effort"),
     ({"model": f"{NAME}@0", "prompt": "a", "budget": 2}, 400, "budget"),
     ({"model": NAME, "prompt": "x" * 70}, 400, "prompt"),

@@ -1,14 +1,24 @@
-"""The server's pure parts without a server: the budget resolver and its effort ladder, stop
-strings across token boundaries, and the capacity check."""
+"""The server's parts without a server: the budget resolver and its effort ladder, stop
+strings across token boundaries, the capacity check, the options checked before a load, and
+the scheduler's bookkeeping over a step engine that needs no model."""
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 pytest.importorskip("fastapi", reason="looptool serve needs the serve extra (pip install 'looptool[serve]')")
 
 from looptool.core.errors import LooptoolError  # noqa: E402
 from looptool.serve.budgets import BudgetChoiceError, BudgetResolver, default_ladder, parse_effort  # noqa: E402
+from looptool.serve.engine import BatchEngine, Job, QueueFull  # noqa: E402
+from looptool.serve.models import ModelFacts, read_facts  # noqa: E402
+from looptool.serve.server import ServeOptions  # noqa: E402
 from looptool.serve.prompts import check_room  # noqa: E402
 from looptool.serve.protocol import APIError  # noqa: E402
 from looptool.serve.text import TextStream  # noqa: E402
@@ -103,3 +113,151 @@ def test_cli_bad_input_is_one_sentence_before_any_load(args, message):
 
     res = CliRunner().invoke(app, ["serve", *args])
     assert res.exit_code == 1 and message in res.output, res.output
+
+
+def test_the_budget_field_takes_integers_and_effort_levels_only():
+    r = BudgetResolver.create("m", MENU)
+    assert r.resolve("m", budget=9) == 9 and r.resolve("m", budget="low") == 3 and r.resolve("m", budget=0) == 0
+    for bad, shown in (("6", '"6"'), (6.0, "6.0"), (True, "true"), ([6], "[6]"), ("huge", '"huge"')):
+        with pytest.raises(BudgetChoiceError) as err:
+            r.resolve("m", budget=bad)
+        assert err.value.parameter == "budget" and f"got {shown}." in str(err.value), str(err.value)
+
+
+# ------------------------------------------------------------------ the scheduler, no model
+class _GatedEngine:
+    """A step engine whose every row picks token 3; a prefill (more than one token) waits for
+    ``gate`` after setting ``entered``, so a test can act while a request is being prefilled."""
+
+    budgets = (0, 1)
+    vocab_size = 8
+    mask_dtype = torch.long
+
+    def __init__(self) -> None:
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    def allocate(self, slots: int, length: int) -> SimpleNamespace:
+        return SimpleNamespace(copy_row=lambda src, dst: None, shift_left=lambda n: None)
+
+    def step(self, cache, rows, input_ids, attention_mask, position_ids, cache_position, budgets) -> torch.Tensor:
+        if input_ids.shape[1] > 1:
+            self.entered.set()
+            assert self.gate.wait(30)
+        logits = torch.zeros(input_ids.shape[0], self.vocab_size)
+        logits[:, 3] = 1.0
+        return logits
+
+
+def _wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def _finished(batch: BatchEngine, reason: str, budget: int = 0) -> float:
+    return batch.metrics.registry.get_sample_value(
+        "looptool_requests_finished_total", {"budget": str(budget), "reason": reason}
+    ) or 0.0
+
+
+def test_a_request_being_prefilled_counts_against_the_queue_bound():
+    """max_batch 2 + max_queue 1 holds three requests, whether they wait, are being prefilled
+    or decode: with one request stuck in its prefill, two more are accepted, the next refused."""
+    engine = _GatedEngine()
+    batch = BatchEngine(engine, max_batch=2, capacity=64, max_queue=1)
+    batch.start()
+    try:
+        batch.submit(Job([1, 2], 0, 40))
+        assert engine.entered.wait(10)  # taken off the queue, inside its prefill
+        accepted = 0
+        with pytest.raises(QueueFull):
+            for _ in range(5):
+                batch.submit(Job([1, 2], 0, 40))
+                accepted += 1
+        assert accepted == 2 and batch.held == 3
+    finally:
+        engine.gate.set()
+        batch.stop(10)
+    assert batch.held == 0
+
+
+def test_a_request_ended_by_the_http_side_counts_under_its_reason():
+    """A stop string ends a request as ``stop``, a client that left as ``cancelled``: both free
+    the slot at the next step and count once, under that reason."""
+    engine = _GatedEngine()
+    engine.gate.set()
+    batch = BatchEngine(engine, max_batch=2, capacity=64, max_queue=0)
+    batch.start()
+    try:
+        for reason in ("stop", "cancelled"):
+            tokens = threading.Event()
+            job = Job([1, 2], 0, 10_000, emit=lambda event, seen=tokens: seen.set())
+            batch.submit(job)
+            assert tokens.wait(10)
+            batch.cancel(job, reason)
+            _wait_for(lambda: batch.held == 0 and batch.running == 0)
+        assert _finished(batch, "stop") == 1 and _finished(batch, "cancelled") == 1 and _finished(batch, "length") == 0
+        batch.cancel(job, "stop")  # a job that already left is left alone
+        assert _finished(batch, "stop") == 1
+    finally:
+        batch.stop(10)
+
+
+# ------------------------------------------------------------------ options checked before a load
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    from serve_process import tiny_looped
+
+    import looptool
+
+    return tiny_looped(tmp_path_factory.mktemp("facts") / "tiny", looptool.PrefixLoop(window=(1, 3), budgets=(0, 2)))
+
+
+def test_facts_and_the_default_capacity_come_from_the_saved_plan_and_config(saved):
+    facts = read_facts(saved)
+    assert facts == ModelFacts((0, 2), 2048)  # the tiny Llama's max_position_embeddings
+    assert ServeOptions().for_model(facts, "m").capacity == 1024
+    assert ServeOptions().for_model(ModelFacts((0, 2), 128), "m").capacity == 128  # a short context caps the default
+    assert ServeOptions(capacity=300).for_model(ModelFacts((0, 2), None), "m").capacity == 300
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--default-budget", "5"], "default_budget 5 is not in the budget menu [0, 2]"),
+        (["--effort", "low=1"], "effort low=1: 1 is not in the budget menu [0, 2]"),
+        (["--capacity", "4096"], "capacity 4096 exceeds the model's context of 2048 positions"),
+        (["--served-model-name", "a@b"], "may not contain '@'"),
+    ],
+)
+def test_options_are_checked_against_the_model_before_it_loads(saved, monkeypatch, args, message):
+    from typer.testing import CliRunner
+
+    from looptool.cli import app
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before its options were checked")
+
+    monkeypatch.setattr("looptool.serve.server.open_model", no_load)
+    res = CliRunner().invoke(app, ["serve", str(saved), "--port", "0", *args])
+    assert res.exit_code == 1 and message in res.output and "serving" not in res.output, res.output
+
+
+def test_a_port_in_use_is_one_sentence_before_the_load(saved, monkeypatch):
+    from typer.testing import CliRunner
+
+    from looptool.cli import app
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr("looptool.serve.server.open_model", no_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = CliRunner().invoke(app, ["serve", str(saved), "--port", str(port)])
+    assert res.exit_code == 1, res.output
+    assert f"port {port} on 127.0.0.1 is already in use" in res.output and "serving" not in res.output
+    assert "Errno" not in res.output and "Traceback" not in res.output

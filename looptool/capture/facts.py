@@ -34,6 +34,14 @@ def moe_shape_of(config) -> tuple[int | None, int | None]:
     return (int(experts), int(top_k)) if experts and top_k else (None, None)
 
 
+def context_length_of(config) -> int | None:
+    """The positions an HF config was built for (``max_position_embeddings`` or what the config
+    class maps it to, e.g. GPT-2's ``n_positions``); None where the config names none."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = getattr(text, "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
 def norm_eps_of(config) -> float | None:
     """The RMSNorm epsilon of an HF config, None where the layers use another norm."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -33,7 +33,10 @@ def serve(
         typer.Option(help="reasoning_effort ladder, e.g. low=0,medium=6,high=12 (default: spread over the menu)."),
     ] = None,
     max_batch: Annotated[int, typer.Option(help="Cache slots: requests decoded together.")] = 8,
-    capacity: Annotated[int, typer.Option(help="Tokens per slot (prompt plus completion).")] = 1024,
+    capacity: Annotated[
+        int | None,
+        typer.Option(help="Tokens per slot (prompt plus completion); default 1024, or the model's context if shorter."),
+    ] = None,
     max_queue: Annotated[int, typer.Option(help="Requests that may wait for a slot; beyond it: 503.")] = 64,
     api_key: Annotated[
         str | None, typer.Option(envvar="LOOPTOOL_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1.")
@@ -44,7 +47,9 @@ def serve(
     threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads (engine directories).")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning",
 ) -> None:
-    """Serve a model over HTTP (OpenAI API): every request picks its own budget."""
+    """Serve a model over HTTP (OpenAI API): every request picks its own budget. Every option is
+    checked and the port bound before the model loads; SIGTERM drains (new requests get 503)
+    and exits 0 once the admitted requests finish."""
     from looptool.serve import ServeOptions, prepare
 
     check_kv_names(kv)

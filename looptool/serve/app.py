@@ -4,7 +4,13 @@ engine events into responses or server-sent events.
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true`` sends SSE chunks
 ending in ``data: [DONE]``), ``GET /v1/models`` (``NAME`` and ``NAME@k`` per budget),
 ``GET /health`` and ``GET /metrics`` (Prometheus). With an API key, the ``/v1`` routes need
-``Authorization: Bearer KEY``. Every refusal is an OpenAI-shaped JSON error.
+``Authorization: Bearer KEY``. Every refusal is an OpenAI-shaped JSON error. While the server
+drains (after SIGTERM) it still listens: ``/v1`` requests get 503 and ``/health`` answers 503
+``{"status": "draining"}``, so a load balancer's readiness probe takes the replica out.
+
+A client that goes away frees its slot: a stream's generator is closed by the framework, and a
+non-streamed request checks its connection every :data:`DISCONNECT_POLL` seconds while it
+waits for tokens.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -37,6 +44,8 @@ from looptool.serve.protocol import (
 )
 from looptool.serve.sampling import Sampling
 
+DISCONNECT_POLL = 0.1  # seconds between checks that a non-streamed request's client is still there
+
 
 def create_app(served: ServedModel, batch: BatchEngine, resolver: BudgetResolver, *, api_key: str | None = None):
     """The FastAPI app serving ``served`` through ``batch`` (started and stopped with the app)."""
@@ -56,6 +65,10 @@ def create_app(served: ServedModel, batch: BatchEngine, resolver: BudgetResolver
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
+        if batch.draining and request.url.path.startswith("/v1/") and request.method == "POST":
+            batch.metrics.rejected.inc()
+            body = error_body("the server is shutting down and admits no new request.", "server_error")
+            return JSONResponse(body, status_code=503)
         if api_key and request.url.path.startswith("/v1"):
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
@@ -69,6 +82,8 @@ def create_app(served: ServedModel, batch: BatchEngine, resolver: BudgetResolver
 
     @app.get("/health")
     async def health():
+        if batch.draining:
+            return JSONResponse({"status": "draining", "running": batch.running}, status_code=503)
         return {"status": "ok", "running": batch.running}
 
     @app.get("/metrics")
@@ -111,7 +126,7 @@ def create_app(served: ServedModel, batch: BatchEngine, resolver: BudgetResolver
         for job, choice in zip(jobs, choices):
             if scoring is not None:
                 choice.echo_prompt(job.prompt)
-        await asyncio.gather(*(_collect(batch, j, q, c) for j, q, c in zip(jobs, queues, choices)))
+        await asyncio.gather(*(_collect(batch, j, q, c, request) for j, q, c in zip(jobs, queues, choices)))
         out = [
             {
                 "index": c.index,
@@ -141,7 +156,7 @@ def create_app(served: ServedModel, batch: BatchEngine, resolver: BudgetResolver
         if req.stream:
             return _sse(_stream_chat(rid, req, job, queue, budget))
         choice = Choice(0, served.tokenizer, req.stops())
-        await _collect(batch, job, queue, choice)
+        await _collect(batch, job, queue, choice, request)
         message = {"role": "assistant", "content": choice.text.text}
         out = [{"index": 0, "message": message, "logprobs": None, "finish_reason": choice.reason}]
         return response(
@@ -220,24 +235,50 @@ def _submit(batch: BatchEngine, job: Job) -> asyncio.Queue:
     return queue
 
 
-async def _pieces(batch: BatchEngine, job: Job, queue: asyncio.Queue, choice: Choice) -> AsyncIterator[str]:
-    """The text piece of each token of ``job`` (and any text left at the end) until it finishes;
-    the job is cancelled (its slot freed) if the consumer stops early (a disconnected client)
-    or a stop string ends it."""
+async def _pieces(
+    batch: BatchEngine, job: Job, queue: asyncio.Queue, choice: Choice, request: Request | None = None
+) -> AsyncIterator[str]:
+    """The text piece of each token of ``job`` (and any text left at the end) until it finishes.
+
+    The job leaves the engine early (its slot freed at the next step) when a stop string ends
+    it (counted as ``stop``), when the consumer stops early (a stream whose client went away),
+    or, given the ``request``, when its client disconnects (checked every
+    :data:`DISCONNECT_POLL` seconds; counted as ``cancelled``); a no-op once the job finished.
+    """
+    reason = "cancelled"
     try:
+        checked = time.monotonic()
         while not choice.done:
-            event = await queue.get()
+            if request is None:
+                event = await queue.get()
+            else:
+                try:
+                    event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL)
+                except asyncio.TimeoutError:
+                    event = None
+                if time.monotonic() - checked >= DISCONNECT_POLL:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        return  # nobody reads the answer: the finally frees the slot
+                if event is None:
+                    continue
             piece = choice.push(event)
             if event.kind == "token" or piece:
                 yield piece  # one chunk per token (empty while text is held back), so clients can time tokens
+        if choice.reason == "stop":
+            reason = "stop"  # a stop string (the engine's own EOS stop has already retired the job)
         if choice.failed:
             raise APIError(f"generation failed: {choice.failed}", status=500)
     finally:
-        batch.cancel(job)  # frees the slot early on a disconnect or a stop string; a no-op once retired
+        batch.cancel(job, reason)
 
 
-async def _collect(batch: BatchEngine, job: Job, queue: asyncio.Queue, choice: Choice) -> None:
-    async for _ in _pieces(batch, job, queue, choice):
+async def _collect(
+    batch: BatchEngine, job: Job, queue: asyncio.Queue, choice: Choice, request: Request | None = None
+) -> None:
+    """Run ``job`` to its end for a non-streamed response, giving up when ``request``'s client
+    disconnects."""
+    async for _ in _pieces(batch, job, queue, choice, request):
         pass
 
 

@@ -5,13 +5,15 @@ The default ladder spreads the effort levels over the sorted menu: ``minimal`` i
 shallowest budget, ``xhigh`` the deepest, ``low``/``medium``/``high`` the quarter points
 (menu index ``i * (n - 1) / 4`` rounded half up, for level ``i`` of the five), so the menu
 ``0,3,6,9,12`` maps ``minimal=0, low=3, medium=6, high=9, xhigh=12``. ``none`` goes with
-``minimal`` and ``max`` with ``xhigh``. An ``--effort low=0,high=12`` override maps only the
+``minimal`` and ``max`` with ``xhigh``. The ``budget`` body field takes a JSON integer of the
+menu or an effort level; strings of digits, floats and booleans are refused. An ``--effort low=0,high=12`` override maps only the
 levels it names; every other level takes the budget of the nearest mapped level on the
 ladder (the cheaper one on a tie).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -103,8 +105,10 @@ class BudgetResolver:
         """What ``/v1/models`` lists: ``NAME`` (the default budget), then ``NAME@k`` per budget."""
         return [self.name, *(f"{self.name}@{k}" for k in self.budgets)]
 
-    def resolve(self, model: str, budget: int | None = None, effort: str | None = None) -> int:
-        """The budget of a request; every choice it makes must agree."""
+    def resolve(self, model: str, budget: object = None, effort: str | None = None) -> int:
+        """The budget of a request; every choice it makes must agree. ``budget`` is the body
+        field as sent: an integer of the menu or an effort level; anything else (``"6"``,
+        ``6.0``, ``true``) is refused rather than read as a number."""
         base, at, suffix = model.partition("@")
         if base != self.name:
             raise BudgetChoiceError(
@@ -124,12 +128,7 @@ class BudgetResolver:
                 )
             chosen.append(("model", int(suffix)))
         if budget is not None:
-            if budget not in self.budgets:
-                raise BudgetChoiceError(
-                    f"budget {budget} is not in this model's menu {list(self.budgets)}; pick one of those.",
-                    parameter="budget",
-                )
-            chosen.append(("budget", budget))
+            chosen.append(("budget", self._budget_field(budget)))
         if effort is not None:
             if effort not in self.ladder:
                 raise BudgetChoiceError(
@@ -143,3 +142,21 @@ class BudgetResolver:
                 parameter=chosen[-1][0],
             )
         return chosen[0][1] if chosen else self.default
+
+    def _budget_field(self, budget: object) -> int:
+        """The budget the ``budget`` body field names: a JSON integer of the menu, or an effort
+        level mapped by the ladder."""
+        if isinstance(budget, str) and budget in self.ladder:
+            return self.ladder[budget]
+        if isinstance(budget, bool) or not isinstance(budget, int):
+            raise BudgetChoiceError(
+                f"budget must be an integer of the menu {list(self.budgets)} or an effort level "
+                f"({', '.join(LEVELS)}), got {json.dumps(budget)}.",
+                parameter="budget",
+            )
+        if budget not in self.budgets:
+            raise BudgetChoiceError(
+                f"budget {budget} is not in this model's menu {list(self.budgets)}; pick one of those.",
+                parameter="budget",
+            )
+        return budget

@@ -14,6 +14,10 @@ row, and at the end of the buffer ``shift_left(capacity)`` moves everything back
 
 The HTTP side only submits :class:`Job` objects and receives :class:`Event` s through each
 job's ``emit`` callback (called on the engine thread; it must be thread-safe).
+
+A job counts against ``max_batch + max_queue`` from the moment it is accepted until it leaves
+the engine (finished, cancelled or failed), whether it waits, is being prefilled or decodes,
+so that bound is exactly how many requests the server holds at once.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class Job:
     ignore_eos: bool = False  # run to max_tokens (load tests)
     emit: Callable[[Event], None] = lambda event: None
     cancelled: bool = False
+    cancel_reason: str = "cancelled"  # the finish reason counted in the metrics: "cancelled" or "stop"
     arrived: float = field(default_factory=time.perf_counter)
 
 
@@ -111,6 +116,7 @@ class BatchEngine:
         self.clock = capacity
         self.rows: list[_Row] = []
         self.waiting: deque[Job] = deque()
+        self._held: set[Job] = set()  # accepted and not yet out of the engine: waiting, prefilling or running
         self._cond = threading.Condition()
         self._draining = False
         self._stop = False
@@ -128,23 +134,32 @@ class BatchEngine:
         with self._cond:
             if self._draining:
                 raise Draining()
-            if len(self.rows) + len(self.waiting) >= self.max_batch + self.max_queue:
+            if len(self._held) >= self.max_batch + self.max_queue:
                 raise QueueFull()
+            self._held.add(job)
             self.waiting.append(job)
             self.metrics.waiting.set(len(self.waiting))
             self._cond.notify()
 
-    def cancel(self, job: Job) -> None:
-        """Stop ``job`` (its client went away); its slot is freed at the next iteration."""
+    def cancel(self, job: Job, reason: str = "cancelled") -> None:
+        """Stop ``job``: its client went away (``reason`` ``cancelled``) or the HTTP side ended it
+        on a stop string (``stop``, the reason the metrics count). Its slot is freed at the next
+        iteration; a job that already left the engine is left alone."""
         with self._cond:
-            if job.cancelled:
+            if job.cancelled or job not in self._held:
                 return
-            job.cancelled = True
+            job.cancelled, job.cancel_reason = True, reason
             if job in self.waiting:  # never admitted: leaves the queue at once
                 self.waiting.remove(job)
+                self._held.discard(job)
                 self.metrics.waiting.set(len(self.waiting))
-                self.metrics.finished.labels(budget=str(job.budget), reason="cancelled").inc()
+                self.metrics.finished.labels(budget=str(job.budget), reason=reason).inc()
             self._cond.notify()
+
+    @property
+    def draining(self) -> bool:
+        """Whether :meth:`drain` was called (new requests are refused)."""
+        return self._draining
 
     def drain(self) -> None:
         """Admit no new request; the queued and running ones finish."""
@@ -179,6 +194,17 @@ class BatchEngine:
         """Requests holding a slot."""
         return len(self.rows)
 
+    @property
+    def held(self) -> int:
+        """Requests accepted and not yet out of the engine (waiting, prefilling or decoding)."""
+        with self._cond:
+            return len(self._held)
+
+    def _release(self, job: Job) -> None:
+        """``job`` left the engine: its place counts no more against the bound."""
+        with self._cond:
+            self._held.discard(job)
+
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         while True:
@@ -193,7 +219,10 @@ class BatchEngine:
                 self.metrics.waiting.set(len(self.waiting))
             try:
                 for job in admitted:
-                    if not job.cancelled:
+                    if job.cancelled:  # cancelled between leaving the queue and its prefill
+                        self.metrics.finished.labels(budget=str(job.budget), reason=job.cancel_reason).inc()
+                        self._release(job)
+                    else:
                         self._admit(job)
                 self._retire()
                 if self.rows:
@@ -203,6 +232,7 @@ class BatchEngine:
                 log.exception("engine step failed")
                 for row in self.rows:
                     row.job.emit(Event("failed", message=f"{type(exc).__name__}: {exc}"))
+                    self._release(row.job)
                 self.rows.clear()
                 self.mask.zero_()
             self.metrics.running.set(len(self.rows))
@@ -215,6 +245,7 @@ class BatchEngine:
             log.exception("prefill failed")
             if self.rows and self.rows[-1].job is job:
                 self.rows.pop()
+            self._release(job)
             job.emit(Event("failed", message=f"{type(exc).__name__}: {exc}"))
 
     def _prefill(self, job: Job) -> None:
@@ -272,7 +303,7 @@ class BatchEngine:
         at EOS or ``max_tokens``."""
         job = row.job
         if job.cancelled:
-            row.done = "cancelled"
+            row.done = job.cancel_reason
             return
         ids = torch.tensor([row.ids], device=self.device) if row.picker.warpers is not None else None
         token = row.picker(logits.float(), ids)
@@ -300,7 +331,7 @@ class BatchEngine:
         for r in range(len(self.rows) - 1, -1, -1):
             row = self.rows[r]
             if row.job.cancelled and not row.done:
-                row.done = "cancelled"
+                row.done = row.job.cancel_reason
             if not row.done:
                 continue
             last = len(self.rows) - 1
@@ -310,9 +341,10 @@ class BatchEngine:
                 self.rows[r] = self.rows[last]
             self.rows.pop()
             job = row.job
+            self._release(job)
             self.metrics.finished.labels(budget=str(job.budget), reason=row.done).inc()
             self.metrics.e2e.labels(budget=str(job.budget)).observe(time.perf_counter() - job.arrived)
-            if row.done != "cancelled":
+            if not job.cancelled:
                 job.emit(Event("finished", reason=row.done))
 
 

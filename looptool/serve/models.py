@@ -27,6 +27,44 @@ class ServedModel:
     runtime: str  # "pytorch" or "onnxruntime"
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the server's options are checked against before anything loads: the budget menu of
+    the saved plan and the positions the source model was built for (None if unknown)."""
+
+    budgets: tuple[int, ...]
+    context: int | None
+
+
+def read_facts(path: str | os.PathLike) -> ModelFacts:
+    """The :class:`ModelFacts` of a looped model directory (``looptool.json`` and
+    ``config.json``) or an engine directory (its manifest), read from JSON alone."""
+    import transformers
+
+    from looptool.capture.facts import context_length_of
+    from looptool.core.plan import plan_from_dict
+
+    path = Path(path)
+    if not path.is_dir():
+        raise LooptoolError(
+            f"'{path}' is not a directory; give a looped model directory or an exported engine directory.",
+            parameter="model_dir",
+        )
+    if is_engine_dir(path):
+        from looptool.backends.ort import read_manifest
+
+        manifest = read_manifest(path)
+        budgets = tuple(sorted(int(b) for b in manifest["budgets"]))
+        source = manifest.get("source_config") or {}
+        config = transformers.CONFIG_MAPPING[source["model_type"]].from_dict(source) if "model_type" in source else None
+    else:
+        from looptool.storage.load import read_looptool_json
+
+        budgets = tuple(sorted(plan_from_dict(read_looptool_json(path)["plan"]).budgets))
+        config = transformers.AutoConfig.from_pretrained(path)
+    return ModelFacts(budgets, context_length_of(config) if config is not None else None)
+
+
 def is_engine_dir(path: Path) -> bool:
     """Whether ``path`` is an exported engine directory (it holds the engine manifest)."""
     from looptool.backends.onnx_format import MANIFEST

@@ -2,7 +2,7 @@
 is one 400 naming the field), OpenAI-shaped errors, and the response and stream-chunk dicts.
 
 Extensions travel as extra body fields, as vLLM takes them (clients send them with
-``extra_body``): ``budget`` (a budget of the menu), ``top_k`` and ``ignore_eos``. Responses carry ``cost``
+``extra_body``): ``budget`` (an integer of the menu, or an effort level), ``top_k`` and ``ignore_eos``. Responses carry ``cost``
 beside ``usage``: the budget that ran and its cost-table entry (layer executions and KV
 bytes per token, Accordion Eq. 6).
 """
@@ -59,7 +59,7 @@ class _Sampling(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    budget: int | None = None  # extension: a budget of the menu
+    budget: Any = None  # extension: a JSON integer of the menu or an effort level; checked by BudgetResolver
     ignore_eos: bool = False  # extension (vLLM's): generate max_tokens tokens whatever comes
     reasoning_effort: str | None = None
 

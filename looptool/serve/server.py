@@ -1,19 +1,32 @@
 """One server process (a replica): the served model, its budget resolver, the engine thread and
-the FastAPI app under uvicorn. SIGTERM (or Ctrl-C) stops admitting (new requests get 503, the
-listening socket closes), lets the queued and running requests finish, and exits cleanly."""
+the FastAPI app under uvicorn.
+
+Every option is checked before the model loads: the port is bound first (a port in use is one
+sentence, not a traceback after loading), and the budget options and capacity are checked
+against the saved plan and config. SIGTERM (or Ctrl-C) drains, as vLLM's ``--shutdown-timeout``
+does: the socket stays open and new requests get 503 (``/health`` too, so a readiness probe
+takes the replica out of its load balancer) while the queued and running requests finish; then
+the server exits 0. A second signal closes the socket at once (still letting open responses
+finish); a third Ctrl-C forces the exit.
+"""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from looptool.core.errors import LooptoolError
 from looptool.serve.budgets import BudgetResolver
 from looptool.serve.engine import BatchEngine
 from looptool.serve.metrics import Metrics
-from looptool.serve.models import ServedModel, open_model
+from looptool.serve.models import ModelFacts, ServedModel, open_model, read_facts
+
+DEFAULT_CAPACITY = 1024  # tokens per slot unless the model's context is shorter
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +38,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     max_batch: int = 8
-    capacity: int = 1024
+    capacity: int | None = None  # default: DEFAULT_CAPACITY, or the model's context if shorter
     max_queue: int = 64
     default_budget: int | None = None
     effort: str | None = None
@@ -35,25 +48,69 @@ class ServeOptions:
     def check(self) -> None:
         """One sentence per out-of-range option."""
         for name in ("max_batch", "capacity"):
-            if getattr(self, name) < 1:
-                raise LooptoolError(f"{name} must be at least 1, got {getattr(self, name)}.", parameter=name)
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise LooptoolError(f"{name} must be at least 1, got {value}.", parameter=name)
         if self.max_queue < 0:
             raise LooptoolError(f"max_queue must be at least 0, got {self.max_queue}.", parameter="max_queue")
         if not 0 <= self.port < 65536:
             raise LooptoolError(f"port {self.port} is not a TCP port (0-65535).", parameter="port")
 
+    def for_model(self, facts: ModelFacts, name: str) -> ServeOptions:
+        """These options checked against the model (``default_budget`` and ``effort`` against its
+        budget menu, ``capacity`` against its context), with the default capacity filled in."""
+        BudgetResolver.create(name, facts.budgets, self.default_budget, self.effort)
+        capacity = self.capacity
+        if capacity is None:
+            capacity = min(DEFAULT_CAPACITY, facts.context or DEFAULT_CAPACITY)
+        elif facts.context is not None and capacity > facts.context:
+            raise LooptoolError(
+                f"capacity {capacity} exceeds the model's context of {facts.context} positions; "
+                f"pass a capacity of at most {facts.context}.",
+                parameter="capacity",
+            )
+        return replace(self, capacity=capacity)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (not listening yet: clients are refused until the server
+    starts), as uvicorn binds one; a port in use or an address this machine does not have is
+    one sentence."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise LooptoolError(f"cannot resolve host {host!r} ({exc.strerror}); pass an address such as 127.0.0.1.", parameter="host") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise LooptoolError(
+                f"port {port} on {host} is already in use; stop what listens there or pass another --port.",
+                parameter="port",
+            ) from None
+        raise LooptoolError(f"cannot listen on {host}:{port} ({exc.strerror}).", parameter="host") from None
+    sock.set_inheritable(True)
+    return sock
+
 
 class Server:
-    """A prepared server: ``model_ids``, ``url``, and :meth:`run` (blocks until shut down)."""
+    """A prepared server: ``model_ids``, ``url``, and :meth:`run` (blocks until shut down).
+    ``sock`` is the bound socket to serve on (default: one bound here)."""
 
-    def __init__(self, served: ServedModel, options: ServeOptions):
+    def __init__(self, served: ServedModel, options: ServeOptions, sock: socket.socket | None = None):
         import uvicorn
 
         from looptool.serve.app import create_app
 
         options.check()
+        if options.capacity is None:
+            options = options.for_model(ModelFacts(served.budgets, None), served.name)
         self.served = served
         self.options = options
+        self.socket = sock if sock is not None else bind(options.host, options.port)
         self.resolver = BudgetResolver.create(served.name, served.budgets, options.default_budget, options.effort)
         self.batch = BatchEngine(
             served.engine,
@@ -73,8 +130,16 @@ class Server:
 
         class _Uvicorn(uvicorn.Server):
             def handle_exit(self, sig, frame):
-                batch.drain()  # refuse new requests at once; uvicorn lets the open ones finish
-                super().handle_exit(sig, frame)
+                if not batch.draining:  # the first signal drains: 503 to new requests, the socket open
+                    log.warning("draining: new requests get 503; exiting when the admitted ones finish")
+                    batch.drain()
+                    return
+                super().handle_exit(sig, frame)  # a second closes the socket (a third Ctrl-C forces)
+
+            async def on_tick(self, counter: int) -> bool:
+                if batch.draining and batch.held == 0:
+                    self.should_exit = True  # drained: uvicorn closes the socket and ends
+                return await super().on_tick(counter)
 
         self._server = _Uvicorn(config)
 
@@ -85,8 +150,9 @@ class Server:
 
     @property
     def url(self) -> str:
-        """The base URL of the OpenAI API (``.../v1``)."""
-        return f"http://{self.options.host}:{self.options.port}/v1"
+        """The base URL of the OpenAI API (``.../v1``), with the port actually bound."""
+        host = self.options.host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.socket.getsockname()[1]}/v1"
 
     def run(self) -> None:
         """Serve until SIGTERM or Ctrl-C, then finish the admitted requests and return."""
@@ -94,7 +160,7 @@ class Server:
         # it ran; a no-op handler makes a graceful SIGTERM end in a normal return (exit 0)
         previous = signal.signal(signal.SIGTERM, lambda sig, frame: None)
         try:
-            self._server.run()
+            self._server.run(sockets=[self.socket])
         finally:
             signal.signal(signal.SIGTERM, previous)
             self.batch.stop()
@@ -110,8 +176,16 @@ def prepare(
     tokenizer: str | os.PathLike | None = None,
     threads: int | None = None,
 ) -> Server:
-    """Load ``model_dir`` (a looped model or an exported engine directory) and prepare a server."""
+    """Load ``model_dir`` (a looped model or an exported engine directory) and prepare a server.
+    Every option is checked and the port bound before the model loads."""
     options = options or ServeOptions()
     options.check()
-    served = open_model(model_dir, name=name, device=device, kv=kv, tokenizer=tokenizer, threads=threads)
-    return Server(served, options)
+    name = name or Path(model_dir).resolve().name
+    options = options.for_model(read_facts(model_dir), name)
+    sock = bind(options.host, options.port)
+    try:
+        served = open_model(model_dir, name=name, device=device, kv=kv, tokenizer=tokenizer, threads=threads)
+        return Server(served, options, sock)
+    except BaseException:
+        sock.close()
+        raise
