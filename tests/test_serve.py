@@ -4,8 +4,9 @@ HTTP for the faults, and lm-evaluation-harness's stock ``local-completions`` mod
 
 One server (``server``: 4 slots of 64 tokens, so requests queue, rows are repacked and the
 write clock wraps) answers the API, budget, batching and fault tests; a second one
-(``guarded``: one slot, one queue place, an API key) shows the queue-full 503, the API key, a
-disconnect freeing its slot and the graceful SIGTERM.
+(``guarded``: one slot, one queue place, an API key) shows the queue-full 503 and the exact
+queue bound, the API key, disconnects (streamed and not) freeing their slot and the draining
+SIGTERM.
 """
 
 from __future__ import annotations
@@ -345,12 +346,53 @@ def test_queue_full_is_503_at_once_and_a_disconnect_frees_its_slot(guarded):
     assert metric(guarded.metrics(), "looptool_requests_rejected_total") >= 1
 
 
-def test_sigterm_finishes_the_running_request_and_exits_0(guarded):
-    """Last test of the module: the guarded server is stopped here."""
+def test_a_non_streamed_client_that_gives_up_frees_its_slot(guarded):
+    """A client that times out on a plain (non-streamed) request: the server sees the
+    disconnect, frees the slot within a fraction of a second and counts it as cancelled."""
+    cancelled = lambda: metric(guarded.metrics(), "looptool_requests_finished_total", budget="2", reason="cancelled")  # noqa: E731
+    running = lambda: metric(guarded.metrics(), "looptool_requests_running")  # noqa: E731
+    length = lambda: metric(guarded.metrics(), "looptool_requests_finished_total", budget="2", reason="length")  # noqa: E731
+    before, before_length = cancelled(), length()
+    body = {"model": NAME, "prompt": "a", "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{guarded.base}/completions", json=body, headers=_auth(), timeout=0.5)
+    _wait(lambda: running() == 0 and cancelled() == before + 1, timeout=10)
+    assert length() == before_length  # it did not run to max_tokens
+    ok = httpx.post(f"{guarded.base}/completions", json={**body, "max_tokens": 2}, headers=_auth(), timeout=60)
+    assert ok.status_code == 200  # the slot serves the next request
+
+
+def test_the_server_holds_exactly_max_batch_plus_max_queue_requests(guarded):
+    """One slot and one queue place: of six requests sent at once (long prompts, so their
+    prefills overlap the arrivals), exactly two are accepted and four get 503."""
+    body = {"model": NAME, "prompt": "y" * 900, "max_tokens": 100, "stream": True, "ignore_eos": True}
+    barrier = threading.Barrier(6)
+
+    def send(_):
+        client = httpx.Client(headers=_auth(), timeout=60)
+        barrier.wait()
+        response = client.send(client.build_request("POST", f"{guarded.base}/completions", json=body), stream=True)
+        return client, response
+
+    with ThreadPoolExecutor(6) as pool:
+        opened = list(pool.map(send, range(6)))
+    try:
+        statuses = sorted(r.status_code for _, r in opened)
+        assert statuses == [200, 200, 503, 503, 503, 503], statuses
+    finally:
+        for client, response in opened:
+            response.close()
+            client.close()
+    _wait(lambda: metric(guarded.metrics(), "looptool_requests_running") == 0)
+
+
+def test_sigterm_drains_with_503_then_exits_0(guarded):
+    """Last test of the module: the guarded server is stopped here. After SIGTERM the socket
+    stays open: /health and new requests get 503 while the running stream finishes."""
     events, done = [], threading.Event()
 
     def read():
-        body = {"model": NAME, "prompt": "a", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        body = {"model": NAME, "prompt": "a", "max_tokens": 1000, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", f"{guarded.base}/completions", json=body, headers=_auth(), timeout=60) as r:
             for line in r.iter_lines():
                 if line:
@@ -362,6 +404,12 @@ def test_sigterm_finishes_the_running_request_and_exits_0(guarded):
     reader.start()
     assert done.wait(30)
     guarded.proc.send_signal(signal.SIGTERM)
+    health = f"{guarded.base.removesuffix('/v1')}/health"
+    _wait(lambda: httpx.get(health, timeout=10).status_code == 503)
+    assert httpx.get(health, timeout=10).json()["status"] == "draining"
+    refused = httpx.post(f"{guarded.base}/completions", json={"model": NAME, "prompt": "a"}, headers=_auth(), timeout=10)
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
+    assert reader.is_alive()  # the admitted stream is still running
     reader.join(60)
     assert guarded.proc.wait(60) == 0, guarded.output()
     assert events[-1] == "data: [DONE]"

@@ -25,6 +25,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from looptool.serve.budgets import BudgetChoiceError, BudgetResolver
 from looptool.serve.choices import Choice
@@ -63,22 +65,7 @@ def create_app(served: ServedModel, batch: BatchEngine, resolver: BudgetResolver
     async def _api_error(request: Request, exc: APIError):
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if batch.draining and request.url.path.startswith("/v1/") and request.method == "POST":
-            batch.metrics.rejected.inc()
-            body = error_body("the server is shutting down and admits no new request.", "server_error")
-            return JSONResponse(body, status_code=503)
-        if api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                body = error_body(
-                    "missing or wrong API key; send 'Authorization: Bearer KEY'.",
-                    "invalid_request_error",
-                    code="invalid_api_key",
-                )
-                return JSONResponse(body, status_code=401)
-        return await call_next(request)
+    app.add_middleware(_Gate, batch=batch, api_key=api_key)
 
     @app.get("/health")
     async def health():
@@ -189,6 +176,41 @@ def create_app(served: ServedModel, batch: BatchEngine, resolver: BudgetResolver
             yield item
 
     return app
+
+
+class _Gate:
+    """Refuses ``/v1`` requests before they reach a route: 503 while the server drains, 401
+    without the API key. A plain ASGI middleware, not ``@app.middleware("http")``: Starlette's
+    ``BaseHTTPMiddleware`` hides the client's disconnect from the route, which a non-streamed
+    request needs to free its slot."""
+
+    def __init__(self, app: ASGIApp, *, batch: BatchEngine, api_key: str | None):
+        self.app, self.batch, self.api_key = app, batch, api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        refusal = self._refusal(scope) if scope["type"] == "http" else None
+        if refusal is None:
+            await self.app(scope, receive, send)
+        else:
+            await refusal(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> JSONResponse | None:
+        if not scope["path"].startswith("/v1"):
+            return None
+        if self.batch.draining and scope["method"] == "POST":
+            self.batch.metrics.rejected.inc()
+            body = error_body("the server is shutting down and admits no new request.", "server_error")
+            return JSONResponse(body, status_code=503)
+        if self.api_key:
+            given = Headers(scope=scope).get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                body = error_body(
+                    "missing or wrong API key; send 'Authorization: Bearer KEY'.",
+                    "invalid_request_error",
+                    code="invalid_api_key",
+                )
+                return JSONResponse(body, status_code=401)
+        return None
 
 
 async def _parse(request: Request, model: type[BaseModel]):
