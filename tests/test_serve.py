@@ -176,13 +176,23 @@ def test_seeded_sampling_equals_generate_with_that_seed(client, model):
 
 def test_stop_strings_cut_the_text_and_count_as_stop(client, server, model):
     prompt = "We the People"
-    full = client.completions.create(model=f"{NAME}@0", prompt=prompt, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(
+        model=f"{NAME}@0", prompt=prompt, max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+    )
     text = full.choices[0].text
     stop = text[3:5]
-    before = {r: metric(server.metrics(), "looptool_requests_finished_total", budget="0", reason=r) for r in ("stop", "cancelled")}
-    r = client.completions.create(model=f"{NAME}@0", prompt=prompt, max_tokens=20, temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    before = {
+        r: metric(server.metrics(), "looptool_requests_finished_total", budget="0", reason=r)
+        for r in ("stop", "cancelled")
+    }
+    r = client.completions.create(
+        model=f"{NAME}@0", prompt=prompt, max_tokens=20, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].text == text[: text.index(stop)] and r.choices[0].finish_reason == "stop"
-    after = {r: metric(server.metrics(), "looptool_requests_finished_total", budget="0", reason=r) for r in ("stop", "cancelled")}
+    after = {
+        r: metric(server.metrics(), "looptool_requests_finished_total", budget="0", reason=r)
+        for r in ("stop", "cancelled")
+    }
     assert after == {"stop": before["stop"] + 1, "cancelled": before["cancelled"]}
 
 
@@ -407,7 +417,9 @@ def test_sigterm_drains_with_503_then_exits_0(guarded):
     health = f"{guarded.base.removesuffix('/v1')}/health"
     _wait(lambda: httpx.get(health, timeout=10).status_code == 503)
     assert httpx.get(health, timeout=10).json()["status"] == "draining"
-    refused = httpx.post(f"{guarded.base}/completions", json={"model": NAME, "prompt": "a"}, headers=_auth(), timeout=10)
+    refused = httpx.post(
+        f"{guarded.base}/completions", json={"model": NAME, "prompt": "a"}, headers=_auth(), timeout=10
+    )
     assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
     assert reader.is_alive()  # the admitted stream is still running
     reader.join(60)

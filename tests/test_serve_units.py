@@ -18,9 +18,9 @@ from looptool.core.errors import LooptoolError  # noqa: E402
 from looptool.serve.budgets import BudgetChoiceError, BudgetResolver, default_ladder, parse_effort  # noqa: E402
 from looptool.serve.engine import BatchEngine, Job, QueueFull  # noqa: E402
 from looptool.serve.models import ModelFacts, read_facts  # noqa: E402
-from looptool.serve.server import ServeOptions  # noqa: E402
 from looptool.serve.prompts import check_room  # noqa: E402
 from looptool.serve.protocol import APIError  # noqa: E402
+from looptool.serve.server import ServeOptions  # noqa: E402
 from looptool.serve.text import TextStream  # noqa: E402
 from looptool.testing import byte_tokenizer  # noqa: E402
 
@@ -156,9 +156,12 @@ def _wait_for(condition, timeout: float = 10.0) -> None:
 
 
 def _finished(batch: BatchEngine, reason: str, budget: int = 0) -> float:
-    return batch.metrics.registry.get_sample_value(
-        "looptool_requests_finished_total", {"budget": str(budget), "reason": reason}
-    ) or 0.0
+    return (
+        batch.metrics.registry.get_sample_value(
+            "looptool_requests_finished_total", {"budget": str(budget), "reason": reason}
+        )
+        or 0.0
+    )
 
 
 def test_a_request_being_prefilled_counts_against_the_queue_bound():

@@ -79,7 +79,9 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
-        raise LooptoolError(f"cannot resolve host {host!r} ({exc.strerror}); pass an address such as 127.0.0.1.", parameter="host") from None
+        raise LooptoolError(
+            f"cannot resolve host {host!r} ({exc.strerror}); pass an address such as 127.0.0.1.", parameter="host"
+        ) from None
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
