@@ -1,9 +1,9 @@
-"""The onnxruntime step engine: what a server drives to decode rows of different budgets.
+"""The onnxruntime step engine (:class:`looptool.engine.StepEngine`) and the ``onnxruntime``
+runtime of :func:`looptool.engine.open_engine`: an engine directory written by looptool export.
 
-:class:`OrtStepEngine` has the surface of :class:`looptool.runtime.step_engine.TorchStepEngine`
-(see :mod:`looptool.backends.serving`) over an exported engine's graphs: one persistent
-:class:`~looptool.runtime.step_engine.SlotCache` of numpy buffers, laid out like the row-wise
-graph's caches (the deepest budget's pairs; :class:`ArraySlotCache`); each :meth:`OrtStepEngine.step` binds views of
+:class:`OrtStepEngine` runs an exported engine's graphs over one persistent
+:class:`~looptool.engine.ArraySlotCache` of numpy buffers, laid out like the row-wise
+graph's caches (the deepest budget's pairs); each :meth:`OrtStepEngine.step` binds views of
 the rows it serves (``buffer[a:b]``, contiguous, no copy) as both ``past`` input and
 ``present`` output, so the graph writes this step's keys and values in place. Rows of
 different budgets run the row-wise graph; rows that all share a budget run that budget's own,
@@ -13,41 +13,31 @@ what the row-wise graph would have written for those rows.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import torch
 
-from looptool.backends.onnx_format import ROWWISE, EngineError
+from looptool.backends.onnx_format import MANIFEST, ROWWISE, EngineError
 from looptool.backends.serving import BUDGETS, INPUTS, LOGITS, CacheLayout, past_name, present_name
-from looptool.runtime.step_engine import SlotCache
+from looptool.core.errors import LooptoolError
+from looptool.engine.interface import (
+    ArraySlotCache,
+    EngineFacts,
+    OpenedEngine,
+    StepEngine,
+    as_numpy,
+    costs_by_budget,
+    eos_ids,
+)
+
+WANTS = "give an engine directory written by looptool export"
 
 _BINDINGS_KEPT = 64  # cached IOBindings (one per graph, row slice and cache)
 
 
-class ArraySlotCache(SlotCache):
-    """A :class:`~looptool.runtime.step_engine.SlotCache` over numpy buffers (bound in place
-    by onnxruntime); the same rows, positions and operations."""
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of all buffers together."""
-        return sum(b.nbytes for b in self.buffers)
-
-    def copy_row(self, src: int, dst: int) -> None:
-        """Every buffer: ``buf[dst] = buf[src]``."""
-        if src != dst:
-            for b in self.buffers:
-                b[dst] = b[src]
-
-    def shift_left(self, n: int) -> None:
-        """Every buffer: positions ``[n:]`` move to ``[:length - n]`` (the rest keeps its values)."""
-        if not 0 <= n <= self.length:
-            raise EngineError(f"cannot shift a cache of {self.length} positions by {n}.", parameter="n")
-        if n:
-            for b in self.buffers:
-                b[:, :, : self.length - n] = b[:, :, n:]  # numpy copies overlapping ranges safely
-
-
-class OrtStepEngine:
+class OrtStepEngine(StepEngine):
     """Cached decode steps over slices of one slot cache, every row at its own budget, with
     an onnxruntime :class:`~looptool.backends.ort.Runtime` whose engine holds the row-wise
     graph for ``kv``."""
@@ -85,13 +75,13 @@ class OrtStepEngine:
         )
 
     def step(
-        self, cache: SlotCache, rows: slice, input_ids, attention_mask, position_ids, cache_position, budgets
+        self, cache: ArraySlotCache, rows: slice, input_ids, attention_mask, position_ids, cache_position, budgets
     ) -> torch.Tensor:
         """One cached step over cache rows ``rows`` (``input_ids [R, T]``, ``attention_mask
         [R, length]``, ``position_ids [R, T]``, ``cache_position [T]``, ``budgets [R]``);
         returns float32 next-token logits ``[R, vocab]`` (last position)."""
         start, stop, stride = rows.indices(len(cache.buffers[0]))
-        row_budgets = _numpy(budgets).astype(np.int64, copy=False).reshape(-1)
+        row_budgets = as_numpy(budgets).astype(np.int64, copy=False).reshape(-1)
         if stride != 1 or stop - start != len(row_budgets) or stop <= start:
             raise EngineError(
                 f"rows {rows} must be a contiguous, non-empty slice of the cache with one budget per row "
@@ -103,16 +93,16 @@ class OrtStepEngine:
         first = int(row_budgets[0])
         key = first if (row_budgets == first).all() and first in self._pairs else ROWWISE
         io, logits = self._binding(cache, key, start, stop)
-        io.bind_cpu_input(INPUTS[0], _numpy(input_ids).astype(np.int64, copy=False))
-        io.bind_cpu_input(INPUTS[1], _numpy(attention_mask).astype(self.runtime.mask_dtype, copy=False))
-        io.bind_cpu_input(INPUTS[2], _numpy(position_ids).astype(np.int64, copy=False))
-        io.bind_cpu_input(INPUTS[3], _numpy(cache_position).astype(np.int64, copy=False))
+        io.bind_cpu_input(INPUTS[0], as_numpy(input_ids).astype(np.int64, copy=False))
+        io.bind_cpu_input(INPUTS[1], as_numpy(attention_mask).astype(self.runtime.mask_dtype, copy=False))
+        io.bind_cpu_input(INPUTS[2], as_numpy(position_ids).astype(np.int64, copy=False))
+        io.bind_cpu_input(INPUTS[3], as_numpy(cache_position).astype(np.int64, copy=False))
         if key == ROWWISE:
             io.bind_cpu_input(BUDGETS, np.ascontiguousarray(row_budgets))
         self.runtime.session(key, self.kv).run_with_iobinding(io)
         return torch.from_numpy(logits[:, -1].astype(np.float32))
 
-    def _binding(self, cache: SlotCache, key: int | str, start: int, stop: int):
+    def _binding(self, cache: ArraySlotCache, key: int | str, start: int, stop: int):
         """The IOBinding of graph ``key`` over rows ``[start, stop)`` of ``cache``: views of the
         buffers bound as past and present, and a logits buffer; made once per combination."""
         import onnxruntime as ort
@@ -138,27 +128,55 @@ class OrtStepEngine:
         self._bindings[ident] = (io, logits, cache.buffers, values)  # keeps the buffers, views and values alive
         return io, logits
 
-    def prompt_logprobs(self, input_ids, budget: int) -> torch.Tensor:
-        """float32 log-softmax over the vocabulary at every position of ``input_ids [1, T]``,
-        ``[T, vocab]``: the prompt run as ``T`` one-token steps on a scratch cache."""
-        ids = _numpy(input_ids).astype(np.int64, copy=False)
-        if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
-            raise EngineError(f"prompt_logprobs takes input_ids [1, T] with T >= 1, got shape {tuple(ids.shape)}.")
-        length = ids.shape[1]
-        scratch = self.allocate(1, length)
-        mask = np.zeros((1, length), dtype=self.runtime.mask_dtype)
-        rows = []
-        for t in range(length):
-            mask[0, t] = 1
-            logits = self.step(
-                scratch, slice(0, 1), ids[:, t : t + 1], mask, np.array([[t]]), np.array([t]), np.array([budget])
-            )
-            rows.append(logits[0])
-        return torch.log_softmax(torch.stack(rows).float(), dim=-1)
+
+# ---------------------------------------------------------------------- the onnxruntime runtime
+def detect(path: Path) -> bool:
+    """Whether ``path`` is an engine directory (it holds the engine manifest)."""
+    return (path / MANIFEST).is_file()
 
 
-def _numpy(value) -> np.ndarray:
-    """A numpy view of a torch tensor (CPU) or array-like."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
-    return np.asarray(value)
+def describe(path: Path) -> EngineFacts:
+    """The exported budgets and the source config's context, from the manifest alone."""
+    import transformers
+
+    from looptool.backends.ort import read_manifest
+    from looptool.capture.facts import context_length_of
+
+    manifest = read_manifest(path)
+    source = manifest.get("source_config") or {}
+    config = transformers.CONFIG_MAPPING[source["model_type"]].from_dict(source) if "model_type" in source else None
+    budgets = tuple(sorted(int(b) for b in manifest["budgets"]))
+    return EngineFacts(budgets, context_length_of(config) if config is not None else None)
+
+
+def engine_tokenizer(path: Path, manifest: dict, tokenizer: str | os.PathLike | None):
+    """The tokenizer given, else the one exported beside the engine; one sentence if neither."""
+    from looptool.runtime import text
+
+    source = tokenizer if tokenizer is not None else (path if manifest.get("tokenizer") else None)
+    if source is None:
+        raise LooptoolError(
+            "this engine was exported without a tokenizer; pass tokenizer=PATH (a Hugging Face tokenizer folder).",
+            parameter="tokenizer",
+        )
+    return text.load_tokenizer(source)
+
+
+def open_dir(
+    path: Path,
+    *,
+    kv: str = "per-loop",
+    tokenizer: str | os.PathLike | None = None,
+    threads: int | None = None,
+    **_,
+) -> OpenedEngine:
+    """onnxruntime sessions over the engine directory ``path`` (``threads`` intra-op threads,
+    CPU) and their step engine for ``kv``."""
+    from looptool.backends.ort import Runtime
+
+    rt = Runtime(path, threads=threads)
+    tok = engine_tokenizer(path, rt.manifest, tokenizer)
+    engine = OrtStepEngine(rt, kv=kv)
+    costs = costs_by_budget(rt.manifest.get("costs", []), engine.budgets, kv)
+    eos = eos_ids(tok, rt.manifest.get("source_config", {}).get("eos_token_id"))
+    return OpenedEngine(engine, tok, costs, eos, "cpu", "onnxruntime")

@@ -157,6 +157,7 @@ def test_every_module_imports(name):
 LAYERS = (
     ("core",),
     ("ops",),
+    ("engine",),  # the step-engine interface; its registry names the runtimes by import path only
     ("capture",),
     ("passes",),
     ("runtime", "storage"),
@@ -188,6 +189,32 @@ def test_imports_point_down_the_stages():
         if _stage(a) is not None and _stage(b) is not None and _stage(b) > _stage(a)
     )
     assert not upward, "imports that point up the stages:\n" + "\n".join(upward)
+
+
+def test_serving_reaches_runtimes_only_through_the_step_engine_seam():
+    """``looptool.serve`` imports no backend and no runtime engine (deferred imports included):
+    it drives :class:`looptool.engine.StepEngine` and opens directories with
+    :func:`looptool.engine.open_engine`."""
+    graph = import_graph()
+    crossing = sorted(
+        f"{a} -> {b}"
+        for a, targets in graph.items()
+        if a.startswith("looptool.serve")
+        for b in targets
+        if b.startswith(
+            ("looptool.backends", "looptool.runtime.step_engine", "looptool.storage", "looptool.runtime.model")
+        )
+    )
+    assert not crossing, "serving imports past the step-engine seam:\n" + "\n".join(crossing)
+    from looptool.engine import RUNTIMES
+
+    for runtime, module in RUNTIMES.items():  # every registered runtime implements the seam
+        mod = importlib.import_module(module)
+        assert all(callable(getattr(mod, f, None)) for f in ("detect", "describe", "open_dir")), runtime
+        engines = [v for v in vars(mod).values() if isinstance(v, type) and v.__module__ == module]
+        from looptool.engine import StepEngine
+
+        assert any(issubclass(c, StepEngine) for c in engines), runtime
 
 
 def test_every_subpackage_has_a_stage():

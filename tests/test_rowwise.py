@@ -14,7 +14,8 @@ from looptool.core.errors import LooptoolError, PassError
 from looptool.passes import PassManager
 from looptool.passes.rowwise_budget import BUDGETS, ROWWISE
 from looptool.runtime.generation import cached_layer_graph, generate, rowwise_path
-from looptool.runtime.step_engine import SlotCache, TorchStepEngine
+from looptool.engine import TensorSlotCache
+from looptool.runtime.step_engine import TorchStepEngine
 from looptool.testing import tiny_model
 
 NEW = 4
@@ -182,7 +183,7 @@ def test_step_engine_over_a_slice_of_a_bigger_cache(kv):
 def test_slot_cache_copy_row_and_shift_left():
     buffers = [torch.arange(3 * 1 * 5 * 2, dtype=torch.float32).view(3, 1, 5, 2) * (j + 1) for j in range(2)]
     before = [b.clone() for b in buffers]
-    cache = SlotCache(buffers)
+    cache = TensorSlotCache(buffers)
     assert cache.nbytes == 2 * 30 * 4 and cache.slots == 3 and cache.length == 5
     cache.copy_row(2, 0)
     assert all(torch.equal(b[0], o[2]) and torch.equal(b[1:], o[1:]) for b, o in zip(cache.buffers, before))

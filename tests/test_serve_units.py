@@ -15,11 +15,12 @@ import torch
 pytest.importorskip("fastapi", reason="looptool serve needs the serve extra (pip install 'looptool[serve]')")
 
 from looptool.core.errors import LooptoolError  # noqa: E402
+from looptool.engine import EngineFacts  # noqa: E402
 from looptool.serve.budgets import BudgetChoiceError, BudgetResolver, default_ladder, parse_effort  # noqa: E402
-from looptool.serve.engine import BatchEngine, Job, QueueFull  # noqa: E402
-from looptool.serve.models import ModelFacts, read_facts  # noqa: E402
+from looptool.serve.models import read_facts  # noqa: E402
 from looptool.serve.prompts import check_room  # noqa: E402
 from looptool.serve.protocol import APIError  # noqa: E402
+from looptool.serve.scheduler import Job, QueueFull, Scheduler  # noqa: E402
 from looptool.serve.server import ServeOptions  # noqa: E402
 from looptool.serve.text import TextStream  # noqa: E402
 from looptool.testing import byte_tokenizer  # noqa: E402
@@ -155,7 +156,7 @@ def _wait_for(condition, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def _finished(batch: BatchEngine, reason: str, budget: int = 0) -> float:
+def _finished(batch: Scheduler, reason: str, budget: int = 0) -> float:
     return (
         batch.metrics.registry.get_sample_value(
             "looptool_requests_finished_total", {"budget": str(budget), "reason": reason}
@@ -168,7 +169,7 @@ def test_a_request_being_prefilled_counts_against_the_queue_bound():
     """max_batch 2 + max_queue 1 holds three requests, whether they wait, are being prefilled
     or decode: with one request stuck in its prefill, two more are accepted, the next refused."""
     engine = _GatedEngine()
-    batch = BatchEngine(engine, max_batch=2, capacity=64, max_queue=1)
+    batch = Scheduler(engine, max_batch=2, capacity=64, max_queue=1)
     batch.start()
     try:
         batch.submit(Job([1, 2], 0, 40))
@@ -190,7 +191,7 @@ def test_a_request_ended_by_the_http_side_counts_under_its_reason():
     the slot at the next step and count once, under that reason."""
     engine = _GatedEngine()
     engine.gate.set()
-    batch = BatchEngine(engine, max_batch=2, capacity=64, max_queue=0)
+    batch = Scheduler(engine, max_batch=2, capacity=64, max_queue=0)
     batch.start()
     try:
         for reason in ("stop", "cancelled"):
@@ -219,10 +220,10 @@ def saved(tmp_path_factory):
 
 def test_facts_and_the_default_capacity_come_from_the_saved_plan_and_config(saved):
     facts = read_facts(saved)
-    assert facts == ModelFacts((0, 2), 2048)  # the tiny Llama's max_position_embeddings
+    assert facts == EngineFacts((0, 2), 2048)  # the tiny Llama's max_position_embeddings
     assert ServeOptions().for_model(facts, "m").capacity == 1024
-    assert ServeOptions().for_model(ModelFacts((0, 2), 128), "m").capacity == 128  # a short context caps the default
-    assert ServeOptions(capacity=300).for_model(ModelFacts((0, 2), None), "m").capacity == 300
+    assert ServeOptions().for_model(EngineFacts((0, 2), 128), "m").capacity == 128  # a short context caps the default
+    assert ServeOptions(capacity=300).for_model(EngineFacts((0, 2), None), "m").capacity == 300
 
 
 @pytest.mark.parametrize(

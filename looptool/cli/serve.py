@@ -1,5 +1,5 @@
 """``looptool serve``: an OpenAI-compatible server over a looped model directory (PyTorch) or
-an exported engine directory (onnxruntime), each request at its own budget."""
+an exported engine directory (onnxruntime or TensorRT), each request at its own budget."""
 
 from __future__ import annotations
 
@@ -17,7 +17,10 @@ from looptool.cli.progress import progress
 @friendly
 def serve(
     model_dir: Annotated[
-        Path, typer.Argument(help="A looped model directory (PyTorch) or an exported engine directory (onnxruntime).")
+        Path,
+        typer.Argument(
+            help="A looped model directory (PyTorch) or an exported engine directory (onnxruntime, or TensorRT once built)."
+        ),
     ],
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
@@ -41,6 +44,13 @@ def serve(
     api_key: Annotated[
         str | None, typer.Option(envvar="LOOPTOOL_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1.")
     ] = None,
+    runtime: Annotated[
+        str,
+        typer.Option(
+            help="auto, pytorch, onnxruntime or tensorrt (auto: TensorRT where the directory holds built engines "
+            "and a CUDA GPU is present, onnxruntime for other engine directories, PyTorch for a looped model)."
+        ),
+    ] = "auto",
     device: Device = "auto",
     kv: Kv = "per-loop",
     tokenizer: Tokenizer = None,
@@ -59,7 +69,14 @@ def serve(
     with progress() as steps:
         with steps.stage(f"loading {model_dir}"):
             server = prepare(
-                model_dir, options, name=served_model_name, device=device, kv=kv, tokenizer=tokenizer, threads=threads
+                model_dir,
+                options,
+                name=served_model_name,
+                runtime=runtime,
+                device=device,
+                kv=kv,
+                tokenizer=tokenizer,
+                threads=threads,
             )
     console.print(f"serving {', '.join(server.model_ids)} at {server.url}", highlight=False, soft_wrap=True)
     server.run()

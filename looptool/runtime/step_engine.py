@@ -1,69 +1,34 @@
-"""The PyTorch step engine a server drives: one cached step over rows of a slot cache.
+"""The PyTorch step engine (:class:`looptool.engine.StepEngine`) over a looped model, and the
+``pytorch`` runtime of :func:`looptool.engine.open_engine`: a looped model directory.
 
-A server keeps its running requests in the rows of one persistent :class:`SlotCache`
-(``[slots, kv_heads, length, head_dim]`` per cache input of the row-wise-budget path, the
-deepest budget's slots) and calls :meth:`TorchStepEngine.step` on a contiguous slice of
-rows, each with its own budget. Mixed budgets run the row-wise path
+The slot cache holds one buffer per cache input of the row-wise-budget path (the deepest
+budget's slots). Mixed budgets run the row-wise path
 (:func:`looptool.runtime.generation.rowwise_path`: every row exactly at its own budget,
 Accordion Eq. 1 / ELR Eq. 2); rows that all share one budget run that budget's own cached
 path on the matching cache buffers, so a uniform batch costs what that budget costs.
-The backend-neutral protocol these classes follow is described in ``backends/serving.py``.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from looptool.core.errors import LooptoolError
+from looptool.engine.interface import EngineFacts, OpenedEngine, StepEngine, TensorSlotCache, costs_by_budget, eos_ids
 from looptool.runtime.generation import allocate_cache, cached_paths, check_policy, rowwise_path
 
 if TYPE_CHECKING:
     from looptool.runtime.model import LoopedModel
 
-
-class SlotCache:
-    """Persistent cache buffers, each ``[slots, kv_heads, length, head_dim]``; row ``r`` of
-    every buffer is the cache of slot ``r`` (a request), dimension 2 its token positions."""
-
-    def __init__(self, buffers: list[torch.Tensor], names: tuple[str, ...] = ()):
-        self.buffers = buffers
-        self.names = names  # the cache input each buffer feeds (the row-wise path's slot names)
-
-    @property
-    def slots(self) -> int:
-        """Rows (request slots) of every buffer."""
-        return int(self.buffers[0].shape[0])
-
-    @property
-    def length(self) -> int:
-        """Token positions of every buffer."""
-        return int(self.buffers[0].shape[2])
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of all buffers together."""
-        return sum(b.numel() * b.element_size() for b in self.buffers)
-
-    def copy_row(self, src: int, dst: int) -> None:
-        """Every buffer: ``buf[dst] = buf[src]`` (moves a request to another slot)."""
-        if src != dst:
-            for b in self.buffers:
-                b[dst].copy_(b[src])
-
-    def shift_left(self, n: int) -> None:
-        """Every buffer: positions ``[n:]`` move to ``[:length - n]`` (the rest keeps its values)."""
-        if not 0 <= n <= self.length:
-            raise LooptoolError(f"cannot shift a cache of {self.length} positions by {n}.", parameter="n")
-        if n:
-            for b in self.buffers:
-                b[:, :, : self.length - n].copy_(b[:, :, n:].clone())  # the ranges overlap
+WANTS = "give a looped model directory (written by looptool convert or save_pretrained)"
 
 
-class TorchStepEngine:
+class TorchStepEngine(StepEngine):
     """Cached steps of a :class:`~looptool.runtime.model.LoopedModel` over slot-cache rows,
-    each row at its own budget (the serving interface, ``backends/serving.py``)."""
+    each row at its own budget."""
 
     def __init__(self, model: LoopedModel, kv: str = "per-loop"):
         self.model = model
@@ -78,16 +43,16 @@ class TorchStepEngine:
         # buffer index of each cache input of each budget's own path (a subset of the row-wise slots)
         self.pairs = {k: [names.index(s.name) for s in p.slots] for k, p in self.paths.items()}
 
-    def allocate(self, slots: int, length: int) -> SlotCache:
+    def allocate(self, slots: int, length: int) -> TensorSlotCache:
         """Zeroed persistent caches, every buffer ``[slots, kv_heads, length, head_dim]``."""
         param = next(self.model.parameters())
         buffers = allocate_cache(self.rowwise, slots, length, dtype=param.dtype, device=param.device)
-        return SlotCache(buffers, tuple(s.name for s in self.rowwise.slots))
+        return TensorSlotCache(buffers, tuple(s.name for s in self.rowwise.slots))
 
     @torch.no_grad()
     def step(
         self,
-        cache: SlotCache,
+        cache: TensorSlotCache,
         rows: slice,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
@@ -123,3 +88,40 @@ class TorchStepEngine:
         """float32 log-softmax over the vocabulary at every position, ``[T, vocab]`` (full forward)."""
         logits = self.model(input_ids, budget=self.model.check_budget(budget)).logits
         return torch.log_softmax(logits[0].float(), dim=-1)
+
+
+# ---------------------------------------------------------------------- the pytorch runtime
+def detect(path: Path) -> bool:
+    """Whether ``path`` is a looped model directory."""
+    from looptool.storage.save import LOOPTOOL_JSON
+
+    return (path / LOOPTOOL_JSON).is_file()
+
+
+def describe(path: Path) -> EngineFacts:
+    """The saved plan's budget menu and the source config's context, from JSON alone."""
+    import transformers
+
+    from looptool.capture.facts import context_length_of
+    from looptool.core.plan import plan_from_dict
+    from looptool.storage.load import read_looptool_json
+
+    budgets = tuple(sorted(plan_from_dict(read_looptool_json(path)["plan"]).budgets))
+    return EngineFacts(budgets, context_length_of(transformers.AutoConfig.from_pretrained(path)))
+
+
+def open_dir(
+    path: Path, *, device: str = "auto", kv: str = "per-loop", tokenizer: str | os.PathLike | None = None, **_
+) -> OpenedEngine:
+    """Load the looped model at ``path`` on ``device`` and its step engine for ``kv``."""
+    from looptool.runtime import text
+    from looptool.runtime.devices import resolve_device
+    from looptool.storage.load import load
+
+    dev = resolve_device(device)
+    model = load(path, device=str(dev))
+    tok = text.model_tokenizer(model, tokenizer)
+    engine = TorchStepEngine(model, kv=kv)
+    costs = costs_by_budget([c.as_dict() for c in model.cost_table()], engine.budgets, kv)
+    eos = eos_ids(tok, getattr(model.config, "eos_token_id", None))
+    return OpenedEngine(engine, tok, costs, eos, str(dev), "pytorch")

@@ -5,10 +5,10 @@ different budgets share one decode batch on one copy of the weights.
 Modules, by responsibility: :mod:`~looptool.serve.protocol` (the wire format),
 :mod:`~looptool.serve.budgets` (which budget a request runs at),
 :mod:`~looptool.serve.prompts` (prompts as token ids), :mod:`~looptool.serve.sampling`,
-:mod:`~looptool.serve.engine` (the engine thread: continuous batching over a slot cache),
+:mod:`~looptool.serve.scheduler` (continuous batching over a slot cache),
 :mod:`~looptool.serve.text` and :mod:`~looptool.serve.choices` (events into text and
 ``logprobs``), :mod:`~looptool.serve.metrics` (Prometheus), :mod:`~looptool.serve.models`
-(what is served: PyTorch or onnxruntime step engine), :mod:`~looptool.serve.app` (the FastAPI
+(what is served: a step engine opened by :func:`looptool.engine.open_engine`), :mod:`~looptool.serve.app` (the FastAPI
 routes) and :mod:`~looptool.serve.server` (uvicorn, graceful shutdown).
 """
 

@@ -1,5 +1,5 @@
-"""The HTTP side (FastAPI): OpenAI-compatible routes that turn requests into engine jobs and
-engine events into responses or server-sent events.
+"""The HTTP side (FastAPI): OpenAI-compatible routes that turn requests into scheduler jobs and
+scheduler events into responses or server-sent events.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true`` sends SSE chunks
 ending in ``data: [DONE]``), ``GET /v1/models`` (``NAME`` and ``NAME@k`` per budget),
@@ -30,7 +30,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from looptool.serve.budgets import BudgetChoiceError, BudgetResolver
 from looptool.serve.choices import Choice
-from looptool.serve.engine import BatchEngine, Draining, Event, Job, QueueFull
 from looptool.serve.metrics import CONTENT_TYPE
 from looptool.serve.models import ServedModel
 from looptool.serve.prompts import chat_prompt, check_room, completion_prompts
@@ -45,37 +44,38 @@ from looptool.serve.protocol import (
     usage,
 )
 from looptool.serve.sampling import Sampling
+from looptool.serve.scheduler import Draining, Event, Job, QueueFull, Scheduler
 
 DISCONNECT_POLL = 0.1  # seconds between checks that a non-streamed request's client is still there
 
 
-def create_app(served: ServedModel, batch: BatchEngine, resolver: BudgetResolver, *, api_key: str | None = None):
-    """The FastAPI app serving ``served`` through ``batch`` (started and stopped with the app)."""
+def create_app(served: ServedModel, scheduler: Scheduler, resolver: BudgetResolver, *, api_key: str | None = None):
+    """The FastAPI app serving ``served`` through ``scheduler`` (started and stopped with the app)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        batch.start()
+        scheduler.start()
         yield
-        await asyncio.to_thread(batch.stop)
+        await asyncio.to_thread(scheduler.stop)
 
     app = FastAPI(title="looptool serve", lifespan=lifespan)
-    app.state.served, app.state.batch, app.state.resolver = served, batch, resolver
+    app.state.served, app.state.scheduler, app.state.resolver = served, scheduler, resolver
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    app.add_middleware(_Gate, batch=batch, api_key=api_key)
+    app.add_middleware(_Gate, scheduler=scheduler, api_key=api_key)
 
     @app.get("/health")
     async def health():
-        if batch.draining:
-            return JSONResponse({"status": "draining", "running": batch.running}, status_code=503)
-        return {"status": "ok", "running": batch.running}
+        if scheduler.draining:
+            return JSONResponse({"status": "draining", "running": scheduler.running}, status_code=503)
+        return {"status": "ok", "running": scheduler.running}
 
     @app.get("/metrics")
     async def metrics():
-        return Response(batch.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(scheduler.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
@@ -97,23 +97,31 @@ def create_app(served: ServedModel, batch: BatchEngine, resolver: BudgetResolver
         if req.stream and (len(prompts) > 1 or req.echo or req.logprobs is not None):
             raise APIError("stream takes one prompt, without echo or logprobs.", param="stream")
         for prompt in prompts:
-            check_room(len(prompt), req.max_tokens, batch.capacity)
+            check_room(len(prompt), req.max_tokens, scheduler.capacity)
         scoring = req.logprobs if req.echo and req.logprobs is not None else None
         jobs = [
-            Job(p, budget, req.max_tokens or batch.capacity - len(p), sampling, req.logprobs, scoring, req.ignore_eos)
+            Job(
+                p,
+                budget,
+                req.max_tokens or scheduler.capacity - len(p),
+                sampling,
+                req.logprobs,
+                scoring,
+                req.ignore_eos,
+            )
             for p in prompts
         ]
         rid = request_id("cmpl")
         stops = req.stops()
         if req.stream:
-            queue = _submit(batch, jobs[0])
+            queue = _submit(scheduler, jobs[0])
             return _sse(_stream_completion(rid, req, jobs[0], queue, stops, budget))
-        queues = [_submit(batch, job) for job in jobs]
+        queues = [_submit(scheduler, job) for job in jobs]
         choices = [Choice(i, served.tokenizer, stops, logprobs=req.logprobs) for i in range(len(jobs))]
         for job, choice in zip(jobs, choices):
             if scoring is not None:
                 choice.echo_prompt(job.prompt)
-        await asyncio.gather(*(_collect(batch, j, q, c, request) for j, q, c in zip(jobs, queues, choices)))
+        await asyncio.gather(*(_collect(scheduler, j, q, c, request) for j, q, c in zip(jobs, queues, choices)))
         out = [
             {
                 "index": c.index,
@@ -136,14 +144,14 @@ def create_app(served: ServedModel, batch: BatchEngine, resolver: BudgetResolver
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if limit is not None and limit < 1:
             raise APIError(f"max_tokens must be at least 1, got {limit}.", param="max_tokens")
-        check_room(len(prompt), limit, batch.capacity)
-        job = Job(prompt, budget, limit or batch.capacity - len(prompt), sampling, ignore_eos=req.ignore_eos)
+        check_room(len(prompt), limit, scheduler.capacity)
+        job = Job(prompt, budget, limit or scheduler.capacity - len(prompt), sampling, ignore_eos=req.ignore_eos)
         rid = request_id("chatcmpl")
-        queue = _submit(batch, job)
+        queue = _submit(scheduler, job)
         if req.stream:
             return _sse(_stream_chat(rid, req, job, queue, budget))
         choice = Choice(0, served.tokenizer, req.stops())
-        await _collect(batch, job, queue, choice, request)
+        await _collect(scheduler, job, queue, choice, request)
         message = {"role": "assistant", "content": choice.text.text}
         out = [{"index": 0, "message": message, "logprobs": None, "finish_reason": choice.reason}]
         return response(
@@ -152,7 +160,7 @@ def create_app(served: ServedModel, batch: BatchEngine, resolver: BudgetResolver
 
     async def _stream_completion(rid, req, job, queue, stops, budget) -> AsyncIterator[dict]:
         choice = Choice(0, served.tokenizer, stops)
-        async for piece in _pieces(batch, job, queue, choice):
+        async for piece in _pieces(scheduler, job, queue, choice):
             yield chunk(
                 rid,
                 "text_completion",
@@ -169,7 +177,7 @@ def create_app(served: ServedModel, batch: BatchEngine, resolver: BudgetResolver
             rid, kind, req.model, [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
         )
         choice = Choice(0, served.tokenizer, req.stops())
-        async for piece in _pieces(batch, job, queue, choice):
+        async for piece in _pieces(scheduler, job, queue, choice):
             yield chunk(rid, kind, req.model, [{"index": 0, "delta": {"content": piece}, "finish_reason": None}])
         last = [{"index": 0, "delta": {}, "finish_reason": choice.reason}]
         async for item in _ending(rid, kind, req, last, len(job.prompt), choice, served.costs[budget]):
@@ -184,8 +192,8 @@ class _Gate:
     ``BaseHTTPMiddleware`` hides the client's disconnect from the route, which a non-streamed
     request needs to free its slot."""
 
-    def __init__(self, app: ASGIApp, *, batch: BatchEngine, api_key: str | None):
-        self.app, self.batch, self.api_key = app, batch, api_key
+    def __init__(self, app: ASGIApp, *, scheduler: Scheduler, api_key: str | None):
+        self.app, self.scheduler, self.api_key = app, scheduler, api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         refusal = self._refusal(scope) if scope["type"] == "http" else None
@@ -197,8 +205,8 @@ class _Gate:
     def _refusal(self, scope: Scope) -> JSONResponse | None:
         if not scope["path"].startswith("/v1"):
             return None
-        if self.batch.draining and scope["method"] == "POST":
-            self.batch.metrics.rejected.inc()
+        if self.scheduler.draining and scope["method"] == "POST":
+            self.scheduler.metrics.rejected.inc()
             body = error_body("the server is shutting down and admits no new request.", "server_error")
             return JSONResponse(body, status_code=503)
         if self.api_key:
@@ -241,24 +249,24 @@ def _common(req, resolver: BudgetResolver) -> tuple[int, Sampling]:
     return budget, sampling
 
 
-def _submit(batch: BatchEngine, job: Job) -> asyncio.Queue:
+def _submit(scheduler: Scheduler, job: Job) -> asyncio.Queue:
     """Queue ``job`` with the engine; its events arrive on the returned asyncio queue."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Event] = asyncio.Queue()
     job.emit = lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)
     try:
-        batch.submit(job)
+        scheduler.submit(job)
     except QueueFull:
-        batch.metrics.rejected.inc()
+        scheduler.metrics.rejected.inc()
         raise APIError("the server is at capacity (every slot busy, queue full); retry later.", status=503) from None
     except Draining:
-        batch.metrics.rejected.inc()
+        scheduler.metrics.rejected.inc()
         raise APIError("the server is shutting down and admits no new request.", status=503) from None
     return queue
 
 
 async def _pieces(
-    batch: BatchEngine, job: Job, queue: asyncio.Queue, choice: Choice, request: Request | None = None
+    scheduler: Scheduler, job: Job, queue: asyncio.Queue, choice: Choice, request: Request | None = None
 ) -> AsyncIterator[str]:
     """The text piece of each token of ``job`` (and any text left at the end) until it finishes.
 
@@ -292,15 +300,15 @@ async def _pieces(
         if choice.failed:
             raise APIError(f"generation failed: {choice.failed}", status=500)
     finally:
-        batch.cancel(job, reason)
+        scheduler.cancel(job, reason)
 
 
 async def _collect(
-    batch: BatchEngine, job: Job, queue: asyncio.Queue, choice: Choice, request: Request | None = None
+    scheduler: Scheduler, job: Job, queue: asyncio.Queue, choice: Choice, request: Request | None = None
 ) -> None:
     """Run ``job`` to its end for a non-streamed response, giving up when ``request``'s client
     disconnects."""
-    async for _ in _pieces(batch, job, queue, choice, request):
+    async for _ in _pieces(scheduler, job, queue, choice, request):
         pass
 
 

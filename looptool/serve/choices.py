@@ -6,7 +6,7 @@ reads: ``token_logprobs[ctxlen:-1]``)."""
 
 from __future__ import annotations
 
-from looptool.serve.engine import Event
+from looptool.serve.scheduler import Event
 from looptool.serve.text import TextStream
 
 

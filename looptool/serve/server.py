@@ -21,10 +21,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from looptool.core.errors import LooptoolError
+from looptool.engine import EngineFacts
 from looptool.serve.budgets import BudgetResolver
-from looptool.serve.engine import BatchEngine
 from looptool.serve.metrics import Metrics
-from looptool.serve.models import ModelFacts, ServedModel, open_model, read_facts
+from looptool.serve.models import ServedModel, open_model, read_facts
+from looptool.serve.scheduler import Scheduler
 
 DEFAULT_CAPACITY = 1024  # tokens per slot unless the model's context is shorter
 
@@ -56,7 +57,7 @@ class ServeOptions:
         if not 0 <= self.port < 65536:
             raise LooptoolError(f"port {self.port} is not a TCP port (0-65535).", parameter="port")
 
-    def for_model(self, facts: ModelFacts, name: str) -> ServeOptions:
+    def for_model(self, facts: EngineFacts, name: str) -> ServeOptions:
         """These options checked against the model (``default_budget`` and ``effort`` against its
         budget menu, ``capacity`` against its context), with the default capacity filled in."""
         BudgetResolver.create(name, facts.budgets, self.default_budget, self.effort)
@@ -109,12 +110,12 @@ class Server:
 
         options.check()
         if options.capacity is None:
-            options = options.for_model(ModelFacts(served.budgets, None), served.name)
+            options = options.for_model(EngineFacts(served.budgets, None), served.name)
         self.served = served
         self.options = options
         self.socket = sock if sock is not None else bind(options.host, options.port)
         self.resolver = BudgetResolver.create(served.name, served.budgets, options.default_budget, options.effort)
-        self.batch = BatchEngine(
+        self.scheduler = Scheduler(
             served.engine,
             max_batch=options.max_batch,
             capacity=options.capacity,
@@ -123,23 +124,23 @@ class Server:
             metrics=Metrics(),
             device=served.device,
         )
-        self.batch.warm_up(served.budgets)
-        app = create_app(served, self.batch, self.resolver, api_key=options.api_key)
+        self.scheduler.warm_up(served.budgets)
+        app = create_app(served, self.scheduler, self.resolver, api_key=options.api_key)
         config = uvicorn.Config(
             app, host=options.host, port=options.port, log_level=options.log_level, access_log=False
         )
-        batch = self.batch
+        scheduler = self.scheduler
 
         class _Uvicorn(uvicorn.Server):
             def handle_exit(self, sig, frame):
-                if not batch.draining:  # the first signal drains: 503 to new requests, the socket open
+                if not scheduler.draining:  # the first signal drains: 503 to new requests, the socket open
                     log.warning("draining: new requests get 503; exiting when the admitted ones finish")
-                    batch.drain()
+                    scheduler.drain()
                     return
                 super().handle_exit(sig, frame)  # a second closes the socket (a third Ctrl-C forces)
 
             async def on_tick(self, counter: int) -> bool:
-                if batch.draining and batch.held == 0:
+                if scheduler.draining and scheduler.held == 0:
                     self.should_exit = True  # drained: uvicorn closes the socket and ends
                 return await super().on_tick(counter)
 
@@ -165,7 +166,7 @@ class Server:
             self._server.run(sockets=[self.socket])
         finally:
             signal.signal(signal.SIGTERM, previous)
-            self.batch.stop()
+            self.scheduler.stop()
 
 
 def prepare(
@@ -174,19 +175,23 @@ def prepare(
     *,
     name: str | None = None,
     device: str = "auto",
+    runtime: str = "auto",
     kv: str = "per-loop",
     tokenizer: str | os.PathLike | None = None,
     threads: int | None = None,
 ) -> Server:
-    """Load ``model_dir`` (a looped model or an exported engine directory) and prepare a server.
+    """Load ``model_dir`` (a looped model or an exported engine directory) on ``runtime``
+    (``auto``, ``pytorch``, ``onnxruntime`` or ``tensorrt``) and prepare a server.
     Every option is checked and the port bound before the model loads."""
     options = options or ServeOptions()
     options.check()
     name = name or Path(model_dir).resolve().name
-    options = options.for_model(read_facts(model_dir), name)
+    options = options.for_model(read_facts(model_dir, runtime), name)
     sock = bind(options.host, options.port)
     try:
-        served = open_model(model_dir, name=name, device=device, kv=kv, tokenizer=tokenizer, threads=threads)
+        served = open_model(
+            model_dir, name=name, runtime=runtime, device=device, kv=kv, tokenizer=tokenizer, threads=threads
+        )
         return Server(served, options, sock)
     except BaseException:
         sock.close()

@@ -1,9 +1,8 @@
-"""The engine thread: iteration-level (continuous) batching over one slot cache, every request
-at its own budget.
+"""The scheduler: iteration-level (continuous) batching over one slot cache, every request at
+its own budget.
 
-One thread owns the step engine (:class:`looptool.runtime.step_engine.TorchStepEngine`,
-:class:`looptool.backends.ort_engine.OrtStepEngine`, or anything with their surface) and a
-slot cache of ``max_batch`` rows. Each iteration admits waiting requests (a prefill of each at
+One thread owns a step engine (:class:`looptool.engine.StepEngine`: PyTorch, onnxruntime or
+TensorRT alike) and a slot cache of ``max_batch`` rows. Each iteration admits waiting requests (a prefill of each at
 its own budget), runs ONE row-wise-budget decode step for every running request whatever its
 budget, and retires finished ones. Running requests stay packed in rows ``[0, n)``: a retired
 row's slot takes the last row (``copy_row``). All rows share one write clock over a cache of
@@ -13,10 +12,10 @@ row, and at the end of the buffer ``shift_left(capacity)`` moves everything back
 ``capacity`` (so one decode step is one ``step(cache, slice(0, n), ...)`` with ``T = 1``).
 
 The HTTP side only submits :class:`Job` objects and receives :class:`Event` s through each
-job's ``emit`` callback (called on the engine thread; it must be thread-safe).
+job's ``emit`` callback (called on the scheduler thread; it must be thread-safe).
 
 A job counts against ``max_batch + max_queue`` from the moment it is accepted until it leaves
-the engine (finished, cancelled or failed), whether it waits, is being prefilled or decodes,
+the scheduler (finished, cancelled or failed), whether it waits, is being prefilled or decodes,
 so that bound is exactly how many requests the server holds at once.
 """
 
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from looptool.engine import StepEngine
 from looptool.serve.metrics import Metrics
 from looptool.serve.sampling import Sampling, TokenPicker, top_logprobs
 
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Event:
-    """What the engine tells a request: a ``token``, its ``prompt`` log-probabilities, that it
+    """What the scheduler tells a request: a ``token``, its ``prompt`` log-probabilities, that it
     ``finished`` (``reason`` ``stop`` or ``length``), or that it ``failed`` (``message``)."""
 
     kind: str
@@ -53,7 +53,7 @@ class Event:
 
 @dataclass(eq=False)
 class Job:
-    """One generation request as the engine sees it."""
+    """One generation request as the scheduler sees it."""
 
     prompt: list[int]
     budget: int
@@ -89,13 +89,13 @@ class _Row:
     done: str = ""  # finish reason once finished
 
 
-class BatchEngine:
+class Scheduler:
     """Continuous batching over ``engine`` with ``max_batch`` slots of ``capacity`` tokens and at
     most ``max_queue`` requests waiting; ``eos`` token ids stop a request."""
 
     def __init__(
         self,
-        engine,
+        engine: StepEngine,
         *,
         max_batch: int,
         capacity: int,
@@ -116,16 +116,16 @@ class BatchEngine:
         self.clock = capacity
         self.rows: list[_Row] = []
         self.waiting: deque[Job] = deque()
-        self._held: set[Job] = set()  # accepted and not yet out of the engine: waiting, prefilling or running
+        self._held: set[Job] = set()  # accepted and not yet out of the scheduler: waiting, prefilling or running
         self._cond = threading.Condition()
         self._draining = False
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name="looptool-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="looptool-scheduler", daemon=True)
         self.steps = 0  # decode steps run (all rows at once)
 
     # ------------------------------------------------------------------ HTTP side
     def start(self) -> None:
-        """Start the engine thread."""
+        """Start the scheduler thread."""
         self._thread.start()
 
     def submit(self, job: Job) -> None:
@@ -144,7 +144,7 @@ class BatchEngine:
     def cancel(self, job: Job, reason: str = "cancelled") -> None:
         """Stop ``job``: its client went away (``reason`` ``cancelled``) or the HTTP side ended it
         on a stop string (``stop``, the reason the metrics count). Its slot is freed at the next
-        iteration; a job that already left the engine is left alone."""
+        iteration; a job that already left the scheduler is left alone."""
         with self._cond:
             if job.cancelled or job not in self._held:
                 return
@@ -167,7 +167,7 @@ class BatchEngine:
             self._draining = True
 
     def stop(self, timeout: float | None = None) -> None:
-        """Finish what was admitted, then end the engine thread."""
+        """Finish what was admitted, then end the scheduler thread."""
         with self._cond:
             self._draining = True
             self._stop = True
@@ -196,7 +196,7 @@ class BatchEngine:
 
     @property
     def held(self) -> int:
-        """Requests accepted and not yet out of the engine (waiting, prefilling or decoding)."""
+        """Requests accepted and not yet out of the scheduler (waiting, prefilling or decoding)."""
         with self._cond:
             return len(self._held)
 
@@ -205,7 +205,7 @@ class BatchEngine:
         with self._cond:
             self._held.discard(job)
 
-    # ------------------------------------------------------------------ engine thread
+    # ------------------------------------------------------------------ scheduler thread
     def _run(self) -> None:
         while True:
             with self._cond:

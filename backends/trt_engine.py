@@ -1,0 +1,168 @@
+"""The TensorRT step engine (:class:`looptool.engine.StepEngine`) and the ``tensorrt`` runtime
+of :func:`looptool.engine.open_engine`: an engine directory whose TensorRT engines were built
+(``build.py`` on the target GPU), served on a CUDA GPU.
+
+:class:`TrtStepEngine` drives the built engines of a :class:`looptool.backends.trt_runtime.Runtime`
+(one upload of the weights, bound by address into every context) over one persistent
+:class:`~looptool.engine.TensorSlotCache` on the GPU, laid out like the row-wise engine's caches
+(the deepest budget's pairs). Rows of different budgets run the row-wise engine (input
+``budgets [R]``: every row exactly its own budget, Accordion Eq. 1 / ELR Eq. 2); rows that all
+share a budget with an engine of its own run that cheaper engine on the matching pairs. A step
+binds contiguous row views of the cache as ``past``; TensorRT gives no guarantee for an input
+and an output bound to the same memory, so ``present`` goes to a scratch buffer that is copied
+back into those rows after the step (one copy of the served rows' cache per step).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from looptool.backends.onnx_format import MANIFEST, ROWWISE, EngineError
+from looptool.backends.serving import BUDGETS, INPUTS, LOGITS, CacheLayout, past_name, present_name
+from looptool.engine.interface import EngineFacts, OpenedEngine, StepEngine, TensorSlotCache, costs_by_budget, eos_ids
+
+WANTS = "give an engine directory exported with --backend tensorrt whose engines were built on this GPU"
+_SCRATCH_KEPT = 16  # scratch present buffers kept (one per graph, row count and cache length)
+
+
+class TrtStepEngine(StepEngine):
+    """Cached steps over slices of one GPU slot cache with the built TensorRT engines of
+    ``runtime`` for KV policy ``kv``; needs the row-wise engine of that policy."""
+
+    def __init__(self, runtime, kv: str = "per-loop"):
+        if (ROWWISE, kv) not in runtime.contexts:
+            raise EngineError(
+                f"'{runtime.directory}' has no row-wise TensorRT engine for kv {kv}, so its rows cannot take "
+                "different budgets; export it again without --no-rowwise and rebuild the engines."
+            )
+        self.runtime, self.kv = runtime, kv
+        manifest = runtime.manifest
+        entry = manifest[ROWWISE][kv]
+        self.layout = CacheLayout.from_dict(entry["cache"])
+        self.budgets: tuple[int, ...] = tuple(sorted(int(b) for b in entry.get("menu", runtime.budgets)))
+        self.vocab_size = int(runtime.vocab_size)
+        self.mask_dtype: torch.dtype = runtime.mask_dtype
+        index = {(p.layer, p.execution): j for j, p in enumerate(self.layout.pairs)}
+        self._pairs: dict[int | str, list[int]] = {ROWWISE: list(range(len(self.layout.pairs)))}
+        for budget in runtime.budgets:
+            if (budget, kv) not in runtime.contexts:
+                continue
+            pairs = CacheLayout.from_dict(manifest["budgets"][str(budget)][kv]["cache"]).pairs
+            if all((p.layer, p.execution) in index for p in pairs):
+                self._pairs[budget] = [index[p.layer, p.execution] for p in pairs]
+        self._profiles: dict[int | str, int] = {}  # the optimisation profile each context has set
+        self._scratch: dict[tuple, list[torch.Tensor]] = {}
+
+    def allocate(self, slots: int, length: int) -> TensorSlotCache:
+        """Zeroed persistent caches on the GPU, every buffer ``[slots, kv_heads, length, head_dim]``."""
+        if slots < 1 or length < 1:
+            raise EngineError(f"a slot cache needs at least one slot and one position, got {slots} x {length}.")
+        dtype, device = getattr(torch, self.layout.dtype), self.runtime.device
+        return TensorSlotCache(
+            [
+                torch.zeros((slots, p.kv_heads, length, p.head_dim), dtype=dtype, device=device)
+                for p in self.layout.pairs
+                for _ in "kv"
+            ]
+        )
+
+    @torch.no_grad()
+    def step(
+        self, cache: TensorSlotCache, rows: slice, input_ids, attention_mask, position_ids, cache_position, budgets
+    ) -> torch.Tensor:
+        """One cached step over cache rows ``rows``; float32 next-token logits ``[R, vocab]`` on the CPU."""
+        start, stop, stride = rows.indices(cache.slots)
+        row_budgets = torch.as_tensor(budgets, dtype=torch.long).reshape(-1)
+        if stride != 1 or stop - start != len(row_budgets) or stop <= start:
+            raise EngineError(
+                f"rows {rows} must be a contiguous, non-empty slice of the cache with one budget per row "
+                f"({len(row_budgets)} given)."
+            )
+        first = int(row_budgets[0])
+        key = first if bool((row_budgets == first).all()) and first in self._pairs else ROWWISE
+        rt, ctx = self.runtime, self.runtime.contexts[key, self.kv]
+        steps = int(input_ids.shape[1])
+        profile = 0 if steps > 1 else 1  # the prefill profile, then the decode one
+        if self._profiles.get(key) != profile:
+            ctx.set_optimization_profile_async(profile, rt.stream.cuda_stream)
+            self._profiles[key] = profile
+        feeds = dict(zip(INPUTS, (input_ids, attention_mask, position_ids, cache_position)))
+        dtypes = dict(zip(INPUTS, (torch.long, self.mask_dtype, torch.long, torch.long)))
+        if key == ROWWISE:
+            feeds[BUDGETS], dtypes[BUDGETS] = row_budgets, torch.long
+        on_device = {
+            name: torch.as_tensor(t).to(rt.device, dtypes[name], non_blocking=True).contiguous()
+            for name, t in feeds.items()
+        }
+        past = [cache.buffers[2 * j + i][start:stop] for j in self._pairs[key] for i in range(2)]
+        present = self._present(key, past)
+        pairs = range(len(self._pairs[key]))
+        for name, t in [*on_device.items(), *zip((past_name(j, k) for j in pairs for k in "kv"), past)]:
+            ctx.set_input_shape(name, tuple(t.shape))
+            ctx.set_tensor_address(name, t.data_ptr())
+        for name, t in zip((present_name(j, k) for j in pairs for k in "kv"), present):
+            ctx.set_tensor_address(name, t.data_ptr())
+        logits = torch.empty(
+            stop - start, 1, self.vocab_size, dtype=getattr(torch, self.layout.dtype), device=rt.device
+        )
+        ctx.set_tensor_address(LOGITS, logits.data_ptr())
+        if not ctx.execute_async_v3(rt.stream.cuda_stream):
+            raise EngineError("TensorRT failed to execute the step; rerun with TensorRT's verbose log.")
+        rt.stream.synchronize()
+        for view, written in zip(past, present):
+            view.copy_(written)
+        return logits[:, -1].float().cpu()
+
+    def _present(self, key: int | str, past: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Scratch ``present`` buffers shaped like ``past`` (reused across steps of that shape)."""
+        ident = (key, *tuple(past[0].shape))
+        found = self._scratch.get(ident)
+        if found is None:
+            if len(self._scratch) >= _SCRATCH_KEPT:
+                self._scratch.clear()
+            found = self._scratch[ident] = [torch.empty_like(p) for p in past]
+        return found
+
+
+# ---------------------------------------------------------------------- the tensorrt runtime
+def detect(path: Path) -> bool:
+    """Whether ``path`` holds built TensorRT engines and a CUDA GPU is here to run them."""
+    import json
+
+    manifest = path / MANIFEST
+    if not manifest.is_file() or not torch.cuda.is_available():
+        return False
+    try:
+        return bool((json.loads(manifest.read_text()).get("tensorrt") or {}).get("engines"))
+    except (ValueError, UnicodeDecodeError):
+        return False
+
+
+def describe(path: Path) -> EngineFacts:
+    """The exported budgets and the source config's context (the manifest is onnxruntime's)."""
+    from looptool.backends import ort_engine
+
+    return ort_engine.describe(path)
+
+
+def open_dir(
+    path: Path,
+    *,
+    device: str = "auto",
+    kv: str = "per-loop",
+    tokenizer: str | os.PathLike | None = None,
+    **_,
+) -> OpenedEngine:
+    """The built engines of ``path`` on the CUDA ``device`` and their step engine for ``kv``."""
+    from looptool.backends.ort_engine import engine_tokenizer
+    from looptool.backends.trt_runtime import Runtime
+
+    rt = Runtime(path, device="cuda" if device == "auto" else device)
+    tok = engine_tokenizer(path, rt.manifest, tokenizer)
+    engine = TrtStepEngine(rt, kv=kv)
+    costs = costs_by_budget(rt.manifest.get("costs", []), engine.budgets, kv)
+    eos = eos_ids(tok, rt.manifest.get("source_config", {}).get("eos_token_id"))
+    return OpenedEngine(engine, tok, costs, eos, str(rt.device), "tensorrt")

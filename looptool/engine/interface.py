@@ -1,0 +1,204 @@
+"""What a step engine is and what it works on.
+
+:class:`StepEngine` runs one cached step (a prefill of ``T`` prompt tokens or one decode
+token) over a contiguous slice of a :class:`SlotCache`'s rows, every row at its own budget:
+rows of different budgets run the row-wise-budget path (every row exactly its own budget's
+computation, Accordion Eq. 1 / ELR Eq. 2), rows that share a budget may run that budget's own,
+cheaper path. The cache is ``[slots, kv_heads, length, head_dim]`` per buffer, row ``r`` being
+slot ``r`` (a request) and dimension 2 its token positions; torch tensors
+(:class:`TensorSlotCache`) or numpy arrays (:class:`ArraySlotCache`, bound in place by
+onnxruntime). :class:`OpenedEngine` is a step engine with what a server needs beside it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from looptool.core.errors import LooptoolError
+
+
+class SlotCache(ABC):
+    """Persistent cache buffers, each ``[slots, kv_heads, length, head_dim]``; ``names`` are the
+    cache inputs they feed (the row-wise path's, where the engine records them)."""
+
+    def __init__(self, buffers: list, names: tuple[str, ...] = ()):
+        self.buffers = buffers
+        self.names = names
+
+    @property
+    def slots(self) -> int:
+        """Rows (request slots) of every buffer."""
+        return int(self.buffers[0].shape[0])
+
+    @property
+    def length(self) -> int:
+        """Token positions of every buffer."""
+        return int(self.buffers[0].shape[2])
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of all buffers together."""
+
+    @abstractmethod
+    def _copy_row(self, src: int, dst: int) -> None: ...
+
+    @abstractmethod
+    def _shift(self, n: int) -> None: ...
+
+    def copy_row(self, src: int, dst: int) -> None:
+        """Every buffer: ``buf[dst] = buf[src]`` (moves a request to another slot)."""
+        if src != dst:
+            self._copy_row(src, dst)
+
+    def shift_left(self, n: int) -> None:
+        """Every buffer: positions ``[n:]`` move to ``[:length - n]`` (the rest keeps its values)."""
+        if not 0 <= n <= self.length:
+            raise LooptoolError(f"cannot shift a cache of {self.length} positions by {n}.", parameter="n")
+        if n:
+            self._shift(n)
+
+
+class TensorSlotCache(SlotCache):
+    """A slot cache of torch tensors (any device)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def _copy_row(self, src: int, dst: int) -> None:
+        for b in self.buffers:
+            b[dst].copy_(b[src])
+
+    def _shift(self, n: int) -> None:
+        for b in self.buffers:
+            b[:, :, : self.length - n].copy_(b[:, :, n:].clone())  # the ranges overlap
+
+
+class ArraySlotCache(SlotCache):
+    """A slot cache of numpy arrays (row slices are contiguous views a runtime binds in place)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    def _copy_row(self, src: int, dst: int) -> None:
+        for b in self.buffers:
+            b[dst] = b[src]
+
+    def _shift(self, n: int) -> None:
+        for b in self.buffers:
+            b[:, :, : self.length - n] = b[:, :, n:]  # numpy copies overlapping ranges safely
+
+
+class StepEngine(ABC):
+    """Cached steps over slices of one slot cache, every row at its own budget.
+
+    ``budgets`` is the menu (sorted), ``vocab_size`` the logits' width, ``mask_dtype`` the
+    dtype of the ``attention_mask`` the graphs take.
+    """
+
+    budgets: tuple[int, ...]
+    vocab_size: int
+    mask_dtype: torch.dtype
+
+    @abstractmethod
+    def allocate(self, slots: int, length: int) -> SlotCache:
+        """Zeroed persistent caches, every buffer ``[slots, kv_heads, length, head_dim]``."""
+
+    @abstractmethod
+    def step(
+        self,
+        cache: SlotCache,
+        rows: slice,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache_position: torch.Tensor,
+        budgets: torch.Tensor,
+    ) -> torch.Tensor:
+        """One cached step over cache rows ``rows`` (written in place): ``input_ids [R, T]``,
+        ``attention_mask [R, length]``, ``position_ids [R, T]``, ``cache_position [T]`` (the
+        slots this step writes), ``budgets [R]``; float32 next-token logits ``[R, vocab]`` (CPU)."""
+
+    def prompt_logprobs(self, input_ids: torch.Tensor, budget: int) -> torch.Tensor:
+        """float32 log-softmax over the vocabulary at every position of ``input_ids [1, T]``:
+        ``[T, vocab]`` (for ``echo`` with ``logprobs``). This default runs the prompt as ``T``
+        one-token steps on a scratch cache, which every engine can; one with a full forward
+        overrides it."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+            raise LooptoolError(f"prompt_logprobs takes input_ids [1, T] with T >= 1, got shape {tuple(ids.shape)}.")
+        length = ids.shape[1]
+        scratch = self.allocate(1, length)
+        mask = torch.zeros(1, length, dtype=self.mask_dtype)
+        rows = []
+        for t in range(length):
+            mask[0, t] = 1
+            step = torch.tensor([[t]])
+            logits = self.step(scratch, slice(0, 1), ids[:, t : t + 1], mask, step, step[0], torch.tensor([budget]))
+            rows.append(logits[0])
+        return torch.log_softmax(torch.stack(rows).float(), dim=-1)
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What a directory serves, read from its JSON files alone (no weights, no graphs): the
+    budget menu of its plan and the positions its source model was built for (None if unknown)."""
+
+    budgets: tuple[int, ...]
+    context: int | None
+
+
+@dataclass
+class OpenedEngine:
+    """A step engine and what a server needs beside it: the tokenizer, each budget's cost
+    (Accordion Eq. 6: ``budget``, ``layer_executions``, ``kv_bytes_per_token``), the EOS ids,
+    the device it runs on and the runtime's name (``pytorch``, ``onnxruntime``, ``tensorrt``)."""
+
+    engine: StepEngine
+    tokenizer: Any
+    costs: dict[int, dict]
+    eos: tuple[int, ...]
+    device: str
+    runtime: str
+
+
+def costs_by_budget(table: list[dict], budgets, kv: str) -> dict[int, dict]:
+    """``budget -> {"budget", "layer_executions", "kv_bytes_per_token"}`` from cost-table rows
+    (Accordion Eq. 6; last-loop KV, ELR Sec. 3.4, where ``kv`` is ``last-loop``); one sentence
+    when a budget of ``budgets`` has no row."""
+    key = "kv_bytes_per_token_last_loop" if kv == "last-loop" else "kv_bytes_per_token"
+    costs = {
+        int(c["budget"]): {
+            "budget": int(c["budget"]),
+            "layer_executions": int(c["layer_executions"]),
+            "kv_bytes_per_token": int(c[key]),
+        }
+        for c in table
+        if int(c["budget"]) in budgets
+    }
+    missing = sorted(set(budgets) - set(costs))
+    if missing:
+        raise LooptoolError(f"no cost-table entry for budget {missing[0]}; export the engine again.")
+    return costs
+
+
+def eos_ids(tokenizer, config_eos) -> tuple[int, ...]:
+    """The tokenizer's EOS id and the config's (one id or a list), sorted."""
+    ids = {int(i) for i in ([config_eos] if isinstance(config_eos, int) else (config_eos or []))}
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def as_numpy(value) -> np.ndarray:
+    """A numpy view of a CPU torch tensor, or ``value`` as an array."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
