@@ -44,13 +44,17 @@ def tiny_looped(directory: Path, plan, seed: int = 0) -> Path:
 
 
 class ServerProcess:
-    """``looptool serve DIR --port P ARGS...``; ``base`` is its /v1 URL."""
+    """``looptool serve DIR --port P ARGS...``; ``base`` is its /v1 URL. ``launcher`` replaces
+    ``-m looptool`` (e.g. a script that installs a test double first)."""
 
-    def __init__(self, model_dir: Path, *args: str, log: Path, timeout: float = 180.0):
+    def __init__(
+        self, model_dir: Path, *args: str, log: Path, timeout: float = 180.0, launcher: list[str] | None = None
+    ):
         self.port = free_port()
         self.log = log
         self.base = f"http://127.0.0.1:{self.port}/v1"
-        argv = [sys.executable, "-m", "looptool", "serve", str(model_dir), "--port", str(self.port), *args]
+        entry = launcher or ["-m", "looptool"]
+        argv = [sys.executable, *entry, "serve", str(model_dir), "--port", str(self.port), *args]
         self._log = open(log, "w")  # noqa: SIM115 (closed in stop())
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)

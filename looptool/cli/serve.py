@@ -78,6 +78,7 @@ def serve(
                 tokenizer=tokenizer,
                 threads=threads,
             )
-    console.print(f"serving {', '.join(server.model_ids)} at {server.url}", highlight=False, soft_wrap=True)
+    where = f"runtime {server.served.runtime}, device {server.served.device}"
+    console.print(f"serving {', '.join(server.model_ids)} at {server.url} ({where})", highlight=False, soft_wrap=True)
     server.run()
     console.print("server stopped", highlight=False)
