@@ -63,7 +63,8 @@ def Moe(x: TFloat, routing_weights: TFloat, expert_ids: INT64, gate_up_proj: TFl
     """
     num_experts = op.Shape(gate_up_proj, start=0, end=1)
     experts = op.Range(op.Constant(value_int=0), op.Squeeze(num_experts), op.Constant(value_int=1))
-    onehot = op.Cast(op.Equal(op.Unsqueeze(expert_ids, [-1]), experts), to=1)  # [T, k, E]
+    # the routing matrix in the graph's float type (fp32, fp16, bf16), not a fixed fp32
+    onehot = op.CastLike(op.Equal(op.Unsqueeze(expert_ids, [-1]), experts), routing_weights)  # [T, k, E]
     routing = op.ReduceSum(op.Mul(onehot, op.Unsqueeze(routing_weights, [-1])), [1], keepdims=0)  # [T, E]
     hidden = op.MatMul(op.Unsqueeze(x, [0]), op.Transpose(gate_up_proj, perm=[0, 2, 1]))  # [E, T, 2I]
     gate, up = op.Split(hidden, axis=-1, num_outputs=2)

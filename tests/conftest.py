@@ -62,6 +62,11 @@ _SMOLLM2_UNIT = (
     "tests/test_defaults.py::test_command_runs_with_its_defaults[demo]",
 )
 _UNIT_SECONDS = {  # seconds measured on the 2-core machine, rounded
+    "tests/test_export_defaults.py::elr-conditioning-route-replay": 51,
+    "tests/test_export_defaults.py::moe": 32,
+    "tests/test_export_defaults.py::parallel-residual": 24,
+    "tests/test_export_defaults.py::dense": 18,
+    "tests/test_trt_engine.py": 36,
     "smollm2": 158,
     "tests/test_readme.py": 77,
     "tests/test_fsdp.py": 69,
@@ -102,6 +107,7 @@ def _split_ort_generate(name: str) -> str:
 
 
 _SPLIT = {
+    "tests/test_export_defaults.py": lambda name: name[name.index("[") + 1 : -1],
     "tests/test_onnx.py": _split_onnx,
     "tests/test_ort_generate.py": _split_ort_generate,
     "tests/test_examples.py": lambda name: name,  # each example on its own: they share nothing

@@ -81,6 +81,56 @@ def test_default_precision_exports_and_validates_an_fp16_copy(exported, prefix_m
         onnx.checker.check_model(onnx.load(str(out / entry["per-loop"]["file"])))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_moe_function_body_runs_in_the_graph_dtype(dtype):
+    """The ``looptool.Moe`` node's function body (what onnxruntime runs, and what the fp16
+    TensorRT variant keeps beside the plugin node) type-checks and matches ``moe_reference`` in
+    the graph's float type: its routing matrix once was fp32 whatever the graph (issue 40:
+    "B has inconsistent type tensor(float16)" for every fp16 MoE export). Limit: 1e-5 (fp32)
+    or ``FP16_ATOL`` (fp16) times max(1, max |reference|)."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from looptool.backends.onnx import FP16_ATOL
+    from looptool.backends.onnx_functions import DOMAIN, DOMAIN_VERSION, OPSET, Moe
+    from looptool.ops import moe_reference
+
+    g = torch.Generator().manual_seed(0)
+    tokens, d, experts, inter, top_k = 5, 16, 4, 8, 2
+    weights, ids = torch.randn(tokens, experts, generator=g).softmax(-1).topk(top_k, -1)
+    inputs = {
+        "x": torch.randn(tokens, d, generator=g).to(dtype),
+        "routing_weights": (weights / weights.sum(-1, keepdim=True)).to(dtype),
+        "expert_ids": ids,
+        "gate_up_proj": (torch.randn(experts, 2 * inter, d, generator=g) * 0.3).to(dtype),
+        "down_proj": (torch.randn(experts, d, inter, generator=g) * 0.3).to(dtype),
+    }
+    elem = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16}[dtype]
+    info = [
+        helper.make_tensor_value_info(n, TensorProto.INT64 if n == "expert_ids" else elem, list(t.shape))
+        for n, t in inputs.items()
+    ]
+    graph = helper.make_graph(
+        [helper.make_node("Moe", list(inputs), ["y"], domain=DOMAIN)],
+        "moe",
+        info,
+        [helper.make_tensor_value_info("y", elem, [tokens, d])],
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)],
+        functions=[Moe.to_function_proto()],
+    )
+    onnx.checker.check_model(model, full_check=True)  # the body's types, as onnxruntime checks them on load
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {n: t.numpy() for n, t in inputs.items()})
+    ref = moe_reference(*inputs.values()).float().numpy()
+    assert got.dtype == np.dtype(str(dtype).removeprefix("torch."))
+    limit = (1e-5 if dtype == torch.float32 else FP16_ATOL) * max(1.0, float(np.abs(ref).max()))
+    assert np.abs(got.astype(np.float32) - ref).max() <= limit
+
+
 def test_bf16_precision_writes_valid_bf16_graphs(prefix_model, tmp_path):
     out = tmp_path / "bf16"
     report = export_tensorrt(prefix_model, out, [2], precision="bf16", build_on_target=True)
