@@ -1,11 +1,14 @@
 """Batch invariance by budget through a real server: 12 concurrent greedy requests spread over
 every budget of a conditioned ELR model (loop-conditioned modulation, ELR Sec. 3.3, every new
-parameter non-zero), served by PyTorch and by onnxruntime from its exported engine, each equal
-token for token to generating that prompt alone at its budget with the same runtime."""
+parameter non-zero), served by PyTorch, by onnxruntime from its exported engine and by TensorRT
+from its built engines (under the TensorRT test double, ``fake_tensorrt``, in the server
+process), each equal token for token to generating that prompt alone at its budget with the
+same runtime."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,6 +88,46 @@ def test_the_onnxruntime_engine_serves_the_same_way(model, tmp_path):
     finally:
         assert server.stop() == 0
     rt = Runtime(engine_dir, threads=1)
+    tok = model.tokenizer
+
+    def alone(i):
+        ids = torch.tensor([tok(PROMPTS[i])["input_ids"]])
+        out = rt.generate(ids, budget=budgets[i], max_new_tokens=TOKENS, eos_token_id=tok.eos_token_id)
+        return out.sequences[0, ids.shape[1] :].tolist()
+
+    _check(got, tok, alone)
+
+
+@pytest.mark.slow  # the TensorRT export of every budget and the row-wise graph dominates
+def test_the_tensorrt_engine_serves_the_same_way(model, tmp_path, monkeypatch):
+    """Built by the test double; the server runs TensorRT's step engine. fp32: this model's new
+    parameters are large enough (N(0, 0.5²)) to overflow fp16 in PyTorch itself; the export
+    defaults (fp16) are covered in test_export_defaults."""
+    pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+    import fake_tensorrt
+
+    from looptool.backends.ort import Runtime
+    from looptool.backends.tensorrt import build_engines, export_tensorrt
+
+    engine_dir = tmp_path / NAME
+    export_tensorrt(
+        model, engine_dir, build_on_target=True, precision="fp32", max_batch=4, max_prefill=64, max_capacity=128
+    )
+    fake_tensorrt.install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake")
+    build_engines(engine_dir)
+    budgets = [model.budgets[i % len(model.budgets)] for i in range(len(PROMPTS))]
+    launcher = [str(Path(__file__).with_name("fake_trt_process.py"))]
+    server = ServerProcess(
+        engine_dir, "--max-batch", "4", "--capacity", "64", "--device", "cpu", log=tmp_path / "log", launcher=launcher
+    )
+    try:
+        got = _concurrent(server.base, budgets)
+    finally:
+        assert server.stop() == 0
+    assert "runtime tensorrt" in (tmp_path / "log").read_text()
+    rt = Runtime(engine_dir, threads=1)  # the TensorRT variants compute what the onnxruntime graphs compute
     tok = model.tokenizer
 
     def alone(i):
