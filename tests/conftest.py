@@ -74,7 +74,7 @@ _UNIT_SECONDS = {  # seconds measured on the 2-core machine, rounded
     "tests/test_capture_cache.py": 50,
     "tests/test_train.py": 49,
     "tests/test_onnx.py::qwen3_moe": 42,
-    "tests/test_serve_batching.py": 41,
+    "tests/test_serve_batching.py": 90,
     "tests/test_tensorrt.py": 38,
     "tests/test_serve.py": 30,
     "tests/test_defaults.py": 25,
