@@ -7,7 +7,8 @@
 #   bash tests/gpu/run.sh                 # on the GPU machine; results in $OUT or ./gpu-results/
 #   GPU_CHECK_DRY=1 bash tests/gpu/run.sh # plumbing check on a CPU: tiny shapes, --device cpu
 #
-# Writes: env.json, pytest_gpu.xml + pytest_gpu.log (tests/gpu, exactness and generation on
+# Writes: env.json, pytest_gpu.xml + pytest_gpu.log (tests/gpu: exactness, generation, and the
+# TensorRT step engine serving a mixed-budget batch where TensorRT is installed; on
 # CUDA; tests/test_kernels.py, the Triton kernels on CUDA), kernels.json (bench_kernels: GB/s
 # against copy bandwidth, MoE TFLOP/s against a dense bf16 GEMM), train_smollm2.json, train_llama1b.json (bench_train: tokens/s per budget and mixed
 # vs plain, MFU, memory with and without --checkpoint), decode.json (bench_decode), serve.json

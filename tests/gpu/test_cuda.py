@@ -197,3 +197,40 @@ def test_post_training_on_cuda(tmp_path):
         ),
     ).run()
     assert looptool.load(tmp_path / "d").plan == model.plan
+
+
+def test_tensorrt_step_engine_serves_a_mixed_budget_batch_on_cuda(tmp_path):
+    """Built TensorRT engines (default precision, fp16; the Triton kernels as plugins) driven by
+    the scheduler through the TensorRT step engine: a mixed-budget batch gives the greedy tokens
+    of the onnxruntime step engine over the same directory's graphs (CPU)."""
+    try:
+        import tensorrt  # noqa: F401
+    except (ImportError, OSError) as exc:
+        pytest.skip(
+            f"TensorRT is not installed here ({type(exc).__name__}); the CPU suite covers it under a test double"
+        )
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_trt_engine import _serve
+
+    from looptool.backends.ort import Runtime as OrtRuntime
+    from looptool.backends.ort_engine import OrtStepEngine
+    from looptool.backends.tensorrt import export_tensorrt
+    from looptool.engine import open_engine
+
+    model = looptool.convert(
+        tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 2)), tokenizer=byte_tokenizer()
+    )
+    with torch.no_grad():
+        for _, p in model.new_parameters():
+            p.add_(0.1)
+    out = tmp_path / "engine"
+    export_tensorrt(model, out, "all", max_batch=4, max_prefill=64, max_capacity=128)  # builds the engines here
+    opened = open_engine(out)
+    assert opened.runtime == "tensorrt"
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 9, 3, 7)]
+    budgets = [2, 0, 0, 2]
+    got = _serve(opened.engine, prompts, budgets, 6)
+    assert got == _serve(OrtStepEngine(OrtRuntime(out)), prompts, budgets, 6)
