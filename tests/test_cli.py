@@ -420,6 +420,46 @@ def test_generate_cli_streams_the_continuation_and_keeps_the_tokenizer(looped_wi
     assert (seen[1].padding_side, seen[1].pad_token) == state == (tok.padding_side, tok.pad_token)
 
 
+def test_generate_writes_the_decoded_text_byte_for_byte_into_a_file(looped_with_tokenizer, tmp_path):
+    """Into a file (not a terminal), each prompt and its continuation come out exactly as the
+    Python API decodes them: a 200-character line is not wrapped, ``[bold]`` and ``:smile:``
+    stay literal, and the random model's control bytes (0x1e, 0x1a, 0x04) are not stripped."""
+    import subprocess
+    import sys
+
+    from looptool.runtime.generation import generate
+    from looptool.runtime.text import encode_prompts
+
+    prompts = [
+        "We the People of the United States, in Order to form a more perfect Union, [bold]establish[/bold] "
+        "Justice, :smile: insure domestic Tranquility, provide for the common defence, promote the general Welfare",
+        ":smile: [red]x[/red]",
+    ]
+    args = ["generate", str(looped_with_tokenizer), "-p", prompts[0], "-p", prompts[1], "--max-new-tokens", "48"]
+    stdout = tmp_path / "stdout.txt"
+    with open(stdout, "wb") as f:
+        res = subprocess.run([sys.executable, "-m", "looptool", *args], stdout=f, stderr=subprocess.PIPE, timeout=300)
+    assert res.returncode == 0, res.stderr.decode()[-2000:]
+    model = looptool.load(looped_with_tokenizer)
+    tok = model.tokenizer
+    enc = encode_prompts(tok, prompts)
+    result = generate(
+        model,
+        enc["input_ids"],
+        attention_mask=enc["attention_mask"],
+        budget=model.budgets[-1],
+        max_new_tokens=48,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    width = enc["input_ids"].shape[1]
+    continuations = [tok.decode(row[width:], skip_special_tokens=True) for row in result.sequences]
+    assert all(len(c) > 40 for c in continuations) and "\x1e" in continuations[0]  # long, with control bytes
+    expected = "".join(p + c + "\n" for p, c in zip(prompts, continuations))
+    assert len(expected.splitlines()[0]) > 160
+    assert stdout.read_bytes() == expected.encode()
+
+
 def test_export_is_quiet_and_run_names_the_missing_file_of_the_budget_asked(looped_with_tokenizer, tmp_path, capfd):
     """``looptool export`` prints no torch exporter noise (torchvision notices, training-mode
     warnings); with one budget's graph deleted, the other budgets still run and running that
@@ -485,3 +525,67 @@ def test_usage_errors_raised_inside_a_command_stay_usage_errors():
 
     with pytest.raises(typer.BadParameter):
         command()
+
+
+def _demo_result(source_ms: list[float], per_round: dict[int, list[float]]):
+    """A demo result of the tiny looped Llama (budgets 0, 1, 2) with synthetic timings: the
+    source's milliseconds per round, and each budget's ratio to the source in each round."""
+    from conftest import converted
+
+    from looptool.eval.demo import DemoResult
+    from looptool.eval.timing import Timing
+
+    timings = {"source": Timing(tuple(ms / 1e3 for ms in source_ms))}
+    timings.update({k: Timing(tuple(ms / 1e3 * r for ms, r in zip(source_ms, rs))) for k, rs in per_round.items()})
+    _, model = converted("llama")
+    return DemoResult(model, {0: True, 1: True, 2: True}, timings, tokens=128, repeats=len(source_ms))
+
+
+def test_demo_timing_gives_ratios_only_when_the_rounds_agree(monkeypatch):
+    """A ratio is printed when its interleaved rounds agree (spread ≤ 20% of their median, over 3
+    or more rounds); otherwise the demo says the timing is too noisy to give one."""
+    import looptool.eval.demo
+    from looptool.eval.timing import Ratio
+
+    quiet = _demo_result(
+        [80, 90, 85, 82, 84], {0: [1.0, 1.02, 1.01, 1.0, 0.99], 1: [1.25, 1.26, 1.27, 1.24, 1.25], 2: [1.5] * 5}
+    )
+    assert quiet.time_ratio(1).cell() == "1.250 ±1.1%"  # median ± half the spread of the rounds
+    legend = (
+        "×time: each budget's time ÷ budget 0's in the same round, median over the rounds ± half their spread; "
+        "'noisy' where the rounds spread more than 20% of their median or are fewer than 3"
+    )
+    assert quiet.timing_notes() == [
+        legend,
+        "source model: 84 ms median (rounds 80–90 ms); batch 1, 128 tokens, 5 interleaved rounds",
+        "budget 0 ÷ source = 1.000 (rounds 0.990–1.020)",
+    ]
+    # a busy machine: the rounds' ratios range over more than an order of magnitude
+    busy = _demo_result(
+        [409, 44, 492, 300, 120], {0: [0.318, 3.823, 1.0, 0.5, 2.0], 1: [0.4, 5.0, 1.1, 0.6, 2.2], 2: [1.5] * 5}
+    )
+    assert busy.time_ratio(1).cell() == "1.200 ±8.7%"  # rounds that moved together still agree
+    assert busy.time_ratio(2).cell() == "noisy ±144.2%"
+    assert busy.timing_notes() == [
+        legend,
+        "source model: 300 ms median (rounds 44–492 ms); batch 1, 128 tokens, 5 interleaved rounds",
+        "budget 0 ÷ source: the timing is too noisy to give a ratio (its rounds gave 0.318–3.823, a spread of 350.5% "
+        "of their median, over the 20% a ratio allows).",
+        "×time of budget 2: the timing is too noisy to give a ratio (its rounds gave 0.392–4.717, a spread of 288.3% "
+        "of their median, over the 20% a ratio allows).",
+        "for ratios, rerun with nothing else running on the machine.",
+    ]
+    monkeypatch.setattr(looptool.eval.demo, "run_demo", lambda *args, **kwargs: busy)
+    res = _run("demo")
+    assert res.exit_code == 0, res.output
+    assert "noisy ±144.2%" in res.output and "1.200 ±8.7%" in res.output  # the ×time column
+    assert all(note in res.output for note in busy.timing_notes())
+    assert Ratio((1.0, 1.2)).noisy  # two rounds that agree still cannot tell a ratio from noise
+    assert not Ratio((1.0, 1.1, 1.2)).noisy and Ratio((1.0, 1.1, 1.25)).noisy  # spread 18%, 23% of the median
+    few = _demo_result([80, 82], {0: [1.0, 1.0], 1: [1.2, 1.2], 2: [1.4, 1.4]})
+    assert few.time_ratio(1).cell() == "noisy"
+    assert few.timing_notes()[2:] == [
+        "budget 0 ÷ source: the timing is too noisy to give a ratio (2 rounds; a ratio needs at least 3).",
+        "×time of budgets 1, 2: the timing is too noisy to give a ratio (2 rounds; a ratio needs at least 3).",
+        "for ratios, rerun with at least 3 rounds.",
+    ]

@@ -249,6 +249,119 @@ def test_train_steps_and_resume_of_a_complete_run(model_dir, tmp_path):
     assert longer.exit_code == 1 and "these settings differ: steps" in longer.output, longer.output
 
 
+def _train_into_file(args: list[str], stdout: Path, **env: str) -> subprocess.CompletedProcess:
+    """``python -m looptool ARGS`` with stdout written to the file ``stdout`` (not a terminal)."""
+    with open(stdout, "w") as f:
+        return subprocess.run(
+            [sys.executable, "-m", "looptool", *args],
+            stdout=f,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+            env={**os.environ, **env},
+        )
+
+
+@pytest.fixture(scope="module")
+def run_into_file(model_dir, tmp_path_factory) -> tuple[Path, str]:
+    """A 6-step run with stdout in a file, a progress line every step (LOOPTOOL_PROGRESS_EVERY=0):
+    its output directory and its stdout."""
+    out = tmp_path_factory.mktemp("train-file") / "run"
+    stdout = out.parent / "stdout.txt"
+    res = _train_into_file(_train_args(model_dir, out, "--steps", "6"), stdout, LOOPTOOL_PROGRESS_EVERY="0")
+    assert res.returncode == 0, res.stderr[-2000:]
+    return out, stdout.read_text()
+
+
+def test_train_prints_progress_lines_when_stdout_is_a_file(run_into_file):
+    """Where the live display cannot draw (stdout in a file), plain lines carry the progress:
+    step of the total, tokens, the loss of each budget drawn, tokens/s and the time left."""
+    import re
+
+    _, stdout = run_into_file
+    lines = [line for line in stdout.splitlines() if line.startswith("step ")]
+    pattern = re.compile(
+        r"step (\d+)/6 · tokens ([\d,]+)/1,536 · loss (k=\d: \d+\.\d{3}(?:, k=\d: \d+\.\d{3})*) · "
+        r"[\d,]+ tok/s · ETA (\d+:\d\d:\d\d)$"
+    )
+    found = [pattern.match(line) for line in lines]
+    assert all(found), lines
+    assert [int(m[1]) for m in found] == [1, 2, 3, 4, 5, 6]  # 0 seconds apart: every step
+    assert [int(m[2].replace(",", "")) for m in found] == [256 * s for s in range(1, 7)]
+    budgets = [k for m in found for k in re.findall(r"k=(\d)", m[3])]
+    assert set(budgets) <= {"0", "1", "2"} and len(budgets) == 6  # one micro-batch per step, one budget each
+    assert found[-1][4] == "0:00:00"
+
+
+def test_progress_lines_come_at_the_interval_with_window_rates():
+    """The first step, then once ``every`` seconds have passed, and the last step; the loss per
+    budget, tokens/s and ETA cover the steps since the previous line."""
+    import io
+
+    from looptool.cli.train import ProgressLines
+
+    now = [0.0]
+    stream = io.StringIO()
+    lines = ProgressLines(stream, total_steps=10, every=30.0, clock=lambda: now[0])
+    for step in range(10):
+        now[0] += 10.0  # 10 s a step, 100 tokens a step
+        lines({"step": step, "budgets": [step % 2], "loss": [step + 0.5 * (step % 2)], "tokens": 100 * (step + 1)})
+    assert stream.getvalue().splitlines() == [
+        "step 1/10 · tokens 100/1,000 · loss k=0: 0.000 · 10 tok/s · ETA 0:01:30",
+        "step 4/10 · tokens 400/1,000 · loss k=0: 2.000, k=1: 2.500 · 10 tok/s · ETA 0:01:00",
+        "step 7/10 · tokens 700/1,000 · loss k=0: 5.000, k=1: 5.500 · 10 tok/s · ETA 0:00:30",
+        "step 10/10 · tokens 1,000/1,000 · loss k=0: 8.000, k=1: 8.500 · 10 tok/s · ETA 0:00:00",
+    ]
+
+
+def test_train_summary_says_what_trainer_state_is(run_into_file):
+    out, stdout = run_into_file
+    size = (out / "trainer_state.pt").stat().st_size
+    assert size > 1.5 * (out / "model.safetensors").stat().st_size  # AdamW: two moments per weight
+    assert "trainer_state.pt (" in stdout and "× the weights) holds the optimizer state" in stdout
+    assert "that --resume continues from" in stdout and "--no-save-optimizer" in stdout
+
+
+def test_no_save_optimizer_saves_a_final_model_that_resume_refuses(model_dir, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import looptool.train.trainer as train_module
+    from looptool.cli import app
+
+    out = tmp_path / "run"
+    res = _train_into_file(_train_args(model_dir, out, "--steps", "2", "--no-save-optimizer"), tmp_path / "stdout.txt")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert not (out / "trainer_state.pt").exists()
+    assert "no trainer_state.pt (--no-save-optimizer): the model is final" in (tmp_path / "stdout.txt").read_text()
+    trained = looptool.load(out)
+    assert any(p.abs().sum() > 0 for _, p in trained.new_parameters())  # trained: the gates start at zero
+    weights = (out / "model.safetensors").read_bytes()
+    resumed = CliRunner().invoke(app, _train_args(model_dir, out, "--steps", "2", "--resume"))
+    assert resumed.exit_code == 1, resumed.output
+    assert (
+        f"error: '{out}' holds a model without the optimizer state that resume continues from (no "
+        "trainer_state.pt, as a run with save_optimizer=False leaves it); start a new run with it as the model and "
+        "another output. (option --resume)"
+    ) in " ".join(resumed.output.split())
+    assert (out / "model.safetensors").read_bytes() == weights  # left as it was
+
+    def lr_factor(step: int, *args) -> float:  # Ctrl-C at step 3, after the checkpoint of step 2
+        if step == 3:
+            raise KeyboardInterrupt
+        return original(step, *args)
+
+    original = train_module.lr_factor
+    monkeypatch.setattr(train_module, "lr_factor", lr_factor)
+    run = tmp_path / "interrupted"
+    res = CliRunner().invoke(app, _train_args(model_dir, run, "--save-every", "2", "--no-save-optimizer"))
+    assert res.exit_code == 130, res.output
+    assert (
+        f"the model of the last checkpoint is in '{run}', without the optimizer state (--no-save-optimizer), so "
+        "--resume cannot continue it" in " ".join(res.output.split())
+    )
+    assert not (run / "trainer_state.pt").exists() and (run / "model.safetensors").exists()
+
+
 def test_nan_loss_stops_with_step_and_budget(model_dir, tmp_path):
     out = tmp_path / "nan"
     cfg = TrainConfig(

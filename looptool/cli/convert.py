@@ -127,7 +127,9 @@ def inspect(
 @friendly
 def demo(
     tokens: Annotated[int, typer.Option(help="Sequence length for the latency runs.")] = 128,
-    repeats: Annotated[int, typer.Option(help="Timed rounds (interleaved across budgets).")] = 5,
+    repeats: Annotated[
+        int, typer.Option(help="Timed rounds, interleaved across budgets (a time ratio needs 3 or more that agree).")
+    ] = 5,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Also save the looped model here.")] = None,
     source: Annotated[str, typer.Option(help="Source model (default: SmolLM2-135M from PyPI).")] = "smollm2",
     window: Annotated[str, typer.Option(help="Looped window START:STOP.")] = "8:20",
@@ -155,16 +157,14 @@ def demo(
         k: {
             "exact": "✓" if result.exact[k] else "✗",
             "ms min/med/max": f"{timings[k].min * 1e3:.0f}/{timings[k].median * 1e3:.0f}/{timings[k].max * 1e3:.0f}",
-            "×time": f"{result.time_ratio(k):.3f}",
+            "×time": result.time_ratio(k).cell(),
             "ideal": f"{result.ideal_ratio(k):.3f}",
         }
         for k in model.budgets
     }
     out.print(plan_table(summary(model), extra, ("exact", "ms min/med/max", "×time", "ideal")))
-    out.print(
-        f"source model: {timings['source'].median * 1e3:.0f} ms median; budget {model.budgets[0]} ÷ source = "
-        f"{result.source_ratio:.3f} (batch 1, {result.tokens} tokens, {result.repeats} interleaved rounds)"
-    )
+    for note in result.timing_notes():
+        out.print(note, highlight=False, soft_wrap=True)
     if not result.all_exact:
         raise LooptoolError("some budgets did not reproduce the source model exactly; please report this as a bug.")
     out.print("[green]every budget is bit-identical to the source model at conversion[/]")

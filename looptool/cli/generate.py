@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from looptool.cli.application import app, console, friendly, out
+from looptool.cli.application import app, console, friendly
 from looptool.cli.options import (
     Device,
     Kv,
@@ -211,14 +211,17 @@ def _stream_generation(tok, prompt: list[str], stream: bool, run):
 
 
 def _print_generation(tok, prompt: list[str], enc, result, stream: bool, title: str) -> None:
-    """The continuations (unless streamed) and a table of what generation cost."""
+    """The continuations (unless streamed) and a table of what generation cost. Each prompt,
+    its continuation and a newline go to stdout exactly as decoded, terminal or not: no
+    wrapping, no markup, emoji or highlighting (a generated ``[bold]`` or ``:smile:`` stays as is)."""
     from looptool.report.tables import human_bytes
     from looptool.runtime.text import continuations
 
     width = enc["input_ids"].shape[1]
     if not stream:
         for text, continuation in zip(prompt, continuations(tok, result.sequences, width)):
-            out.print(text + continuation, highlight=False)
+            sys.stdout.write(text + continuation + "\n")
+        sys.stdout.flush()
     steps = max(result.new_tokens - 1, 1)
     table = Table(title=title, title_justify="left")
     for col in ("prompt tok", "new tok", "prefill ms", "decode ms/tok", "tok/s", "KV/tok", "KV allocated"):

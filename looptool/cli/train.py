@@ -4,10 +4,13 @@ and Ctrl-C handling (:func:`resumable`)."""
 from __future__ import annotations
 
 import os
+import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TextIO
 
 import typer
 from rich.markup import escape
@@ -74,6 +77,21 @@ def train(
         bool, typer.Option(help="Freeze layers below the looped block (faster backward).")
     ] = False,
     save_every: SaveEvery = 0,
+    save_optimizer: Annotated[
+        bool,
+        typer.Option(
+            help="Keep the optimizer state (trainer_state.pt, about twice the weights) beside the model, which "
+            "--resume continues from; --no-save-optimizer: the model alone, final (not resumable)."
+        ),
+    ] = True,
+    progress_every: Annotated[
+        float,
+        typer.Option(
+            envvar="LOOPTOOL_PROGRESS_EVERY",
+            help="Seconds between plain progress lines on stdout when stdout or stderr is not a terminal "
+            "(nohup, a job scheduler, a pipe), the first after the first step (0: every step).",
+        ),
+    ] = 30.0,
     seed: RunSeed = 0,
     resume: Resume = False,
     tokenizer: Tokenizer = None,
@@ -116,6 +134,8 @@ def train(
 
     if tokens is not None and steps is not None:
         raise LooptoolError("--tokens and --steps both set the length of the run; give one of them.")
+    if not progress_every >= 0:
+        raise LooptoolError(f"--progress-every {progress_every} must be at least 0 seconds (0: a line every step).")
     tok = load_tokenizer(tokenizer) if tokenizer is not None else None
     config = TrainConfig(
         data=list(data),
@@ -135,6 +155,7 @@ def train(
         bf16=bf16,
         freeze_below_window=freeze_below_window,
         save_every=save_every,
+        save_optimizer=save_optimizer,
         seed=seed,
         resume=resume,
         budgets=parse_menu(budgets),
@@ -149,16 +170,24 @@ def train(
         exit_loss=exit_loss,
     )
     is_main = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 reports
+    log_to = plain_stream() if is_main else None  # taken before the live display redirects stdout
     summary = None
-    with resumable(output, report=is_main), progress(disable=not is_main) as bar, bar.stage("preparing") as step:
+    with (
+        resumable(output, report=is_main, saves_state=save_optimizer),
+        progress(disable=not is_main) as bar,
+        bar.stage("preparing") as step,
+    ):
         trainer = Trainer(model_dir, config, tokenizer=tok)
         step.update(total=trainer.total_steps, completed=trainer.start_step, text="training")
+        lines = None if log_to is None else ProgressLines(log_to, trainer.total_steps, progress_every)
 
         def on_step(rec: dict) -> None:
             losses = rec["loss"]
             step.advance(
                 text=f"step {rec['step'] + 1} loss {sum(losses) / len(losses):.3f} {rec['tokens_per_s']:,.0f} tok/s"
             )
+            if lines is not None:
+                lines(rec)
 
         trainer.on_step = on_step
         summary = trainer.run()
@@ -174,14 +203,82 @@ def train(
             f"mean budget {real.get('mean_budget', float('nan')):.2f} (Eq. 3: {exp['mean_budget']:.2f}); "
             f"model saved in [bold]{output}[/]"
         )
+        out.print(optimizer_state_note(output), highlight=False, soft_wrap=True)
+
+
+def plain_stream() -> TextIO | None:
+    """Where a run's plain progress lines go: stdout, unless both stdout and stderr are
+    terminals (the live display on stderr draws only on a terminal, and nohup, job schedulers
+    and pipes keep stdout); None then. Call it before :func:`progress` starts: on a terminal
+    the live display redirects ``sys.stdout`` to itself."""
+    return None if sys.stdout.isatty() and console.is_terminal else sys.stdout
+
+
+class ProgressLines:
+    """Plain progress lines of a training run, for logs: one after the first step, then one
+    when ``every`` seconds have passed since the last (0: every step), and one after the last
+    step. Called with each step's log record; each line gives the step of the total, the
+    tokens so far, the mean loss of each budget drawn since the last line, the tokens/s of
+    those steps and the time left at that rate (ETA)."""
+
+    def __init__(self, stream: TextIO, total_steps: int, every: float, clock: Callable[[], float] = time.monotonic):
+        self.stream, self.total, self.every, self.clock = stream, total_steps, every, clock
+        self.since = clock()  # the steps since the last line, and when they started
+        self.window: list[dict] = []
+        self.printed = False
+
+    def __call__(self, record: dict) -> None:
+        self.window.append(record)
+        now, done = self.clock(), record["step"] + 1
+        if self.printed and done < self.total and now - self.since < self.every:
+            return
+        self.stream.write(self.line(record, now - self.since) + "\n")
+        self.stream.flush()
+        self.window, self.since, self.printed = [], now, True
+
+    def line(self, record: dict, seconds: float) -> str:
+        """The line for the steps in the window, which took ``seconds``, up to ``record``."""
+        from looptool.train.trainer import record_budgets
+
+        losses: dict[int, list[float]] = {}
+        for r in self.window:
+            for k, loss in zip(record_budgets(r), r["loss"], strict=True):
+                losses.setdefault(k, []).append(loss)
+        per_budget = ", ".join(f"k={k}: {sum(v) / len(v):.3f}" for k, v in sorted(losses.items()))
+        done, seconds = record["step"] + 1, max(seconds, 1e-9)
+        tokens_per_step = record["tokens"] // done
+        eta = timedelta(seconds=round((self.total - done) * seconds / len(self.window)))
+        return (
+            f"step {done}/{self.total} · tokens {record['tokens']:,}/{self.total * tokens_per_step:,} · "
+            f"loss {per_budget} · {len(self.window) * tokens_per_step / seconds:,.0f} tok/s · ETA {eta}"
+        )
+
+
+def optimizer_state_note(output: Path) -> str:
+    """What a finished run keeps beside its model for ``--resume``: the state file, its size
+    and what it holds, or that it was left out (``--no-save-optimizer``)."""
+    from looptool.report.tables import human_bytes
+    from looptool.storage.resume import STATE_FILE
+    from looptool.storage.save import WEIGHTS
+
+    state = output / STATE_FILE
+    if not state.exists():
+        return f"no {STATE_FILE} (--no-save-optimizer): the model is final; --resume cannot continue this run."
+    size = state.stat().st_size
+    return (
+        f"{STATE_FILE} ({human_bytes(size)}, {size / (output / WEIGHTS).stat().st_size:.1f}× the weights) holds "
+        "the optimizer state (AdamW's two moments per trained weight), step and RNG states that --resume continues "
+        "from; delete it once the run is final, or train with --no-save-optimizer to leave it out."
+    )
 
 
 @contextmanager
-def resumable(output: Path, report: bool = True) -> Iterator[None]:
+def resumable(output: Path, report: bool = True, saves_state: bool = True) -> Iterator[None]:
     """Around a checkpointing run (``report``: this process prints). Ctrl-C: say where the
     last checkpoint is and that ``--resume`` continues it, then exit 130 (as an interrupted
-    command does). A resume of a run that is already complete: say so, and end the ``with``
-    block without error (exit 0)."""
+    command does); ``saves_state=False`` (``train --no-save-optimizer``): say that the model
+    it saved cannot be resumed. A resume of a run that is already complete: say so, and end
+    the ``with`` block without error (exit 0)."""
     from looptool.storage.resume import RunComplete
 
     try:
@@ -192,16 +289,22 @@ def resumable(output: Path, report: bool = True) -> Iterator[None]:
     except KeyboardInterrupt:
         if report:
             from looptool.storage.resume import checkpoint_step
+            from looptool.storage.save import LOOPTOOL_JSON
 
             step = checkpoint_step(output)
-            console.print(
-                f"interrupted before the first checkpoint; nothing was saved in '{output}'."
-                if step is None
-                else f"interrupted; the last checkpoint (after step {step}) is in '{output}': rerun the same command "
-                "with --resume to continue from it.",
-                highlight=False,
-                soft_wrap=True,
-            )
+            if step is None and not saves_state and (output / LOOPTOOL_JSON).exists():
+                text = (
+                    f"interrupted; the model of the last checkpoint is in '{output}', without the optimizer state "
+                    "(--no-save-optimizer), so --resume cannot continue it."
+                )
+            elif step is None:
+                text = f"interrupted before the first checkpoint; nothing was saved in '{output}'."
+            else:
+                text = (
+                    f"interrupted; the last checkpoint (after step {step}) is in '{output}': rerun the same command "
+                    "with --resume to continue from it."
+                )
+            console.print(text, highlight=False, soft_wrap=True)
         raise typer.Exit(code=130) from None
 
 

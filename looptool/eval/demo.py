@@ -16,7 +16,7 @@ import torch
 
 from looptool.core.errors import LooptoolError
 from looptool.core.plan import LoopPlan
-from looptool.eval.timing import Timing
+from looptool.eval.timing import MIN_ROUNDS, RATIO_SPREAD_LIMIT, Ratio, Timing, ratio
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +45,9 @@ class DemoResult:
     def all_exact(self) -> bool:
         return all(self.exact.values())
 
-    def time_ratio(self, budget: int) -> float:
-        """Median time of ``budget`` over the shallowest budget's."""
-        return self.timings[budget].median / self.timings[self.model.budgets[0]].median
+    def time_ratio(self, budget: int) -> Ratio:
+        """``budget``'s time over the shallowest budget's, round by round."""
+        return ratio(self.timings[budget], self.timings[self.model.budgets[0]])
 
     def ideal_ratio(self, budget: int) -> float:
         """``(L + k) / L``: the time ratio if time were proportional to layer executions."""
@@ -55,9 +55,58 @@ class DemoResult:
         return (layers + budget) / layers
 
     @property
-    def source_ratio(self) -> float:
-        """The shallowest budget's median time over the source model's."""
-        return self.timings[self.model.budgets[0]].median / self.timings["source"].median
+    def source_ratio(self) -> Ratio:
+        """The shallowest budget's time over the source model's, round by round."""
+        return ratio(self.timings[self.model.budgets[0]], self.timings["source"])
+
+    def timing_notes(self) -> list[str]:
+        """What the timing says, one sentence each: how to read the ×time column (each
+        budget's :meth:`time_ratio` as a :meth:`~looptool.eval.timing.Ratio.cell`); the source
+        model's time; the shallowest budget's ratio to it, or that the rounds are too noisy to
+        give one (:attr:`~looptool.eval.timing.Ratio.noisy`); which budgets' ×time is too noisy,
+        if any; and then how to get ratios."""
+        source, first = self.timings["source"], self.model.budgets[0]
+        notes = [
+            f"×time: each budget's time ÷ budget {first}'s in the same round, median over the rounds ± half their "
+            f"spread; 'noisy' where the rounds spread more than {RATIO_SPREAD_LIMIT:.0%} of their median or are "
+            f"fewer than {MIN_ROUNDS}",
+            f"source model: {source.median * 1e3:.0f} ms median (rounds {source.min * 1e3:.0f}–"
+            f"{source.max * 1e3:.0f} ms); batch 1, {self.tokens} tokens, {self.repeats} interleaved rounds",
+        ]
+        r = self.source_ratio
+        if not r.noisy:
+            notes.append(f"budget {first} ÷ source = {r.median:.3f} (rounds {r.min:.3f}–{r.max:.3f})")
+        else:
+            notes.append(
+                f"budget {first} ÷ source: the timing is too noisy to give a ratio ({_why_noisy({'its': r})})."
+            )
+        noisy = {k: q for k in self.model.budgets[1:] if (q := self.time_ratio(k)).noisy}
+        if noisy:
+            whose = {("its" if len(noisy) == 1 else f"budget {k}'s"): q for k, q in noisy.items()}
+            notes.append(
+                f"×time of budget{'s' if len(noisy) > 1 else ''} {', '.join(map(str, noisy))}: the timing is too "
+                f"noisy to give a ratio ({_why_noisy(whose)})."
+            )
+        if r.noisy or noisy:
+            notes.append(
+                f"for ratios, rerun with at least {MIN_ROUNDS} rounds."
+                if self.repeats < MIN_ROUNDS
+                else "for ratios, rerun with nothing else running on the machine."
+            )
+        return notes
+
+
+def _why_noisy(ratios: dict[str, Ratio]) -> str:
+    """Why the noisy ``ratios`` (keyed by whose they are: ``"its"``, ``"budget 6's"``) give no
+    ratio: too few rounds, or how far the rounds of the widest-spread one disagree."""
+    whose, worst = max(ratios.items(), key=lambda item: item[1].spread)
+    rounds = len(worst.samples)
+    if rounds < MIN_ROUNDS:
+        return f"{rounds} round{'s' if rounds > 1 else ''}; a ratio needs at least {MIN_ROUNDS}"
+    return (
+        f"{whose} rounds gave {worst.min:.3f}–{worst.max:.3f}, a spread of {worst.spread:.1%} of their median, "
+        f"over the {RATIO_SPREAD_LIMIT:.0%} a ratio allows"
+    )
 
 
 def _no_stage(text: str, total: int | None = None) -> ContextManager[Callable[[], None]]:

@@ -55,10 +55,17 @@ def set_rng_states(states: dict, device: torch.device) -> None:
 
 
 def write_checkpoint(
-    output: Path, model: LoopedModel, state: dict | None, files: dict[str, str], *, materialize=None
+    output: Path,
+    model: LoopedModel,
+    state: dict | None,
+    files: dict[str, str],
+    *,
+    materialize=None,
+    save_state: bool = True,
 ) -> None:
     """Rebuild ``output`` atomically from ``model``, ``state`` (saved as :data:`STATE_FILE`)
-    and the text ``files`` (name → content).
+    and the text ``files`` (name → content); ``save_state=False`` leaves :data:`STATE_FILE`
+    out (the model and files only: a final model, which cannot be resumed).
 
     ``state=None``: this process does not write (a non-zero rank); it only materialises the
     tensors, which under FSDP is a collective every rank takes part in (``materialize`` as
@@ -72,7 +79,8 @@ def write_checkpoint(
     temp.mkdir()
     try:
         write_model(model, temp, materialize=materialize)
-        torch.save(state, temp / STATE_FILE)
+        if save_state:
+            torch.save(state, temp / STATE_FILE)
         for name, text in files.items():
             (temp / name).write_text(text)
         commit_output_dir(output, temp)

@@ -23,7 +23,7 @@ STRATEGIES = ("ddp", "fsdp")
 
 
 # may differ between a run and its resume (checkpointing is exact; the device is where it runs)
-_RESUME_FREE = {"resume", "save_every", "output", "device", "checkpoint"}
+_RESUME_FREE = {"resume", "save_every", "output", "device", "checkpoint", "save_optimizer"}
 
 
 class TrainingError(LooptoolError):
@@ -53,6 +53,7 @@ class TrainConfig:
     bf16: bool = False
     freeze_below_window: bool = False
     save_every: int = 0
+    save_optimizer: bool = True  # write trainer_state.pt (optimizer state, step, RNG) beside the model: resume needs it
     seed: int = 0
     resume: bool = False
     budgets: list[int] | None = None  # sample only these budgets (e.g. [0]: plain fine-tuning)

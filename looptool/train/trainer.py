@@ -10,7 +10,10 @@ passes tag, gradient clipping, warmup then constant / cosine / 1-sqrt decay.
 Runs as one process or under ``torchrun`` with DDP (gloo on CPU, nccl on GPU). Checkpoints
 are atomic: the output directory is rebuilt in a temp directory and renamed over the old
 one, so a kill at any moment leaves the last good checkpoint; ``resume=True`` continues a
-killed run to the same weights and per-step losses as an uninterrupted one.
+killed run to the same weights and per-step losses as an uninterrupted one, from the
+optimizer state, step and RNG states a checkpoint keeps in ``trainer_state.pt`` beside the
+model (AdamW's two moments: about twice the trained weights; ``save_optimizer=False`` leaves
+it out, and the run cannot be resumed).
 """
 
 from __future__ import annotations
@@ -34,7 +37,14 @@ from looptool.core.graph import ROLE_EMBEDDING, ROLE_HEAD, dtype_from_str, param
 from looptool.runtime.devices import check_dtype, resolve_device
 from looptool.runtime.model import LoopedModel
 from looptool.storage.load import load, read_looptool_json
-from looptool.storage.resume import has_checkpoint, resumable_state, rng_states, set_rng_states, write_checkpoint
+from looptool.storage.resume import (
+    STATE_FILE,
+    has_checkpoint,
+    resumable_state,
+    rng_states,
+    set_rng_states,
+    write_checkpoint,
+)
 from looptool.storage.save import LOOPTOOL_JSON
 from looptool.train.config import (
     _RESUME_FREE,
@@ -133,6 +143,13 @@ class Trainer:
             )
         self.fsdp = config.strategy == "fsdp"
         resuming = config.resume and has_checkpoint(self.output)
+        if config.resume and not resuming and (self.output / LOOPTOOL_JSON).exists():
+            raise TrainingError(
+                f"'{self.output}' holds a model without the optimizer state that resume continues from (no "
+                f"{STATE_FILE}, as a run with save_optimizer=False leaves it); start a new run with it as the "
+                "model and another output.",
+                parameter="resume",
+            )
         if not config.resume and self.output.exists():
             raise TrainingError(
                 f"output directory '{self.output}' exists; pass resume=True to continue it or choose another.",
@@ -372,7 +389,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, step: int) -> None:
-        optimizer_state = self._optimizer_state()  # collective under FSDP: every rank takes part
+        """Rebuild the output directory: the model, the run's text files and, unless
+        ``save_optimizer=False``, :data:`STATE_FILE` (optimizer state, step, RNG, records)."""
+        save = self.config.save_optimizer
+        optimizer_state = self._optimizer_state() if save else None  # collective under FSDP: every rank takes part
         state = files = None
         if self.rank == 0:
             config = dataclasses.asdict(self.config)
@@ -388,7 +408,9 @@ class Trainer:
                 LOG_FILE: "".join(json.dumps(r) + "\n" for r in self.records),
             }
         # FSDP: every rank gathers each sharded tensor in the same order; rank 0 writes
-        write_checkpoint(self.output, self.model, state, files or {}, materialize=_full if self.fsdp else None)
+        write_checkpoint(
+            self.output, self.model, state, files or {}, materialize=_full if self.fsdp else None, save_state=save
+        )
         if self.world > 1:
             dist.barrier()
 
