@@ -24,7 +24,7 @@ from looptool.backends.onnx_format import MANIFEST, ROWWISE, EngineError
 from looptool.backends.serving import BUDGETS, INPUTS, LOGITS, CacheLayout, past_name, present_name
 from looptool.engine.interface import EngineFacts, OpenedEngine, StepEngine, TensorSlotCache, costs_by_budget, eos_ids
 
-WANTS = "give an engine directory exported with --backend tensorrt whose engines were built on this GPU"
+WANTS = "give an engine directory exported with backend='tensorrt' whose engines were built on this GPU"
 _SCRATCH_KEPT = 16  # scratch present buffers kept (one per graph, row count and cache length)
 
 
@@ -36,7 +36,7 @@ class TrtStepEngine(StepEngine):
         if (ROWWISE, kv) not in runtime.contexts:
             raise EngineError(
                 f"'{runtime.directory}' has no row-wise TensorRT engine for kv {kv}, so its rows cannot take "
-                "different budgets; export it again without --no-rowwise and rebuild the engines."
+                "different budgets; export it again with rowwise=True and rebuild the engines."
             )
         self.runtime, self.kv = runtime, kv
         manifest = runtime.manifest

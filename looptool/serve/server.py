@@ -91,7 +91,7 @@ def bind(host: str, port: int) -> socket.socket:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
             raise LooptoolError(
-                f"port {port} on {host} is already in use; stop what listens there or pass another --port.",
+                f"port {port} on {host} is already in use; stop what listens there or pick another port.",
                 parameter="port",
             ) from None
         raise LooptoolError(f"cannot listen on {host}:{port} ({exc.strerror}).", parameter="host") from None
