@@ -36,6 +36,7 @@ from looptool.backends.onnx_format import (
 from looptool.backends.ort_binding import CacheBinding, check_request, check_row_budgets, row_costs
 from looptool.backends.serving import CacheLayout
 from looptool.core.errors import require_extra
+from looptool.engine.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger(__name__)
 _Binding = CacheBinding  # the name tests and older callers import from here
@@ -386,10 +387,7 @@ class Runtime:
         kv: str = "per-loop",
         attention_mask=None,
         capacity: int | None = None,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
+        sampling: SamplingParams = GREEDY,
         eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None,
         on_step=None,
@@ -407,9 +405,7 @@ class Runtime:
         from looptool.runtime.generation import decode_loop
 
         kv = self._check_policy(kv)
-        ids, mask, capacity = check_request(
-            self.manifest, input_ids, attention_mask, max_new_tokens, capacity, temperature, top_k, top_p
-        )
+        ids, mask, capacity = check_request(self.manifest, input_ids, attention_mask, max_new_tokens, capacity)
         budget, rows = self.resolve_budget(budget, ids.shape[0], kv)
         binding = CacheBinding(
             self.session(budget, kv),
@@ -429,10 +425,7 @@ class Runtime:
             capacity=capacity,
             max_new_tokens=max_new_tokens,
             mask_dtype=mask_dtype,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
+            sampling=sampling,
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
             on_step=on_step,

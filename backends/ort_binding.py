@@ -20,9 +20,6 @@ def check_request(
     attention_mask,
     max_new_tokens: int,
     capacity: int | None,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
 ):
     """A generate request checked against an engine's manifest (any runtime): ``(input_ids
     as a LongTensor [batch, prompt], attention_mask or None, cache capacity)``; one
@@ -53,7 +50,7 @@ def check_request(
             raise EngineError(
                 f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}; they must match."
             )
-    check_generation_args(ids, max_new_tokens, temperature, top_k, top_p)
+    check_generation_args(ids, max_new_tokens)
     prompt = ids.shape[1]
     capacity = prompt + max_new_tokens if capacity is None else capacity
     if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < prompt:

@@ -14,6 +14,7 @@ import torch
 from looptool.backends.onnx_format import MANIFEST, ROWWISE, WEIGHTS, EngineError, sha256_file
 from looptool.backends.serving import INPUTS, LOGITS, CacheLayout
 from looptool.backends.tensorrt import BUILD_SCRIPT, require_tensorrt
+from looptool.engine.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -135,26 +136,19 @@ class Runtime:
         kv: str = "per-loop",
         attention_mask=None,
         capacity: int | None = None,
-        **sampling,
+        sampling: SamplingParams = GREEDY,
+        **options,
     ):
         """Cached generation, as :meth:`looptool.backends.ort.Runtime.generate` (the same
-        request checks and decode loop)."""
+        request checks and decode loop; ``options``: ``eos_token_id``, ``pad_token_id``,
+        ``on_step``, ``output_logits``)."""
         from looptool.backends.ort import check_request
         from looptool.runtime.generation import decode_loop
 
         budget = self.budgets[-1] if budget is None else budget
         if (budget, kv) not in self.contexts:
             raise EngineError(f"no engine for budget {budget} ({kv}); this directory has {sorted(self.contexts)}.")
-        ids, mask, capacity = check_request(
-            self.manifest,
-            input_ids,
-            attention_mask,
-            max_new_tokens,
-            capacity,
-            sampling.get("temperature", 0.0),
-            sampling.get("top_k"),
-            sampling.get("top_p"),
-        )
+        ids, mask, capacity = check_request(self.manifest, input_ids, attention_mask, max_new_tokens, capacity)
         layout = CacheLayout.from_dict(self.manifest["budgets"][str(budget)][kv]["cache"])
         binding = _TRTBinding(self, self.contexts[budget, kv], layout, ids.shape[0], capacity)
         return decode_loop(
@@ -165,7 +159,8 @@ class Runtime:
             max_new_tokens=max_new_tokens,
             mask_dtype=self.mask_dtype,
             kv_bytes=binding.kv_bytes,
-            **sampling,
+            sampling=sampling,
+            **options,
         )
 
 

@@ -481,7 +481,7 @@ def test_export_is_quiet_and_run_names_the_missing_file_of_the_budget_asked(loop
     "args, message",
     [
         (["generate", "{m}", "-p", "x", "--kv", "lastloop"], "unknown KV cache policy --kv 'lastloop'"),
-        (["generate", "{m}", "-p", "x", "--temperature", "-1"], "sampling settings out of range"),
+        (["generate", "{m}", "-p", "x", "--temperature", "-1"], "temperature must be a number >= 0, got -1.0"),
         (["generate", "{m}", "-p", "x", "--max-new-tokens", "-2"], "max_new_tokens must be a non-negative integer"),
         (["eval", "{m}", "--data", "{m}/missing.txt"], "data path '{m}/missing.txt' does not exist"),
         (["eval", "{m}", "--data", "{m}", "--seq-len", "1"], "--seq-len must be at least 2"),

@@ -12,6 +12,7 @@ from conftest import converted
 
 import looptool
 from looptool.core.errors import LooptoolError
+from looptool.engine.sampling import SamplingParams
 from looptool.runtime.generation import (
     allocate_cache,
     cached_layer_graph,
@@ -154,9 +155,10 @@ def test_last_loop_differs_from_per_loop_only_when_loops_repeat():
 def test_sampling_is_seeded_and_respects_eos():
     _, looped = converted("llama")
     prompt = _prompt(2, 5)
-    a = generate(looped, prompt, budget=2, max_new_tokens=8, temperature=0.9, top_p=0.9, top_k=50, seed=11)
-    b = generate(looped, prompt, budget=2, max_new_tokens=8, temperature=0.9, top_p=0.9, top_k=50, seed=11)
-    c = generate(looped, prompt, budget=2, max_new_tokens=8, temperature=0.9, seed=12)
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=11)
+    a = generate(looped, prompt, budget=2, max_new_tokens=8, sampling=sampled)
+    b = generate(looped, prompt, budget=2, max_new_tokens=8, sampling=sampled)
+    c = generate(looped, prompt, budget=2, max_new_tokens=8, sampling=SamplingParams(temperature=0.9, seed=12))
     assert torch.equal(a.sequences, b.sequences) and not torch.equal(a.sequences, c.sequences)
     greedy = generate(looped, prompt, budget=2, max_new_tokens=8)
     eos = int(greedy.sequences[0, 6])  # row 0's second new token

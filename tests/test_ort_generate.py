@@ -9,6 +9,7 @@ import torch
 import looptool
 from looptool.backends.onnx import export_onnx
 from looptool.backends.ort import Runtime
+from looptool.engine.sampling import SamplingParams
 from looptool.runtime.generation import generate
 from looptool.testing import tiny_model
 
@@ -70,7 +71,7 @@ def test_greedy_tokens_equal_pytorch_generation(exported, case):
 def test_sampling_and_eos_follow_pytorch(exported):
     model, rt = exported["llama-recurrent"]
     ids = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(8))
-    kwargs = dict(budget=2, max_new_tokens=10, temperature=0.9, top_k=40, top_p=0.95, seed=11)
+    kwargs = dict(budget=2, max_new_tokens=10, sampling=SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=11))
     assert torch.equal(rt.generate(ids, **kwargs).sequences, generate(model, ids, **kwargs).sequences)
     greedy = generate(model, ids, budget=2, max_new_tokens=10).sequences
     eos = int(greedy[0, 7])  # a token row 0 emits: that row stops there and pads afterwards

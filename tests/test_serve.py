@@ -23,6 +23,7 @@ import torch
 from serve_process import ServerProcess, metric, tiny_looped
 
 import looptool
+from looptool.engine.sampling import SamplingParams
 from looptool.runtime.generation import generate
 
 openai = pytest.importorskip("openai", reason="the server tests use the openai client (pip install 'looptool[test]')")
@@ -170,7 +171,7 @@ def test_seeded_sampling_equals_generate_with_that_seed(client, model):
     settings = dict(temperature=0.9, top_p=0.9, seed=7)
     r = client.completions.create(model=f"{NAME}@1", prompt=prompt, max_tokens=12, extra_body={"top_k": 40}, **settings)
     ids = model.tokenizer(prompt)["input_ids"]
-    want = alone(model, ids, 1, 12, temperature=0.9, top_p=0.9, top_k=40, seed=7)
+    want = alone(model, ids, 1, 12, sampling=SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=7))
     assert r.choices[0].text == text_of(model, want)
 
 

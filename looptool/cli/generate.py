@@ -72,15 +72,17 @@ def generate(
 ) -> None:
     """Generate text with a KV cache at one budget, or one budget per prompt (--budget 0,6,12: the
     rows run together, each at its own budget); report tokens/s, KV bytes and each row's cost."""
+    from looptool.engine.sampling import SamplingParams
     from looptool.runtime import text
-    from looptool.runtime.generation import cached_paths, check_sampling, row_budgets, rowwise_path
+    from looptool.runtime.generation import cached_paths, check_max_new_tokens, row_budgets, rowwise_path
     from looptool.runtime.generation import generate as run_generate
     from looptool.storage.load import load
 
     check_prompts(prompt, stream)
     budgets = parse_row_budgets(budget, len(prompt))
     check_kv_names(kv)
-    check_sampling(max_new_tokens, temperature, top_k, top_p)  # all before the slow load
+    check_max_new_tokens(max_new_tokens)  # all before the slow load
+    sampling = SamplingParams(temperature, top_k, top_p, seed)
     device = str(parse_device(device))
     with progress() as steps:
         with steps.stage(f"loading {model_dir}"):
@@ -104,10 +106,7 @@ def generate(
             budget=list(rows),
             max_new_tokens=max_new_tokens,
             kv=kv,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
+            sampling=sampling,
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
             on_step=on_step,
@@ -145,9 +144,11 @@ def run_cmd(
     """Generate with onnxruntime or TensorRT from an exported engine, with its KV cache (like generate);
     --budget 0,6,12 runs one budget per prompt through the engine's row-wise graph (onnx)."""
     from looptool.backends.engines import engine_name, open_runtime
+    from looptool.engine.sampling import SamplingParams
     from looptool.runtime import text
 
     check_prompts(prompt, stream)
+    sampling = SamplingParams(temperature, top_k, top_p, seed)
     budgets = parse_row_budgets(budget, len(prompt))
     if isinstance(budgets, list) and backend == "tensorrt":
         raise LooptoolError("--budget with one budget per prompt runs on --backend onnx; TensorRT runs one budget.")
@@ -178,10 +179,7 @@ def run_cmd(
             max_new_tokens=max_new_tokens,
             kv=kv,
             capacity=capacity,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
+            sampling=sampling,
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
             on_step=on_step,

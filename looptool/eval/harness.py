@@ -51,6 +51,7 @@ from lm_eval.models.utils import (  # noqa: E402
 )
 from lm_eval.models.utils_hf import pad_and_concat  # noqa: E402
 
+from looptool.engine.sampling import SamplingParams  # noqa: E402
 from looptool.runtime.generation import check_policy, generate  # noqa: E402
 from looptool.runtime.model import LoopedModel  # noqa: E402
 from looptool.storage.load import load  # noqa: E402
@@ -343,9 +344,7 @@ class LooptoolLM(TemplateLM):
             budget=self.budget,
             max_new_tokens=max_new_tokens,
             kv=self.kv,
-            temperature=temperature,
-            top_k=kwargs.get("top_k"),
-            top_p=kwargs.get("top_p"),
+            sampling=SamplingParams(temperature, kwargs.get("top_k"), kwargs.get("top_p")),
             eos_token_id=sorted(eos),
             pad_token_id=self.tokenizer.pad_token_id,
             on_step=on_step,

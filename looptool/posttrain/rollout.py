@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from looptool.core.errors import LooptoolError
+from looptool.engine.sampling import SamplingParams
 from looptool.runtime.devices import resolve_device
 from looptool.runtime.generation import generate
 from looptool.runtime.model import LoopedModel
@@ -145,8 +146,7 @@ def sample(
         budget=budget,
         max_new_tokens=max_new_tokens,
         kv=kv,
-        temperature=temperature,
-        seed=seed,
+        sampling=SamplingParams(temperature, seed=seed),
         eos_token_id=eos,
         pad_token_id=pad,
         output_logits=True,

@@ -20,17 +20,12 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import fx
-from transformers import (
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from looptool.capture import capture_config
 from looptool.core.errors import LooptoolError
 from looptool.core.graph import LayerGraph, annotation, dtype_from_str, shared_graph_module
 from looptool.core.plan import BudgetCost
+from looptool.engine.sampling import GREEDY, SamplingParams, TokenPicker
 from looptool.passes import PassManager
 from looptool.passes.kv_cache import KV_POLICIES
 from looptool.passes.rowwise_budget import ROWWISE
@@ -259,42 +254,20 @@ def position_ids(mask: torch.Tensor) -> torch.Tensor:
     return pos.masked_fill(mask == 0, 1)
 
 
-def check_generation_args(
-    input_ids, max_new_tokens, temperature: float, top_k: int | None, top_p: float | None
-) -> None:
-    """One clear error for an empty prompt or out-of-range generation settings."""
+def check_generation_args(input_ids, max_new_tokens) -> None:
+    """One clear error for an empty prompt or a bad ``max_new_tokens``."""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
         raise LooptoolError(f"the prompt is empty (input_ids shape {tuple(input_ids.shape)}); give at least one token.")
-    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    check_max_new_tokens(max_new_tokens)
 
 
-def check_sampling(max_new_tokens, temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """One clear error for out-of-range generation settings (needs no model: callers check
-    these before a slow load)."""
+def check_max_new_tokens(max_new_tokens) -> None:
+    """One clear error for a ``max_new_tokens`` that is not a non-negative integer (needs no
+    model: callers check it before a slow load)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise LooptoolError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}.")
-    if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):
-        raise LooptoolError("sampling settings out of range: temperature >= 0, 0 < top_p <= 1, top_k >= 1.")
-
-
-def logits_warpers(temperature: float, top_k: int | None, top_p: float | None) -> LogitsProcessorList | None:
-    """transformers' temperature / top-k / top-p warpers, or None for greedy decoding."""
-    if temperature <= 0:
-        return None
-    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
-    if top_k is not None:
-        warpers.append(TopKLogitsWarper(top_k))
-    if top_p is not None and top_p < 1:
-        warpers.append(TopPLogitsWarper(top_p))
-    return warpers
-
-
-def _next_token(logits: torch.Tensor, ids: torch.Tensor, warpers: LogitsProcessorList | None, gen) -> torch.Tensor:
-    if warpers is None:  # greedy
-        return logits.argmax(-1)
-    scores = warpers(ids, logits.float())
-    probs = torch.softmax(scores, dim=-1)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+        raise LooptoolError(
+            f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}.", parameter="max_new_tokens"
+        )
 
 
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -308,10 +281,7 @@ def decode_loop(
     capacity: int,
     max_new_tokens: int,
     mask_dtype: torch.dtype,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
+    sampling: SamplingParams = GREEDY,
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     on_step: Callable[[torch.Tensor], bool | None] | None = None,
@@ -323,7 +293,7 @@ def decode_loop(
     ``step(ids, attention_mask, position_ids, cache_position)`` runs one cached step and
     returns the next-token logits ``[batch, vocab]``; the loop owns the
     ``[batch, capacity]`` mask (updated in place, so a runtime may bind it once), picks
-    tokens (greedy or transformers' warpers), stops rows at EOS and times both phases.
+    tokens under ``sampling``, stops rows at EOS and times both phases.
     """
     device = input_ids.device
     batch, prompt = input_ids.shape
@@ -334,8 +304,7 @@ def decode_loop(
         )
     eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=device)
     pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
-    warpers = logits_warpers(temperature, top_k, top_p)
-    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    pick = TokenPicker(sampling, device)
     mask = torch.zeros(batch, capacity, dtype=mask_dtype, device=device)
     mask[:, :prompt] = 1 if attention_mask is None else attention_mask.to(device=device, dtype=mask_dtype)
     ids = input_ids
@@ -355,7 +324,7 @@ def decode_loop(
             logits = step(ids[:, -1:], mask, position, torch.tensor([slot], device=device))
         if output_logits:
             kept.append(logits.clone())
-        token = _next_token(logits, ids, warpers, gen)
+        token = pick(logits, ids)
         token = torch.where(done, torch.full_like(token, pad), token)
         ids = torch.cat([ids, token[:, None]], dim=1)
         steps += 1
@@ -378,10 +347,7 @@ def generate(
     budget: int | Sequence[int] | torch.Tensor | None = None,
     max_new_tokens: int = 32,
     kv: str = "per-loop",
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
+    sampling: SamplingParams = GREEDY,
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     on_step: Callable[[torch.Tensor], bool | None] | None = None,
@@ -394,14 +360,14 @@ def generate(
     at its own budget; a batch whose rows share one budget runs that budget's own path.
 
     ``input_ids [batch, prompt]`` may be left-padded (``attention_mask`` 0 on padding).
-    ``temperature == 0`` is greedy; otherwise tokens are sampled after temperature,
-    top-k and top-p (transformers' warpers) from a generator seeded with ``seed``. Rows
+    ``sampling`` (:class:`~looptool.engine.sampling.SamplingParams`, default greedy) says how
+    each token is chosen: ``SamplingParams(temperature=0.8, top_p=0.9, seed=0)`` samples. Rows
     stop at ``eos_token_id`` (then emit ``pad_token_id``); the call stops when all rows
     have stopped. ``on_step(tokens)`` is called with each step's ``[batch]`` new tokens and
     ends the generation early by returning True;
     ``output_logits=True`` keeps each step's next-token logits.
     """
-    check_generation_args(input_ids, max_new_tokens, temperature, top_k, top_p)
+    check_generation_args(input_ids, max_new_tokens)
     batch, prompt = input_ids.shape
     budgets = row_budgets(model, budget, batch)
     uniform = len(set(budgets)) == 1
@@ -421,10 +387,7 @@ def generate(
         capacity=capacity,
         max_new_tokens=max_new_tokens,
         mask_dtype=model.mask_dtype,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
+        sampling=sampling,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         on_step=on_step,

@@ -305,7 +305,7 @@ class LoopedModel(nn.Module):
         """Generate at ``budget`` (one for all rows, or a list / tensor with one per row) with a
         KV cache (``kv="per-loop"`` or ``"last-loop"``); returns ``[batch, prompt + new]`` ids.
 
-        Greedy by default; ``temperature``, ``top_k``, ``top_p``, ``seed``,
+        Greedy by default; ``sampling`` (a :class:`~looptool.engine.sampling.SamplingParams`),
         ``attention_mask`` (left padding), ``eos_token_id`` (default: the config's) and
         ``pad_token_id`` are passed to :func:`looptool.runtime.generation.generate`.
         """

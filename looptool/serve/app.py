@@ -28,6 +28,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from looptool.core.errors import LooptoolError
+from looptool.engine.sampling import SamplingParams
 from looptool.serve.budgets import BudgetChoiceError, BudgetResolver
 from looptool.serve.choices import Choice
 from looptool.serve.metrics import CONTENT_TYPE
@@ -43,7 +45,6 @@ from looptool.serve.protocol import (
     response,
     usage,
 )
-from looptool.serve.sampling import Sampling
 from looptool.serve.scheduler import Draining, Event, Job, QueueFull, Scheduler
 
 DISCONNECT_POLL = 0.1  # seconds between checks that a non-streamed request's client is still there
@@ -237,7 +238,7 @@ async def _parse(request: Request, model: type[BaseModel]):
         raise APIError(f"{field}: {err['msg']}.", param=field or None) from None
 
 
-def _common(req, resolver: BudgetResolver) -> tuple[int, Sampling]:
+def _common(req, resolver: BudgetResolver) -> tuple[int, SamplingParams]:
     """The request's budget and sampling settings, checked."""
     if req.n != 1:
         raise APIError(f"n={req.n}: this server returns one choice per prompt; send n=1.", param="n")
@@ -245,7 +246,10 @@ def _common(req, resolver: BudgetResolver) -> tuple[int, Sampling]:
         budget = resolver.resolve(req.model, req.budget, req.reasoning_effort)
     except BudgetChoiceError as exc:
         raise APIError(str(exc), status=exc.status, param=exc.parameter, code=exc.code) from None
-    sampling = Sampling(req.temperature, req.checked_top_k(), req.top_p if req.top_p < 1 else None, req.seed)
+    try:
+        sampling = SamplingParams(req.temperature, req.checked_top_k(), req.top_p if req.top_p < 1 else None, req.seed)
+    except LooptoolError as exc:
+        raise APIError(str(exc), param=exc.parameter) from None
     return budget, sampling
 
 

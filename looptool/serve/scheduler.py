@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 import torch
 
 from looptool.engine import StepEngine
+from looptool.engine.sampling import GREEDY, SamplingParams, TokenPicker
+from looptool.serve.logprobs import top_logprobs
 from looptool.serve.metrics import Metrics
-from looptool.serve.sampling import Sampling, TokenPicker, top_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class Job:
     prompt: list[int]
     budget: int
     max_tokens: int
-    sampling: Sampling = field(default_factory=Sampling)
+    sampling: SamplingParams = GREEDY
     logprobs: int | None = None  # top-n log-probabilities of each generated token
     prompt_logprobs: int | None = None  # echo: log-probability (and top-n) of each prompt token
     ignore_eos: bool = False  # run to max_tokens (load tests)
@@ -306,7 +307,7 @@ class Scheduler:
             row.done = job.cancel_reason
             return
         ids = torch.tensor([row.ids], device=self.device) if row.picker.warpers is not None else None
-        token = row.picker(logits.float(), ids)
+        token = int(row.picker(logits.float(), ids))
         logprob, top = (None, None)
         if job.logprobs is not None:
             logprob, top = top_logprobs(torch.log_softmax(logits[0].float(), -1), token, job.logprobs)
