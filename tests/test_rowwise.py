@@ -11,10 +11,10 @@ import torch
 
 import looptool
 from looptool.core.errors import LooptoolError, PassError
+from looptool.engine import TensorSlotCache
 from looptool.passes import PassManager
 from looptool.passes.rowwise_budget import BUDGETS, ROWWISE
 from looptool.runtime.generation import cached_layer_graph, generate, rowwise_path
-from looptool.engine import TensorSlotCache
 from looptool.runtime.step_engine import TorchStepEngine
 from looptool.testing import tiny_model
 
