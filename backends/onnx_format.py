@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from looptool.core.errors import LooptoolError
+from looptool.core.graph import ROWWISE
 from looptool.storage.files import sha256_file
 
 if TYPE_CHECKING:
@@ -17,7 +18,6 @@ FORMAT = "looptool-onnx-engine"
 FORMAT_VERSION = 2  # 2: serving graphs with KV caches, one per budget and policy
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.bin"
-ROWWISE = "rowwise"  # the row-wise-budget graph's key (in place of a budget) and manifest section
 
 
 class ExportError(LooptoolError):

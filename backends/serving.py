@@ -51,10 +51,9 @@ import torch
 from torch import fx
 
 from looptool.core.errors import LooptoolError
-from looptool.core.graph import annotation, copy_graph
+from looptool.core.graph import BUDGETS, annotation, copy_graph
 
 INPUTS = ("input_ids", "attention_mask", "position_ids", "cache_position")
-BUDGETS = "budgets"  # the row-wise graph's extra input: int64 [batch], each row's budget
 ROWWISE_INPUTS = (*INPUTS, BUDGETS)
 LOGITS = "logits"
 _aten = torch.ops.aten

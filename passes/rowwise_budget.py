@@ -34,7 +34,16 @@ import torch
 from torch import fx
 
 from looptool.core.errors import PassError
-from looptool.core.graph import ROLE_INPUT, ROLE_STATE, LayerGraph, annotate, annotation, copy_graph
+from looptool.core.graph import (
+    BUDGETS,
+    ROLE_INPUT,
+    ROLE_STATE,
+    ROWWISE,
+    LayerGraph,
+    annotate,
+    annotation,
+    copy_graph,
+)
 from looptool.core.plan import PrefixLoop, RecurrentLoop
 from looptool.passes.conditioning import Conditioner
 from looptool.passes.kv_cache import execution_of
@@ -42,8 +51,6 @@ from looptool.passes.manager import register_pass
 from looptool.passes.recurrent_loop import EXIT_KEY
 
 _aten = torch.ops.aten
-BUDGETS = "budgets"  # the extra input: int64 [batch], each row's budget
-ROWWISE = -1  # key of the row-wise path in the LayerGraph's paths
 
 
 # after kv_cache and last_position: it masks the routed cache writes and reuses the cut head

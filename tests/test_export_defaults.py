@@ -4,8 +4,7 @@ conditioning and MoE route replay (Qwen3-MoE), each with seeded non-zero new par
 
 The TensorRT export runs with ``--build-on-target`` and nothing else: its default precision
 (fp16) rebuilds an fp16 copy of the fp32 model, exports it and validates every graph in
-onnxruntime against that copy's PyTorch path (issue 40: the fp16 MoE export once failed
-there). The fp16 TensorRT variants are then run in onnxruntime against the validated graphs.
+onnxruntime against that copy's PyTorch path (where an fp16 MoE export once failed). The fp16 TensorRT variants are then run in onnxruntime against the validated graphs.
 The plain ONNX export at its defaults runs for the families no other test covers (dense:
 ``tests/test_defaults.py``)."""
 

@@ -85,8 +85,8 @@ def test_default_precision_exports_and_validates_an_fp16_copy(exported, prefix_m
 def test_moe_function_body_runs_in_the_graph_dtype(dtype):
     """The ``looptool.Moe`` node's function body (what onnxruntime runs, and what the fp16
     TensorRT variant keeps beside the plugin node) type-checks and matches ``moe_reference`` in
-    the graph's float type: its routing matrix once was fp32 whatever the graph (issue 40:
-    "B has inconsistent type tensor(float16)" for every fp16 MoE export). Limit: 1e-5 (fp32)
+    the graph's float type: its routing matrix once was fp32 whatever the graph ("B has
+    inconsistent type tensor(float16)" for every fp16 MoE export). Limit: 1e-5 (fp32)
     or ``FP16_ATOL`` (fp16) times max(1, max |reference|)."""
     import numpy as np
     import onnxruntime as ort

@@ -131,6 +131,10 @@ class SourceInfo:
     head_dim: int = 0
 
 
+ROWWISE = "rowwise"  # the row-wise-budget path's key beside the integer budgets: LayerGraph.paths, engine manifests
+BUDGETS = "budgets"  # the row-wise path's extra input: int64 [batch], each row's budget
+
+
 @dataclass
 class LayerGraph:
     """A captured model plus its layer annotations, declared new parameters and budget paths.

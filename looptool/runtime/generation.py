@@ -23,12 +23,11 @@ from torch import fx
 
 from looptool.capture import capture_config
 from looptool.core.errors import LooptoolError
-from looptool.core.graph import LayerGraph, annotation, dtype_from_str, shared_graph_module
+from looptool.core.graph import ROWWISE, LayerGraph, annotation, dtype_from_str, shared_graph_module
 from looptool.core.plan import BudgetCost
 from looptool.engine.sampling import GREEDY, SamplingParams, TokenPicker
 from looptool.passes import PassManager
 from looptool.passes.kv_cache import KV_POLICIES
-from looptool.passes.rowwise_budget import ROWWISE
 
 if TYPE_CHECKING:
     from looptool.runtime.model import LoopedModel
@@ -173,9 +172,9 @@ def rowwise_path(model: LoopedModel, kv: str = "per-loop") -> CachedPath:
     cache_position, budgets, *caches) -> logits [batch, 1, vocab]``, every row at its own
     budget, over the deepest budget's cache slots (``slots``; :func:`allocate_cache` works)."""
     store = model.derived.setdefault("cached_paths", {})
-    if ("rowwise", kv) not in store:
-        store[("rowwise", kv)] = _bind(model, rowwise_layer_graph(model, kv).paths[ROWWISE])
-    return store[("rowwise", kv)]
+    if (ROWWISE, kv) not in store:
+        store[(ROWWISE, kv)] = _bind(model, rowwise_layer_graph(model, kv).paths[ROWWISE])
+    return store[(ROWWISE, kv)]
 
 
 def row_budgets(model: LoopedModel, budget, batch: int) -> tuple[int, ...]:
