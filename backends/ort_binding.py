@@ -12,6 +12,7 @@ import numpy as np
 
 from looptool.backends.onnx_format import EngineError
 from looptool.backends.serving import BUDGETS, INPUTS, LOGITS, CacheLayout
+from looptool.engine.budgets import RowBudgets
 
 
 def check_request(
@@ -70,29 +71,13 @@ def check_row_budgets(budget, menu: tuple[int, ...] | None, batch: int) -> np.nd
     rows (an int or None; checked by the caller). With ``menu`` None only that distinction
     is made; otherwise one sentence for a non-integer, a list whose length is not the batch,
     or a budget not in ``menu``."""
+    if isinstance(budget, RowBudgets):
+        budget = list(budget.rows)
     if not isinstance(budget, (list, tuple)) and getattr(budget, "ndim", 0) == 0:
         return None  # one budget (or something the single-budget check refuses)
     if menu is None:
         return np.zeros(0, np.int64)
-    values = budget.tolist() if hasattr(budget, "tolist") else list(budget)
-    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, np.integer))]
-    if bad:
-        raise EngineError(
-            f"budget {bad[0]!r} is not an integer; pass one integer budget per row, e.g. {list(menu[:3])}.",
-            parameter="budget",
-        )
-    if len(values) != batch:
-        raise EngineError(
-            f"{len(values)} budgets were given for a batch of {batch} rows; pass exactly one budget per row.",
-            parameter="budget",
-        )
-    missing = [v for v in values if int(v) not in menu]
-    if missing:
-        raise EngineError(
-            f"budget {missing[0]} is not in this engine's budgets {list(menu)}; pick one of those for every row.",
-            parameter="budget",
-        )
-    return np.asarray(values, dtype=np.int64)
+    return np.asarray(RowBudgets.resolve(budget, menu, batch, error=EngineError).rows, dtype=np.int64)
 
 
 def row_costs(manifest: dict, budgets: tuple[int, ...]) -> tuple:

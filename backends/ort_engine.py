@@ -22,6 +22,7 @@ import torch
 from looptool.backends.onnx_format import MANIFEST, ROWWISE, EngineError
 from looptool.backends.serving import BUDGETS, INPUTS, LOGITS, CacheLayout, past_name, present_name
 from looptool.core.errors import LooptoolError
+from looptool.engine.budgets import RowBudgets
 from looptool.engine.interface import (
     ArraySlotCache,
     EngineFacts,
@@ -75,30 +76,32 @@ class OrtStepEngine(StepEngine):
         )
 
     def step(
-        self, cache: ArraySlotCache, rows: slice, input_ids, attention_mask, position_ids, cache_position, budgets
+        self,
+        cache: ArraySlotCache,
+        rows: slice,
+        input_ids,
+        attention_mask,
+        position_ids,
+        cache_position,
+        budgets: RowBudgets,
     ) -> torch.Tensor:
         """One cached step over cache rows ``rows`` (``input_ids [R, T]``, ``attention_mask
-        [R, length]``, ``position_ids [R, T]``, ``cache_position [T]``, ``budgets [R]``);
-        returns float32 next-token logits ``[R, vocab]`` (last position)."""
+        [R, length]``, ``position_ids [R, T]``, ``cache_position [T]``, each row's budget,
+        resolved by the caller); returns float32 next-token logits ``[R, vocab]`` (last position)."""
         start, stop, stride = rows.indices(len(cache.buffers[0]))
-        row_budgets = as_numpy(budgets).astype(np.int64, copy=False).reshape(-1)
-        if stride != 1 or stop - start != len(row_budgets) or stop <= start:
+        if stride != 1 or stop - start != len(budgets) or stop <= start:
             raise EngineError(
                 f"rows {rows} must be a contiguous, non-empty slice of the cache with one budget per row "
-                f"({len(row_budgets)} given)."
+                f"({len(budgets)} given)."
             )
-        unknown = sorted(set(row_budgets.tolist()) - set(self.budgets))
-        if unknown:
-            raise EngineError(f"budget {unknown[0]} is not in this engine's budgets {list(self.budgets)}.")
-        first = int(row_budgets[0])
-        key = first if (row_budgets == first).all() and first in self._pairs else ROWWISE
+        key = budgets.graph(self._pairs)
         io, logits = self._binding(cache, key, start, stop)
         io.bind_cpu_input(INPUTS[0], as_numpy(input_ids).astype(np.int64, copy=False))
         io.bind_cpu_input(INPUTS[1], as_numpy(attention_mask).astype(self.runtime.mask_dtype, copy=False))
         io.bind_cpu_input(INPUTS[2], as_numpy(position_ids).astype(np.int64, copy=False))
         io.bind_cpu_input(INPUTS[3], as_numpy(cache_position).astype(np.int64, copy=False))
         if key == ROWWISE:
-            io.bind_cpu_input(BUDGETS, np.ascontiguousarray(row_budgets))
+            io.bind_cpu_input(BUDGETS, np.asarray(budgets.rows, dtype=np.int64))
         self.runtime.session(key, self.kv).run_with_iobinding(io)
         return torch.from_numpy(logits[:, -1].astype(np.float32))
 

@@ -22,6 +22,7 @@ import torch
 
 from looptool.backends.onnx_format import MANIFEST, ROWWISE, EngineError
 from looptool.backends.serving import BUDGETS, INPUTS, LOGITS, CacheLayout, past_name, present_name
+from looptool.engine.budgets import RowBudgets
 from looptool.engine.interface import EngineFacts, OpenedEngine, StepEngine, TensorSlotCache, costs_by_budget, eos_ids
 
 WANTS = "give an engine directory exported with backend='tensorrt' whose engines were built on this GPU"
@@ -71,18 +72,24 @@ class TrtStepEngine(StepEngine):
 
     @torch.no_grad()
     def step(
-        self, cache: TensorSlotCache, rows: slice, input_ids, attention_mask, position_ids, cache_position, budgets
+        self,
+        cache: TensorSlotCache,
+        rows: slice,
+        input_ids,
+        attention_mask,
+        position_ids,
+        cache_position,
+        budgets: RowBudgets,
     ) -> torch.Tensor:
-        """One cached step over cache rows ``rows``; float32 next-token logits ``[R, vocab]`` on the CPU."""
+        """One cached step over cache rows ``rows`` (each row's budget resolved by the caller);
+        float32 next-token logits ``[R, vocab]`` on the CPU."""
         start, stop, stride = rows.indices(cache.slots)
-        row_budgets = torch.as_tensor(budgets, dtype=torch.long).reshape(-1)
-        if stride != 1 or stop - start != len(row_budgets) or stop <= start:
+        if stride != 1 or stop - start != len(budgets) or stop <= start:
             raise EngineError(
                 f"rows {rows} must be a contiguous, non-empty slice of the cache with one budget per row "
-                f"({len(row_budgets)} given)."
+                f"({len(budgets)} given)."
             )
-        first = int(row_budgets[0])
-        key = first if bool((row_budgets == first).all()) and first in self._pairs else ROWWISE
+        key = budgets.graph(self._pairs)
         rt, ctx = self.runtime, self.runtime.contexts[key, self.kv]
         steps = int(input_ids.shape[1])
         profile = 0 if steps > 1 else 1  # the prefill profile, then the decode one
@@ -92,7 +99,7 @@ class TrtStepEngine(StepEngine):
         feeds = dict(zip(INPUTS, (input_ids, attention_mask, position_ids, cache_position)))
         dtypes = dict(zip(INPUTS, (torch.long, self.mask_dtype, torch.long, torch.long)))
         if key == ROWWISE:
-            feeds[BUDGETS], dtypes[BUDGETS] = row_budgets, torch.long
+            feeds[BUDGETS], dtypes[BUDGETS] = budgets.tensor(), torch.long
         on_device = {
             name: torch.as_tensor(t).to(rt.device, dtypes[name], non_blocking=True).contiguous()
             for name, t in feeds.items()

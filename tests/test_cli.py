@@ -228,7 +228,7 @@ def test_generate_cli(looped_with_tokenizer):
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["--budget", "7", "-p", "x"], "not in this model's budget menu"),
+        (["--budget", "7", "-p", "x"], "budget 7 is not in the budget menu"),
         (["-p", "  "], "empty"),
         (["-p", "x", "--max-new-tokens", "-1"], "non-negative"),
         (["-p", "x", "--kv", "sometimes"], "unknown KV cache policy"),

@@ -12,6 +12,7 @@ import torch
 import looptool
 from looptool.core.errors import LooptoolError, PassError
 from looptool.engine import TensorSlotCache
+from looptool.engine.budgets import RowBudgets
 from looptool.passes import PassManager
 from looptool.passes.rowwise_budget import BUDGETS, ROWWISE
 from looptool.runtime.generation import cached_layer_graph, generate, rowwise_path
@@ -108,7 +109,7 @@ def test_bad_row_budgets():
     with pytest.raises(LooptoolError, match="not an integer"):
         generate(model, prompt, budget=[0, True])
     assert generate(model, prompt, budget=[torch.tensor(0), 2], max_new_tokens=1).budgets == (0, 2)
-    with pytest.raises(LooptoolError, match="1-D and integer"):
+    with pytest.raises(LooptoolError, match="budget 0.0 is not an integer"):
         generate(model, prompt, budget=torch.tensor([0.0, 1.0]))
 
 
@@ -151,7 +152,7 @@ def test_step_engine_over_a_slice_of_a_bigger_cache(kv):
             full_mask[r : r + 1],
             position[r : r + 1],
             torch.arange(6),
-            torch.tensor([k]),
+            RowBudgets((k,)),
         )
         logits.append(one)
     steps = [torch.cat(logits)]
@@ -160,7 +161,7 @@ def test_step_engine_over_a_slice_of_a_bigger_cache(kv):
         full_mask[:, 6 + i] = 1
         position = position[:, -1:] + 1
         steps.append(
-            engine.step(cache, rows, ids[:, None], full_mask, position, torch.tensor([6 + i]), torch.tensor(menu))
+            engine.step(cache, rows, ids[:, None], full_mask, position, torch.tensor([6 + i]), RowBudgets(tuple(menu)))
         )
         ids = steps[-1].argmax(-1)
     assert steps[0].dtype == torch.float32 and steps[0].shape == (len(menu), engine.vocab_size)
@@ -212,7 +213,7 @@ def test_generate_cli_one_budget_per_prompt(model_dir):
         ("2", "1", "5"),
     ]
     for bad, message in [
-        ("0,9,1", "not in this model's budget menu"),
+        ("0,9,1", "budget 9 is not in the budget menu"),
         ("0,1", "2 budgets for 3 --prompt(s)"),
         ("0,1.5,2", "'1.5' is not an integer"),
     ]:

@@ -16,6 +16,7 @@ import looptool
 from looptool.backends.onnx import MANIFEST, ROWWISE, EngineError, export_onnx
 from looptool.backends.ort import Runtime
 from looptool.backends.ort_engine import OrtStepEngine
+from looptool.engine.budgets import RowBudgets
 from looptool.runtime.generation import generate
 from looptool.testing import byte_tokenizer, tiny_model
 
@@ -130,8 +131,8 @@ def test_bad_row_budgets_get_one_sentence(engines, tmp_path):
     model, rt, _ = engines["prefix"]
     ids, _ = _batch(model, 2)
     for budget, match in (
-        ([0, 7], r"budget 7 is not in this engine's budgets \[0, 1, 2\]"),
-        ([0, 1, 2], "3 budgets were given for a batch of 2 rows"),
+        ([0, 7], r"budget 7 is not in the budget menu \[0, 1, 2\]"),
+        ([0, 1, 2], "3 budgets for a batch of 2 rows"),
         ([0, 1.5], "budget 1.5 is not an integer"),
         (torch.tensor([0.0, 1.0]), "budget 0.0 is not an integer"),
     ):
@@ -167,7 +168,7 @@ def test_step_engine_slices_equal_generating_each_row_alone(engines, name):
         mask[r, clock - n : clock] = 1
         pos = torch.arange(n)[None]
         logits = engine.step(
-            cache, slice(r, r + 1), p, mask[r : r + 1], pos, torch.arange(clock - n, clock), torch.tensor([budgets[r]])
+            cache, slice(r, r + 1), p, mask[r : r + 1], pos, torch.arange(clock - n, clock), RowBudgets((budgets[r],))
         )
         assert logits.dtype == torch.float32 and logits.shape == (1, engine.vocab_size)
         assert (logits[0] - ref.logits[0][0]).abs().max().item() <= 1e-5
@@ -182,7 +183,7 @@ def test_step_engine_slices_equal_generating_each_row_alone(engines, name):
             mask,
             positions,
             torch.tensor([clock]),
-            torch.tensor(budgets),
+            RowBudgets(tuple(budgets)),
         )
         for r, ref in enumerate(refs):
             assert (logits[r] - ref.logits[i + 1][0]).abs().max().item() <= 1e-5, (name, i, r)
@@ -200,7 +201,7 @@ def test_step_engine_slices_equal_generating_each_row_alone(engines, name):
         mask[:2],
         positions[1:2].repeat(2, 1),
         torch.tensor([clock]),
-        torch.tensor([shared, shared]),
+        RowBudgets((shared, shared)),
     )
     assert torch.equal(pair[0], pair[1])
     ref = rt.generate(prompts[1], budget=shared, max_new_tokens=steps + 2, output_logits=True)
@@ -208,8 +209,8 @@ def test_step_engine_slices_equal_generating_each_row_alone(engines, name):
     before = [b.copy() for b in cache.buffers]
     cache.shift_left(4)
     assert all(np.array_equal(b[:, :, : length - 4], old[:, :, 4:]) for b, old in zip(cache.buffers, before))
-    with pytest.raises(EngineError, match="budget 9 is not in this engine's budgets"):
-        engine.step(cache, slice(0, 1), torch.tensor([[1]]), mask[:1], positions[:1], torch.tensor([clock]), [9])
+    with pytest.raises(EngineError, match="budget 9 is not in the budget menu"):  # checked at the edge
+        RowBudgets.resolve([9], engine.budgets, 1, error=EngineError)
 
 
 def test_prompt_logprobs_match_the_full_forward(engines):
@@ -285,7 +286,7 @@ def test_run_command_takes_one_budget_per_prompt(engines, tmp_path):
     assert "budgets 0,2,1" in res.output and "per row" in res.output
     bare = _without_rowwise(rt.directory, tmp_path / "bare")
     for args, message in (
-        ([*base, "0,7,1"], "budget 7 is not in this engine's budgets"),
+        ([*base, "0,7,1"], "budget 7 is not in the budget menu"),
         ([*base, "0,1"], "2 budgets for 3 --prompt"),
         ([*base, "0,x,1"], "is not an integer"),
         ([*base[:1], str(bare), *base[2:], "0,2,1"], "exported without the row-wise graph"),

@@ -88,12 +88,12 @@ def generate(
         with steps.stage(f"loading {model_dir}"):
             model = load(model_dir, device=device)
         tok = text.model_tokenizer(model, tokenizer)
-        rows = row_budgets(model, budgets, len(prompt))
+        rows = row_budgets(model, budgets, len(prompt))  # resolved once; generate takes it as it is
         with steps.stage(f"building cached budget paths ({kv})"):
-            if len(set(rows)) > 1:  # the rows run together through the row-wise path
+            if not rows.uniform:  # the rows run together through the row-wise path
                 rowwise_path(model, kv)
             else:  # the one budget asked for: its path alone is built
-                cached_paths(model, kv, rows[:1])
+                cached_paths(model, kv, rows.rows[:1])
     enc = text.encode_prompts(tok, prompt)
     result = _stream_generation(
         tok,
@@ -103,7 +103,7 @@ def generate(
             model,
             enc["input_ids"].to(device),
             attention_mask=enc["attention_mask"].to(device),
-            budget=list(rows),
+            budget=rows,
             max_new_tokens=max_new_tokens,
             kv=kv,
             sampling=sampling,
@@ -112,7 +112,7 @@ def generate(
             on_step=on_step,
         ),
     )
-    shown = f"budget {rows[0]}" if len(set(rows)) == 1 else f"budgets {','.join(map(str, rows))}"
+    shown = f"budget {rows.rows[0]}" if rows.uniform else f"budgets {','.join(map(str, rows.rows))}"
     _print_generation(tok, prompt, enc, result, stream, f"{shown} · kv {kv} · batch {len(prompt)}")
 
 

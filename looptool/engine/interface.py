@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from looptool.core.errors import LooptoolError
+from looptool.engine.budgets import RowBudgets
 
 
 class SlotCache(ABC):
@@ -120,11 +121,12 @@ class StepEngine(ABC):
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
         cache_position: torch.Tensor,
-        budgets: torch.Tensor,
+        budgets: RowBudgets,
     ) -> torch.Tensor:
         """One cached step over cache rows ``rows`` (written in place): ``input_ids [R, T]``,
         ``attention_mask [R, length]``, ``position_ids [R, T]``, ``cache_position [T]`` (the
-        slots this step writes), ``budgets [R]``; float32 next-token logits ``[R, vocab]`` (CPU)."""
+        slots this step writes) and each row's budget, resolved by the caller (an engine does
+        not check it again); float32 next-token logits ``[R, vocab]`` (CPU)."""
 
     def prompt_logprobs(self, input_ids: torch.Tensor, budget: int) -> torch.Tensor:
         """float32 log-softmax over the vocabulary at every position of ``input_ids [1, T]``:
@@ -141,7 +143,7 @@ class StepEngine(ABC):
         for t in range(length):
             mask[0, t] = 1
             step = torch.tensor([[t]])
-            logits = self.step(scratch, slice(0, 1), ids[:, t : t + 1], mask, step, step[0], torch.tensor([budget]))
+            logits = self.step(scratch, slice(0, 1), ids[:, t : t + 1], mask, step, step[0], RowBudgets((budget,)))
             rows.append(logits[0])
         return torch.log_softmax(torch.stack(rows).float(), dim=-1)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from looptool.capture import capture_config
 from looptool.core.errors import LooptoolError
 from looptool.core.graph import ROWWISE, LayerGraph, annotation, dtype_from_str, shared_graph_module
 from looptool.core.plan import BudgetCost
+from looptool.engine.budgets import RowBudgets
 from looptool.engine.sampling import GREEDY, SamplingParams, TokenPicker
 from looptool.passes import PassManager
 from looptool.passes.kv_cache import KV_POLICIES
@@ -177,35 +177,10 @@ def rowwise_path(model: LoopedModel, kv: str = "per-loop") -> CachedPath:
     return store[(ROWWISE, kv)]
 
 
-def row_budgets(model: LoopedModel, budget, batch: int) -> tuple[int, ...]:
-    """Each row's budget from ``budget``: None or an int (every row), or a list / 1-D integer
-    tensor with one budget per row; one sentence refuses anything else."""
-    if budget is None or isinstance(budget, int):
-        return (model.check_budget(budget),) * batch
-    if isinstance(budget, torch.Tensor):
-        if budget.dim() != 1 or budget.dtype.is_floating_point or budget.dtype == torch.bool:
-            raise LooptoolError(
-                f"a budget tensor must be 1-D and integer, got {budget.dtype} of shape {tuple(budget.shape)}; "
-                "give one integer budget per row.",
-                parameter="budget",
-            )
-        budget = budget.tolist()
-    if not isinstance(budget, Sequence) or isinstance(budget, str):
-        raise LooptoolError(f"budget {budget!r} is neither an integer nor a list of integers.", parameter="budget")
-    if len(budget) != batch:
-        raise LooptoolError(
-            f"{len(budget)} budgets for a batch of {batch} rows; give one budget per row.", parameter="budget"
-        )
-    rows = []
-    for k in budget:
-        try:  # ints and integer scalars (numpy, 0-d tensors); not bools, floats or strings
-            value = None if isinstance(k, bool) else operator.index(k)
-        except TypeError:
-            value = None
-        if value is None:
-            raise LooptoolError(f"budget {k!r} is not an integer; give whole numbers.", parameter="budget")
-        rows.append(model.check_budget(value))
-    return tuple(rows)
+def row_budgets(model: LoopedModel, budget, batch: int) -> RowBudgets:
+    """Each row's budget from ``budget`` (see :meth:`looptool.engine.budgets.RowBudgets.resolve`;
+    None: the model's default budget), checked against the model's menu once."""
+    return RowBudgets.resolve(budget, model.budgets, batch, default=model.default_budget)
 
 
 def _bind(model: LoopedModel, graph: fx.Graph) -> CachedPath:
@@ -354,7 +329,8 @@ def generate(
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens per row at ``budget`` with a KV cache.
 
-    ``budget`` is one budget for every row, or one per row (a list or 1-D integer tensor):
+    ``budget`` is one budget for every row, or one per row (a list, a 1-D integer tensor or a
+    :class:`~looptool.engine.budgets.RowBudgets` resolved before):
     rows of different budgets then run together through :func:`rowwise_path`, each exactly
     at its own budget; a batch whose rows share one budget runs that budget's own path.
 
@@ -368,13 +344,12 @@ def generate(
     """
     check_generation_args(input_ids, max_new_tokens)
     batch, prompt = input_ids.shape
-    budgets = row_budgets(model, budget, batch)
-    uniform = len(set(budgets)) == 1
-    path = cached_paths(model, kv, budgets[:1])[budgets[0]] if uniform else rowwise_path(model, kv)
+    rows = row_budgets(model, budget, batch)
+    path = cached_paths(model, kv, rows.rows[:1])[rows.rows[0]] if rows.uniform else rowwise_path(model, kv)
     param = next(model.parameters())
     capacity = prompt + max_new_tokens
     caches = allocate_cache(path, batch, capacity, dtype=param.dtype, device=param.device)
-    extra = () if uniform else (torch.tensor(budgets, dtype=torch.long, device=param.device),)
+    extra = () if rows.uniform else (rows.tensor(param.device),)
 
     def step(ids, mask, position, cache_position):
         return path.module(ids, mask, position, cache_position, *extra, *caches)[:, -1]
@@ -394,4 +369,4 @@ def generate(
         kv_bytes=sum(c.numel() * c.element_size() for c in caches),
     )
     costs = {c.budget: c for c in model.cost_table()}
-    return dataclasses.replace(out, budgets=budgets, row_costs=tuple(costs[k] for k in budgets))
+    return dataclasses.replace(out, budgets=rows.rows, row_costs=tuple(costs[k] for k in rows.rows))

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from looptool.core.errors import LooptoolError
+from looptool.core.graph import ROWWISE
+from looptool.engine.budgets import RowBudgets
 from looptool.engine.interface import EngineFacts, OpenedEngine, StepEngine, TensorSlotCache, costs_by_budget, eos_ids
 from looptool.runtime.generation import allocate_cache, cached_paths, check_policy, rowwise_path
 
@@ -58,29 +59,19 @@ class TorchStepEngine(StepEngine):
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
         cache_position: torch.Tensor,
-        budgets: torch.Tensor,
+        budgets: RowBudgets,
     ) -> torch.Tensor:
         """One cached step over cache rows ``rows`` (views, written in place); returns float32
-        next-token logits ``[R, vocab]`` at the last position, each row at its own budget."""
+        next-token logits ``[R, vocab]`` at the last position, each row at its own budget
+        (``budgets``, resolved by the caller)."""
         views = [b[rows] for b in cache.buffers]
-        ks = [int(k) for k in budgets.tolist()]
-        if len(ks) != input_ids.shape[0] or len(ks) != views[0].shape[0]:
-            raise LooptoolError(
-                f"{len(ks)} budgets for {input_ids.shape[0]} input rows and {views[0].shape[0]} cache rows; "
-                "give one budget per row of the slice.",
-                parameter="budgets",
-            )
-        unknown = sorted(set(ks) - set(self.budgets))
-        if unknown:
-            raise LooptoolError(
-                f"budget {unknown[0]} is not in this model's budget menu {list(self.budgets)}; pick one of those.",
-                parameter="budgets",
-            )
-        if len(set(ks)) == 1:  # one budget: its own path on its own cache pairs
-            caches = [views[i] for i in self.pairs[ks[0]]]
-            logits = self.paths[ks[0]].module(input_ids, attention_mask, position_ids, cache_position, *caches)
+        if budgets.graph(self.paths) != ROWWISE:  # one budget: its own path on its own cache pairs
+            k = budgets.rows[0]
+            caches = [views[i] for i in self.pairs[k]]
+            logits = self.paths[k].module(input_ids, attention_mask, position_ids, cache_position, *caches)
         else:
-            logits = self.rowwise.module(input_ids, attention_mask, position_ids, cache_position, budgets, *views)
+            row_budgets = budgets.tensor(input_ids.device)
+            logits = self.rowwise.module(input_ids, attention_mask, position_ids, cache_position, row_budgets, *views)
         return logits[:, -1].float()
 
     @torch.no_grad()

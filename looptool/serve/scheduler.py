@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from looptool.engine import StepEngine
+from looptool.engine.budgets import RowBudgets
 from looptool.engine.sampling import GREEDY, SamplingParams, TokenPicker
 from looptool.serve.logprobs import top_logprobs
 from looptool.serve.metrics import Metrics
@@ -267,7 +268,7 @@ class Scheduler:
             self.mask[r : r + 1],
             torch.arange(n, device=self.device)[None],
             torch.arange(self.clock - n, self.clock, device=self.device),
-            torch.tensor([job.budget], dtype=torch.long, device=self.device),
+            RowBudgets((job.budget,)),
         )
         row = _Row(job, list(job.prompt), TokenPicker(job.sampling, self.device), position=n)
         self.rows.append(row)
@@ -291,7 +292,7 @@ class Scheduler:
             self.mask[:n],
             torch.tensor([[row.position] for row in self.rows], dtype=torch.long, device=dev),
             torch.tensor([self.clock], dtype=torch.long, device=dev),
-            torch.tensor([row.job.budget for row in self.rows], dtype=torch.long, device=dev),
+            RowBudgets(tuple(row.job.budget for row in self.rows)),  # resolved at the HTTP edge
         )
         self.clock += 1
         self.steps += 1
