@@ -36,6 +36,7 @@ import torch
 
 import looptool
 from looptool.capture.sources import load_source
+from looptool.engine.budgets import RowBudgets
 from looptool.runtime.generation import cached_paths, rowwise_path
 from looptool.runtime.step_engine import TorchStepEngine
 
@@ -78,7 +79,7 @@ def main() -> None:
         cmask = torch.zeros(BATCH, LENGTH, dtype=engine.mask_dtype)
         cmask[:, :CONTEXT] = 1
         pos = torch.arange(CONTEXT).expand(BATCH, -1)
-        engine.step(cache, slice(0, BATCH), ctx, cmask, pos, torch.arange(CONTEXT), torch.tensor(SPREAD))
+        engine.step(cache, slice(0, BATCH), ctx, cmask, pos, torch.arange(CONTEXT), RowBudgets(tuple(SPREAD)))
         own = {
             (k, b): [cache.buffers[i][:b].clone() for i in engine.pairs[k]]
             for k in (0, 12)
@@ -98,13 +99,13 @@ def main() -> None:
         "path_0": lambda: paths[0].module(ids, mask, position, cache_pos, *own[(0, BATCH)]),
         "path_12": lambda: paths[12].module(ids, mask, position, cache_pos, *own[(12, BATCH)]),
         "engine_all_0": lambda: engine.step(
-            cache, slice(0, BATCH), ids, mask, position, cache_pos, torch.zeros(8, dtype=torch.long)
+            cache, slice(0, BATCH), ids, mask, position, cache_pos, RowBudgets((0,) * 8)
         ),
         "engine_all_12": lambda: engine.step(
-            cache, slice(0, BATCH), ids, mask, position, cache_pos, torch.full((8,), 12)
+            cache, slice(0, BATCH), ids, mask, position, cache_pos, RowBudgets((12,) * 8)
         ),
         "engine_spread": lambda: engine.step(
-            cache, slice(0, BATCH), ids, mask, position, cache_pos, torch.tensor(SPREAD)
+            cache, slice(0, BATCH), ids, mask, position, cache_pos, RowBudgets(tuple(SPREAD))
         ),
         "rowwise_all_0": lambda: rowwise.module(
             ids, mask, position, cache_pos, torch.zeros(8, dtype=torch.long), *cache.buffers
