@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import shutil
@@ -27,7 +28,7 @@ from looptool.backends.onnx import (
 from looptool.backends.onnx_layers import LAYER_DOMAIN
 from looptool.backends.ort import Runtime, _Binding
 from looptool.backends.serving import serving_graph
-from looptool.runtime.generation import generate
+from looptool.runtime.generation import GenerationOutput, generate
 from looptool.testing import tiny_model
 
 CASES = {
@@ -299,6 +300,63 @@ def test_failed_export_leaves_nothing(tmp_path):
     target.mkdir()
     with pytest.raises(looptool.LooptoolError, match="already exists"):
         export_onnx(model, target, 0)
+
+
+def _greedy(ids, steps: int, table: torch.Tensor):
+    """A stand-in generation: greedy, the next-token logits a function of the last token."""
+    logits = []
+    for _ in range(steps):
+        logits.append(table[ids[:, -1]])
+        ids = torch.cat([ids, logits[-1].argmax(-1)[:, None]], dim=1)
+    return GenerationOutput(ids, steps, 0.0, 0.0, 0, 0.0, tuple(logits))
+
+
+def test_validation_tells_a_near_tie_from_a_wrong_token():
+    from looptool.backends.onnx_validate import _check
+
+    table = torch.rand(5, 5, generator=torch.Generator().manual_seed(0)) * 0.5
+    table[0, 1], table[0, 2] = 0.5, 0.4998  # after token 0, tokens 1 and 2 nearly tie
+    ids = torch.tensor([[3, 0]])
+    mask = torch.ones_like(ids)
+    ref = _greedy(ids, 4, table)
+    flipped = table.clone()
+    flipped[0, 2] = 0.5002  # the other runtime's rounding swaps them: the rest runs on the reference's tokens
+    calls = []
+
+    def run(ids, mask, n, table=flipped):
+        calls.append((ids.shape[1], n))
+        return _greedy(ids, n, table)
+
+    assert _check(ref, run, ids, mask, 1e-2, "budget 0", "random") == pytest.approx(4e-4, abs=1e-6)
+    assert calls == [(2, 4), (3, 3)]  # after the tie at the first step: resumed on the reference's token
+    with pytest.raises(ExportError, match=r"differ by 0.0004 .* \(limit 0\) and generate different tokens"):
+        _check(ref, run, ids, mask, 0.0, "budget 0", "random")  # no tie is near enough
+    table[0, 2] = 0.485  # 0.015 apart: onnxruntime's logits within 0.01, its pick 0.015 below the reference's
+    ref, wrong = _greedy(ids, 4, table), table.clone()
+    wrong[0, 1], wrong[0, 2] = 0.493, 0.494
+    with pytest.raises(ExportError, match="differ by 0.009 .* and generate different tokens"):
+        _check(ref, functools.partial(run, table=wrong), ids, mask, 1e-2, "budget 0", "random")
+
+
+def test_a_reference_that_overflows_is_refused_naming_the_precision():
+    from looptool.backends.onnx_validate import _check
+
+    table = torch.rand(5, 5, generator=torch.Generator().manual_seed(0)).half()
+    table[0, 1] = float("inf")  # what an fp16 model whose residual stream passes 65504 produces
+    ids = torch.tensor([[3, 0]])
+    ref = _greedy(ids, 3, table)
+    with pytest.raises(ExportError, match="non-finite logits in float16 .*precision='bf16' or 'fp32'") as err:
+        _check(ref, lambda ids, mask, n: _greedy(ids, n, table), ids, torch.ones_like(ids), 1e-2, "budget 0", "random")
+    assert err.value.parameter == "precision"
+
+
+def test_fp16_greedy_near_tie_validates(tmp_path):
+    # a 3-layer tiny Llama in fp16: at its first decode step the left-padded random row's two
+    # best tokens lie one fp16 ulp apart (fp32: 0.34820 vs 0.34794) and PyTorch and
+    # onnxruntime pick different ones; every step agrees to 5e-4 on the same tokens
+    model = looptool.convert(tiny_model("llama", num_layers=3), looptool.PrefixLoop(window=(1, 3), budgets=(0, 2)))
+    report = export_onnx(looptool.cast(model, torch.float16), tmp_path / "engine", 0, rowwise=False)
+    assert report.max_abs_diff < 1e-3
 
 
 @pytest.fixture
