@@ -17,14 +17,13 @@ shapes and dtypes only, so it is kept, keyed by:
   settings it traces under (``looptool/core/tracing.py``).
 
 Entries live under ``$LOOPTOOL_CACHE/onnx-bodies`` (``LOOPTOOL_CACHE=off`` disables it) in
-:class:`looptool.capture.disk_cache.DiskCache`'s form: the data is the body's ONNX model
-and its fusion counts. A bad entry is dropped with a warning and the body exported afresh;
+the store :data:`looptool.cache.ONNX_BODIES`: the data is the body's ONNX model and its
+fusion counts. A bad entry is dropped with a warning and the body exported afresh;
 the export's validation (onnxruntime against PyTorch) runs either way.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import json
 import logging
@@ -34,17 +33,17 @@ from pathlib import Path
 
 import torch
 
-from looptool.capture.disk_cache import DiskCache, canonical, enabled, sha256
+from looptool.cache import ONNX_BODIES, Store, caches, digest, enabled, sha256
 from looptool.core.version import __version__
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
-SUBDIR = "onnx-bodies"
-STATS: collections.Counter = collections.Counter()  # "hit", "miss", "dropped", "uncached"
-_STORE = DiskCache(SUBDIR, FORMAT, ".onnx", "ONNX body cache", log)
-
 Export = Callable[..., tuple[object, dict[str, int]]]  # (module, example, shapes) -> (onnx_ir model, fusions)
+
+
+def _store() -> Store:
+    """This process's body store (counts: "hit", "miss", "dropped", "uncached")."""
+    return caches().onnx_bodies
 
 
 def versions() -> dict[str, str]:
@@ -68,34 +67,30 @@ def cached(export: Export, module, example, shapes, *, code_key: str, variant: s
     counts)`` — served from the cache when a body of the same ``code_key`` (the library's
     canonical form of its code), input shapes and dtypes (``example``), dynamic dimensions
     (``shapes``) and ``variant`` was exported before by the same versions and code."""
+    store = _store()
     if not enabled():
-        STATS["uncached"] += 1
+        store.count("uncached")
         return export(module, tuple(example), shapes)
     key = {
-        "format": FORMAT,
+        "format": ONNX_BODIES.format,
         "code": code_key,
         "inputs": [[list(t.shape), str(t.dtype)] for t in example],
         "dynamic": [None if s is None else sorted((int(d), str(v)) for d, v in s.items()) for s in shapes],
         "variant": variant,
         "lowering": _lowering_code_hash(),
     }
-    digest, written_by = sha256(canonical(key).encode()), versions()
-    found = _STORE.read(digest, key, written_by, _decode, on_drop=lambda: STATS.update(["dropped"]))
-    if found is not None:
-        STATS["hit"] += 1
-        return found
-    with _STORE.one_builder(digest):  # a process exporting the same body: wait, then read its entry
-        found = _STORE.read(digest, key, written_by, _decode, on_drop=lambda: STATS.update(["dropped"]))
-        if found is not None:
-            STATS["hit"] += 1
-            return found
-        STATS["miss"] += 1
-        model, fusions = export(module, tuple(example), shapes)  # errors of the export reach the caller unchanged
-        try:
-            _STORE.write(digest, key, written_by, _encode(model, fusions))
-        except Exception as exc:  # the cache never fails an export
-            _STORE.could_not_store(exc, "the exported body")
-    return model, fusions
+    name, written_by = digest(key), versions()
+
+    def keep(exported: tuple[object, dict[str, int]]) -> None:
+        store.write(name, key, written_by, _encode(*exported))
+
+    return store.get_or_build(  # errors of the export reach the caller unchanged
+        name,
+        lambda: store.load(name, key, written_by, lambda data: (_decode(data), None), event="hit"),
+        lambda: export(module, tuple(example), shapes),
+        keep,
+        "the exported body",
+    )
 
 
 def _encode(model, fusions: dict[str, int]) -> bytes:

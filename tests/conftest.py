@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import looptool
+import looptool.cache
 from looptool.testing import TINY_MODEL_TYPES, byte_tokenizer, tiny_model
 
 if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter on CPU tensors
@@ -146,20 +147,13 @@ def pytest_xdist_make_scheduler(config, log):
     return WorkUnitScheduling(config, log)
 
 
-@contextlib.contextmanager
-def own_caches(monkeypatch, path: Path, *levels):
-    """``LOOPTOOL_CACHE`` set to ``path`` (a test's own cache, never the user's or the run's)
-    for the block, with the in-process entries and counters of each cache module in
-    ``levels`` cleared before and the entries after."""
-    monkeypatch.setenv("LOOPTOOL_CACHE", str(path))
-    for level in levels:
-        level.clear_memory()
-        level.STATS.clear()
-    try:
-        yield path
-    finally:
-        for level in levels:
-            level.clear_memory()
+@pytest.fixture
+def own_caches(tmp_path):
+    """Fresh caches of this test's own under ``tmp_path/cache`` (never the user's or the run's):
+    empty in-process entries and counts, the process's caches back after
+    (:func:`looptool.cache.scoped`)."""
+    with looptool.cache.scoped(tmp_path / "cache") as fresh:
+        yield fresh
 
 
 @pytest.fixture(params=TINY_MODEL_TYPES)

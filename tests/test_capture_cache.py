@@ -12,10 +12,11 @@ import time
 
 import pytest
 import torch
-from conftest import TINY_PLAN, own_caches
+from conftest import TINY_PLAN
 
 import looptool
-from looptool.capture import cache, config_cache
+from looptool.cache import caches, digest, scoped, sha256
+from looptool.capture import cache
 from looptool.capture import capture as capture_graph
 from looptool.capture.export import build_skeleton, export_decode_step, export_source
 from looptool.runtime.generation import generate
@@ -26,10 +27,14 @@ SKELETON_LAYERS = 1  # the cache's mechanics do not depend on depth; a one-layer
 
 
 @pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch):
-    """A cache of this test's own (never the user's or the session's), memory cleared."""
-    with own_caches(monkeypatch, tmp_path / "cache", cache, config_cache) as path:
-        yield path / cache.SUBDIR
+def cache_dir(own_caches):
+    """The capture folder of a cache of this test's own (never the user's or the session's)."""
+    return own_caches.captures.directory()
+
+
+def stats():
+    """What served the captures so far (the test's own counts)."""
+    return caches().captures.stats
 
 
 def _off(monkeypatch):
@@ -88,19 +93,19 @@ def test_cached_load_is_bit_identical(arch, plan, decode, tmp_path, monkeypatch,
     assert not cache_dir.exists()
     for path in ("miss", "disk", "memory"):
         if path == "disk":
-            cache.clear_memory()
-            config_cache.clear_memory()
+            caches().clear_memory()
         loaded = looptool.load(saved)
         assert loaded.layer_graph.module.code == code
         got = _logits(loaded, input_ids), _generations(loaded, prompt) if decode else {}
-        assert cache.STATS[path] == (2 if decode else 1), (path, dict(cache.STATS))  # the forward (and the decode step)
-        assert config_cache.STATS[path] == (2 if decode else 1), (path, dict(config_cache.STATS))
+        assert stats()[path] == (2 if decode else 1), (path, dict(stats()))  # the forward (and the decode step)
+        assert caches().configs.stats[path] == (2 if decode else 1), (path, dict(caches().configs.stats))
         for k in want[0]:
             assert torch.equal(want[0][k], got[0][k]), f"{arch} {path} budget {k}"
         for key, out in want[1].items():
             assert torch.equal(out.sequences, got[1][key].sequences), (path, key)
             assert all(torch.equal(a, b) for a, b in zip(out.logits, got[1][key].logits, strict=True)), (path, key)
-    assert cache.STATS["dropped"] == config_cache.STATS["dropped"] == config_cache.STATS["stale"] == 0
+    records = caches().configs.stats
+    assert stats()["dropped"] == records["dropped"] == records["stale"] == 0
 
 
 @pytest.mark.parametrize("decode", [False, True], ids=["forward", "decode"])
@@ -116,9 +121,9 @@ def test_cached_export_holds_the_models_own_tensors(decode, monkeypatch):
     own = _tensors(model)
     assert any(name not in model.state_dict() for name in own)  # a non-persistent buffer (rotary inv_freq)
     got = [fn(model)]
-    cache.clear_memory()
+    caches().clear_memory()
     got += [fn(model), fn(model)]
-    assert (cache.STATS["miss"], cache.STATS["disk"], cache.STATS["memory"]) == (1, 1, 1)
+    assert (stats()["miss"], stats()["disk"], stats()["memory"]) == (1, 1, 1)
     for gm in got:
         assert gm.code == fresh.code
         tensors = _tensors(gm)
@@ -136,16 +141,9 @@ def test_cached_export_holds_the_models_own_tensors(decode, monkeypatch):
 @pytest.fixture(scope="module")
 def populated(tmp_path_factory):
     """A cache holding the forward export of the tiny Llama skeleton, and the fresh code."""
-    root = tmp_path_factory.mktemp("populated")
-    mp = pytest.MonkeyPatch()
-    try:
-        mp.setenv("LOOPTOOL_CACHE", str(root))
-        cache.clear_memory()
+    with scoped(tmp_path_factory.mktemp("populated")) as filled:
         code = export_source(_skeleton()).code
-        cache.clear_memory()
-    finally:
-        mp.undo()
-    return root / cache.SUBDIR, code
+    return filled.captures.directory(), code
 
 
 def _config(**overrides):
@@ -201,23 +199,23 @@ def test_bad_entry_is_rebuilt_with_a_warning(corrupt, populated, cache_dir, capl
     with caplog.at_level("WARNING", logger="looptool.capture.cache"):
         gm = export_source(_skeleton())
     assert gm.code == code
-    assert cache.STATS["dropped"] == 1 and cache.STATS["miss"] == 1
+    assert stats()["dropped"] == 1 and stats()["miss"] == 1
     assert "capture cache: dropping the corrupt or stale entry" in caplog.text
     sidecar, program = _entry(cache_dir)  # rewritten whole
     meta = json.loads(sidecar.read_text())
-    assert meta["sha256"] == cache._sha256(program.read_bytes()) and meta["versions"] == cache.versions()
+    assert meta["sha256"] == sha256(program.read_bytes()) and meta["versions"] == cache.versions()
 
 
 def test_a_valid_entry_is_served_from_disk(populated, cache_dir):
     folder, code = populated
     shutil.copytree(folder, cache_dir)
     assert export_source(_skeleton()).code == code
-    assert (cache.STATS["disk"], cache.STATS["miss"]) == (1, 0)
+    assert (stats()["disk"], stats()["miss"]) == (1, 0)
 
 
 def _digest(model, options=None) -> str:
     key = cache.key_of(model, options or {"decode": False, "seq_len": 8, "batch": 2})
-    return cache._sha256(cache._canonical(key).encode())
+    return digest(key)
 
 
 def _subclassed(model):
@@ -268,11 +266,11 @@ def test_a_changed_version_misses_and_the_old_entry_stays(populated, cache_dir, 
     with monkeypatch.context() as m:
         m.setattr(cache, "__version__", "0.0.1")
         assert export_source(_skeleton()).code == code
-    assert (cache.STATS["miss"], cache.STATS["disk"], cache.STATS["dropped"]) == (1, 0, 0)
+    assert (stats()["miss"], stats()["disk"], stats()["dropped"]) == (1, 0, 0)
     assert len(list(cache_dir.glob("*.json"))) == 2
-    cache.clear_memory()
+    caches().clear_memory()
     export_source(_skeleton())
-    assert cache.STATS["disk"] == 1
+    assert stats()["disk"] == 1
 
 
 def test_hooked_models_are_not_cached(cache_dir):
@@ -289,7 +287,7 @@ def test_off_writes_nothing(tmp_path, monkeypatch):
     before = sorted(tmp_path.rglob("*"))
     capture_graph(_skeleton())
     assert sorted(tmp_path.rglob("*")) == before
-    assert not cache._memory and not cache.STATS
+    assert not caches().captures.held() and not stats()
 
 
 def test_concurrent_writers_of_one_key_leave_a_valid_entry(populated, cache_dir):
@@ -299,12 +297,12 @@ def test_concurrent_writers_of_one_key_leave_a_valid_entry(populated, cache_dir)
     meta = json.loads(sidecar.read_text())
     data = program.read_bytes()
     key = meta["key"]
-    digest = sidecar.stem
+    name = sidecar.stem
     errors = []
 
     def write():
         try:
-            cache._write(digest, key, data)
+            caches().captures.write(name, key, cache.versions(), data)
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -316,7 +314,7 @@ def test_concurrent_writers_of_one_key_leave_a_valid_entry(populated, cache_dir)
     assert not errors
     assert not list(cache_dir.glob(".*.tmp"))
     assert export_source(_skeleton()).code == code
-    assert (cache.STATS["disk"], cache.STATS["dropped"]) == (1, 0)
+    assert (stats()["disk"], stats()["dropped"]) == (1, 0)
 
 
 def test_concurrent_misses_of_one_key_export_once(cache_dir, monkeypatch):
@@ -344,32 +342,31 @@ def test_concurrent_misses_of_one_key_export_once(cache_dir, monkeypatch):
         t.join()
     assert len(exports) == 1, exports
     assert len(codes) == len(models) and len(set(codes.values())) == 1
-    assert (cache.STATS["miss"], cache.STATS["disk"] + cache.STATS["memory"]) == (1, len(models) - 1)
-    assert cache.STATS["dropped"] == 0
+    assert (stats()["miss"], stats()["disk"] + stats()["memory"]) == (1, len(models) - 1)
+    assert stats()["dropped"] == 0
 
 
-def test_an_unwritable_cache_warns_once_and_captures(tmp_path, monkeypatch, caplog):
+def test_an_unwritable_cache_warns_once_and_captures(tmp_path, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    monkeypatch.setenv("LOOPTOOL_CACHE", str(blocker))  # its captures/ folder cannot be made
-    with caplog.at_level("WARNING", logger="looptool.capture.cache"):
+    with scoped(blocker), caplog.at_level("WARNING", logger="looptool.capture.cache"):  # captures/ cannot be made
         code = export_source(_skeleton()).code
-        cache.clear_memory()
+        caches().clear_memory()
         assert export_source(_skeleton()).code == code
+        assert stats()["miss"] == 2
     assert caplog.text.count("could not store the exported program") == 1
     assert len(caplog.records) == 1
-    assert cache.STATS["miss"] == 2
 
 
 def test_a_changed_in_process_entry_is_read_again(populated, cache_dir):
     folder, code = populated
     shutil.copytree(folder, cache_dir)
     export_source(_skeleton())  # from disk, now also in memory
-    ((program, _),) = cache._memory.values()
+    ((program, _),) = caches().captures.held()
     env = program.shape_env()
     env.guards.append(env.guards[0] if env.guards else None)  # as if a caller had added a guard
     assert export_source(_skeleton()).code == code
-    assert (cache.STATS["disk"], cache.STATS["memory"]) == (2, 0)
+    assert (stats()["disk"], stats()["memory"]) == (2, 0)
 
 
 def test_a_stored_program_rebuilds_the_export(monkeypatch):
@@ -424,7 +421,7 @@ def test_a_folder_others_can_write_is_not_read(populated, cache_dir, caplog):
         with caplog.at_level("WARNING", logger="looptool.capture.cache"):
             assert export_source(_skeleton()).code == code
         assert "other users can write to it" in caplog.text
-        assert (cache.STATS["disk"], cache.STATS["miss"]) == (0, 1)
+        assert (stats()["disk"], stats()["miss"]) == (0, 1)
     finally:
         cache_dir.chmod(0o700)
 

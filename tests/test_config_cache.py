@@ -6,25 +6,36 @@ misses; what cannot be keyed is not cached."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
-from conftest import TINY_PLAN, own_caches
+from conftest import TINY_PLAN
 
 import looptool
+from looptool.cache import caches
 from looptool.capture import cache, capture_config, config_cache
 from looptool.capture.export import build_skeleton
 from looptool.testing import byte_tokenizer, tiny_config, tiny_model
 
 
 @pytest.fixture(autouse=True)
-def cache_root(tmp_path, monkeypatch):
-    """A cache of this test's own, memory and counters cleared."""
-    with own_caches(monkeypatch, tmp_path / "cache", cache, config_cache) as path:
-        yield path
+def cache_root(own_caches):
+    """The root of a cache of this test's own, in-process entries and counts fresh."""
+    return own_caches.root()
+
+
+def stats():
+    """What served the config records so far (the test's own counts)."""
+    return caches().configs.stats
+
+
+def capture_stats():
+    """What served the captures so far (the test's own counts)."""
+    return caches().captures.stats
 
 
 @pytest.fixture
@@ -41,7 +52,7 @@ def saved(tmp_path):
 _FRESH_LOAD = textwrap.dedent(
     """
     import json, sys, torch, looptool
-    from looptool.capture import cache, config_cache, tokenizer_cache
+    from looptool.cache import caches
     model = looptool.load(sys.argv[1])
     ids = torch.load(sys.argv[2])
     with torch.no_grad():
@@ -51,26 +62,28 @@ _FRESH_LOAD = textwrap.dedent(
             m for m in sys.modules
             if m.startswith("transformers.models.") and ".modeling_" in m and not m.startswith("transformers.models.auto.")
         ),
-        "config": dict(config_cache.STATS), "capture": dict(cache.STATS), "tokenizer": dict(tokenizer_cache.STATS),
+        "config": dict(caches().configs.stats), "capture": dict(caches().captures.stats),
+        "tokenizer": dict(caches().tokenizers.stats),
         "text": model.tokenizer.decode(model.tokenizer("We the People").input_ids),
     }))
     """
 )
 
 
-def test_a_warm_load_in_a_fresh_process_builds_no_model(saved, tmp_path, monkeypatch, input_ids):
+def test_a_warm_load_in_a_fresh_process_builds_no_model(saved, tmp_path, monkeypatch, cache_root, input_ids):
     with monkeypatch.context() as m:
         m.setenv("LOOPTOOL_CACHE", "off")
         with torch.no_grad():
             want = {k: v.logits for k, v in ((k, looptool.load(saved)(input_ids, budget=k)) for k in TINY_PLAN.budgets)}
     looptool.load(saved)  # fills the caches
-    assert (config_cache.STATS["miss"], cache.STATS["miss"]) == (1, 1)
+    assert (stats()["miss"], capture_stats()["miss"]) == (1, 1)
     torch.save(input_ids, tmp_path / "ids.pt")
     res = subprocess.run(
         [sys.executable, "-c", _FRESH_LOAD, str(saved), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
         capture_output=True,
         text=True,
         check=True,
+        env={**os.environ, "LOOPTOOL_CACHE": str(cache_root)},  # the same cache as this process
     )
     report = json.loads(res.stdout.strip().splitlines()[-1])
     assert report["modeling"] == [], report  # no architecture was built
@@ -85,21 +98,21 @@ def test_a_warm_load_in_a_fresh_process_builds_no_model(saved, tmp_path, monkeyp
 def test_a_changed_module_file_or_a_lost_program_builds_the_model(monkeypatch, cache_root):
     config = tiny_config("llama", num_layers=1)
     want = capture_config(config, torch.float32)
-    assert config_cache.STATS["miss"] == 1 and config_cache._memory
-    (record,) = config_cache._memory.values()
+    assert stats()["miss"] == 1 and caches().configs.held()
+    (record,) = caches().configs.held()
     modeling = next(p for p in record["model_files"] if p.endswith("modeling_llama.py"))
     real = config_cache.file_sha256
     with monkeypatch.context() as m:  # the architecture's source changed since the record
         m.setattr(config_cache, "file_sha256", lambda p: "edited" if str(p) == modeling else real(p))
         got = capture_config(tiny_config("llama", num_layers=1), torch.float32)
-    assert config_cache.STATS["stale"] == 1 and cache.STATS["memory"] == 1  # built, then the export served
-    cache.clear_memory()
-    for data in (cache_root / cache.SUBDIR).glob("*.fx"):
+    assert stats()["stale"] == 1 and capture_stats()["memory"] == 1  # built, then the export served
+    caches().captures.clear_memory()
+    for data in caches().captures.directory().glob("*.fx"):
         data.unlink()  # the program is gone: the record cannot serve
     again = capture_config(tiny_config("llama", num_layers=1), torch.float32)
-    assert config_cache.STATS["stale"] == 2 and cache.STATS["miss"] == 2
+    assert stats()["stale"] == 2 and capture_stats()["miss"] == 2
     served = capture_config(tiny_config("llama", num_layers=1), torch.float32)
-    assert config_cache.STATS["memory"] == 3  # the rewritten record serves again
+    assert stats()["memory"] == 3  # the rewritten record serves again
     for lg in (got, again, served):
         assert lg.module.code == want.module.code and lg.layers == want.layers and lg.source == want.source
 
@@ -112,7 +125,7 @@ def test_a_served_capture_equals_the_built_one(cache_root):
     built = capture_config(config, torch.float32)
     fresh = tiny_config("gemma3_text", num_layers=2)
     served = capture_config(fresh, torch.float32)
-    assert config_cache.STATS["memory"] == 1
+    assert stats()["memory"] == 1
     assert served.module.code == built.module.code
     assert served.layers == built.layers and served.source == built.source
     assert vars(fresh) == vars(built_model.config)  # the implementations transformers chose, set again
@@ -167,8 +180,8 @@ def test_what_cannot_be_keyed_is_not_cached(monkeypatch):
 
     composite = transformers.Gemma3Config()  # holds a text and a vision config
     assert config_cache.key_of(composite, torch.float32, None, False) is None
-    assert config_cache.STATS == {"uncached": 1}
-    config_cache.STATS.clear()
+    assert stats() == {"uncached": 1}
+    stats().clear()
     config = tiny_config("llama", num_layers=1)
     handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
     try:
@@ -178,4 +191,4 @@ def test_what_cannot_be_keyed_is_not_cached(monkeypatch):
     monkeypatch.setenv("LOOPTOOL_CACHE", "off")
     assert config_cache.key_of(config, torch.float32, None, False) is None
     capture_config(config, torch.float32)
-    assert not config_cache.STATS and not config_cache._memory
+    assert not stats() and not caches().configs.held()

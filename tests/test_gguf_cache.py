@@ -10,14 +10,15 @@ import logging
 import pytest
 import torch
 
+from looptool.cache import caches
 from looptool.capture import gguf_cache
 from looptool.testing import byte_tokenizer, tiny_model
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("LOOPTOOL_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache" / "gguf"
+def cache(own_caches):
+    """The GGUF folder of a cache of this test's own."""
+    return own_caches.gguf.directory()
 
 
 @pytest.fixture
@@ -54,9 +55,9 @@ def _same(a, b) -> None:
 def test_second_load_is_served_bit_for_bit(cache, gguf):
     load = _Loads()
     first, tok1 = gguf_cache.cached_load(gguf, torch.float32, load)
-    before = dict(gguf_cache.STATS)
+    before = dict(caches().gguf.stats)
     second, tok2 = gguf_cache.cached_load(gguf, torch.float32, load)
-    assert load.calls == 1 and gguf_cache.STATS["disk"] == before.get("disk", 0) + 1
+    assert load.calls == 1 and caches().gguf.stats["disk"] == before.get("disk", 0) + 1
     _same(first, second)
     assert second.config._name_or_path == str(gguf.parent)  # as a load of the file names it
     text = "Hello, wörld!\n"

@@ -156,6 +156,7 @@ def test_every_module_imports(name):
 # and storage.load rebuilds a model (the module graph stays acyclic, tested above).
 LAYERS = (
     ("core",),
+    ("cache",),  # one keyed store type, an instance per kind; capture and backends keep their kinds' keys
     ("ops",),
     ("engine",),  # the step-engine interface; its registry names the runtimes by import path only
     ("capture",),
@@ -221,6 +222,77 @@ def test_every_subpackage_has_a_stage():
     packages = {name.split(".")[1] for name in modules() if name.count(".") >= 1}
     loose = sorted(p for p in packages - {"__main__", "testing"} if not any(p in names for names in LAYERS))
     assert not loose, f"subpackages or modules outside the stages: {loose}"
+
+
+# ---------------------------------------------------------------------- caches keep no module state
+MUTABLE_CALLS = {"dict", "list", "set", "Counter", "OrderedDict", "defaultdict", "deque", "Store", "Caches"}
+MUTABLE_LITERALS = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
+
+
+def cache_modules() -> list[pathlib.Path]:
+    """The cache package and every module of a kind of cache (``*cache*.py``) in capture and backends."""
+    return sorted(
+        {
+            *(ROOT / "looptool" / "cache").rglob("*.py"),
+            *(ROOT / "looptool" / "capture").glob("*cache*.py"),
+            *(ROOT / "backends").glob("*cache*.py"),
+        }
+    )
+
+
+def module_state(source: str) -> list[str]:
+    """Module-level assignments of a mutable container (a dict, list or set literal or
+    comprehension, ``dict()``/``list()``/``set()``/``Counter()``/``OrderedDict()``/
+    ``defaultdict()``/``deque()``) or of a store (``Store(...)``, ``Caches(...)``), also under a
+    module-level ``if``/``try``: a cache's entries and counts live in a
+    :class:`looptool.cache.Caches`, not in a module."""
+    found = []
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, (ast.If, ast.Try, ast.With)):
+                visit(node.body)
+                visit(getattr(node, "orelse", []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+                visit(getattr(node, "finalbody", []))
+                continue
+            if isinstance(node, ast.Assign):
+                value = node.value
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                value = node.value
+            else:
+                continue
+            if isinstance(value, MUTABLE_LITERALS):
+                found.append(f"line {node.lineno}: a {type(value).__name__} literal")
+            elif isinstance(value, ast.Call):
+                func = value.func
+                name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+                if name in MUTABLE_CALLS:
+                    found.append(f"line {node.lineno}: {name}(...)")
+
+    visit(ast.parse(source).body)
+    return found
+
+
+def test_cache_modules_keep_no_module_level_state():
+    assert len(cache_modules()) >= 8  # the package (3) and the five kinds' modules
+    offenders = {
+        str(path.relative_to(ROOT)): found for path in cache_modules() if (found := module_state(path.read_text()))
+    }
+    assert not offenders, f"cache modules holding state at module level: {offenders}"
+
+
+def test_the_module_state_check_catches_state():
+    assert module_state("STATS = collections.Counter()") and module_state("_memory: OrderedDict = OrderedDict()")
+    assert module_state("_STORE = Store(KIND, root)") and module_state("x = {}") and module_state("x: list = []")
+    assert module_state("seen = set()") and module_state("by_name = defaultdict(list)") and module_state("a = b = {1}")
+    assert module_state("try:\n    import fcntl\nexcept ImportError:\n    LOCKS = {}")
+    assert module_state("x = {k: 1 for k in 'ab'}")
+    assert not module_state("FORMAT = 1") and not module_state("KINDS = ('a', 'b')")
+    assert not module_state("CAPTURES = Kind('captures', 2)") and not module_state("log = logging.getLogger(x)")
+    assert not module_state("def f():\n    seen = {}\n    return seen")  # a function's own
+    assert not module_state("class C:\n    def __init__(self):\n        self.stats = Counter()")
 
 
 # ---------------------------------------------------------------------- a thin command line

@@ -16,6 +16,7 @@ import torch
 import looptool
 from looptool.backends import onnx_body_cache
 from looptool.backends.onnx import export_onnx
+from looptool.cache import caches, scoped
 from looptool.testing import tiny_model
 
 PLAN = looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2))
@@ -30,22 +31,22 @@ def model():
 def populated(model, tmp_path_factory):
     """``(cache folder, engine)``: one fresh export (nothing cached) and the cache it filled."""
     root = tmp_path_factory.mktemp("body-cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LOOPTOOL_CACHE", str(root / "cache"))
-        onnx_body_cache.STATS.clear()
+    with scoped(root / "cache") as filled:
         _export(model, root / "fresh", validate=False)
-        assert not onnx_body_cache.STATS["hit"] and onnx_body_cache.STATS["miss"] >= 3  # glue, layer, gated pass
-    return root / "cache" / onnx_body_cache.SUBDIR, root / "fresh"
+        assert not stats()["hit"] and stats()["miss"] >= 3  # glue, layer, gated pass
+    return filled.onnx_bodies.directory(), root / "fresh"
 
 
 @pytest.fixture
-def cache(populated, tmp_path, monkeypatch):
-    """A copy of the populated cache of the test's own, and the counts from zero."""
-    folder = tmp_path / "cache"
-    shutil.copytree(populated[0], folder / onnx_body_cache.SUBDIR)
-    monkeypatch.setenv("LOOPTOOL_CACHE", str(folder))
-    onnx_body_cache.STATS.clear()
-    return folder / onnx_body_cache.SUBDIR
+def cache(populated, own_caches):
+    """A copy of the populated cache in a cache of the test's own, and the counts from zero."""
+    shutil.copytree(populated[0], own_caches.onnx_bodies.directory())
+    return own_caches.onnx_bodies.directory()
+
+
+def stats():
+    """What served the bodies so far (the counts of the caches in use)."""
+    return caches().onnx_bodies.stats
 
 
 def _export(model, path, **kw):
@@ -61,7 +62,7 @@ def _same_files(a, b) -> None:
 def test_a_cached_export_writes_the_same_files_and_trained_weights_reuse_every_body(model, populated, cache, tmp_path):
     bodies = len(list(cache.glob("*.json")))
     _export(model, tmp_path / "cached", validate=False)
-    assert onnx_body_cache.STATS == {"hit": bodies}
+    assert stats() == {"hit": bodies}
     _same_files(populated[1], tmp_path / "cached")
 
     trained = looptool.convert(tiny_model("llama"), PLAN)  # other weights, every gate non-zero
@@ -70,7 +71,7 @@ def test_a_cached_export_writes_the_same_files_and_trained_weights_reuse_every_b
         for p in trained.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
     report = _export(trained, tmp_path / "trained")  # validated: onnxruntime against PyTorch
-    assert onnx_body_cache.STATS == {"hit": 2 * bodies}
+    assert stats() == {"hit": 2 * bodies}
     assert max(report.budgets[0].max_abs_diff.values()) < 1e-4
 
 
@@ -82,7 +83,7 @@ def test_a_bad_entry_is_dropped_with_a_warning_and_rebuilt(model, populated, cac
     with caplog.at_level("WARNING", logger="looptool.backends.onnx_body_cache"):
         _export(model, tmp_path / "again", validate=False)
     assert "ONNX body cache: dropping the corrupt or stale entry" in caplog.text
-    assert onnx_body_cache.STATS["dropped"] == onnx_body_cache.STATS["miss"] == 1
+    assert stats()["dropped"] == stats()["miss"] == 1
     _same_files(populated[1], tmp_path / "again")
     assert len(list(cache.glob("*.onnx"))) == len(list(cache.glob("*.json")))  # rebuilt, the bad file gone
 
@@ -118,11 +119,11 @@ def test_every_key_field_misses_and_off_writes_nothing(cache, monkeypatch):
         ("code", example, shapes, "ort_fusions=True"),
     ]:
         onnx_body_cache.cached(export, code, ex, dims, code_key=code, variant=variant)
-    assert len(calls) == 6 and onnx_body_cache.STATS["miss"] == 6
+    assert len(calls) == 6 and stats()["miss"] == 6
     entries = sorted(cache.iterdir())
     monkeypatch.setenv("LOOPTOOL_CACHE", "off")
     onnx_body_cache.cached(export, "off", example, shapes, code_key="code", variant="v")
-    assert calls[-1] == "off" and onnx_body_cache.STATS["uncached"] == 1
+    assert calls[-1] == "off" and stats()["uncached"] == 1
     assert sorted(cache.iterdir()) == entries
 
 
@@ -145,7 +146,7 @@ def test_concurrent_misses_of_one_body_export_it_once(cache):
         t.start()
     for t in threads:
         t.join()
-    assert len(calls) == 1 and (onnx_body_cache.STATS["miss"], onnx_body_cache.STATS["hit"]) == (1, 2)
+    assert len(calls) == 1 and (stats()["miss"], stats()["hit"]) == (1, 2)
     assert all(fusions == {"SkipRMSNorm": 7} for _, fusions in got.values()) and len(got) == 3
     assert [n.op_type for _, (model, _f) in sorted(got.items()) for n in model.graph] == ["Relu"] * 3
 

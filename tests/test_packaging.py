@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import looptool
 
 
@@ -15,6 +17,18 @@ def test_subpackages_import_under_looptool():
     assert looptool.passes.__name__ == "looptool.passes"
     assert "prefix_loop" in looptool.passes.registered_passes()
     assert looptool.backends.__name__ == "looptool.backends"
+
+
+def test_every_subpackage_is_in_the_wheel():
+    """Every package folder of looptool/ is listed in pyproject's ``packages`` (a wheel holds
+    only those; an editable install hides the omission)."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(root).parts) for init in (root / "looptool").rglob("__init__.py")}
+    assert found - listed == set(), f"packages missing from pyproject.toml: {sorted(found - listed)}"
 
 
 def test_no_generic_top_level_packages(tmp_path):

@@ -92,16 +92,18 @@ def test_gguf_cache_serves_transformers_own_load(smollm2, smollm2_gguf, monkeypa
     file (transformers' own, with the file parsed once: tests/test_gguf_cache.py shows that
     equal to transformers' load as it is): every tensor bit for bit, the tie, the config,
     the tokenizer, the logits."""
-    from looptool.capture import gguf_cache, sources
+    from looptool.cache import caches
+    from looptool.capture import sources
 
+    stats = caches().gguf.stats  # the process's own: the fixture's load counted there
     direct = smollm2  # the fixture's load dequantised the file when this process missed the cache
-    if not gguf_cache.STATS["miss"]:  # the cache was warm (a user's LOOPTOOL_CACHE): load it uncached
+    if not stats["miss"]:  # the cache was warm (a user's LOOPTOOL_CACHE): load it uncached
         with monkeypatch.context() as m:
             m.setenv("LOOPTOOL_CACHE", "off")
             direct = sources.load_source(smollm2_gguf)
-    served = gguf_cache.STATS["disk"]
+    served = stats["disk"]
     hit = sources.load_source(smollm2_gguf)
-    assert gguf_cache.STATS["disk"] == served + 1
+    assert stats["disk"] == served + 1
     a, b = direct.model, hit.model
     sa, sb = a.state_dict(), b.state_dict()
     assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -11,8 +11,8 @@ import shutil
 
 import pytest
 import transformers
-from conftest import own_caches
 
+from looptool.cache import caches
 from looptool.capture import tokenizer_cache
 from looptool.capture.tokenizer_cache import load_tokenizer
 from looptool.eval.demo import DEMO_TEXT
@@ -22,10 +22,14 @@ CHAT = [{"role": "user", "content": "Who wrote it?"}, {"role": "assistant", "con
 
 
 @pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch):
-    """A cache of this test's own, memory and counters cleared."""
-    with own_caches(monkeypatch, tmp_path / "cache", tokenizer_cache) as path:
-        yield path / tokenizer_cache.SUBDIR
+def cache_dir(own_caches):
+    """The tokenizer folder of a cache of this test's own, in-process entries and counts fresh."""
+    return own_caches.tokenizers.directory()
+
+
+def stats():
+    """What served the tokenizers so far (the test's own counts)."""
+    return caches().tokenizers.stats
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +64,9 @@ def _assert_same(want, got) -> None:
 def test_cached_loads_equal_transformers_own(folder, cache_dir):
     want = transformers.AutoTokenizer.from_pretrained(folder)
     got = [load_tokenizer(folder)]  # a miss: transformers' load, pickled and checked
-    tokenizer_cache.clear_memory()
+    caches().tokenizers.clear_memory()
     got += [load_tokenizer(folder), load_tokenizer(folder)]  # from disk, then from memory
-    assert dict(tokenizer_cache.STATS) == {"miss": 1, "disk": 1, "memory": 1}
+    assert dict(stats()) == {"miss": 1, "disk": 1, "memory": 1}
     assert len(list(cache_dir.glob("*.pkl"))) == 1
     for tok in got:
         assert tok.name_or_path == str(folder)
@@ -76,7 +80,7 @@ def test_a_copy_of_the_folder_is_served_under_its_own_name(folder, tmp_path):
     load_tokenizer(folder)
     copy = shutil.copytree(folder, tmp_path / "copy")
     tok = load_tokenizer(copy)
-    assert tokenizer_cache.STATS["memory"] == 1
+    assert stats()["memory"] == 1
     assert tok.name_or_path == str(copy)
     _assert_same(transformers.AutoTokenizer.from_pretrained(copy), tok)
 
@@ -91,12 +95,12 @@ def test_a_changed_file_misses(folder, tmp_path):
     load_tokenizer(copy)
     (copy / "model.safetensors").write_bytes(b"weights are not")
     load_tokenizer(copy)
-    assert (tokenizer_cache.STATS["miss"], tokenizer_cache.STATS["memory"]) == (3, 1)
+    assert (stats()["miss"], stats()["memory"]) == (3, 1)
 
 
 def test_a_corrupt_entry_is_dropped_and_rebuilt(folder, cache_dir, caplog):
     want = load_tokenizer(folder)
-    tokenizer_cache.clear_memory()
+    caches().tokenizers.clear_memory()
     (data,) = cache_dir.glob("*.pkl")
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
@@ -104,11 +108,11 @@ def test_a_corrupt_entry_is_dropped_and_rebuilt(folder, cache_dir, caplog):
     with caplog.at_level("WARNING", logger=tokenizer_cache.__name__):
         got = load_tokenizer(folder)
     assert "dropping the corrupt or stale entry" in caplog.text
-    assert (tokenizer_cache.STATS["dropped"], tokenizer_cache.STATS["miss"]) == (1, 2)
+    assert (stats()["dropped"], stats()["miss"]) == (1, 2)
     _assert_same(want, got)
-    tokenizer_cache.clear_memory()
+    caches().tokenizers.clear_memory()
     load_tokenizer(folder)
-    assert tokenizer_cache.STATS["disk"] == 1  # the rebuilt entry serves
+    assert stats()["disk"] == 1  # the rebuilt entry serves
 
 
 def test_a_pickle_that_does_not_reproduce_the_tokenizer_is_not_kept(folder, cache_dir, monkeypatch, caplog):
@@ -127,13 +131,13 @@ def test_a_pickle_that_does_not_reproduce_the_tokenizer_is_not_kept(folder, cach
         tok = load_tokenizer(folder)
     assert "does not reproduce the attribute 'padding_side'" in caplog.text
     _assert_same(transformers.AutoTokenizer.from_pretrained(folder), tok)
-    assert not list(cache_dir.glob("*.pkl")) and not tokenizer_cache._memory
+    assert not list(cache_dir.glob("*.pkl")) and not caches().tokenizers.held()
 
 
 def test_off_and_keyword_loads_bypass_the_cache(folder, cache_dir, monkeypatch):
     assert load_tokenizer(folder, padding_side="left").padding_side == "left"
     monkeypatch.setenv("LOOPTOOL_CACHE", "off")
     _assert_same(transformers.AutoTokenizer.from_pretrained(folder), load_tokenizer(folder))
-    assert not tokenizer_cache.STATS and not cache_dir.exists()
+    assert not stats() and not cache_dir.exists()
     with pytest.raises(OSError):  # a folder without a tokenizer raises what transformers raises
         load_tokenizer(folder.parent / "missing")

@@ -8,18 +8,15 @@ model's config, class, module tree and tensor signature, dtype and devices, atte
 implementation, the capture options, the torch / transformers / looptool / Python versions
 and the source of the export code.
 
-Two levels serve a key:
+Two levels of the store :data:`looptool.cache.CAPTURES` (``caches().captures``) serve a key:
 
 * on disk, under ``$LOOPTOOL_CACHE/captures`` (default ``~/.cache/looptool/captures``;
-  ``LOOPTOOL_CACHE=off`` disables both levels): ``<sha256 of the key>.json``, a sidecar
-  holding the key, the versions and the sha256 of the program file it names,
-  ``<sha256 of the key>-<sha256 prefix of the file>.fx`` (:func:`programs.dumps`). Both are
-  written to a temporary file and moved into place with ``os.replace``, the sidecar last,
-  so concurrent writers (pytest-xdist workers) never expose a partial entry; a process that
-  misses an entry another one is exporting waits for it (a ``<digest>.lock`` file) and reads
-  it, so the ranks of a distributed run export a model once. Entries are
-  pickles: a folder another user can write to is not read (a warning says so);
-* in process, an LRU of :data:`MEMORY_ENTRIES` programs.
+  ``LOOPTOOL_CACHE=off`` disables both levels): a sidecar holding the key, the versions and
+  the sha256 of the ``.fx`` program file it names (:func:`programs.dumps`), written
+  atomically (:class:`looptool.cache.Store`); a process that misses an entry another one is
+  exporting waits for it and reads it, so the ranks of a distributed run export a model once.
+  Entries are pickles: a folder another user can write to is not read (a warning says so);
+* in process, the last ``CAPTURES.memory`` programs used.
 
 A stored program holds no tensor of the model it came from, and a hit rebinds every
 parameter and buffer by name to the *current* model's own tensor objects, so the returned
@@ -37,7 +34,6 @@ overrides are not cached (the key cannot see what such code does).
 
 from __future__ import annotations
 
-import collections
 import functools
 import json
 import logging
@@ -49,29 +45,16 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from looptool.cache import CAPTURES, Store, caches, canonical, digest, enabled, file_sha256, sha256
 from looptool.capture import programs
-from looptool.capture.disk_cache import DiskCache, MemoryLRU, canonical, enabled, file_sha256, sha256
 from looptool.core.version import __version__
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # of the entries (the key, the sidecar, what a stored program holds)
-MEMORY_ENTRIES = 8
-SUBDIR = "captures"
 
-STATS: collections.Counter = collections.Counter()  # "memory", "disk", "miss", "dropped", "uncached"
-_memory: MemoryLRU[tuple[programs.Program, object]] = MemoryLRU(MEMORY_ENTRIES)
-_STORE = DiskCache(SUBDIR, FORMAT, ".fx", "capture cache", log)
-
-
-def directory() -> Path:
-    """Where the exported programs are kept: ``<looptool cache dir>/captures``."""
-    return _STORE.directory()
-
-
-def clear_memory() -> None:
-    """Forget the in-process entries (the next capture reads the disk or exports)."""
-    _memory.clear()
+def _store() -> Store:
+    """This process's capture store (counts: "memory", "disk", "miss", "dropped", "uncached")."""
+    return caches().captures
 
 
 def versions() -> dict[str, str]:
@@ -96,7 +79,7 @@ def key_of(model: nn.Module, options: dict) -> dict | None:
     except Exception as exc:  # e.g. a config field JSON cannot hold: the cache never fails a capture
         reason = f"{type(exc).__name__}: {exc}"
     if reason:
-        STATS["uncached"] += 1
+        _store().count("uncached")
         log.debug("capture cache: not caching %s (%s)", type(model).__name__, reason)
     return key if not reason else None
 
@@ -119,7 +102,7 @@ def _key(model: nn.Module, options: dict, *, device: bool = True) -> dict:
     return json.loads(
         _canonical(
             {  # plain JSON (raises here for a value JSON cannot hold)
-                "format": FORMAT,
+                "format": CAPTURES.format,
                 "model_class": type(model).__module__ + "." + type(model).__qualname__,
                 "config": config_json(config),
                 "dtype": str(param.dtype) if param is not None else None,
@@ -130,8 +113,8 @@ def _key(model: nn.Module, options: dict, *, device: bool = True) -> dict:
                 "default_dtype": str(torch.get_default_dtype()),
                 "export_code": _export_code_hash(),
                 "model_code": _model_code_hash(model),
-                "modules": _sha256(json.dumps(modules).encode()),
-                "tensors": _sha256(json.dumps(tensors).encode()),
+                "modules": sha256(json.dumps(modules).encode()),
+                "tensors": sha256(json.dumps(tensors).encode()),
             }
         )
     )
@@ -157,89 +140,45 @@ def exported_module(
     always export). Its parameters and buffers are ``model``'s own tensor objects."""
     if key is None:
         return export().module()
-    own = own_tensors(model)
-    gm = cached_module(key, own)
-    if gm is not None:
-        return gm
-    digest = _sha256(_canonical(key).encode())
-    with _STORE.one_builder(digest):  # a process exporting the same key: wait, then read its entry
-        gm = _from_disk(digest, key, own)
-        if gm is not None:
-            return _own_meta(gm)
-        STATS["miss"] += 1
-        gm = export().module()  # errors of the export itself reach the caller unchanged
-        try:
-            data = programs.dumps(programs.program_of(gm, own))
-            stored = programs.loads(data)  # what every later hit builds: checked once, here
-            if programs.build(stored, own).code != gm.code:
-                raise ValueError("the stored program does not rebuild the exported module")
-            _remember(digest, stored)
-            _write(digest, key, data)
-        except Exception as exc:  # the cache never fails a capture
-            _STORE.could_not_store(exc, "the exported program")
+    own, name, store = own_tensors(model), digest(key), _store()
+
+    def keep(gm: fx.GraphModule) -> None:
+        data = programs.dumps(programs.program_of(gm, own))
+        stored = programs.loads(data)  # what every later hit builds: checked once, here
+        if programs.build(stored, own).code != gm.code:
+            raise ValueError("the stored program does not rebuild the exported module")
+        store.remember(name, (stored, _shape_env_state(stored)))
+        store.write(name, key, versions(), data)
+
+    # errors of the export itself reach the caller unchanged
+    gm = store.get_or_build(
+        name, lambda: _found(name, key, own), lambda: export().module(), keep, "the exported program"
+    )
     return _own_meta(gm)
 
 
 def cached_module(key: dict, own: dict[str, torch.Tensor]) -> fx.GraphModule | None:
     """The module an export under ``key`` gave, built on the tensors ``own`` (name → tensor)
     from the in-process or the disk entry; None when neither holds it (nothing is exported)."""
-    digest = _sha256(_canonical(key).encode())
-    gm = _from_memory(digest, own)
-    if gm is None:
-        gm = _from_disk(digest, key, own)
+    gm = _found(digest(key), key, own)
     return None if gm is None else _own_meta(gm)
 
 
-# -- in process -------------------------------------------------------------------------
+def _found(name: str, key: dict, own: dict[str, torch.Tensor]) -> fx.GraphModule | None:
+    """The module of the in-process entry ``name`` (unless its ``ShapeEnv`` changed since it
+    was stored: a caller added a guard), else of the disk entry; None when neither serves."""
 
+    def use(entry: tuple[programs.Program, object]) -> fx.GraphModule | None:
+        program, state = entry
+        return programs.build(program, own) if _shape_env_state(program) == state else None
 
-def _from_memory(digest: str, own: dict[str, torch.Tensor]) -> fx.GraphModule | None:
-    entry = _memory.get(digest)
-    if entry is None:
-        return None
-    program, state = entry
-    if _shape_env_state(program) != state:  # someone added guards to the shared ShapeEnv: not pristine
-        log.debug("capture cache: in-process entry %s changed; reading it again", digest[:12])
-        _memory.pop(digest)
-        return None
-    try:
-        gm = programs.build(program, own)
-    except Exception as exc:  # never raises to the caller: export afresh
-        log.warning(
-            "capture cache: could not use the in-process entry %s (%s: %s); exporting afresh.",
-            digest[:12],
-            type(exc).__name__,
-            exc,
-        )
-        _memory.pop(digest)
-        return None
-    STATS["memory"] += 1
-    return gm
-
-
-def _remember(digest: str, program: programs.Program) -> None:
-    _memory.put(digest, (program, _shape_env_state(program)))
-
-
-# -- on disk ------------------------------------------------------------------------------
-
-
-def _from_disk(digest: str, key: dict, own: dict[str, torch.Tensor]) -> fx.GraphModule | None:
-    def decode(data: bytes) -> tuple[programs.Program, fx.GraphModule]:
+    def decode(data: bytes) -> tuple[fx.GraphModule, tuple[programs.Program, object]]:
         stored = programs.loads(data)
-        return stored, programs.build(stored, own)
+        return programs.build(stored, own), (stored, _shape_env_state(stored))
 
-    found = _STORE.read(digest, key, versions(), decode, on_drop=lambda: STATS.update(["dropped"]))
-    if found is None:
-        return None
-    stored, gm = found
-    _remember(digest, stored)
-    STATS["disk"] += 1
-    return gm
-
-
-def _write(digest: str, key: dict, data: bytes) -> None:
-    _STORE.write(digest, key, versions(), data)
+    store = _store()
+    gm = store.recall(name, use)
+    return gm if gm is not None else store.load(name, key, versions(), decode)
 
 
 # -- programs -----------------------------------------------------------------------------
@@ -326,7 +265,7 @@ def _export_code_hash() -> str:
     here = Path(__file__)  # export.py sits beside this module (read, not imported: it imports this one)
     parts = [here.with_name(name).read_bytes() for name in ("export.py", "programs.py")]
     parts.append((here.parents[1] / "core" / "tracing.py").read_bytes())  # the settings it traces under
-    return _sha256(b"".join(parts) + here.read_bytes())[:16]
+    return sha256(b"".join(parts) + here.read_bytes())[:16]
 
 
 def model_code_files(model: nn.Module) -> list[str]:
@@ -349,7 +288,4 @@ def _model_code_hash(model: nn.Module) -> str:
             parts.append(f"{path}:{file_sha256(path)}")
         except OSError:
             parts.append(f"{path}:?")
-    return _sha256("\n".join(parts).encode())[:16]
-
-
-_sha256 = sha256
+    return sha256("\n".join(parts).encode())[:16]

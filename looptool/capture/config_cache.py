@@ -26,13 +26,12 @@ Python versions and the source of looptool's capture package. A record whose mod
 files changed since, or whose program the capture cache no longer holds, does not serve (the
 skeleton is built and the record written again). Configs holding other configs and global
 forward hooks are not cached. Records are small JSON files stored like every cache entry
-(:class:`~looptool.capture.disk_cache.DiskCache`, ``$LOOPTOOL_CACHE/configs``; off with
-``LOOPTOOL_CACHE=off``), kept in process too.
+(:data:`looptool.cache.CONFIGS`, ``$LOOPTOOL_CACHE/configs``; off with ``LOOPTOOL_CACHE=off``),
+kept in process too.
 """
 
 from __future__ import annotations
 
-import collections
 import copy
 import functools
 import json
@@ -43,20 +42,17 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from looptool.cache import CONFIGS, Store, caches, canonical, digest, enabled, file_sha256, sha256
 from looptool.capture import cache as capture_cache
-from looptool.capture.disk_cache import DiskCache, MemoryLRU, canonical, enabled, file_sha256, sha256
 from looptool.capture.facts import layer_and_head_paths
 from looptool.core.graph import dtype_from_str
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
-SUBDIR = "configs"
-MEMORY_ENTRIES = 16
 
-STATS: collections.Counter = collections.Counter()  # "memory", "disk", "miss", "stale", "uncached", "dropped"
-_memory: MemoryLRU[dict] = MemoryLRU(MEMORY_ENTRIES)
-_STORE = DiskCache(SUBDIR, FORMAT, ".json", "config capture cache", log, rebuild="building the model")
+def _store() -> Store:
+    """This process's record store (counts: "memory", "disk", "miss", "stale", "uncached", "dropped")."""
+    return caches().configs
 
 
 def key_of(config, dtype: torch.dtype, attn_implementation: str | None, decode: bool) -> dict | None:
@@ -71,7 +67,7 @@ def key_of(config, dtype: torch.dtype, attn_implementation: str | None, decode: 
         return json.loads(
             canonical(
                 {
-                    "format": FORMAT,
+                    "format": CONFIGS.format,
                     "config_class": type(config).__module__ + "." + type(config).__qualname__,
                     "config": capture_cache.config_json(config),
                     "state": {k: v for k, v in config_state(config).items() if k not in capture_cache.VOLATILE},
@@ -85,7 +81,7 @@ def key_of(config, dtype: torch.dtype, attn_implementation: str | None, decode: 
             )
         )
     except Exception as exc:  # the cache never fails a capture
-        STATS["uncached"] += 1
+        _store().count("uncached")
         log.debug("config capture cache: not caching %s (%s: %s)", type(config).__name__, type(exc).__name__, exc)
         return None
 
@@ -128,23 +124,21 @@ def served(key: dict, config) -> tuple[fx.GraphModule, dict] | None:
     """The exported module of ``key``'s capture, on fresh ``meta`` tensors, and its record,
     when a record and the capture cache's program serve it; the record's config attributes
     are then set on ``config``. None otherwise (the caller builds the skeleton)."""
-    digest = sha256(canonical(key).encode())
-    entry = _memory.get(digest)
-    if entry is not None:
-        STATS["memory"] += 1
-    else:
-        entry = _from_disk(digest, key)
+    store, name = _store(), digest(key)
+    entry = store.recall(name, lambda held: held)
     if entry is None:
-        STATS["miss"] += 1
+        entry = store.load(name, key, capture_cache.versions(), lambda data: (json.loads(data),) * 2)
+    if entry is None:
+        store.count("miss")
         return None
     changed = [path for path, sha in entry["model_files"].items() if _sha_or_none(path) != sha]
     if changed:
-        STATS["stale"] += 1
+        store.count("stale")
         log.debug("config capture cache: %s changed since the record; building the model", changed[0])
         return None
     gm = capture_cache.cached_module(entry["capture_key"], meta_tensors(entry["tensors"]))
     if gm is None:
-        STATS["stale"] += 1
+        store.count("stale")
         return None
     set_state(config, entry["config_set"])  # what building the skeleton set on its config
     return gm, entry
@@ -156,6 +150,7 @@ def record(key: dict, model: nn.Module, before: dict, export_key: dict | None) -
     recorded when the export was not cached (``export_key`` None)."""
     if export_key is None:
         return
+    store = _store()
     try:
         config = model.config
         after = vars(config)
@@ -178,11 +173,10 @@ def record(key: dict, model: nn.Module, before: dict, export_key: dict | None) -
             "model_files": {path: file_sha256(path) for path in capture_cache.model_code_files(model)},
         }
         data = (json.dumps(entry, sort_keys=True) + "\n").encode()
-        digest = sha256(canonical(key).encode())
-        _memory.put(digest, json.loads(data))
-        _STORE.write(digest, key, capture_cache.versions(), data)
+        store.remember(digest(key), json.loads(data))
+        store.write(digest(key), key, capture_cache.versions(), data)
     except Exception as exc:  # the cache never fails a capture
-        _STORE.could_not_store(exc, f"the capture record of {type(model).__name__}")
+        store.could_not_store(exc, f"the capture record of {type(model).__name__}")
 
 
 def meta_tensors(specs: list) -> dict[str, torch.Tensor]:
@@ -195,11 +189,6 @@ def meta_tensors(specs: list) -> dict[str, torch.Tensor]:
         t = torch.empty(shape, dtype=dtype_from_str(dtype), device="meta")
         own[name] = nn.Parameter(t, requires_grad=requires_grad) if parameter else t.requires_grad_(requires_grad)
     return own
-
-
-def clear_memory() -> None:
-    """Forget the in-process records."""
-    _memory.clear()
 
 
 def _sha_or_none(path: str) -> str | None:
@@ -215,11 +204,3 @@ def _capture_code_hash() -> str:
     here = Path(__file__).resolve().parent
     files = sorted(here.glob("*.py")) + sorted((here.parent / "core").glob("*.py"))
     return sha256(b"".join(p.name.encode() + p.read_bytes() for p in files))[:16]
-
-
-def _from_disk(digest: str, key: dict) -> dict | None:
-    entry = _STORE.read(digest, key, capture_cache.versions(), json.loads, on_drop=lambda: STATS.update(["dropped"]))
-    if entry is not None:
-        _memory.put(digest, entry)
-        STATS["disk"] += 1
-    return entry

@@ -7,7 +7,7 @@ the file parsed once (:func:`looptool.capture.sources._gguf_parsed_once`, which 
 of which dequantising is about 3 s. ``looptool convert smollm2``, ``looptool demo`` and a
 distillation teacher would repeat that on every run. This cache keeps what one load
 produced — the state dict (tied tensors once), the config and the tokenizer's files — as one
-safetensors entry of a :class:`~looptool.capture.disk_cache.DiskCache` under
+safetensors entry of the store :data:`looptool.cache.GGUF` under
 ``$LOOPTOOL_CACHE/gguf``, keyed by the file's sha256, the dtype and the torch / transformers /
 gguf / looptool versions. A hit is
 rebuilt by transformers' own ``from_pretrained`` of the entry (as ``model.safetensors`` beside
@@ -21,7 +21,6 @@ disables it. Entries are about four bytes per parameter in fp32 (SmolLM2: 540 MB
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import tempfile
@@ -31,15 +30,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from looptool.capture.disk_cache import DiskCache, canonical, enabled, file_sha256, sha256
+from looptool.cache import GGUF, Store, caches, digest, enabled, file_sha256
 from looptool.capture.tokenizer_cache import load_tokenizer
 from looptool.core.version import __version__
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
-_STORE = DiskCache("gguf", FORMAT, ".safetensors", "GGUF cache", log, rebuild="dequantising the file")
-STATS: collections.Counter = collections.Counter()  # "disk" (served from an entry), "miss" (dequantised)
 _ALIASES, _CONFIG, _TOKENIZER = "looptool_aliases", "looptool_config", "looptool_tokenizer"
 
 Loaded = tuple[nn.Module, object | None]  # (model, tokenizer or None)
@@ -58,39 +54,36 @@ def versions() -> dict[str, str]:
     return {"torch": torch.__version__, "transformers": transformers.__version__, "gguf": gguf, "looptool": __version__}
 
 
+def _store() -> Store:
+    """This process's GGUF store (counts: "disk", served from an entry; "miss", dequantised; "dropped")."""
+    return caches().gguf
+
+
 def cached_load(path: Path, dtype: torch.dtype, load: Callable[[], Loaded]) -> Loaded:
     """``load()`` of the GGUF file ``path`` in ``dtype`` (model on the CPU, tokenizer or None),
     served from the cache when an entry for the file's contents holds it."""
     if not enabled():
         return load()
-    key = {"format": FORMAT, "gguf_sha256": file_sha256(path.resolve()), "dtype": str(dtype)}
-    digest = sha256(canonical(key).encode())
-    found = _read(path, digest, key, dtype)
-    if found is not None:
-        return found
-    with _STORE.one_builder(digest):  # another process dequantising the same file: wait, read its entry
-        found = _read(path, digest, key, dtype)
-        if found is not None:
-            return found
-        STATS["miss"] += 1
-        model, tokenizer = load()
-        try:
-            _STORE.write(digest, key, versions(), _encode(model, tokenizer))
-        except Exception as exc:  # the cache never fails a load
-            _STORE.could_not_store(exc, f"the dequantised {path.name}")
-        return model, tokenizer
+    key = {"format": GGUF.format, "gguf_sha256": file_sha256(path.resolve()), "dtype": str(dtype)}
+    store, name = _store(), digest(key)
+
+    def keep(loaded: Loaded) -> None:
+        store.write(name, key, versions(), _encode(*loaded))
+
+    # another process dequantising the same file: wait, read its entry
+    return store.get_or_build(name, lambda: _read(path, name, key, dtype), load, keep, f"the dequantised {path.name}")
 
 
-def _read(path: Path, digest: str, key: dict, dtype: torch.dtype) -> Loaded | None:
-    found = _STORE.read(digest, key, versions(), lambda data: _decode(data, dtype))
+def _read(path: Path, name: str, key: dict, dtype: torch.dtype) -> Loaded | None:
+    store = _store()
+    found = store.load(name, key, versions(), lambda data: (_decode(data, dtype), None))
     if found is None:
         return None
-    STATS["disk"] += 1
     model, tokenizer = found
     model.config._name_or_path = model.name_or_path = str(path.parent)  # as a load of the file names them
     if tokenizer is not None:
         tokenizer.name_or_path = str(path.parent)
-    log.info("GGUF cache: %s read from %s", path.name, _STORE.directory())
+    log.info("GGUF cache: %s read from %s", path.name, store.directory())
     return found
 
 

