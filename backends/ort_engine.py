@@ -31,6 +31,7 @@ from looptool.engine.interface import (
     as_numpy,
     costs_by_budget,
     eos_ids,
+    row_span,
 )
 
 WANTS = "give an engine directory written by looptool export"
@@ -88,12 +89,7 @@ class OrtStepEngine(StepEngine):
         """One cached step over cache rows ``rows`` (``input_ids [R, T]``, ``attention_mask
         [R, length]``, ``position_ids [R, T]``, ``cache_position [T]``, each row's budget,
         resolved by the caller); returns float32 next-token logits ``[R, vocab]`` (last position)."""
-        start, stop, stride = rows.indices(len(cache.buffers[0]))
-        if stride != 1 or stop - start != len(budgets) or stop <= start:
-            raise EngineError(
-                f"rows {rows} must be a contiguous, non-empty slice of the cache with one budget per row "
-                f"({len(budgets)} given)."
-            )
+        start, stop = row_span(rows, len(cache.buffers[0]), budgets)
         key = budgets.graph(self._pairs)
         io, logits = self._binding(cache, key, start, stop)
         io.bind_cpu_input(INPUTS[0], as_numpy(input_ids).astype(np.int64, copy=False))

@@ -23,7 +23,15 @@ import torch
 from looptool.backends.onnx_format import MANIFEST, ROWWISE, EngineError
 from looptool.backends.serving import BUDGETS, INPUTS, LOGITS, CacheLayout, past_name, present_name
 from looptool.engine.budgets import RowBudgets
-from looptool.engine.interface import EngineFacts, OpenedEngine, StepEngine, TensorSlotCache, costs_by_budget, eos_ids
+from looptool.engine.interface import (
+    EngineFacts,
+    OpenedEngine,
+    StepEngine,
+    TensorSlotCache,
+    costs_by_budget,
+    eos_ids,
+    row_span,
+)
 
 WANTS = "give an engine directory exported with backend='tensorrt' whose engines were built on this GPU"
 _SCRATCH_KEPT = 16  # scratch present buffers kept (one per graph, row count and cache length)
@@ -83,12 +91,7 @@ class TrtStepEngine(StepEngine):
     ) -> torch.Tensor:
         """One cached step over cache rows ``rows`` (each row's budget resolved by the caller);
         float32 next-token logits ``[R, vocab]`` on the CPU."""
-        start, stop, stride = rows.indices(cache.slots)
-        if stride != 1 or stop - start != len(budgets) or stop <= start:
-            raise EngineError(
-                f"rows {rows} must be a contiguous, non-empty slice of the cache with one budget per row "
-                f"({len(budgets)} given)."
-            )
+        start, stop = row_span(rows, cache.slots, budgets)
         key = budgets.graph(self._pairs)
         rt, ctx = self.runtime, self.runtime.contexts[key, self.kv]
         steps = int(input_ids.shape[1])

@@ -211,3 +211,16 @@ def install(monkeypatch) -> types.ModuleType:
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setitem(sys.modules, "tensorrt.plugin", plugin)
     return trt
+
+
+def pretend_gpu(monkeypatch) -> None:
+    """Make torch report one CUDA GPU (sm_90, named ``fake``) with a stream that does nothing;
+    tensors stay on the CPU, where the test double reads and writes them."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake")
+    monkeypatch.setattr(
+        torch.cuda, "Stream", lambda device=None: type("S", (), {"cuda_stream": 0, "synchronize": lambda self: None})()
+    )

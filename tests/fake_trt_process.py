@@ -8,25 +8,24 @@ import runpy
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fake_tensorrt  # noqa: E402
 
 
 class _Patch:
-    """The two ``monkeypatch`` methods ``fake_tensorrt.install`` uses, for the whole process."""
+    """The ``monkeypatch`` methods the test double uses, for the whole process."""
 
     @staticmethod
     def setitem(mapping, key, value) -> None:
         mapping[key] = value
 
+    @staticmethod
+    def setattr(target, name, value) -> None:
+        setattr(target, name, value)
+
 
 fake_tensorrt.install(_Patch())
-torch.cuda.is_available = lambda: True
-torch.cuda.get_device_capability = lambda device=None: (9, 0)
-torch.cuda.get_device_name = lambda device=None: "fake"
-torch.cuda.Stream = lambda device=None: type("S", (), {"cuda_stream": 0, "synchronize": lambda self: None})()
+fake_tensorrt.pretend_gpu(_Patch())
 
 if __name__ == "__main__":
     sys.argv = ["looptool", *sys.argv[1:]]

@@ -77,12 +77,19 @@ def test_elr_requests_of_every_budget_batch_together_and_equal_generating_alone(
 def test_the_onnxruntime_engine_serves_the_same_way(model, tmp_path):
     pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
     from looptool.backends.onnx import export_onnx
-    from looptool.backends.ort import Runtime
 
     engine_dir = tmp_path / NAME
     export_onnx(model, engine_dir, validate=False)
     budgets = [model.budgets[i % len(model.budgets)] for i in range(len(PROMPTS))]
     server = ServerProcess(engine_dir, "--max-batch", "4", "--capacity", "64", "--threads", "1", log=tmp_path / "log")
+    _check_against_onnxruntime(server, engine_dir, model, budgets)
+
+
+def _check_against_onnxruntime(server: ServerProcess, engine_dir, model, budgets: list[int]) -> None:
+    """Serve the concurrent requests, stop the server, and compare each answer with that prompt
+    generated alone by onnxruntime over ``engine_dir``."""
+    from looptool.backends.ort import Runtime
+
     try:
         got = _concurrent(server.base, budgets)
     finally:
@@ -106,7 +113,6 @@ def test_the_tensorrt_engine_serves_the_same_way(model, tmp_path, monkeypatch):
     pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
     import fake_tensorrt
 
-    from looptool.backends.ort import Runtime
     from looptool.backends.tensorrt import build_engines, export_tensorrt
 
     engine_dir = tmp_path / NAME
@@ -114,25 +120,12 @@ def test_the_tensorrt_engine_serves_the_same_way(model, tmp_path, monkeypatch):
         model, engine_dir, build_on_target=True, precision="fp32", max_batch=4, max_prefill=64, max_capacity=128
     )
     fake_tensorrt.install(monkeypatch)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake")
+    fake_tensorrt.pretend_gpu(monkeypatch)
     build_engines(engine_dir)
     budgets = [model.budgets[i % len(model.budgets)] for i in range(len(PROMPTS))]
     launcher = [str(Path(__file__).with_name("fake_trt_process.py"))]
     server = ServerProcess(
         engine_dir, "--max-batch", "4", "--capacity", "64", "--device", "cpu", log=tmp_path / "log", launcher=launcher
     )
-    try:
-        got = _concurrent(server.base, budgets)
-    finally:
-        assert server.stop() == 0
+    _check_against_onnxruntime(server, engine_dir, model, budgets)  # the TensorRT variants compute what ORT's do
     assert "runtime tensorrt" in (tmp_path / "log").read_text()
-    rt = Runtime(engine_dir, threads=1)  # the TensorRT variants compute what the onnxruntime graphs compute
-    tok = model.tokenizer
-
-    def alone(i):
-        ids = torch.tensor([tok(PROMPTS[i])["input_ids"]])
-        out = rt.generate(ids, budget=budgets[i], max_new_tokens=TOKENS, eos_token_id=tok.eos_token_id)
-        return out.sequences[0, ids.shape[1] :].tolist()
-
-    _check(got, tok, alone)

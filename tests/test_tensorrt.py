@@ -305,12 +305,7 @@ def test_build_and_runtime_decode_like_onnxruntime_through_a_tensorrt_test_doubl
 
     trt = fake_tensorrt.install(monkeypatch)
     monkeypatch.setattr(trt_plugins, "_REGISTERED", [])
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake")
-    monkeypatch.setattr(
-        torch.cuda, "Stream", lambda device=None: type("S", (), {"cuda_stream": 0, "synchronize": lambda self: None})()
-    )
+    fake_tensorrt.pretend_gpu(monkeypatch)
     directory = tmp_path / "e"
     shutil.copytree(on_target, directory)
     engines = build_engines(directory)  # what build.py runs

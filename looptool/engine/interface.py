@@ -199,6 +199,18 @@ def eos_ids(tokenizer, config_eos) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def row_span(rows: slice, slots: int, budgets: RowBudgets) -> tuple[int, int]:
+    """``(start, stop)`` of ``rows`` in a cache of ``slots`` rows; one sentence unless it is a
+    contiguous, non-empty slice with one budget per row."""
+    start, stop, stride = rows.indices(slots)
+    if stride != 1 or stop - start != len(budgets) or stop <= start:
+        raise LooptoolError(
+            f"rows {rows} must be a contiguous, non-empty slice of the cache with one budget per row "
+            f"({len(budgets)} given)."
+        )
+    return start, stop
+
+
 def as_numpy(value) -> np.ndarray:
     """A numpy view of a CPU torch tensor, or ``value`` as an array."""
     if isinstance(value, torch.Tensor):

@@ -12,8 +12,8 @@ import torch
 
 
 @dataclass(frozen=True)
-class Timing:
-    """Wall times of one contender, in seconds."""
+class Samples:
+    """Measurements of one quantity over rounds: their median, smallest and largest."""
 
     samples: tuple[float, ...]
 
@@ -24,13 +24,18 @@ class Timing:
 
     @property
     def min(self) -> float:
-        """Fastest sample."""
+        """Smallest sample."""
         return min(self.samples)
 
     @property
     def max(self) -> float:
-        """Slowest sample."""
+        """Largest sample."""
         return max(self.samples)
+
+
+@dataclass(frozen=True)
+class Timing(Samples):
+    """Wall times of one contender, in seconds."""
 
     def as_dict(self) -> dict:
         """JSON-ready summary (milliseconds)."""
@@ -49,26 +54,10 @@ MIN_ROUNDS = 3
 
 
 @dataclass(frozen=True)
-class Ratio:
+class Ratio(Samples):
     """One contender's time over another's, round by round: round ``i`` of each was timed
-    side by side (:func:`interleaved`), so each round's ratio sees the same machine state."""
-
-    samples: tuple[float, ...]
-
-    @property
-    def median(self) -> float:
-        """Median of the rounds' ratios: the ratio reported."""
-        return statistics.median(self.samples)
-
-    @property
-    def min(self) -> float:
-        """Smallest round's ratio."""
-        return min(self.samples)
-
-    @property
-    def max(self) -> float:
-        """Largest round's ratio."""
-        return max(self.samples)
+    side by side (:func:`interleaved`), so each round's ratio sees the same machine state
+    (its median is the ratio reported)."""
 
     @property
     def spread(self) -> float:
