@@ -178,7 +178,7 @@ def resolve_policies(model, kv: str | Iterable[str]) -> tuple[str, ...]:
     """KV policies to export: one, a comma-separated list, or ``all`` (every policy the
     model supports: last-loop only where some budget repeats a layer)."""
     from looptool.passes.kv_cache import KV_POLICIES
-    from looptool.runtime.generation import check_policy, repeats_layers
+    from looptool.runtime.decode_graphs import check_policy, repeats_layers
 
     if kv == "all":
         chosen = [p for p in KV_POLICIES if p == "per-loop" or repeats_layers(model)]
@@ -245,10 +245,10 @@ def export_onnx(
             for policy in policies:
                 for budget in (*chosen, *((ROWWISE,) if rowwise else ())):
                     say(f"exporting {'the row-wise graph' if budget == ROWWISE else f'budget {budget}'} ({policy})")
-                    sg = (
-                        rowwise_serving_graph(model, policy)
+                    sg = (  # composing needs the flattened-token crossings unflattened
+                        rowwise_serving_graph(model, policy, unflatten=compose)
                         if budget == ROWWISE
-                        else serving_graph(model, budget, policy)
+                        else serving_graph(model, budget, policy, unflatten=compose)
                     )
                     result, entry = _export_graph(sg, budget, policy, temp, store, known, library)
                     (rowwise_results if budget == ROWWISE else results).append(result)
@@ -309,7 +309,7 @@ def _check_exportable(model, dtypes: tuple[torch.dtype, ...] = _SUPPORTED_DTYPES
 def _model_tensor_digests(model) -> dict[str, str]:
     """sha256 of every tensor the budget paths read, by name (to tell weights from
     exporter-made constants)."""
-    from looptool.runtime.tensors import graph_tensors
+    from looptool.storage.tensors import graph_tensors
 
     out: dict[str, str] = {}
     seen: dict[int, str] = {}
@@ -339,22 +339,6 @@ def serving_example(sg) -> tuple[list[torch.Tensor], tuple]:
     return args, shapes
 
 
-class _DropRecords(logging.Filter):
-    """Drops the log records whose message starts with ``prefix``; the others pass."""
-
-    def __init__(self, prefix: str) -> None:
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefix)
-
-
-# torch's op registry warns once per export for every torchvision op it cannot register when
-# torchvision is absent; serving graphs never hold one, so the warning is noise for looptool
-_TORCHVISION_NOTICE = ("torch.onnx._internal.exporter._registration", _DropRecords("torchvision is not installed"))
-
-
 def export_program(
     gm: torch.fx.GraphModule,
     args,
@@ -373,8 +357,6 @@ def export_program(
     from looptool.backends.onnx_functions import OPSET, translation_table
 
     training = gm.training
-    logger = logging.getLogger(_TORCHVISION_NOTICE[0])
-    logger.addFilter(_TORCHVISION_NOTICE[1])
     gm.eval()
     try:
         with warnings.catch_warnings(), fast_tracing(fake_tensor_cache=fake_tensor_cache), faster_exporter():
@@ -397,7 +379,6 @@ def export_program(
             )
     finally:
         gm.train(training)
-        logger.removeFilter(_TORCHVISION_NOTICE[1])
 
 
 def _export_graph(

@@ -35,7 +35,6 @@ import torch
 from torch import fx
 
 from looptool.backends import onnx_body_cache
-from looptool.backends.onnx_crossings import unflatten_crossings
 from looptool.backends.onnx_store import to_numpy
 from looptool.backends.serving import BUDGETS, LOGITS, ServingGraph, example_budgets
 from looptool.core.errors import LooptoolError
@@ -117,14 +116,12 @@ class LayerLibrary:
 
     def partition(self, sg: ServingGraph) -> Composition:
         """Cut ``sg`` into units (layer applications and the glue runs between them) and
-        register their bodies. Rewrites ``sg.module`` in place first where a flattened-token
-        tensor crosses units (:func:`~looptool.backends.onnx_crossings.unflatten_crossings`:
-        views only, the same values)."""
+        register their bodies; ``sg`` is built with ``unflatten=True`` (the
+        ``unflatten_crossings`` pass: no flattened-token tensor crosses units). Reads ``sg``,
+        rewrites nothing."""
         from looptool.passes.checkpoint import regions_of
 
         graph = sg.module.graph
-        if unflatten_crossings(graph):
-            sg.module.recompile()
         groups: list[list[fx.Node]] = list(regions_of(graph))
         in_layer = {n for region in groups for n in region}
         current: list[fx.Node] | None = None

@@ -22,9 +22,10 @@ buffer ``past`` was read from (onnxruntime IOBinding), so nothing is copied per 
 loop ``i`` of a recurrent block) it serves.
 
 :func:`serving_graph` builds that graph from the cached budget path
-(:func:`looptool.runtime.generation.cached_paths`, whose head already reads only the last
-position): the in-place cache writes become functional writes whose results are returned,
-and the fused ops replace their subgraphs. The arithmetic is the cached path's, op for op.
+(:func:`looptool.runtime.decode_graphs.cached_paths`, whose head already reads only the last
+position) with passes run by the PassManager: ``fuse`` replaces subgraphs with the fused ops
+and ``decode_interface`` turns the in-place cache writes into functional writes whose results
+are returned. The arithmetic is the cached path's, op for op.
 
 **One batch, many depths.** :func:`rowwise_serving_graph` builds the same interface from the
 row-wise-budget path (the ``rowwise_budget`` pass): one more input, ``budgets [batch]``
@@ -50,13 +51,11 @@ from typing import Any, Protocol
 import torch
 from torch import fx
 
-from looptool.core.errors import LooptoolError
-from looptool.core.graph import BUDGETS, annotation, copy_graph
+from looptool.core.graph import BUDGETS, ROWWISE_STEP_INPUTS, STEP_INPUTS, annotation
 
-INPUTS = ("input_ids", "attention_mask", "position_ids", "cache_position")
-ROWWISE_INPUTS = (*INPUTS, BUDGETS)
+INPUTS = STEP_INPUTS
+ROWWISE_INPUTS = ROWWISE_STEP_INPUTS
 LOGITS = "logits"
-_aten = torch.ops.aten
 
 
 class StepEngine(Protocol):
@@ -170,76 +169,59 @@ class ServingGraph:
         return BUDGETS in self.input_names
 
 
-def serving_graph(model, budget: int, kv: str = "per-loop", *, fuse: bool = True) -> ServingGraph:
+def serving_graph(
+    model, budget: int, kv: str = "per-loop", *, fuse: bool = True, unflatten: bool = False
+) -> ServingGraph:
     """The decode-interface graph of ``model`` at ``budget`` under KV policy ``kv``, reading
-    the model's own tensors (nothing is copied). With ``fuse`` the ``fuse`` pass runs (through
-    the PassManager) on the cached path of ``budget``."""
-    from looptool.passes import PassManager
-    from looptool.passes.fuse import fused_counts
-    from looptool.runtime.generation import cached_layer_graph, cached_paths
+    the model's own tensors (nothing is copied): the cached path of ``budget`` lowered by
+    passes run through the PassManager (:func:`lower`)."""
+    from looptool.runtime.decode_graphs import cached_layer_graph
 
     budget = model.check_budget(budget)
-    path = cached_paths(model, kv, (budget,))[budget]
-    counts: dict[str, int] = {}
-    if fuse:
-        fused = PassManager([("fuse", {})])(cached_layer_graph(model, kv, (budget,)))  # that path alone
-        graph = fused.paths[budget]  # a new graph, this function's own to rewrite
-        counts = fused_counts(graph)
-    else:
-        graph = copy_graph(path.module.graph)
-    return interface_graph(model, path, graph, counts, INPUTS, f"budget {budget}")
+    return lower(model, cached_layer_graph(model, kv, (budget,)), fuse=fuse, unflatten=unflatten)
 
 
-def rowwise_serving_graph(model, kv: str = "per-loop", *, fuse: bool = True) -> ServingGraph:
+def rowwise_serving_graph(model, kv: str = "per-loop", *, fuse: bool = True, unflatten: bool = False) -> ServingGraph:
     """The row-wise-budget graph of ``model`` under KV policy ``kv`` in the decode interface:
     the step inputs, then ``budgets`` (int64 ``[batch]``, each row's budget), then the deepest
-    budget's cache pairs (:func:`looptool.runtime.generation.rowwise_path`). With ``fuse`` the
-    ``fuse`` pass runs (through the PassManager) on the row-wise LayerGraph."""
+    budget's cache pairs: the row-wise path (:func:`looptool.runtime.decode_graphs.rowwise_path`)
+    lowered like every serving graph (:func:`lower`)."""
+    from looptool.runtime.decode_graphs import rowwise_layer_graph
+
+    return lower(model, rowwise_layer_graph(model, kv), fuse=fuse, unflatten=unflatten, menu=model.budgets)
+
+
+def lower(model, lg, *, fuse: bool = True, unflatten: bool = False, menu: tuple[int, ...] = ()) -> ServingGraph:
+    """The one path of ``lg`` (a cached decode LayerGraph of ``model``) as a serving graph: with
+    ``fuse`` the ``fuse`` pass, then ``decode_interface`` (functional cache writes, inputs and
+    outputs in interface order), and with ``unflatten`` ``unflatten_crossings`` (what composing
+    the graph from layer functions needs), each run and verified by the PassManager on graphs
+    of their own; ``menu``: the row-wise graph's budgets."""
     from looptool.passes import PassManager
     from looptool.passes.fuse import fused_counts
-    from looptool.runtime.generation import rowwise_layer_graph, rowwise_path
 
-    path = rowwise_path(model, kv)
-    counts: dict[str, int] = {}
-    if fuse:
-        fused = PassManager([("fuse", {})])(rowwise_layer_graph(model, kv))
-        (graph,) = fused.paths.values()  # a new graph, this function's own to rewrite
-        counts = fused_counts(graph)
-    else:
-        graph = copy_graph(path.module.graph)
-    return interface_graph(model, path, graph, counts, ROWWISE_INPUTS, "the row-wise graph", model.budgets)
+    lowered = PassManager([*([("fuse", {})] if fuse else []), ("decode_interface", {})])(lg)
+    (graph,) = lowered.paths.values()
+    counts = fused_counts(graph) if fuse else {}  # before unflatten_crossings, whose flattens copy readers' metadata
+    if unflatten:
+        (graph,) = PassManager([("unflatten_crossings", {})])(lowered).paths.values()
+    return interface_graph(model, graph, counts, menu)
 
 
-def interface_graph(
-    model, path, graph: fx.Graph, counts: dict[str, int], inputs: tuple[str, ...], what: str, menu: tuple = ()
-) -> ServingGraph:
-    """``graph`` (this caller's own copy of cached path ``path``'s graph, maybe fused) in the
-    decode interface with step inputs ``inputs``: functional cache writes, placeholders in
-    interface order, outputs ``(logits, present...)``."""
+def interface_graph(model, graph: fx.Graph, counts: dict[str, int], menu: tuple = ()) -> ServingGraph:
+    """The serving graph of ``graph``, a cached path in the decode interface (the
+    ``decode_interface`` pass): its cache layout read from the cache inputs, in order."""
     from looptool.core.graph import shared_graph_module
 
-    order = functional_cache_writes(graph)
-    by_name = {s.name: s for s in path.slots}
-    pairs: list[CachePair] = []
-    names: dict[str, str] = {}
-    index: dict[tuple[int, int], int] = {}
-    for slot_name in order:
-        slot = by_name[slot_name]
-        key = (slot.layer, slot.execution)
-        if key not in index:
-            index[key] = len(pairs)
-            pairs.append(CachePair(slot.layer, slot.execution, slot.kv_heads, slot.head_dim))
-        names[slot_name] = past_name(index[key], slot.kind)
-    if len(names) != 2 * len(pairs):
-        raise LooptoolError(
-            f"{what}: the cached path's cache inputs do not form key/value pairs; please report this as a bug."
-        )
-    _order_inputs(graph, names, inputs)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    caches = [(annotation(n)["kv"], n.meta["val"].shape) for n in placeholders if "kv" in annotation(n)]
+    pairs = tuple(
+        CachePair(kv["layer"], kv.get("execution", 1), int(shape[1]), int(shape[3])) for kv, shape in caches[::2]
+    )
+    inputs = ROWWISE_INPUTS if any(n.target == BUDGETS for n in placeholders) else INPUTS
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    layout = CacheLayout(tuple(pairs), dtype)
+    layout = CacheLayout(pairs, dtype)
     past, present = layout.names()
-    _order_outputs(graph, names, past)
-    graph.lint()
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return ServingGraph(
         shared_graph_module(model, graph),
@@ -250,81 +232,3 @@ def interface_graph(
         int(text.vocab_size),
         tuple(menu),
     )
-
-
-def functional_cache_writes(graph: fx.Graph) -> list[str]:
-    """Turn every in-place cache write (``index_copy_`` on a cache input) into the functional
-    ``index_copy``; later readers of the cache read the write's result, and the graph returns
-    ``(logits, last write of each cache...)``. Returns the cache input names in the order
-    of their first write."""
-    caches = {n for n in graph.nodes if n.op == "placeholder" and "kv" in annotation(n)}
-    current: dict[fx.Node, fx.Node] = {}
-    order: list[str] = []
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is _aten.index_copy_.default and node.args[0] in caches:
-            base = node.args[0]
-            source = current.get(base, base)
-            with graph.inserting_before(node):
-                new = graph.call_function(_aten.index_copy.default, (source, *node.args[1:]), dict(node.kwargs))
-            new.meta = dict(node.meta)
-            node.replace_all_uses_with(new)
-            graph.erase_node(node)
-            if base not in current:
-                order.append(str(base.target))
-            current[base] = new
-            continue
-        if node.op == "output":
-            continue
-        for base, latest in current.items():  # a later read of a written cache reads the write
-            if base in node.all_input_nodes and node is not latest:
-                node.replace_input_with(base, latest)
-    unwritten = sorted(str(c.target) for c in caches if c not in current)
-    if unwritten:
-        raise LooptoolError(f"cache input(s) {unwritten} are never written; this graph is not a cached decode step.")
-    output = graph.output_node()
-    (logits,) = _flatten(output.args[0])
-    output.args = ((logits, *(current[c] for c in sorted(current, key=lambda c: order.index(str(c.target))))),)
-    return order
-
-
-def _order_inputs(graph: fx.Graph, names: dict[str, str], inputs: tuple[str, ...] = INPUTS) -> None:
-    """Put the placeholders in interface order: the step ``inputs``, then the cache pairs
-    by index, key before value (FX placeholder names stay Python identifiers; the interface
-    names are given to the exporter)."""
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    unknown = [n.target for n in placeholders if n.target not in inputs and n.target not in names]
-    if unknown:
-        raise LooptoolError(f"the cached path has input(s) {unknown} outside the decode interface {list(inputs)}.")
-    interface = {
-        n: (inputs.index(n.target), 0, 0) if n.target in inputs else (len(inputs), *_pair_order(names[n.target]))
-        for n in placeholders
-    }
-    first = placeholders[0]
-    for node in sorted(placeholders, key=interface.__getitem__, reverse=True):
-        if node is not first:
-            first.prepend(node)
-        first = node
-
-
-def _pair_order(name: str) -> tuple[int, int]:
-    _, pair, kind = name.split(".")
-    return int(pair), 0 if kind == "key" else 1
-
-
-def _order_outputs(graph: fx.Graph, names: dict[str, str], past: list[str]) -> None:
-    """Return ``(logits, present...)`` with present ``j`` the last write of past ``j``."""
-    output = graph.output_node()
-    logits, *writes = output.args[0]
-    by_past = {}
-    for write in writes:
-        base = write
-        while base.op != "placeholder":
-            base = base.args[0]
-        by_past[names[base.target]] = write
-    output.args = ((logits, *(by_past[name] for name in past)),)
-
-
-def _flatten(value) -> list:
-    if isinstance(value, (tuple, list)):
-        return [x for v in value for x in _flatten(v)]
-    return [value]

@@ -17,9 +17,8 @@ from looptool.core.errors import LooptoolError
 from looptool.core.graph import LayerGraph
 from looptool.core.plan import PrefixLoop, RecurrentLoop
 from looptool.core.version import __version__
-from looptool.runtime.convert import cast, convert
+from looptool.runtime.convert import cast, convert, load
 from looptool.runtime.model import LoopedModel
-from looptool.storage.load import load
 
 __all__ = [
     "LayerGraph",

@@ -10,6 +10,7 @@ by the manager against its steps and the passes already applied (``LayerGraph.ap
 
 from looptool.passes import ablate as _ablate  # noqa: F401  (registers)
 from looptool.passes import checkpoint as _checkpoint  # noqa: F401  (registers)
+from looptool.passes import decode_interface as _decode_interface  # noqa: F401  (registers)
 from looptool.passes import fuse as _fuse  # noqa: F401  (registers)
 from looptool.passes import kv_cache as _kv_cache  # noqa: F401  (registers)
 from looptool.passes import last_position as _last_position  # noqa: F401  (registers)
@@ -18,6 +19,7 @@ from looptool.passes import recurrent_loop as _recurrent_loop  # noqa: F401  (re
 from looptool.passes import retarget_device as _retarget_device  # noqa: F401  (registers)
 from looptool.passes import router_outputs as _router_outputs  # noqa: F401  (registers)
 from looptool.passes import rowwise_budget as _rowwise_budget  # noqa: F401  (registers)
+from looptool.passes import unflatten_crossings as _unflatten_crossings  # noqa: F401  (registers)
 from looptool.passes.manager import (
     PassManager,
     check_order,

@@ -10,7 +10,7 @@ import torch
 
 import looptool
 from looptool.core.errors import LooptoolError
-from looptool.runtime.tensors import graph_tensors
+from looptool.storage.tensors import graph_tensors
 from looptool.testing import tiny_model
 
 CASES = {

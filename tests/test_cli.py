@@ -497,13 +497,13 @@ def test_export_is_quiet_and_run_names_the_missing_file_of_the_budget_asked(loop
 )
 def test_cheap_checks_come_before_the_slow_load(args, message, tiny_dir, tmp_path, monkeypatch):
     """Settings that need no model fail at once: the load is never reached."""
-    import looptool.storage.load
+    import looptool.runtime.convert
     from looptool.capture import sources
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before a cheap check")
 
-    monkeypatch.setattr(looptool.storage.load, "load", no_load)
+    monkeypatch.setattr(looptool.runtime.convert, "load", no_load)
     monkeypatch.setattr(sources, "load_source", no_load)
     fill = {"m": str(tmp_path), "src": str(tiny_dir)}
     res = _run(*[a.format(**fill) for a in args])

@@ -13,13 +13,15 @@ from conftest import converted
 import looptool
 from looptool.core.errors import LooptoolError
 from looptool.engine.sampling import SamplingParams
-from looptool.runtime.generation import (
+from looptool.runtime.decode_graphs import (
+    DecodeKey,
     allocate_cache,
     cached_layer_graph,
     cached_paths,
-    generate,
+    decode_graphs,
     kv_bytes_per_token,
 )
+from looptool.runtime.generation import generate
 from looptool.testing import tiny_model
 
 ELR_PLAN = looptool.RecurrentLoop(recurrent=(1, 3), max_loops=3)
@@ -221,7 +223,7 @@ def test_cached_paths_build_only_the_budgets_asked_for():
     one = cached_paths(model, "per-loop", [2])
     assert list(one) == [2]
     assert list(cached_layer_graph(model, "per-loop", [2]).paths) == [2]
-    assert list(model.derived["cached_paths"][("layer_graph", "per-loop")].paths) == [2]  # nothing else rewritten
+    assert list(decode_graphs(model).graphs[DecodeKey("cached", "per-loop")].paths) == [2]  # nothing else rewritten
     full = cached_paths(model, "per-loop")
     assert list(full) == [0, 1, 2] and full[2] is one[2]  # the path built first is kept, the rest added
     assert list(cached_layer_graph(model, "per-loop").paths) == [0, 1, 2]

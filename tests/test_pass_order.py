@@ -150,14 +150,24 @@ def test_cached_decode_paths_go_through_the_manager(prefix, spy):
 def test_the_serving_graph_fuses_through_the_manager(prefix, spy):
     from looptool.backends.serving import serving_graph
     from looptool.passes.fuse import fuse_graph
-    from looptool.runtime.generation import cached_paths
+    from looptool.runtime.decode_graphs import cached_paths
 
     cached_paths(prefix, "per-loop")
     spy.clear()
     sg = serving_graph(prefix, 2)
-    assert spy == [("fuse", {})]
+    assert spy == [("fuse", {}), ("decode_interface", {})]  # the lowering to the decode interface too
     assert sg.fused == dict(fuse_graph(cached_paths(prefix, "per-loop")[2].module.graph)[1])
     assert sg.fused["gated_residual"] == 4
+
+
+def test_a_serving_graph_for_composing_unflattens_through_the_manager(prefix, spy):
+    from looptool.backends.serving import rowwise_serving_graph
+    from looptool.runtime.decode_graphs import rowwise_path
+
+    rowwise_path(prefix, "per-loop")
+    spy.clear()
+    rowwise_serving_graph(prefix, unflatten=True)
+    assert spy == [("fuse", {}), ("decode_interface", {}), ("unflatten_crossings", {})]
 
 
 def test_the_hydra_ablation_goes_through_the_manager(prefix, spy):

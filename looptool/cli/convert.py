@@ -111,7 +111,7 @@ def inspect(
 ) -> None:
     """Show a looped model's plan, per-budget execution path and cost table."""
     from looptool.report.tables import plan_table, summary
-    from looptool.storage.load import load
+    from looptool.runtime.convert import load
 
     with progress() as steps, steps.stage(f"rebuilding {model_dir} on meta"):
         model = load(model_dir, device="meta")

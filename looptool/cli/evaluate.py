@@ -47,7 +47,7 @@ def eval_(
     from looptool.capture.sources import load_source
     from looptool.eval.evaluate import evaluate, format_share
     from looptool.eval.results import write_eval
-    from looptool.storage.load import load
+    from looptool.runtime.convert import load
     from looptool.train.data import find_files
 
     count = parse_count(max_tokens, "--max-tokens")  # these before the slow load
@@ -141,8 +141,8 @@ def analyze(
     """Second-pass writes, expert overlap, residual cosines, Hydra effect, ELR states and logit lens."""
     from looptool.eval.analyze import analyze as run_analysis
     from looptool.eval.results import write_analysis
+    from looptool.runtime.convert import load
     from looptool.storage.files import check_output_dir
-    from looptool.storage.load import load
     from looptool.train.data import find_files
 
     count = parse_count(tokens, "--tokens")  # these before the slow load

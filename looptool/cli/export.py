@@ -73,8 +73,8 @@ def export_cmd(
     from looptool.backends.engines import export_engines, export_options
     from looptool.backends.onnx import resolve_budgets, resolve_policies
     from looptool.report.tables import human_bytes
+    from looptool.runtime.convert import load
     from looptool.storage.files import check_output_dir
-    from looptool.storage.load import load
 
     check_backend(backend)
     check_kv_names(kv, allow_all=True)

@@ -74,9 +74,10 @@ def generate(
     rows run together, each at its own budget); report tokens/s, KV bytes and each row's cost."""
     from looptool.engine.sampling import SamplingParams
     from looptool.runtime import text
-    from looptool.runtime.generation import cached_paths, check_max_new_tokens, row_budgets, rowwise_path
+    from looptool.runtime.convert import load
+    from looptool.runtime.decode_graphs import cached_paths, rowwise_path
+    from looptool.runtime.generation import check_max_new_tokens, row_budgets
     from looptool.runtime.generation import generate as run_generate
-    from looptool.storage.load import load
 
     check_prompts(prompt, stream)
     budgets = parse_row_budgets(budget, len(prompt))

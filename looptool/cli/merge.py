@@ -58,8 +58,8 @@ def merge_cmd(
         parse_lambdas,
         save_merge,
     )
+    from looptool.runtime.convert import load
     from looptool.storage.files import check_output_dir
-    from looptool.storage.load import load
 
     experts = list(experts or [])
     if list_groups:

@@ -133,6 +133,9 @@ class SourceInfo:
 
 ROWWISE = "rowwise"  # the row-wise-budget path's key beside the integer budgets: LayerGraph.paths, engine manifests
 BUDGETS = "budgets"  # the row-wise path's extra input: int64 [batch], each row's budget
+# the step inputs of a cached decode path, in the order of the decode interface of exported engines
+STEP_INPUTS = ("input_ids", "attention_mask", "position_ids", "cache_position")
+ROWWISE_STEP_INPUTS = (*STEP_INPUTS, BUDGETS)  # the row-wise path: each row's budget after the step inputs
 
 
 @dataclass

@@ -52,9 +52,10 @@ from lm_eval.models.utils import (  # noqa: E402
 from lm_eval.models.utils_hf import pad_and_concat  # noqa: E402
 
 from looptool.engine.sampling import SamplingParams  # noqa: E402
-from looptool.runtime.generation import check_policy, generate  # noqa: E402
+from looptool.runtime.convert import load  # noqa: E402
+from looptool.runtime.decode_graphs import check_policy  # noqa: E402
+from looptool.runtime.generation import generate  # noqa: E402
 from looptool.runtime.model import LoopedModel  # noqa: E402
-from looptool.storage.load import load  # noqa: E402
 
 MODEL_NAME = "looptool"
 _SAMPLING_KWARGS = frozenset({"do_sample", "temperature", "top_k", "top_p"})

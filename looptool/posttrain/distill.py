@@ -21,8 +21,8 @@ import torch
 
 from looptool.core.errors import LooptoolError
 from looptool.posttrain.rollout import PostTrainingRun, encode_prompt, prompt_batch, read_prompts, sample
+from looptool.runtime.convert import load
 from looptool.runtime.model import LoopedModel
-from looptool.storage.load import load
 from looptool.train.sampling import BudgetSampler
 
 LOG_FILE = "distill_log.jsonl"

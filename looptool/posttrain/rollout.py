@@ -25,10 +25,10 @@ import torch
 
 from looptool.core.errors import LooptoolError
 from looptool.engine.sampling import SamplingParams
+from looptool.runtime.convert import load
 from looptool.runtime.devices import resolve_device
 from looptool.runtime.generation import generate
 from looptool.runtime.model import LoopedModel
-from looptool.storage.load import load
 from looptool.storage.resume import open_output, resumable_state, rng_states, set_rng_states, write_checkpoint
 from looptool.train.data import DataError, _jsonl_records, _read_text, find_files
 from looptool.train.trainer import adamw

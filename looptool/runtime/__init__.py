@@ -1,2 +1,2 @@
-"""Running a looped model: building it (``convert``, ``cast``), the model itself, its cached
-decode paths and decode loop, and device handling."""
+"""Running a looped model: building it (``convert``, ``load``, ``cast``), the model itself, its
+cached decode paths and decode loop, and device handling."""

@@ -1,11 +1,7 @@
-"""Text generation at any budget with a KV cache (ELR Sec. 3.4, Accordion Eq. 6).
-
-Cached decoding runs budget paths built from a second capture of the source: one cached
-step (:func:`looptool.capture.export_decode_step`, a static KV cache written in place),
-captured on ``meta`` from the model's config, looped by replaying the model's own recipe,
-routed to cache slots by the ``kv_cache`` pass and bound to the model's parameters (no
-copy). Prefill and every decode step go through the same graph; there is no hand-written
-attention code.
+"""Text generation at any budget with a KV cache (ELR Sec. 3.4, Accordion Eq. 6): the
+prefill-then-decode loop every runtime shares (:func:`decode_loop`) and :func:`generate`, which
+runs it over a model's cached budget paths (built and kept by
+:mod:`looptool.runtime.decode_graphs`).
 """
 
 from __future__ import annotations
@@ -13,47 +9,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch import fx
 
-from looptool.capture import capture_config
 from looptool.core.errors import LooptoolError
-from looptool.core.graph import ROWWISE, LayerGraph, annotation, dtype_from_str, shared_graph_module
 from looptool.core.plan import BudgetCost
 from looptool.engine.budgets import RowBudgets
 from looptool.engine.sampling import GREEDY, SamplingParams, TokenPicker
-from looptool.passes import PassManager
-from looptool.passes.kv_cache import KV_POLICIES
+from looptool.runtime.decode_graphs import allocate_cache, cached_paths, rowwise_path
 
 if TYPE_CHECKING:
     from looptool.runtime.model import LoopedModel
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CacheSlot:
-    """One cache input of a cached budget path: keys or values of one attention execution."""
-
-    name: str
-    layer: int
-    kind: str  # "k" or "v"
-    execution: int  # 1 = the layer's own pass; 2 = a repeated layer's second pass / loop 2; ...
-    kv_heads: int
-    head_dim: int
-
-
-@dataclass
-class CachedPath:
-    """A cached budget path: ``module(input_ids, attention_mask, position_ids,
-    cache_position, *caches) -> logits`` and the cache inputs it expects, in order."""
-
-    module: fx.GraphModule
-    slots: tuple[CacheSlot, ...]
 
 
 @dataclass
@@ -77,149 +48,10 @@ class GenerationOutput:
         return self.sequences.shape[0] * self.new_tokens / total if total > 0 else float("inf")
 
 
-def repeats_layers(model: LoopedModel) -> bool:
-    """Whether some budget of ``model`` executes a layer more than once (last-loop caches need that)."""
-    n = len(model.layer_graph.layers)
-    return any(len(set(ex)) != len(ex) for ex in (model.plan.executed_layers(b, n) for b in model.budgets))
-
-
-def check_policy(model: LoopedModel, kv: str) -> str:
-    """Validate a KV cache policy for ``model``."""
-    if kv not in KV_POLICIES:
-        raise LooptoolError(f"unknown KV cache policy {kv!r}; use one of {list(KV_POLICIES)}.", parameter="kv")
-    if kv == "last-loop":
-        if not repeats_layers(model):
-            raise LooptoolError(
-                f"kv 'last-loop' shares one cache slot between repeated attention executions, but no budget "
-                f"of this model ({list(model.budgets)}) repeats a layer; use kv='per-loop'.",
-                parameter="kv",
-            )
-    return kv
-
-
-def cached_layer_graph(model: LoopedModel, kv: str = "per-loop", budgets: Iterable[int] | None = None) -> LayerGraph:
-    """The decode-step LayerGraph of ``model`` under KV policy ``kv``, whose budget paths are
-    the cached paths before binding (built once per model, policy and budget, every rewrite a
-    pass run by the PassManager: a ``meta`` capture of the decode step, ``retarget_device`` to
-    the model's device (before the passes that build budget paths, so one graph is copied), the
-    model's recipe replayed, ``kv_cache`` and ``last_position``); later rewrites of the cached
-    paths (the serving graph's ``fuse``) start from it.
-
-    ``budgets`` (default: every budget) limits the paths ``kv_cache`` and ``last_position``
-    rewrite to those asked for: a call that decodes at one budget (``looptool generate
-    --budget 0``) rewrites one path, not the whole menu; paths asked for later are added."""
-    kv = check_policy(model, kv)
-    wanted = _wanted(model, budgets)
-    store = model.derived.setdefault("cached_paths", {})
-    if "decode" not in store:  # the captured decode step with the recipe replayed, shared by the policies
-        lg = model.layer_graph
-        captured = capture_config(
-            lg.config, dtype_from_str(lg.source.dtype), lg.source.attn_implementation, decode=True
-        )
-        device = str(next(model.parameters()).device)
-        captured = PassManager([("retarget_device", {"to": device})])(captured)
-        store["decode"] = PassManager(model.recipe)(captured)
-    done: LayerGraph | None = store.get(("layer_graph", kv))
-    missing = [b for b in wanted if done is None or b not in done.paths]
-    if missing:
-        decode = store["decode"]
-        steps = [("kv_cache", {"policy": kv}), ("last_position", {})]
-        built = PassManager(steps)(decode.replace(paths={b: decode.paths[b] for b in missing}))
-        if done is not None:
-            built = done.replace(paths=dict(sorted({**done.paths, **built.paths}.items())))
-        store[("layer_graph", kv)] = done = built
-    if set(done.paths) == set(wanted):
-        return done
-    return done.replace(paths={b: done.paths[b] for b in wanted})
-
-
-def cached_paths(
-    model: LoopedModel, kv: str = "per-loop", budgets: Iterable[int] | None = None
-) -> dict[int, CachedPath]:
-    """The cached budget paths of ``model`` under KV policy ``kv``: the paths of
-    :func:`cached_layer_graph` bound to the model's own tensors (built once per model, policy
-    and budget; ``budgets``, default every budget, limits which are built and returned). Each
-    returns ``logits [batch, 1, vocab]``."""
-    kv = check_policy(model, kv)
-    wanted = _wanted(model, budgets)
-    bound = model.derived.setdefault("cached_paths", {}).setdefault(kv, {})
-    missing = [b for b in wanted if b not in bound]
-    if missing:
-        for b, g in cached_layer_graph(model, kv, missing).paths.items():
-            bound[b] = _bind(model, g)
-    return {b: bound[b] for b in wanted}
-
-
-def _wanted(model: LoopedModel, budgets: Iterable[int] | None) -> tuple[int, ...]:
-    """``budgets`` checked against the menu, sorted, each once (None: the whole menu)."""
-    if budgets is None:
-        return model.budgets
-    return tuple(sorted({model.check_budget(b) for b in budgets}))
-
-
-def rowwise_layer_graph(model: LoopedModel, kv: str = "per-loop") -> LayerGraph:
-    """:func:`cached_layer_graph` with the ``rowwise_budget`` pass run (through the
-    PassManager): its one path, key :data:`~looptool.passes.rowwise_budget.ROWWISE`, takes
-    ``budgets`` (int64 ``[batch]``) after ``cache_position`` (built once per model and policy)."""
-    store = model.derived.setdefault("cached_paths", {})
-    if ("rowwise_graph", kv) not in store:
-        store[("rowwise_graph", kv)] = PassManager([("rowwise_budget", {})])(cached_layer_graph(model, kv))
-    return store[("rowwise_graph", kv)]
-
-
-def rowwise_path(model: LoopedModel, kv: str = "per-loop") -> CachedPath:
-    """The row-wise-budget cached path: ``module(input_ids, attention_mask, position_ids,
-    cache_position, budgets, *caches) -> logits [batch, 1, vocab]``, every row at its own
-    budget, over the deepest budget's cache slots (``slots``; :func:`allocate_cache` works)."""
-    store = model.derived.setdefault("cached_paths", {})
-    if (ROWWISE, kv) not in store:
-        store[(ROWWISE, kv)] = _bind(model, rowwise_layer_graph(model, kv).paths[ROWWISE])
-    return store[(ROWWISE, kv)]
-
-
 def row_budgets(model: LoopedModel, budget, batch: int) -> RowBudgets:
     """Each row's budget from ``budget`` (see :meth:`looptool.engine.budgets.RowBudgets.resolve`;
     None: the model's default budget), checked against the model's menu once."""
     return RowBudgets.resolve(budget, model.budgets, batch, default=model.default_budget)
-
-
-def _bind(model: LoopedModel, graph: fx.Graph) -> CachedPath:
-    missing = [n.target for n in graph.nodes if n.op == "get_attr" and not _has_attr(model, n.target)]
-    if missing:
-        raise LooptoolError(f"the cached decode graph reads '{missing[0]}', which the looped model does not hold.")
-    slots = []
-    for node in graph.nodes:
-        kv = annotation(node).get("kv") if node.op == "placeholder" else None
-        if kv:
-            shape = node.meta["val"].shape
-            slots.append(
-                CacheSlot(
-                    str(node.target), kv["layer"], kv["kind"], kv.get("execution", 1), int(shape[1]), int(shape[3])
-                )
-            )
-    return CachedPath(shared_graph_module(model, graph), tuple(slots))
-
-
-def _has_attr(root: torch.nn.Module, dotted: str) -> bool:
-    obj = root
-    for part in dotted.split("."):
-        if not hasattr(obj, part):
-            return False
-        obj = getattr(obj, part)
-    return True
-
-
-def allocate_cache(path: CachedPath, batch: int, length: int, *, dtype: torch.dtype, device) -> list[torch.Tensor]:
-    """Zeroed cache tensors for ``path``: one ``[batch, kv_heads, length, head_dim]`` per slot."""
-    return [torch.zeros(batch, s.kv_heads, length, s.head_dim, dtype=dtype, device=device) for s in path.slots]
-
-
-def kv_bytes_per_token(model: LoopedModel, budget: int, kv: str = "per-loop") -> int:
-    """KV bytes one token occupies at ``budget`` under policy ``kv``, from the cache inputs
-    of the cached path (what :func:`generate` allocates per token)."""
-    path = cached_paths(model, kv)[model.check_budget(budget)]
-    itemsize = next(model.parameters()).element_size()
-    return sum(s.kv_heads * s.head_dim * itemsize for s in path.slots)
 
 
 def position_ids(mask: torch.Tensor) -> torch.Tensor:

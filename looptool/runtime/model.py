@@ -71,8 +71,9 @@ class LoopedModel(nn.Module):
         # each layer application runs as a call of its source layer module (FSDP2 hooks fire)
         self.shard_layers = False
         self._mask_dtype = dtype_from_str(lg.source.mask_dtype)
-        # Artefacts other modules build from this model and keep with it (generation's cached
-        # decode paths): the model does not know what they are; it drops them when it moves.
+        # Artefacts other modules build from this model and keep with it (the decode graphs of
+        # looptool.runtime.decode_graphs): the model does not know what they are; it drops them
+        # when it moves.
         self.derived: dict[str, object] = {}
 
     # ------------------------------------------------------------------ structure

@@ -3,7 +3,7 @@
 
 The slot cache holds one buffer per cache input of the row-wise-budget path (the deepest
 budget's slots). Mixed budgets run the row-wise path
-(:func:`looptool.runtime.generation.rowwise_path`: every row exactly at its own budget,
+(:func:`looptool.runtime.decode_graphs.rowwise_path`: every row exactly at its own budget,
 Accordion Eq. 1 / ELR Eq. 2); rows that all share one budget run that budget's own cached
 path on the matching cache buffers, so a uniform batch costs what that budget costs.
 """
@@ -19,7 +19,7 @@ import torch
 from looptool.core.graph import ROWWISE
 from looptool.engine.budgets import RowBudgets
 from looptool.engine.interface import EngineFacts, OpenedEngine, StepEngine, TensorSlotCache, costs_by_budget, eos_ids
-from looptool.runtime.generation import allocate_cache, cached_paths, check_policy, rowwise_path
+from looptool.runtime.decode_graphs import allocate_cache, cached_paths, check_policy, rowwise_path
 
 if TYPE_CHECKING:
     from looptool.runtime.model import LoopedModel
@@ -106,8 +106,8 @@ def open_dir(
 ) -> OpenedEngine:
     """Load the looped model at ``path`` on ``device`` and its step engine for ``kv``."""
     from looptool.runtime import text
+    from looptool.runtime.convert import load
     from looptool.runtime.devices import resolve_device
-    from looptool.storage.load import load
 
     dev = resolve_device(device)
     model = load(path, device=str(dev))

@@ -1,33 +1,30 @@
-"""Loading a saved looped model (the files :mod:`looptool.storage.save` writes).
-
-Loading rebuilds the source architecture on ``meta``, captures it,
-replays the recipe, retargets the device and binds the stored tensors: no network, no
-weight materialised twice, bit-identical outputs. A weight file whose sha256 differs from
-the one recorded is refused as corrupt (models saved before checksums were recorded load
-unchecked; ``device="meta"`` reads no tensor data and skips the check).
+"""Reading the files of a saved looped model (those :mod:`looptool.storage.save` writes):
+``looptool.json`` parsed and version-checked, every weight file's size and sha256 checked
+against the ones recorded (models saved before checksums were recorded load unchecked), the
+safetensors header checked against a rebuilt model and its tensors bound into it.
+Rebuilding the model itself is the runtime's (:func:`looptool.runtime.convert.load`), so
+storage imports nothing from the runtime.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import logging
-import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
-from looptool.capture.tokenizer_cache import load_tokenizer
 from looptool.core.errors import CheckpointError
-from looptool.core.graph import FLOAT_DTYPES, dtype_from_str, float_dtype
-from looptool.core.plan import plan_from_dict
-from looptool.runtime.model import LoopedModel
-from looptool.runtime.tensors import bind_tensors, graph_tensors
+from looptool.core.graph import FLOAT_DTYPES
 from looptool.storage.files import sha256_file
-from looptool.storage.save import FORMAT_VERSION, LOOPTOOL_JSON, WEIGHTS
+from looptool.storage.save import FORMAT_VERSION, LOOPTOOL_JSON
+from looptool.storage.tensors import bind_tensors, graph_tensors
 from looptool.storage.weights import WeightReader
+
+if TYPE_CHECKING:
+    from looptool.runtime.model import LoopedModel
 
 log = logging.getLogger(__name__)
 
@@ -52,86 +49,6 @@ def read_looptool_json(directory: Path) -> dict:
         if key not in meta:
             raise CheckpointError(f"{path} lacks the '{key}' entry; re-save the model.")
     return meta
-
-
-def load(directory: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtype | str | None = None) -> LoopedModel:
-    """Rebuild a saved looped model on ``device`` (bit-identical to the one saved); the
-    weights are read straight onto the device (``"auto"``: cuda when available).
-
-    ``dtype`` (default: the saved dtype) rebuilds the graphs in another floating-point dtype
-    and casts each weight to it as it is read, e.g. an fp16 copy of an fp32 model for
-    deployment (captured graphs are dtype-specialised, so this is a rebuild, not ``.to``).
-
-    ``device="meta"`` rebuilds the structure only (plan, graphs, shapes) without reading
-    weights, which is what ``looptool inspect`` needs.
-    """
-    import transformers
-
-    from looptool.runtime.convert import rebuild
-    from looptool.runtime.devices import check_dtype, resolve_device
-
-    device = str(resolve_device(device))
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise CheckpointError(
-            f"'{directory}' is not a directory; pass the folder written by save_pretrained or looptool convert."
-        )
-    meta = read_looptool_json(directory)
-    weights = directory / WEIGHTS
-    if not weights.exists():
-        raise CheckpointError(f"'{directory}' has no {WEIGHTS}; the save was incomplete, re-save the model.")
-    reader = None
-    if torch.device(device).type == "cpu":  # read and hashed in one pass, beside the tokenizer
-        check_file_sizes(directory, meta)
-        verify_files(directory, meta, skip=(WEIGHTS,))
-        reader = WeightReader(weights)
-    elif torch.device(device).type != "meta":  # meta (inspect) reads only headers: stays cheap
-        verify_files(directory, meta)  # before the slow rebuild: a corrupt file fails fast
-    plan_from_dict(meta["plan"])  # refuses unknown kinds / versions with a clear message
-    src = meta["source"]
-    saved = dtype_from_str(src["dtype"])
-    dtype = saved if dtype is None else float_dtype(dtype)
-    check_dtype(torch.device(device), dtype)  # e.g. a bf16 checkpoint on a GPU without bf16
-    try:
-        config = transformers.AutoConfig.from_pretrained(directory)
-    except Exception as exc:
-        raise CheckpointError(f"config.json in '{directory}' could not be read ({exc}).") from exc
-    tokenizer = None
-    if any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        tokenizer = load_tokenizer(directory)  # served from the tokenizer cache after the first load
-    with _no_gc():
-        model = rebuild(
-            config,
-            meta["recipe"],
-            dtype=dtype,
-            device=device,
-            attn_implementation=src.get("attn_implementation"),
-            tokenizer=tokenizer,
-        )
-    if torch.device(device).type == "meta":  # structure only (looptool inspect): header checked, no data read
-        check_weights(model, weights, cast=dtype != saved)
-        return model.eval()
-    # joined only now, so the read and the hash overlap the rebuild (file reads and hashlib
-    # release the GIL): warm SmolLM2 loads, 8 alternating fresh processes each, median 3.73 s
-    # when joined before the rebuild, 3.34 s now. A file of the recorded size whose bytes
-    # differ is therefore refused after the rebuild; one of another size, before it.
-    loaded = None if reader is None else read_weights(reader, meta)
-    bind_weights(model, weights, device=device, trainable=meta.get("trainable"), cast=dtype != saved, loaded=loaded)
-    return model.eval()
-
-
-@contextlib.contextmanager
-def _no_gc():
-    """The cyclic garbage collector paused: a rebuild creates some 10^5 graph objects, and the
-    full collections they trigger cost about a quarter of a warm SmolLM2 load (the rebuild
-    frees no cycles worth collecting; collection resumes, and catches up, right after)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def check_file_sizes(directory: Path, meta: dict) -> None:

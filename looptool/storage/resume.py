@@ -16,14 +16,17 @@ import dataclasses
 import random
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from looptool.core.errors import LooptoolError
-from looptool.runtime.model import LoopedModel
 from looptool.storage.files import check_output_dir, commit_output_dir, recover_interrupted_commit
 from looptool.storage.save import write_model
+
+if TYPE_CHECKING:
+    from looptool.runtime.model import LoopedModel
 
 STATE_FILE = "trainer_state.pt"
 

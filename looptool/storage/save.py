@@ -17,8 +17,8 @@ from safetensors.torch import save_file
 
 from looptool.core.errors import LooptoolError
 from looptool.core.version import __version__
-from looptool.runtime.tensors import graph_tensors
 from looptool.storage.files import commit_output_dir, prepare_output_dir, sha256_file
+from looptool.storage.tensors import graph_tensors
 
 if TYPE_CHECKING:
     from looptool.runtime.model import LoopedModel

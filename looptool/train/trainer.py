@@ -34,9 +34,10 @@ import torch.nn.functional as F
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from looptool.core.graph import ROLE_EMBEDDING, ROLE_HEAD, dtype_from_str, parameter_reader_roles
+from looptool.runtime.convert import load
 from looptool.runtime.devices import check_dtype, resolve_device
 from looptool.runtime.model import LoopedModel
-from looptool.storage.load import load, read_looptool_json
+from looptool.storage.load import read_looptool_json
 from looptool.storage.resume import (
     STATE_FILE,
     has_checkpoint,

@@ -29,8 +29,9 @@ from shapes import NAMES, source_model
 from transformers.generation.streamers import BaseStreamer
 
 import looptool
+from looptool.runtime.decode_graphs import cached_paths, kv_bytes_per_token
 from looptool.runtime.devices import resolve_device
-from looptool.runtime.generation import cached_paths, generate, kv_bytes_per_token
+from looptool.runtime.generation import generate
 
 SOTU = Path(__file__).resolve().parents[1] / "data" / "sotu"  # the in-repo subset
 

@@ -37,7 +37,7 @@ import torch
 import looptool
 from looptool.capture.sources import load_source
 from looptool.engine.budgets import RowBudgets
-from looptool.runtime.generation import cached_paths, rowwise_path
+from looptool.runtime.decode_graphs import cached_paths, rowwise_path
 from looptool.runtime.step_engine import TorchStepEngine
 
 RESULTS = Path(__file__).resolve().parent / "results" / "rowwise.json"

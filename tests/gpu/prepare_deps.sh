@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 rm -rf .gpu-deps
-python3 -m pip install --quiet --no-deps --target .gpu-deps pytest pluggy iniconfig pygments pytest-xdist execnet
+python3 -m pip install --quiet --no-deps --target .gpu-deps pytest pluggy iniconfig pygments pytest-xdist execnet filelock cachetools
 # looptool serve (bench_serve): pure-Python, plus pydantic-core built for the GPU machine's Python 3.12
 python3 -m pip install --quiet --no-deps --target .gpu-deps fastapi starlette uvicorn h11 click prometheus-client \
     httpx httpcore anyio sniffio certifi idna pydantic annotated-types typing-inspection typing-extensions annotated-doc

@@ -1,4 +1,5 @@
-"""The tensors a looped model's budget paths read, and rebinding them (loading, casting)."""
+"""The tensors a looped model's budget paths read (what a save stores), and rebinding them
+(loading, casting). Duck-typed over the model: storage imports nothing from the runtime."""
 
 from __future__ import annotations
 
