@@ -55,7 +55,22 @@ def clean_module(exported: fx.GraphModule, inputs: tuple[str, ...] | None) -> fx
     gm = lazy_graph_module(exported, new)  # capture never runs it: its code only if asked
     for graph in [gm.graph] + [m.graph for m in gm.modules() if isinstance(m, fx.GraphModule) and m is not gm]:
         _device_neutral_histc(graph)
+        _drop_metadata_asserts(graph)
     return gm
+
+
+def _drop_metadata_asserts(graph: fx.Graph) -> None:
+    """Drop export's ``_assert_tensor_metadata`` checks (one before each recorded ``.to()``).
+
+    They pin every cast's input to the dtype it had while tracing, but a captured graph is
+    meant to run in other dtypes too: cast to bf16, or under autocast, which on CUDA turns
+    tensors the trace saw in fp32 into bf16 before such a check (a CUDA bf16 training step
+    stopped at one, inside the rotary embedding's autocast-disabled block). The casts
+    themselves stay; nothing reads the checks' results.
+    """
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            graph.erase_node(node)
 
 
 def _device_neutral_histc(graph: fx.Graph) -> None:

@@ -214,7 +214,16 @@ def _export(
     def export() -> torch.export.ExportedProgram:
         try:
             with fast_tracing(fake_tensor_cache=fake_tensor_cache):
-                return torch.export.export(model, (), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+                try:
+                    return torch.export.export(model, (), kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+                except torch._dynamo.exc.UserError as exc:
+                    if exc.error_type is not torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION:
+                        raise
+                    # Some torch versions cannot prove guards that hold for every size (torch
+                    # 2.11 on CUDA: ``min(64*s, 192*s) == 64*s`` from the caches' strides), and
+                    # named dims turn such a guard into an error. Automatic dims accept it.
+                    shapes = _automatic_dims(dynamic_shapes)
+                    return torch.export.export(model, (), kwargs, dynamic_shapes=shapes, strict=False)
         except Exception as exc:  # torch.export raises many types; say which model failed
             raise CaptureError(
                 f"torch.export could not capture {type(model).__name__} "
@@ -222,6 +231,15 @@ def _export(
             ) from exc
 
     return capture_cache.exported_module(model, key, export)
+
+
+def _automatic_dims(shapes):
+    """``shapes`` (export's ``dynamic_shapes``) with every named dim replaced by ``Dim.AUTO``."""
+    if isinstance(shapes, dict):
+        return {k: _automatic_dims(v) for k, v in shapes.items()}
+    if isinstance(shapes, (list, tuple)):
+        return type(shapes)(_automatic_dims(v) for v in shapes)
+    return shapes if shapes is None or shapes is Dim.AUTO or shapes is Dim.STATIC else Dim.AUTO
 
 
 def build_skeleton(config, dtype: torch.dtype, attn_implementation: str | None = None) -> nn.Module:

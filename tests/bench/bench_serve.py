@@ -31,6 +31,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -129,14 +130,29 @@ def _free_port() -> int:
 
 def start_server(model_dir: str, args) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    argv = [sys.executable, "-m", "looptool", "serve", model_dir, "--port", str(port), "--device", args.device]
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []  # the working directory never shadows looptool
+    argv = [
+        sys.executable,
+        *safe_path,
+        "-m",
+        "looptool",
+        "serve",
+        model_dir,
+        "--port",
+        str(port),
+        "--device",
+        args.device,
+    ]
     argv += ["--max-batch", str(args.concurrency), "--capacity", str(args.capacity), "--served-model-name", "m"]
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    log = tempfile.NamedTemporaryFile("w+", prefix="looptool-serve-", suffix=".log", delete=False)
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
+            log.seek(0)
+            tail = "".join(log.readlines()[-20:])
+            raise SystemExit(f"the server exited with {proc.returncode}; its log ends:\n{tail}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return proc, f"http://127.0.0.1:{port}/v1"
@@ -149,8 +165,6 @@ def start_server(model_dir: str, args) -> tuple[subprocess.Popen, str]:
 def random_model_dir(shape: str, device: str, dtype) -> Path:
     """A random-weight model of ``shape`` looped like SmolLM2's 8:20 (budgets 0, m/4, m/2, 3m/4, m),
     saved with the byte tokenizer in a temporary directory (no download)."""
-    import tempfile
-
     import torch
     from shapes import source_model
 

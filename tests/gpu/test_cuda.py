@@ -31,17 +31,33 @@ def _ids(device="cuda") -> torch.Tensor:
     return torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(0)).to(device)
 
 
+def _differences(source, model, ids) -> dict[int, float]:
+    """Largest |source logits - looped logits| at every budget (0.0: bit-identical)."""
+    with torch.no_grad():
+        ref = source(input_ids=ids).logits
+        return {k: (model(ids, budget=k).logits - ref).abs().max().item() for k in model.budgets}
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fresh_conversion_is_exact_on_cuda(arch, scheme):
+    """Under PyTorch's math attention every budget equals the source bit for bit. With the
+    default attention kernels the source runs unmasked grouped-query attention (``is_causal``,
+    ``enable_gqa``: a flash kernel) while the captured graph passes its causal mask, so CUDA
+    picks another kernel: equal to fp32 rounding (at most 3.9e-7 on an H200), not bit for
+    bit; gpt_neox, without grouped heads, stays bit-identical."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     source = tiny_model(arch).to("cuda")
     model = looptool.convert(source, SCHEMES[scheme])
     assert next(model.parameters()).is_cuda and model.layer_graph.source.device.startswith("cuda")
     ids = _ids()
-    with torch.no_grad():
-        ref = source(input_ids=ids).logits
-        for k in model.budgets:
-            assert torch.equal(ref, model(ids, budget=k).logits), k
+    with sdpa_kernel(SDPBackend.MATH):
+        math = _differences(source, model, ids)
+    default = _differences(source, model, ids)
+    print(f"{arch}-{scheme}: largest difference per budget, math attention {math}, default kernels {default}")
+    assert not any(math.values()), math
+    assert max(default.values()) < 1e-4, default
 
 
 @pytest.mark.parametrize("arch", ARCHS)
