@@ -85,10 +85,9 @@ class _Plan:
 
     Everything that calls into torch per tensor happens here, before the reading thread
     starts: every torch call releases the GIL, and a thread that takes it back waits for a
-    busy main thread (up to its 5 ms switch interval) each time. Reading SmolLM2's 273 tensors
-    one call at a time took 7.7 s beside a busy main thread (0.4 s alone), so a load's rebuild
-    held most of the read back until it ended; the thread now takes the GIL a few times per
-    chunk."""
+    busy main thread (up to its switch interval) each time, so reading one tensor per call
+    beside a load's rebuild held most of the read back until the rebuild ended; the thread
+    takes the GIL a few times per chunk instead."""
 
     def __init__(self, path: Path):
         self.hash = hashlib.sha256()
