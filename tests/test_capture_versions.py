@@ -81,3 +81,42 @@ def test_another_export_error_is_not_retried(monkeypatch):
     with pytest.raises(CaptureError, match="could not capture LlamaForCausalLM"):
         export_decode_step(tiny_model("llama", num_layers=1))
     assert calls == [1]
+
+
+class _Unusable(torch.nn.Module):
+    def forward(self, *args):
+        raise AssertionError("the decode path ran the forward capture's body")
+
+
+def test_decode_paths_run_the_decode_captures_own_bodies(monkeypatch):
+    """The forward and the decode-step captures name their higher-order-op bodies alike
+    (``submod_3``: llama's rotary embedding under a grad-mode or autocast block); a decode path
+    bound to the model's tensors must run its own capture's body, which can take other
+    arguments (a size, under automatic dims), never the forward's of the same name."""
+    from looptool.core.graph import own_bodies
+    from looptool.runtime.decode_graphs import cached_layer_graph, cached_paths
+    from looptool.runtime.generation import generate
+
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    monkeypatch.setenv("LOOPTOOL_CACHE", "off")
+    rotary = LlamaRotaryEmbedding.forward
+
+    def without_autocast(self, *args, **kwargs):  # as transformers 5.17 writes it: a body in each capture
+        with torch.autocast(device_type="cpu", enabled=False):
+            return rotary(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaRotaryEmbedding, "forward", without_autocast)
+    model = looptool.convert(tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 2)))
+    ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    forward = {name: m for name, m in model._modules.items() if isinstance(m, torch.fx.GraphModule)}
+    assert forward  # the forward capture has bodies of its own
+    for name in forward:
+        monkeypatch.setitem(model._modules, name, _Unusable())
+    out = generate(model, ids, max_new_tokens=3, budget=2)
+    decode = cached_layer_graph(model, "per-loop")
+    for path in cached_paths(model, "per-loop").values():
+        bodies = own_bodies(decode.module, path.module.graph)
+        assert bodies and bodies.keys() & forward.keys()  # the same names in both captures
+        assert all(path.module._modules[n] is b for n, b in bodies.items())
+    assert out.sequences.shape == (2, 9)

@@ -297,18 +297,37 @@ def lazy_graph_module(root: torch.nn.Module | dict, graph: fx.Graph) -> fx.Graph
     return _LazyGraphModule(root, graph)
 
 
-def shared_graph_module(owner: torch.nn.Module, graph: fx.Graph, *, lazy: bool = False) -> fx.GraphModule:
+def shared_graph_module(
+    owner: torch.nn.Module, graph: fx.Graph, *, lazy: bool = False, bodies: dict[str, fx.GraphModule] | None = None
+) -> fx.GraphModule:
     """A GraphModule running ``graph`` whose attributes are ``owner``'s own submodules
-    (``lazy``: its code generated on first use, :func:`lazy_graph_module`).
+    (``lazy``: its code generated on first use, :func:`lazy_graph_module`), except the
+    higher-order-op bodies named in ``bodies``, which are those (see :func:`own_bodies`).
 
     ``fx.GraphModule`` would otherwise build fresh intermediate modules; re-pointing the
     top-level children at ``owner``'s makes every path read the very same parameter and
     buffer objects (one copy of the weights), even after they are re-bound on load.
     """
-    gm = lazy_graph_module(owner, graph) if lazy else fx.GraphModule(owner, graph)
+    root = owner
+    if bodies:  # owner's children and tensors, with these bodies in place of any of the same name
+        root = torch.nn.Module()
+        root._modules = {**owner._modules, **bodies}
+        root._parameters, root._buffers = owner._parameters, owner._buffers
+    gm = lazy_graph_module(root, graph) if lazy else fx.GraphModule(root, graph)
     for name in list(gm._modules):
-        gm._modules[name] = owner._modules[name]
+        gm._modules[name] = root._modules[name]
     return gm
+
+
+def own_bodies(module: torch.nn.Module, graph: fx.Graph) -> dict[str, fx.GraphModule]:
+    """The higher-order-op bodies (top-level GraphModule children of ``module``) that
+    ``graph`` reads, by name: what a graph captured apart from its owner must keep when it is
+    bound to that owner's tensors."""
+    found = {}
+    for node in graph.nodes:
+        if node.op == "get_attr" and isinstance(module._modules.get(str(node.target)), fx.GraphModule):
+            found[str(node.target)] = module._modules[str(node.target)]
+    return found
 
 
 def is_call(node: Any, target: Any) -> bool:

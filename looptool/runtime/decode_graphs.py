@@ -24,7 +24,7 @@ from torch import fx
 
 from looptool.capture import capture_config
 from looptool.core.errors import LooptoolError
-from looptool.core.graph import ROWWISE, LayerGraph, annotation, dtype_from_str, shared_graph_module
+from looptool.core.graph import ROWWISE, LayerGraph, annotation, dtype_from_str, own_bodies, shared_graph_module
 from looptool.passes import PassManager
 from looptool.passes.kv_cache import KV_POLICIES
 
@@ -157,8 +157,9 @@ def cached_paths(
     bound = decode_graphs(model).paths.setdefault(DecodeKey("cached", kv), {})
     missing = [b for b in wanted if b not in bound]
     if missing:
-        for b, g in cached_layer_graph(model, kv, missing).paths.items():
-            bound[b] = _bind(model, g)
+        lg = cached_layer_graph(model, kv, missing)
+        for b, g in lg.paths.items():
+            bound[b] = _bind(model, g, lg.module)
     return {b: bound[b] for b in wanted}
 
 
@@ -186,12 +187,22 @@ def rowwise_path(model: LoopedModel, kv: str = "per-loop") -> CachedPath:
     budget, over the deepest budget's cache slots (``slots``; :func:`allocate_cache` works)."""
     bound = decode_graphs(model).paths.setdefault(DecodeKey("rowwise", kv), {})
     if ROWWISE not in bound:
-        bound[ROWWISE] = _bind(model, rowwise_layer_graph(model, kv).paths[ROWWISE])
+        lg = rowwise_layer_graph(model, kv)
+        bound[ROWWISE] = _bind(model, lg.paths[ROWWISE], lg.module)
     return bound[ROWWISE]
 
 
-def _bind(model: LoopedModel, graph: fx.Graph) -> CachedPath:
-    missing = [n.target for n in graph.nodes if n.op == "get_attr" and not _has_attr(model, n.target)]
+def _bind(model: LoopedModel, graph: fx.Graph, captured: torch.nn.Module) -> CachedPath:
+    """``graph`` run over the model's own tensors, with the bodies of its higher-order ops
+    (``captured``'s, the decode capture's own) rather than the model's forward bodies of the
+    same name: the two captures name their bodies alike, and under automatic dims a decode
+    body can take a size argument the forward one does not."""
+    bodies = own_bodies(captured, graph)
+    missing = [
+        n.target
+        for n in graph.nodes
+        if n.op == "get_attr" and n.target not in bodies and not _has_attr(model, n.target)
+    ]
     if missing:
         raise LooptoolError(f"the cached decode graph reads '{missing[0]}', which the looped model does not hold.")
     slots = []
@@ -204,7 +215,7 @@ def _bind(model: LoopedModel, graph: fx.Graph) -> CachedPath:
                     str(node.target), kv["layer"], kv["kind"], kv.get("execution", 1), int(shape[1]), int(shape[3])
                 )
             )
-    return CachedPath(shared_graph_module(model, graph), tuple(slots))
+    return CachedPath(shared_graph_module(model, graph, bodies=bodies), tuple(slots))
 
 
 def _has_attr(root: torch.nn.Module, dotted: str) -> bool:
