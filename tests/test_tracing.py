@@ -15,27 +15,34 @@ from looptool.capture.export import FAKE_CACHE_MIN_LAYERS, export_decode_step, e
 from looptool.core.tracing import fast_tracing
 from looptool.testing import tiny_model
 
+# torch 2.11 has no stack-trace setting (it always records them): there the first setting
+# reads None inside and outside, and only the FakeTensor cache is switched.
+HAS_STACK_SETTING = hasattr(fx_config, "do_not_emit_stack_traces")
+OFF = True if HAS_STACK_SETTING else None  # the stack-trace setting inside fast_tracing
 
-def _settings() -> tuple[bool, bool]:
-    return fx_config.do_not_emit_stack_traces, dynamo_config.fake_tensor_cache_enabled
+
+def _settings() -> tuple[bool | None, bool]:
+    return getattr(fx_config, "do_not_emit_stack_traces", None), dynamo_config.fake_tensor_cache_enabled
 
 
 def test_settings_hold_inside_and_the_users_come_back(monkeypatch):
-    monkeypatch.setattr(fx_config, "do_not_emit_stack_traces", False)  # (torch's own config: patch() only)
+    if HAS_STACK_SETTING:
+        monkeypatch.setattr(fx_config, "do_not_emit_stack_traces", False)  # (torch's own config: patch() only)
     with dynamo_config.patch(fake_tensor_cache_enabled=True):
         _nest()
 
 
 def _nest() -> None:
+    user = False if HAS_STACK_SETTING else None
     with fast_tracing():
-        assert _settings() == (True, True)
+        assert _settings() == (OFF, True)
         with fast_tracing(fake_tensor_cache=False):
-            assert _settings() == (True, False)
-        assert _settings() == (True, True)
-    assert _settings() == (False, True)
+            assert _settings() == (OFF, False)
+        assert _settings() == (OFF, True)
+    assert _settings() == (user, True)
     with pytest.raises(RuntimeError), fast_tracing(fake_tensor_cache=False):
         raise RuntimeError("a failed trace")
-    assert _settings() == (False, True)
+    assert _settings() == (user, True)
 
 
 @pytest.mark.parametrize("layers", [2, FAKE_CACHE_MIN_LAYERS])
@@ -53,7 +60,9 @@ def test_small_captures_trace_without_the_fake_cache(layers, monkeypatch):
     model = tiny_model("llama", num_layers=layers)
     export_source(model)
     export_decode_step(model)
-    assert seen == [(True, layers >= FAKE_CACHE_MIN_LAYERS), (True, False)]
+    # the decode step may be exported twice (a torch that needs automatic dims: 2.11)
+    assert seen[0] == (OFF, layers >= FAKE_CACHE_MIN_LAYERS)
+    assert len(seen) in (2, 3) and set(seen[1:]) == {(OFF, False)}
     assert dynamo_config.fake_tensor_cache_enabled  # the default, back after the exports
 
 
