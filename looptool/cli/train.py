@@ -379,34 +379,16 @@ def rl(
     """RL from verifiable rewards: GRPO with every prompt's rollouts at one loop count."""
     from looptool.posttrain.rl import GRPO, RLConfig
 
-    clip = parse_floats(is_clip, "--is-clip")
-    if len(clip) != 2:
+    bounds = parse_floats(is_clip, "--is-clip")
+    if len(bounds) != 2:
         raise LooptoolError(f"--is-clip {is_clip!r} needs two numbers, LOW,HIGH.")
-    config = RLConfig(
+    config = RLConfig.from_options(
+        locals(),
         data=list(data),
         output=str(output),
-        reward=reward,
-        steps=steps,
-        prompts=prompts,
-        rollouts=rollouts,
         budgets=parse_menu(budgets),
         ratio=parse_floats(ratio, "--ratio"),
-        curriculum=curriculum,
-        pass_threshold=pass_threshold,
-        normalize=normalize,
-        is_clip=tuple(clip),
-        max_mismatch=max_mismatch,
-        lr=lr,
-        new_lr=new_lr,
-        temperature=temperature,
-        max_new_tokens=max_new_tokens,
-        chat=chat,
-        kv=kv,
-        seed=seed,
-        device=device,
-        overwrite=overwrite,
-        save_every=save_every,
-        resume=resume,
+        is_clip=tuple(bounds),
     )
 
     def describe(rec: dict) -> str:
@@ -458,26 +440,8 @@ def distill(
     """Budget-matched multi-teacher on-policy distillation (reverse KL on the student's samples)."""
     from looptool.posttrain.distill import DistillConfig, Distiller, parse_teachers
 
-    config = DistillConfig(
-        data=list(data),
-        teachers=parse_teachers(teacher),
-        output=str(output),
-        steps=steps,
-        prompts=prompts,
-        rollouts=rollouts,
-        budgets=parse_menu(budgets),
-        override=override,
-        lr=lr,
-        new_lr=new_lr,
-        temperature=temperature,
-        max_new_tokens=max_new_tokens,
-        chat=chat,
-        kv=kv,
-        seed=seed,
-        device=device,
-        overwrite=overwrite,
-        save_every=save_every,
-        resume=resume,
+    config = DistillConfig.from_options(
+        locals(), data=list(data), teachers=parse_teachers(teacher), output=str(output), budgets=parse_menu(budgets)
     )
     summary = None
     with resumable(output):

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from looptool.core.errors import LooptoolError
-from looptool.posttrain.rollout import PostTrainingRun, encode_prompt, prompt_batch, read_prompts, sample
+from looptool.posttrain.rollout import PostTrainingRun, RunSettings, encode_prompt, prompt_batch, read_prompts, sample
 from looptool.runtime.convert import load
 from looptool.runtime.model import LoopedModel
 from looptool.train.sampling import BudgetSampler
@@ -33,31 +33,12 @@ class DistillError(LooptoolError):
     """Distillation cannot run with these teachers, data or settings."""
 
 
-@dataclass
-class DistillConfig:
+@dataclass(kw_only=True)
+class DistillConfig(RunSettings):
     """Settings of one ``looptool distill`` run (the CLI's options)."""
 
-    data: list[str]
     teachers: dict[str, str]  # domain -> looped model directory
-    output: str
-    steps: int = 50
-    prompts: int = 8  # prompts per step
-    rollouts: int = 1  # student samples per prompt
-    budgets: list[int] | None = None  # menu to sample from (default: the student's)
     override: float = 0.0  # shallowest-budget override fraction, as in training
-    lr: float = 1e-5
-    new_lr: float | None = None
-    weight_decay: float = 0.0
-    clip: float = 1.0
-    temperature: float = 1.0  # sampling temperature of the student's rollouts
-    max_new_tokens: int = 32
-    chat: bool = False
-    kv: str = "per-loop"
-    seed: int = 0
-    device: str | None = None
-    overwrite: bool = False
-    save_every: int = 0  # checkpoint every N steps (0: only at the end)
-    resume: bool = False  # continue the run checkpointed in output
 
     def check(self) -> None:
         """Refuse settings that cannot work, one sentence each."""

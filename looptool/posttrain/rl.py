@@ -39,6 +39,7 @@ from looptool.core.errors import LooptoolError
 from looptool.posttrain.rewards import load_reward, score
 from looptool.posttrain.rollout import (
     PostTrainingRun,
+    RunSettings,
     encode_prompt,
     prompt_batch,
     prompt_text,
@@ -56,17 +57,12 @@ class RLError(LooptoolError):
     """RL cannot run with these settings."""
 
 
-@dataclass
-class RLConfig:
+@dataclass(kw_only=True)
+class RLConfig(RunSettings):
     """Settings of one ``looptool rl`` run (the CLI's options)."""
 
-    data: list[str]
-    output: str
     reward: str = "exact_match"  # built-in name, module:function or file.py:function
-    steps: int = 50
-    prompts: int = 8  # prompts per step
     rollouts: int = 16  # rollouts per prompt, all at the prompt's budget
-    budgets: list[int] | None = None  # the menu RL trains (default: the model's)
     ratio: list[float] | None = None  # prompt split over the menu (default 4:1:...:1)
     curriculum: bool = True  # route the prompts with the lowest pass rate to the deepest budgets
     pass_threshold: float = 1.0  # a rollout passes when its reward is at least this
@@ -74,18 +70,6 @@ class RLConfig:
     is_clip: tuple[float, float] = (0.2, 5.0)  # truncated importance weight range
     max_mismatch: float = 2.0  # mask rollouts whose average sampling/training ratio leaves [1/x, x]
     lr: float = 1e-6
-    new_lr: float | None = None
-    weight_decay: float = 0.0
-    clip: float = 1.0  # gradient norm clip
-    temperature: float = 1.0
-    max_new_tokens: int = 32
-    chat: bool = False  # render "prompt" as a user turn with the chat template
-    kv: str = "per-loop"
-    seed: int = 0
-    device: str | None = None
-    overwrite: bool = False
-    save_every: int = 0  # checkpoint every N steps (0: only at the end)
-    resume: bool = False  # continue the run checkpointed in output
 
     def check(self) -> None:
         """Refuse settings that cannot work, one sentence each."""

@@ -186,6 +186,40 @@ def shifted_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float
     return torch.nn.functional.pad(lp, (1, 0))
 
 
+@dataclass(kw_only=True)
+class RunSettings:
+    """What every post-training run (``looptool rl``, ``looptool distill``) is set with: its
+    data and output, the step loop, the optimizer, the rollouts' sampling and the checkpoints.
+    Each method's settings add their own fields (and their own defaults where they differ)."""
+
+    data: list[str]
+    output: str
+    steps: int = 50
+    prompts: int = 8  # prompts per step
+    rollouts: int = 1  # samples per prompt
+    budgets: list[int] | None = None  # the menu to train (default: the model's)
+    lr: float = 1e-5
+    new_lr: float | None = None
+    weight_decay: float = 0.0
+    clip: float = 1.0  # gradient norm clip
+    temperature: float = 1.0  # sampling temperature of the rollouts
+    max_new_tokens: int = 32
+    chat: bool = False  # render "prompt" as a user turn with the chat template
+    kv: str = "per-loop"
+    seed: int = 0
+    device: str | None = None
+    overwrite: bool = False
+    save_every: int = 0  # checkpoint every N steps (0: only at the end)
+    resume: bool = False  # continue the run checkpointed in output
+
+    @classmethod
+    def from_options(cls, options: dict, **converted):
+        """The settings named in ``options`` (a command's arguments, e.g. its ``locals()``;
+        other names are ignored), with ``converted`` values in place of the raw ones."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in options.items() if k in names} | converted)
+
+
 class PostTrainingRun:
     """The step loop shared by ``looptool rl`` and ``looptool distill``, with the trainer's
     checkpoints: every ``save_every`` steps and at the end the output directory is rebuilt
