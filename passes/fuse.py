@@ -217,6 +217,8 @@ def _fuse_moe(graph: fx.Graph) -> int:
                     todo.append(inp)
                 elif part in OPERANDS:
                     operands[part] = inp
+        # marked nodes no input path reaches: in-place writes to the block's own tensors
+        region.update(u for n in list(region) for u in n.users if annotation(u).get(EXPERTS_KEY) == "body")
         if set(operands) != set(OPERANDS):
             raise PassError(
                 f"fuse: the experts block of '{combine.name}' lost its {sorted(set(OPERANDS) - set(operands))} "

@@ -79,13 +79,49 @@ def _shape_of(node) -> tuple | None:
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
+_MASKED_FILL = (_aten.masked_fill.Scalar, _aten.masked_fill_.Scalar)
+
+
+def _is_padding_mask(node, of: fx.Node) -> bool:
+    """Whether ``node`` zeroes rows of ``of`` by a mask (``masked_fill(of, mask, 0)``):
+    transformers 5.17's experts zero the rows of expert ids past the last expert, rows a
+    router's top-k never produces, so such a block computes what ``looptool::moe`` computes."""
+    return (
+        isinstance(node, fx.Node)
+        and node.op == "call_function"
+        and node.target in _MASKED_FILL
+        and node.args[0] is of
+        and node.args[2] == 0
+    )
+
+
+def _under_padding_mask(node):
+    """``node``'s input if ``node`` is such a padding mask, else ``node``."""
+    return node.args[0] if isinstance(node, fx.Node) and _is_padding_mask(node, node.args[0]) else node
+
+
+def _past_padding_mask(node: fx.Node) -> fx.Node:
+    """The padding mask applied to ``node``'s result, if that is its one use, else ``node``."""
+    users = value_users(node)
+    return users[0] if len(users) == 1 and _is_padding_mask(users[0], node) else node
+
+
+def _in_place_on(node: fx.Node, of: fx.Node) -> bool:
+    """Whether ``node`` is an aten in-place op (``clamp_``) writing ``of``, its first argument
+    (transformers 5.17 clamps the sorted expert ids in place)."""
+    target = node.target
+    name = getattr(target, "_opname", "") if node.op == "call_function" else ""
+    return name.endswith("_") and not name.startswith("_") and bool(node.args) and node.args[0] is of
+
+
 def _match_experts(gmm_up: fx.Node, gate_up: fx.Node):
     """Walk the grouped experts subgraph from its first grouped matmul; None if it is not
     the gated-SiLU pattern the ``moe`` op computes."""
     # up: chunk(gmm_up, 2, -1) → silu(chunk[0]) * chunk[1] → grouped matmul with down
-    chunk = next(iter(value_users(gmm_up)), None)
+    up = _past_padding_mask(gmm_up)
+    chunk = next(iter(value_users(up)), None)
     if (
-        len(value_users(gmm_up)) != 1
+        len(value_users(up)) != 1
         or not is_call(chunk, _aten.chunk.default)
         or tuple(chunk.args[1:]) not in ((2, -1), (2, 1))
     ):
@@ -104,7 +140,7 @@ def _match_experts(gmm_up: fx.Node, gate_up: fx.Node):
     if down is None:
         return None
     # combine: the first node after the down projection shaped like the experts' input x
-    gathered = gmm_up.args[0]
+    gathered = _under_padding_mask(gmm_up.args[0])
     if not is_call(gathered, _aten.index.Tensor):
         return None
     x = gathered.args[0]
@@ -143,6 +179,8 @@ def _match_experts(gmm_up: fx.Node, gate_up: fx.Node):
     weights = next((n for n in routed if n.meta["val"].is_floating_point()), None)
     if ids is None or weights is None or _shape_of(ids) != _shape_of(weights):
         return None
+    for n in list(region):  # in-place ops on the block's own tensors whose results nothing reads
+        region.update(u for u in value_users(n) if _in_place_on(u, n) and not value_users(u))
     if any(u not in region and u is not combine for n in region for u in value_users(n)):
         return None  # an intermediate escapes the experts block: not safe to replace
     return combine, x, weights, ids, down, region
