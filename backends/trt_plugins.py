@@ -55,6 +55,8 @@ def register() -> None:
 
     from looptool.backends.trt_kernels import aot_compile
 
+    aot = tuple[bytes, bytes, trtp.KernelLaunchParams, trtp.SymIntExprs]  # TensorRT requires the annotation
+
     @trtp.register("looptool::GatedResidual")
     def gated_residual_desc(x: trtp.TensorDesc, gate: trtp.TensorDesc, f: trtp.TensorDesc) -> trtp.TensorDesc:
         return x.like()
@@ -64,7 +66,7 @@ def register() -> None:
         return _combos("F, F, F, F")
 
     @trtp.aot_impl("looptool::GatedResidual")
-    def gated_residual_aot(x, gate, f, outputs, tactic):
+    def gated_residual_aot(x, gate, f, outputs, tactic) -> aot:
         n = x.shape_expr.numel()
         return _launch(aot_compile("GatedResidual", _dtype_name(x)), n, [n, gate.shape_expr.numel()])
 
@@ -79,7 +81,7 @@ def register() -> None:
         return _combos("F, F, F, F, F, F")
 
     @trtp.aot_impl("looptool::AdaptiveDeltaUpdate")
-    def adaptive_delta_aot(s_prev, r, z, gamma, exit, outputs, tactic):
+    def adaptive_delta_aot(s_prev, r, z, gamma, exit, outputs, tactic) -> aot:
         n = s_prev.shape_expr.numel()
         kernel = aot_compile("AdaptiveDeltaUpdate", _dtype_name(s_prev))
         return _launch(kernel, n, [n, gamma.shape_expr.numel(), exit.shape_expr.numel()])
@@ -95,10 +97,10 @@ def register() -> None:
         return _combos("F, F, F, F, F, F")
 
     @trtp.aot_impl("looptool::Modulate")
-    def modulate_aot(x, scale, shift, down, up, outputs, tactic):
+    def modulate_aot(x, scale, shift, down, up, outputs, tactic) -> aot:
         d = x.shape_expr[-1]
         rank = down.shape_expr[0]  # a weight's dimension: a build-time constant
-        kernel = aot_compile("Modulate", _dtype_name(x), rank=rank.constant_value)
+        kernel = aot_compile("Modulate", _dtype_name(x), rank=rank.constant_value())
         rows = x.shape_expr.numel() // d
         return _launch(kernel, rows, [rows, d, rank])
 
