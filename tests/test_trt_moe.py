@@ -4,8 +4,8 @@ function bodies (what onnxruntime runs) against the Triton kernels (what the eng
 here under ``TRITON_INTERPRET=1``) and ``moe_reference``; the plugin definitions under the
 TensorRT test double: output shapes against the bodies', and each AOT launch (grid, scalar
 arguments, argument order) run under the interpreter against the bodies' outputs. The PTX
-of the four kernels: tests/test_tensorrt.py. Whole exported models: test_export_defaults and
-test_ort_generate (their MoE families' variants)."""
+of the four kernels: tests/test_tensorrt.py. A whole MoE model built and decoded through the
+test double here; its variants against the ONNX graphs: test_export_defaults, test_ort_generate."""
 
 from __future__ import annotations
 
@@ -180,3 +180,46 @@ def test_plugin_launches_give_the_bodies_outputs(dtype, monkeypatch):
             rows = used if node.op_type in ("MoeGateUp", "MoeDown") else len(e)
             np.testing.assert_allclose(result.numpy()[:rows], e[:rows], rtol=rtol, atol=1e-6, err_msg=node.op_type)
     assert [k.op for k in compiled] == list(MOE_OPS)
+
+
+def test_an_moe_model_builds_and_decodes_through_the_test_double(tmp_path, monkeypatch):
+    """A looped tiny Qwen3-MoE exported for TensorRT (fp32, on target) and built by the test
+    double: every ``Moe`` of its variants is split into the four AOT plugin nodes (all plugins
+    AOT, none left for Python), and :class:`Runtime`, which registers no plugin definitions
+    (an engine holds its kernels), decodes the same greedy tokens as the onnxruntime Runtime."""
+    pytest.importorskip("onnxscript")
+    import json
+
+    import fake_tensorrt
+
+    import looptool
+    from looptool.backends import trt_plugins
+    from looptool.backends.onnx import MANIFEST
+    from looptool.backends.ort import Runtime as OrtRuntime
+    from looptool.backends.tensorrt import build_engines, export_tensorrt
+    from looptool.backends.trt_runtime import Runtime
+    from looptool.testing import tiny_model
+
+    model = looptool.convert(tiny_model("qwen3_moe"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 2)))
+    with torch.no_grad():
+        for _, p in model.new_parameters():
+            p.add_(0.1)
+    out = tmp_path / "engine"
+    export_tensorrt(model, out, [2], precision="fp32", build_on_target=True, rowwise=False, validate=False)
+    section = json.loads((out / MANIFEST).read_text())["tensorrt"]
+    assert section["plugins"]["aot"] == ["GatedResidual", "AdaptiveDeltaUpdate", "Modulate", *MOE_OPS]
+    assert "jit" not in section["plugins"]
+    plugins = section["graphs"]["2"]["per-loop"]["plugins"]  # 4 MoE layers, 2 of them run twice at budget 2
+    assert "Moe" not in plugins and all(plugins[op] == 6 for op in MOE_OPS), plugins
+
+    trt = fake_tensorrt.install(monkeypatch)
+    monkeypatch.setattr(trt_plugins, "_REGISTERED", [])
+    fake_tensorrt.pretend_gpu(monkeypatch)
+    build_engines(out)
+    assert all(set(trt.plugin.registered[f"looptool::{op}"]) == {"register", "autotune", "aot_impl"} for op in MOE_OPS)
+    trt.plugin.registered.clear()
+    rt = Runtime(out, device="cpu")
+    assert trt.plugin.registered == {}
+    ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
+    expected = OrtRuntime(out).generate(ids, budget=2, max_new_tokens=4).sequences
+    assert torch.equal(rt.generate(ids, budget=2, max_new_tokens=4).sequences, expected)
