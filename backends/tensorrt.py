@@ -8,11 +8,13 @@ same serving graphs and ``weights.bin``) and adds, per graph, its *TensorRT vari
 * layer functions inlined (TensorRT's parser sees plain nodes and plugin nodes only);
 * every ``looptool``-domain node carries ``plugin_namespace="looptool"`` and
   ``plugin_version``, so the parser hands it to the plugin of the same name instead of
-  inlining its function body (the bodies stay, so onnxruntime still runs the variant);
-  nodes with a one-kernel implementation also carry ``aot=1`` (AOT Triton PTX in the
-  engine, no Python at run time);
+  inlining its function body (the bodies stay, so onnxruntime still runs the variant), and
+  ``aot=1``: each plugin is one Triton kernel whose PTX the engine holds, so no Python runs
+  at inference time;
 * ``AdaptiveDelta`` split into the gate GEMM (TensorRT's own ``Gemm``) and the
   ``AdaptiveDeltaUpdate`` plugin (one elementwise kernel);
+* ``Moe`` split into ``MoeAlign``, ``MoeGateUp``, ``MoeDown`` and ``MoeCombine``
+  (:mod:`looptool.backends.trt_moe`: routing, two grouped GEMMs, the weighted sum);
 * every weight a named *network input* instead of an initializer: engines hold no weights,
   and :class:`Runtime` uploads ``weights.bin`` once and binds the same device pointers into
   every budget's execution context.
@@ -43,13 +45,13 @@ import torch
 from looptool.backends.onnx_format import MANIFEST, ROWWISE, WEIGHTS, ExportError, budget_file, sha256_file
 from looptool.backends.serving import BUDGETS, INPUTS, CacheLayout
 from looptool.backends.trt_kernels import AOT_OPS
+from looptool.backends.trt_moe import split_moe
 from looptool.core.errors import require_extra
 
 log = logging.getLogger(__name__)
 
 PLUGIN_NAMESPACE = "looptool"
 PLUGIN_VERSION = "1"
-JIT_OPS = ("Moe",)  # routing + two grouped GEMMs: several launches, run through tensorrt.plugin.impl
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 BUILD_SCRIPT = "build.py"
 INSTALL_HINT = 'pip install "looptool[tensorrt]"'
@@ -100,6 +102,7 @@ def tensorrt_variant(model):
         model = onnx.ModelProto.FromString(model.SerializeToString())
     graph = model.graph
     _split_adaptive_delta(graph, DOMAIN)
+    split_moe(model, DOMAIN)
     if any(n.domain == DOMAIN and n.op_type == "AdaptiveDeltaUpdate" for n in graph.node):
         model.functions.append(AdaptiveDeltaUpdate.to_function_proto())
     used = {(n.domain, n.op_type) for n in graph.node}
@@ -110,7 +113,7 @@ def tensorrt_variant(model):
     for node in graph.node:
         if node.domain != DOMAIN:
             continue
-        if node.op_type not in AOT_OPS + JIT_OPS:
+        if node.op_type not in AOT_OPS:
             raise ExportError(
                 f"the graph has a looptool node {node.op_type!r} with no TensorRT plugin; export with the "
                 "onnx backend (export_onnx) instead.",
@@ -279,7 +282,6 @@ def export_tensorrt(
                 "namespace": PLUGIN_NAMESPACE,
                 "version": PLUGIN_VERSION,
                 "aot": list(AOT_OPS),
-                "jit": list(JIT_OPS),
             },
             "profiles": {"max_batch": max_batch, "max_prefill": max_prefill, "max_capacity": max_capacity},
             "graphs": graphs,

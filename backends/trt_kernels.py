@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from looptool.backends.onnx_format import ExportError
+from looptool.backends.trt_moe import BLOCK_M, MOE_OPS, aot_spec
 
-AOT_OPS = ("GatedResidual", "AdaptiveDeltaUpdate", "Modulate")  # one Triton kernel each, PTX in the engine
+AOT_OPS = ("GatedResidual", "AdaptiveDeltaUpdate", "Modulate", *MOE_OPS)  # one Triton kernel each, PTX in the engine
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class AOTKernel:
     shared: int  # bytes of shared memory
     block: int  # elements (or rows) per program
     scalars: tuple[str, ...]  # the i32 arguments TensorRT passes between inputs and outputs, in order
+    columns: int = 1  # columns per program along the grid's y axis (the grouped GEMMs; 1: a 1-D grid)
 
 
 _TRITON_DTYPES = {
@@ -33,8 +35,18 @@ _TRITON_DTYPES = {
 }
 
 
-def aot_compile(op: str, dtype: str, *, arch: int = 90, ptx_version: int = 87, rank: int = 16) -> AOTKernel:
-    """Compile the Triton kernel behind plugin ``op`` to PTX for ``sm_<arch>`` (no GPU needed).
+def aot_compile(
+    op: str,
+    dtype: str,
+    *,
+    arch: int = 90,
+    ptx_version: int = 87,
+    rank: int = 16,
+    num_experts: int = 8,
+    block_m: int = BLOCK_M,
+) -> AOTKernel:
+    """Compile the Triton kernel behind plugin ``op`` to PTX for ``sm_<arch>`` (no GPU needed);
+    ``rank`` specialises ``Modulate``, ``num_experts`` and ``block_m`` the MoE steps.
 
     Argument order is TensorRT's for AOT plugins: input pointers, the i32 scalars, output
     pointers. ``ptx_version`` 87 (PTX ISA 8.7) loads on drivers ≥ 570; Triton 3.9's
@@ -51,6 +63,8 @@ def aot_compile(op: str, dtype: str, *, arch: int = 90, ptx_version: int = 87, r
             "(TRITON_INTERPRET=1); unset it."
         )
     t = "*" + _TRITON_DTYPES[dtype]
+    options: dict = {"num_warps": 4}
+    columns = 1
     if op == "GatedResidual":
         fn, scalars, block = kernels.gated_residual_kernel, ("n", "gate_n"), kernels.ELEMENTWISE_BLOCK
         signature = {
@@ -107,14 +121,17 @@ def aot_compile(op: str, dtype: str, *, arch: int = 90, ptx_version: int = 87, r
             "BLOCK_D": 64,
             "PRECISION": "ieee" if _TRITON_DTYPES[dtype] == "fp32" else "tf32",
         }
+    elif op in MOE_OPS:
+        spec = aot_spec(op, t, num_experts=num_experts, block_m=block_m)
+        fn, signature, constexprs, scalars, block, columns, options = spec
     else:
         raise ExportError(f"no AOT kernel for {op!r}; AOT plugins are {', '.join(AOT_OPS)}.")
     compiled = triton.compile(
         ASTSource(fn=fn, signature=signature, constexprs=constexprs),
         target=GPUTarget("cuda", arch, 32),
-        options={"ptx_version": ptx_version, "num_warps": 4},
+        options={"ptx_version": ptx_version, **options},
     )
     meta = compiled.metadata
     if getattr(meta, "global_scratch_size", 0):
         raise ExportError(f"the {op} kernel needs Triton global scratch memory, which TensorRT does not provide.")
-    return AOTKernel(op, meta.name, compiled.asm["ptx"], meta.num_warps * 32, meta.shared, block, scalars)
+    return AOTKernel(op, meta.name, compiled.asm["ptx"], meta.num_warps * 32, meta.shared, block, scalars, columns)

@@ -92,9 +92,6 @@ class Runtime:
         self.mask_dtype = getattr(torch, self.manifest.get("mask_dtype", "int64"))
         self.store = torch.from_numpy(np.fromfile(weights, dtype=np.uint8)).to(self.device)  # one upload
         self._weights = {name: self._view(e) for name, e in entry["tensors"].items()}
-        from looptool.backends import trt_plugins
-
-        trt_plugins.register()  # the Moe plugin runs through Python
         self._logger = trt.Logger(trt.Logger.WARNING)
         runtime = trt.Runtime(self._logger)
         self.engines, self.contexts = {}, {}

@@ -82,6 +82,7 @@ _UNIT_SECONDS = {  # seconds measured on the 2-core machine, rounded
     "tests/test_rowwise_onnx.py": 22,
     "tests/test_cli.py": 22,
     "tests/test_examples.py::test_example_runs[export_onnx.py]": 22,
+    "tests/test_trt_moe.py": 20,
     "tests/test_ort_generate.py::gemma3_text-prefix": 19,
     "tests/test_ort_generate.py::llama-recurrent": 18,
     "tests/test_distill.py": 14,

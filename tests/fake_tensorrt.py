@@ -2,7 +2,8 @@
 without TensorRT (all of this project's). An "engine" is a TensorRT variant graph run by
 onnxruntime; tensors are read from and written to the raw addresses bound with
 ``set_tensor_address``, as TensorRT would. It checks looptool's *use* of the API (names,
-shapes, profiles, addresses, buffers) — not TensorRT itself, nor the plugins' kernels."""
+shapes, profiles, addresses, buffers) and its plugin definitions (TensorRT's signature rules,
+shape expressions evaluated on concrete shapes) — not TensorRT itself, nor the plugins' kernels."""
 
 from __future__ import annotations
 
@@ -183,20 +184,71 @@ class Builder:
         return network.path.encode()
 
 
-def install(monkeypatch) -> types.ModuleType:
-    """Put the fake ``tensorrt`` (and a ``tensorrt.plugin`` that records registrations) in
-    ``sys.modules``."""
-    trt = types.ModuleType("tensorrt")
-    trt.__version__ = "fake"
-    trt.Logger, trt.Runtime, trt.Builder, trt.OnnxParser = Logger, Runtime, Builder, OnnxParser
-    trt.NetworkDefinitionCreationFlag = NetworkDefinitionCreationFlag
-    trt.ExecutionContextAllocationStrategy = ExecutionContextAllocationStrategy
+# ---------------------------------------------------------------------------- tensorrt.plugin
+class _ShapeExprs(tuple):
+    """Concrete shapes stand in for TensorRT's symbolic ones: ints do the same arithmetic."""
+
+    def numel(self) -> int:
+        return int(np.prod(self)) if self else 1
+
+
+class TensorDesc:
+    def __init__(self, shape_expr=(), dtype=None):
+        self.shape_expr, self.dtype = _ShapeExprs(int(d) for d in shape_expr), dtype
+
+    def like(self):
+        return TensorDesc(self.shape_expr, self.dtype)
+
+
+class KernelLaunchParams:
+    def __init__(self):
+        self.grid_x = self.grid_y = self.grid_z = self.block_x = self.block_y = self.block_z = 1
+        self.shared_mem = 0
+
+
+class SymIntExprs(list):
+    @classmethod
+    def from_tuple(cls, exprs):
+        return cls(int(e) for e in exprs)
+
+
+def _check_signature(kind: str, name: str, fn, registered: dict) -> None:
+    """TensorRT's rules for the decorated functions (``tensorrt.plugin._validate``): a
+    register function annotates its tensors ``TensorDesc`` and returns ``TensorDesc`` or a
+    tuple of them; autotune and aot_impl take the tensors, attributes (a subset, in order),
+    ``outputs`` (and ``tactic``); an aot_impl annotates its return as a 4-tuple."""
+    import inspect
+    import typing
+
+    sig = inspect.signature(fn)
+    if kind == "register":
+        ret = sig.return_annotation
+        outs = typing.get_args(ret) if typing.get_origin(ret) is tuple else (ret,)
+        assert outs and all(o is TensorDesc for o in outs), f"{name}: register must return TensorDesc(s), not {ret}"
+        return
+    desc = inspect.signature(registered[name]["register"]).parameters
+    tensors = [n for n, p in desc.items() if p.annotation is TensorDesc]
+    attrs = [n for n in desc if n not in tensors]
+    params = list(sig.parameters)
+    tail = {"autotune": ["outputs"], "aot_impl": ["outputs", "tactic"], "impl": ["outputs", "stream"]}[kind]
+    middle = params[len(tensors) : len(params) - len(tail)]
+    assert params[: len(tensors)] == tensors and params[len(params) - len(tail) :] == tail, (name, kind, params)
+    assert middle == [a for a in attrs if a in middle], (name, kind, params)
+    if kind == "aot_impl":
+        ret = sig.return_annotation
+        assert typing.get_origin(ret) is tuple and len(typing.get_args(ret)) == 4, f"{name}: aot_impl return {ret}"
+
+
+def _plugin_module() -> types.ModuleType:
+    """A ``tensorrt.plugin`` that records registrations (``registered[name][kind]``), checks
+    them as TensorRT would, and evaluates shape expressions on concrete shapes."""
     plugin = types.ModuleType("tensorrt.plugin")
     plugin.registered = {}
 
     def recorder(kind):
         def decorator_factory(name):
             def decorator(fn):
+                _check_signature(kind, name, fn, plugin.registered)
                 plugin.registered.setdefault(name, {})[kind] = fn
                 return fn
 
@@ -206,7 +258,25 @@ def install(monkeypatch) -> types.ModuleType:
 
     for kind in ("register", "autotune", "aot_impl", "impl"):
         setattr(plugin, kind, recorder(kind))
-    plugin.TensorDesc = type("TensorDesc", (), {})
+    plugin.TensorDesc, plugin.KernelLaunchParams, plugin.SymIntExprs = TensorDesc, KernelLaunchParams, SymIntExprs
+    plugin.SymInt32 = int
+    plugin.AutoTuneCombination = str
+    plugin.cdiv = lambda a, b: -(-int(a) // int(b))
+    plugin.from_shape_expr = lambda shape, dtype: TensorDesc(shape, dtype)
+    return plugin
+
+
+def install(monkeypatch) -> types.ModuleType:
+    """Put the fake ``tensorrt`` (and a ``tensorrt.plugin`` that records registrations) in
+    ``sys.modules``."""
+    trt = types.ModuleType("tensorrt")
+    trt.__version__ = "fake"
+    trt.Logger, trt.Runtime, trt.Builder, trt.OnnxParser = Logger, Runtime, Builder, OnnxParser
+    trt.NetworkDefinitionCreationFlag = NetworkDefinitionCreationFlag
+    trt.ExecutionContextAllocationStrategy = ExecutionContextAllocationStrategy
+    for dtype in ("float32", "float16", "bfloat16", "int32", "int64"):
+        setattr(trt, dtype, dtype)  # data types by name
+    plugin = _plugin_module()
     trt.plugin = plugin
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setitem(sys.modules, "tensorrt.plugin", plugin)

@@ -125,3 +125,70 @@ def test_cuda_dispatch_runs_the_triton_launchers():
     for name in ("gated_residual", "adaptive_delta", "modulate", "moe"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"looptool::{name}", "CUDA"), name
     assert set(kernels.LAUNCHERS) == {"gated_residual", "adaptive_delta", "modulate", "moe"}
+
+
+# ---------------------------------------------------------------------------- the MoE steps (TensorRT's plugins)
+MOE_CASES = [  # tokens, d, inter, experts, top_k, skew
+    (37, 48, 40, 6, 2, False),
+    (16, 32, 24, 4, 1, False),
+    (50, 32, 16, 5, 2, True),
+    (3, 16, 16, 8, 4, False),
+    (70, 16, 16, 40, 8, False),  # 560 pairs: the align kernel's pair steps (PAIRS = 64 for 40 experts) loop
+]
+
+
+@pytest.mark.parametrize("tokens,d,inter,experts,top_k,skew", MOE_CASES)
+def test_moe_align_routes_like_moe_blocks(tokens, d, inter, experts, top_k, skew):
+    """One program computes ``moe_blocks``' routing (the same rows in the same order, the
+    token of each pair instead of the pair, the same block experts and rows in use) and each
+    pair's row."""
+    from looptool.ops import moe_kernels
+
+    _, _, ids, _, _ = _moe_case(tokens, d, inter, experts, top_k, skew=skew)
+    rows, block_expert, used, pair_row = moe_kernels.moe_align(ids, experts, 16)
+    ref_rows, ref_blocks, ref_used = kernels.moe_blocks(ids, experts, 16)
+    assert rows.dtype == block_expert.dtype == used.dtype == pair_row.dtype == torch.int32
+    assert rows.numel() == 16 * block_expert.numel() == 16 * moe_kernels.max_blocks(tokens * top_k, experts, 16)
+    assert torch.equal(rows.long(), torch.where(ref_rows >= 0, ref_rows // top_k, -1))
+    assert torch.equal(block_expert.long(), ref_blocks) and torch.equal(used.long(), ref_used)
+    pairs = torch.arange(tokens * top_k, device=ids.device)
+    assert torch.equal(ref_rows[pair_row.reshape(-1).long()], pairs)  # each pair's row holds that pair
+
+
+@pytest.mark.parametrize("tokens,d,inter,experts,top_k,skew", MOE_CASES[:3])
+def test_each_moe_step_computes_its_part_of_the_reference(tokens, d, inter, experts, top_k, skew):
+    """Gate-up: ``silu(x W_gateᵀ) ⊙ x W_upᵀ`` of each row's token and block expert (0 on
+    padding); down: ``act W_downᵀ`` in fp32; combine: ``Σ_j w_tj · out[row(t, j)]``. fp32,
+    to float rounding."""
+    from looptool.ops import moe_kernels
+
+    x, weights, ids, gate_up, down = _moe_case(tokens, d, inter, experts, top_k, skew=skew)
+    rows, block_expert, used, pair_row = moe_kernels.moe_align(ids, experts, 16)
+    n = int(used)
+    expert = block_expert.long().repeat_interleave(16)[:n]
+    token = rows[:n].long()
+    xs = torch.where((token >= 0)[:, None], x[token.clamp(min=0)], 0.0)
+    hidden = torch.einsum("rd,rhd->rh", xs, gate_up[expert])
+    gate, up = hidden.chunk(2, dim=-1)
+    act = moe_kernels.moe_gate_up(x, gate_up, rows, block_expert, used, 16)
+    torch.testing.assert_close(act[:n], torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    out = moe_kernels.moe_down(act, down, block_expert, used, 16)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out[:n], torch.einsum("ri,rdi->rd", act[:n], down[expert]), rtol=1e-5, atol=1e-5)
+    y = moe_kernels.moe_combine(out, pair_row, weights)
+    torch.testing.assert_close(y, (out[pair_row.long()] * weights[..., None]).sum(1), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens,d,inter,experts,top_k,skew", MOE_CASES)
+def test_the_four_moe_steps_equal_the_moe_reference(tokens, d, inter, experts, top_k, skew):
+    """Align → gate-up → down → combine (what a TensorRT engine runs) is ``moe_reference``:
+    fp32 to float rounding, and the fused launcher's result; fp16/bf16 no further from the
+    fp32 result than the reference in that dtype."""
+    from looptool.ops import moe_kernels
+
+    args = _moe_case(tokens, d, inter, experts, top_k, skew=skew)
+    got = moe_kernels.moe_steps(*args)
+    torch.testing.assert_close(got, fused.moe_reference(*args), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, kernels.moe(*args), rtol=1e-6, atol=1e-6)
+    for dtype in LOW:
+        _check_low_precision(moe_kernels.moe_steps, fused.moe_reference, args, dtype)

@@ -1,6 +1,7 @@
 """The TensorRT backend in every part that runs without TensorRT: export with
---build-on-target (variants, manifest, build.py), AOT PTX for sm_90, errors for bad input,
-the runtime's checks, and the plugin definitions where ``tensorrt.plugin`` imports.
+--build-on-target (variants, manifest, build.py), AOT PTX for sm_90 of every plugin's kernel,
+errors for bad input, the runtime's checks, and the plugin definitions where ``tensorrt.plugin``
+imports (the MoE steps' plugins in detail: test_trt_moe).
 (The variants' onnxruntime equivalence on four architectures is in test_ort_generate.)"""
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from looptool.backends.onnx import MANIFEST, WEIGHTS, EngineError, ExportError
 from looptool.backends.tensorrt import (
     AOT_OPS,
     BUILD_SCRIPT,
-    JIT_OPS,
     PLUGIN_NAMESPACE,
     build_engines,
     export_tensorrt,
@@ -83,11 +83,11 @@ def test_default_precision_exports_and_validates_an_fp16_copy(exported, prefix_m
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_moe_function_body_runs_in_the_graph_dtype(dtype):
-    """The ``looptool.Moe`` node's function body (what onnxruntime runs, and what the fp16
-    TensorRT variant keeps beside the plugin node) type-checks and matches ``moe_reference`` in
-    the graph's float type: its routing matrix once was fp32 whatever the graph ("B has
-    inconsistent type tensor(float16)" for every fp16 MoE export). Limit: 1e-5 (fp32)
-    or ``FP16_ATOL`` (fp16) times max(1, max |reference|)."""
+    """The ``looptool.Moe`` node's function body (what onnxruntime runs for an ONNX export; a
+    TensorRT variant splits the node into the MoE step plugins, test_trt_moe) type-checks and
+    matches ``moe_reference`` in the graph's float type: its routing matrix once was fp32
+    whatever the graph ("B has inconsistent type tensor(float16)" for every fp16 MoE export).
+    Limit: 1e-5 (fp32) or ``FP16_ATOL`` (fp16) times max(1, max |reference|)."""
     import numpy as np
     import onnxruntime as ort
     from onnx import TensorProto, helper
@@ -246,10 +246,10 @@ _AOT_SCRIPT = """
 import json, re, sys
 from looptool.backends.trt_kernels import AOT_OPS, aot_compile
 out = []
-for op in AOT_OPS:
-    for dtype in ("fp32", "bf16"):
-        k = aot_compile(op, dtype, rank=24)
-        out.append(dict(op=op, dtype=dtype, name=k.name, ptx=k.ptx, threads=k.threads, shared=k.shared, scalars=k.scalars))
+cases = [(op, dtype, 8) for op in AOT_OPS for dtype in ("fp32", "bf16")] + [("MoeAlign", "fp16", 128), ("MoeAlign", "fp16", 512)]
+for op, dtype, experts in cases:
+    k = aot_compile(op, dtype, rank=24, num_experts=experts)
+    out.append(dict(op=op, dtype=dtype, name=k.name, ptx=k.ptx, threads=k.threads, shared=k.shared, scalars=k.scalars))
 print(json.dumps(out))
 """
 
@@ -261,6 +261,8 @@ def test_aot_ptx_for_sm90_has_tensorrts_argument_order():
     assert res.returncode == 0, res.stderr[-2000:]
     kernels = json.loads(res.stdout.strip().splitlines()[-1])
     inputs = {"GatedResidual": 3, "AdaptiveDeltaUpdate": 5, "Modulate": 5}
+    inputs |= {"MoeAlign": 1, "MoeGateUp": 5, "MoeDown": 4, "MoeCombine": 3}
+    outputs = {"MoeAlign": 4}  # rows, block_expert, used, pair_row; the others: one
     assert {k["op"] for k in kernels} == set(AOT_OPS)
     for k in kernels:
         ptx = k["ptx"]
@@ -269,12 +271,13 @@ def test_aot_ptx_for_sm90_has_tensorrts_argument_order():
         assert entry and entry.group(1) == k["name"]
         params = re.findall(r"\.param \.(\w+)", entry.group(2))
         n_in, n_scalar = inputs[k["op"]], len(k["scalars"])
-        # TensorRT passes: input pointers, i32 scalars, the output pointer; Triton appends its
+        n_out = outputs.get(k["op"], 1)
+        # TensorRT passes: input pointers, i32 scalars, the output pointers; Triton appends its
         # (unused, size 0) scratch pointers after them
         assert params[:n_in] == ["u64"] * n_in, (k["op"], params)
         assert params[n_in : n_in + n_scalar] == ["u32"] * n_scalar, (k["op"], params)
-        assert params[n_in + n_scalar] == "u64" and set(params[n_in + n_scalar + 1 :]) <= {"u64"}
-        assert len(params) - (n_in + n_scalar + 1) <= 2
+        assert set(params[n_in + n_scalar :]) == {"u64"}
+        assert n_out <= len(params) - (n_in + n_scalar) <= n_out + 2
         assert k["threads"] == 128 and k["shared"] <= 48 * 1024, (k["op"], k["dtype"], k["shared"])
 
 
@@ -323,9 +326,8 @@ def test_build_and_runtime_decode_like_onnxruntime_through_a_tensorrt_test_doubl
     assert profiles[0]["attention_mask"][2] == (4, 128)  # max batch 4, max capacity 128
 
     rt = Runtime(directory, device="cpu")
-    assert set(trt.plugin.registered) == {f"looptool::{op}" for op in AOT_OPS + JIT_OPS}
-    assert all("aot_impl" in trt.plugin.registered[f"looptool::{op}"] for op in AOT_OPS)
-    assert "impl" in trt.plugin.registered["looptool::Moe"]
+    assert set(trt.plugin.registered) == {f"looptool::{op}" for op in AOT_OPS}
+    assert all(set(trt.plugin.registered[f"looptool::{op}"]) == {"register", "autotune", "aot_impl"} for op in AOT_OPS)
     assert rt.device_bytes()["weights"] == manifest["weights"]["bytes"]
     contexts = {b: rt.engines[b, "per-loop"].contexts[0] for b in (0, 2)}
     names = {b: manifest["tensorrt"]["graphs"][str(b)]["per-loop"]["weight_inputs"] for b in (0, 2)}
