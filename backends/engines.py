@@ -23,6 +23,22 @@ def check_backend(backend: str) -> str:
     return backend
 
 
+EXPORTER_TORCH = (2, 13)  # the first torch whose ONNX exporter traces looptool's serving graphs
+
+
+def check_exporter() -> None:
+    """Refuse, in one sentence, a torch whose ONNX exporter cannot trace the serving graphs
+    (torch 2.11 fails in the exporter's own re-export of the graph, checked)."""
+    from looptool.core.compat import installed_version
+
+    have = installed_version("torch")
+    if have is not None and have < EXPORTER_TORCH:
+        raise ExportError(
+            f"exporting engines needs torch {EXPORTER_TORCH[0]}.{EXPORTER_TORCH[1]} or newer, and torch here is "
+            f"{have[0]}.{have[1]}: export on a machine with a newer torch (the engines it writes run anywhere)."
+        )
+
+
 def export_options(
     backend: str = "onnx",
     *,
@@ -43,6 +59,7 @@ def export_options(
     without ``build_on_target``) needs TensorRT installed. ``rowwise`` adds the row-wise-budget
     graph per policy (both backends)."""
     check_backend(backend)
+    check_exporter()
     if backend == "onnx":
         return dict(kv=kv, compose=compose, ort_fusions=ort_fusions, rowwise=rowwise)
     from looptool.backends.tensorrt import check_precision, require_tensorrt
@@ -82,6 +99,7 @@ def export_engines(
     """Export ``budgets`` of ``model`` into the engine directory ``output`` with ``backend``'s
     exporter and ``options`` (from :func:`export_options`; default: its defaults); returns
     the exporter's :class:`~looptool.backends.onnx.ExportReport`."""
+    check_exporter()
     options = dict(options) if options is not None else export_options(backend)
     if check_backend(backend) == "tensorrt":
         from looptool.backends.tensorrt import export_tensorrt

@@ -205,13 +205,17 @@ def lower(model, lg, *, fuse: bool = True, unflatten: bool = False, menu: tuple[
     counts = fused_counts(graph) if fuse else {}  # before unflatten_crossings, whose flattens copy readers' metadata
     if unflatten:
         (graph,) = PassManager([("unflatten_crossings", {})])(lowered).paths.values()
-    return interface_graph(model, graph, counts, menu)
+    return interface_graph(model, graph, counts, menu, captured=lg.module)
 
 
-def interface_graph(model, graph: fx.Graph, counts: dict[str, int], menu: tuple = ()) -> ServingGraph:
+def interface_graph(
+    model, graph: fx.Graph, counts: dict[str, int], menu: tuple = (), *, captured: torch.nn.Module | None = None
+) -> ServingGraph:
     """The serving graph of ``graph``, a cached path in the decode interface (the
-    ``decode_interface`` pass): its cache layout read from the cache inputs, in order."""
-    from looptool.core.graph import shared_graph_module
+    ``decode_interface`` pass): its cache layout read from the cache inputs, in order; the
+    bodies of its higher-order ops are ``captured``'s (the decode capture's own, see
+    :func:`looptool.core.graph.own_bodies`)."""
+    from looptool.core.graph import own_bodies, shared_graph_module
 
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     caches = [(annotation(n)["kv"], n.meta["val"].shape) for n in placeholders if "kv" in annotation(n)]
@@ -224,7 +228,7 @@ def interface_graph(model, graph: fx.Graph, counts: dict[str, int], menu: tuple 
     past, present = layout.names()
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return ServingGraph(
-        shared_graph_module(model, graph),
+        shared_graph_module(model, graph, bodies=own_bodies(captured, graph) if captured is not None else None),
         layout,
         [*inputs, *past],
         [LOGITS, *present],

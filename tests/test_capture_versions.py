@@ -93,11 +93,11 @@ def test_decode_paths_run_the_decode_captures_own_bodies(monkeypatch):
     (``submod_3``: llama's rotary embedding under a grad-mode or autocast block); a decode path
     bound to the model's tensors must run its own capture's body, which can take other
     arguments (a size, under automatic dims), never the forward's of the same name."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
     from looptool.core.graph import own_bodies
     from looptool.runtime.decode_graphs import cached_layer_graph, cached_paths
     from looptool.runtime.generation import generate
-
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     monkeypatch.setenv("LOOPTOOL_CACHE", "off")
     rotary = LlamaRotaryEmbedding.forward
@@ -120,3 +120,16 @@ def test_decode_paths_run_the_decode_captures_own_bodies(monkeypatch):
         assert bodies and bodies.keys() & forward.keys()  # the same names in both captures
         assert all(path.module._modules[n] is b for n, b in bodies.items())
     assert out.sequences.shape == (2, 9)
+
+
+def test_exporting_engines_on_an_older_torch_is_refused_in_one_sentence(monkeypatch):
+    """torch 2.11's ONNX exporter cannot trace the serving graphs: export says so before any
+    slow work, for both backends, and names the version it needs."""
+    from looptool.backends.engines import export_options
+    from looptool.backends.onnx_format import ExportError
+    from looptool.core import compat
+
+    monkeypatch.setattr(compat, "installed_version", lambda library: (2, 11))
+    for backend in ("onnx", "tensorrt"):
+        with pytest.raises(ExportError, match=r"needs torch 2\.13 or newer, and torch here is 2\.11"):
+            export_options(backend, build_on_target=True)
