@@ -84,11 +84,18 @@ def ratio(numerator: Timing, denominator: Timing) -> Ratio:
 
 
 def interleaved(
-    fns: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1, on_round=None
+    fns: dict[str, Callable[[], object]],
+    repeats: int = 5,
+    warmup: int = 1,
+    on_round=None,
+    *,
+    measured: bool = False,
 ) -> dict[str, Timing]:
     """Run every function once per round, ``warmup`` untimed rounds then ``repeats`` timed
     ones, rotating the order each round; returns each function's timings (sample ``i`` of
-    every function from timed round ``i``)."""
+    every function from timed round ``i``). ``measured=True``: each function returns the
+    seconds to record, its own measure of the part that is compared (say, decoding steps
+    without the prefill), instead of its wall time."""
     names = list(fns)
     samples: dict[str, list[float]] = {n: [] for n in names}
     with torch.inference_mode():
@@ -97,9 +104,9 @@ def interleaved(
             for name in order:
                 _sync()
                 t0 = time.perf_counter()
-                fns[name]()
+                out = fns[name]()
                 _sync()  # CUDA runs asynchronously: time the work, not the launch
-                dt = time.perf_counter() - t0
+                dt = float(out) if measured else time.perf_counter() - t0
                 if r >= warmup:
                     samples[name].append(dt)
             if on_round is not None:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from shapes import NAMES, source_model
+from shapes import NAMES, prefix_plan, source_model
 from transformers.generation.streamers import BaseStreamer
 
 import looptool
@@ -36,7 +36,7 @@ from looptool.runtime.generation import generate
 SOTU = Path(__file__).resolve().parents[1] / "data" / "sotu"  # the in-repo subset
 
 
-class _Stamps(BaseStreamer):
+class Stamps(BaseStreamer):
     """Records when each new token arrives (the first ``put`` is the prompt)."""
 
     def __init__(self):
@@ -52,7 +52,8 @@ class _Stamps(BaseStreamer):
         pass
 
 
-def _ms_per_token(times: list[float]) -> float:
+def ms_per_token(times: list[float]) -> float:
+    """ms per token from the times each new token arrived: first to last over the steps between."""
     return (times[-1] - times[0]) / (len(times) - 1) * 1e3
 
 
@@ -71,11 +72,7 @@ def main() -> None:
     torch.manual_seed(0)
     device = resolve_device(args.device)
     source, tokenizer = source_model(args.shape, device, getattr(torch, args.dtype))
-    layers = source.config.num_hidden_layers
-    start, stop = round(0.267 * layers), round(0.667 * layers)  # SmolLM2: 8:20
-    m = stop - start
-    plan = looptool.PrefixLoop(window=(start, stop), budgets=tuple(sorted({0, m // 4, m // 2, 3 * m // 4, m})))
-    model = looptool.convert(source, plan, tokenizer=tokenizer)
+    model = looptool.convert(source, prefix_plan(source.config.num_hidden_layers), tokenizer=tokenizer)
     if tokenizer is not None:
         text = (SOTU / sorted(p.name for p in SOTU.glob("2*.txt"))[0]).read_text()
         ids = tokenizer(text, return_tensors="pt").input_ids[:, : args.prompt]
@@ -100,16 +97,16 @@ def main() -> None:
                 eos_token_id=None,
                 on_step=lambda _t: stamps.append(time.perf_counter()),
             )
-            return _ms_per_token(stamps)
+            return ms_per_token(stamps)
 
         return run
 
     def hf_run() -> float:
-        s = _Stamps()
+        s = Stamps()
         source.generate(
             ids, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, streamer=s, pad_token_id=pad
         )
-        return _ms_per_token(s.times)
+        return ms_per_token(s.times)
 
     contenders = {"hf_generate": hf_run}
     contenders.update({f"budget_{k}": looptool_run(k, "per-loop") for k in model.budgets})

@@ -39,14 +39,16 @@ from looptool.backends.onnx import ROWWISE, export_onnx
 from looptool.backends.ort import Runtime
 from looptool.backends.ort_binding import CacheBinding
 from looptool.capture.sources import load_source
-from looptool.runtime.generation import decode_loop
+from looptool.runtime.generation import GenerationOutput, decode_loop
 
 RESULTS = Path(__file__).resolve().parent / "results" / "rowwise_ort.json"
 SOTU = Path(__file__).resolve().parents[1] / "data" / "sotu"
 
 
-def decode_ms(rt: Runtime, key, rows: list[int], ids: torch.Tensor, new: int) -> float:
-    """Decode ms/step of graph ``key`` (a budget or ROWWISE) on ``ids`` with row budgets ``rows``."""
+def graph_generate(rt: Runtime, key, rows: list[int], ids: torch.Tensor, new: int, on_step=None) -> GenerationOutput:
+    """Greedy decoding of ``new`` tokens through graph ``key`` (a budget or ROWWISE) itself, on
+    ``ids`` with row budgets ``rows`` (per-loop caches bound in place; no dispatch: the
+    row-wise graph runs even when every row has the same budget)."""
     batch, prompt = ids.shape
     capacity = prompt + new
     binding = CacheBinding(
@@ -57,14 +59,20 @@ def decode_ms(rt: Runtime, key, rows: list[int], ids: torch.Tensor, new: int) ->
         rt.vocab_size,
         budgets=np.array(rows, dtype=np.int64) if key == ROWWISE else None,
     )
-    out = decode_loop(
+    return decode_loop(
         binding.step,
         ids,
         None,
         capacity=capacity,
         max_new_tokens=new,
         mask_dtype=getattr(torch, str(rt.mask_dtype)),
+        on_step=on_step,
     )
+
+
+def decode_ms(rt: Runtime, key, rows: list[int], ids: torch.Tensor, new: int) -> float:
+    """Decode ms/step of graph ``key`` (a budget or ROWWISE) on ``ids`` with row budgets ``rows``."""
+    out = graph_generate(rt, key, rows, ids, new)
     return out.decode_seconds * 1e3 / (out.new_tokens - 1)
 
 

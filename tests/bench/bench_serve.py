@@ -166,17 +166,13 @@ def random_model_dir(shape: str, device: str, dtype) -> Path:
     """A random-weight model of ``shape`` looped like SmolLM2's 8:20 (budgets 0, m/4, m/2, 3m/4, m),
     saved with the byte tokenizer in a temporary directory (no download)."""
     import torch
-    from shapes import source_model
+    from shapes import prefix_plan, source_model
 
     import looptool
     from looptool.testing import byte_tokenizer
 
     source, _ = source_model(shape, torch.device(device), dtype)
-    layers = source.config.num_hidden_layers
-    start, stop = round(0.267 * layers), round(0.667 * layers)
-    m = stop - start
-    plan = looptool.PrefixLoop(window=(start, stop), budgets=tuple(sorted({0, m // 4, m // 2, 3 * m // 4, m})))
-    model = looptool.convert(source, plan, tokenizer=byte_tokenizer())
+    model = looptool.convert(source, prefix_plan(source.config.num_hidden_layers), tokenizer=byte_tokenizer())
     return model.save_pretrained(Path(tempfile.mkdtemp(prefix="bench-serve-")) / shape)
 
 

@@ -1,12 +1,14 @@
 """Source models for the benchmarks: the real SmolLM2-135M, or random-weight models of
 known shapes (no download: what a machine without network, like the GPU test machine, runs;
-throughput and memory do not depend on the weight values)."""
+throughput and memory do not depend on the weight values); and the loop plan the benchmarks
+give them (:func:`prefix_plan`)."""
 
 from __future__ import annotations
 
 import torch
 import transformers
 
+import looptool
 from looptool.testing import tiny_model
 
 SHAPES = {
@@ -54,3 +56,11 @@ def source_model(shape: str, device: torch.device, dtype: torch.dtype = torch.fl
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval(), None
+
+
+def prefix_plan(layers: int) -> looptool.PrefixLoop:
+    """SmolLM2's window 8:20 of 30 layers scaled to a model of ``layers`` layers, with budgets
+    0, m/4, m/2, 3m/4 and m of its m looped layers (SmolLM2: 0, 3, 6, 9, 12)."""
+    start, stop = round(0.267 * layers), round(0.667 * layers)
+    m = stop - start
+    return looptool.PrefixLoop(window=(start, stop), budgets=tuple(sorted({0, m // 4, m // 2, 3 * m // 4, m})))
