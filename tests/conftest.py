@@ -76,8 +76,8 @@ _UNIT_SECONDS = {  # seconds measured on the 2-core machine, rounded
     "tests/test_train.py": 49,
     "tests/test_onnx.py::qwen3_moe": 42,
     "tests/test_serve_batching.py": 90,
+    "tests/test_serve.py": 90,  # every server test on PyTorch, onnxruntime and TensorRT (the test double)
     "tests/test_tensorrt.py": 38,
-    "tests/test_serve.py": 30,
     "tests/test_defaults.py": 25,
     "tests/test_rowwise_onnx.py": 22,
     "tests/test_cli.py": 22,

@@ -1,5 +1,8 @@
 """A ``looptool serve`` subprocess for the server tests: a free port on 127.0.0.1, started,
-waited for (``/health``), its log kept for failure messages, terminated in a finaliser."""
+waited for (``/health``), its log kept for failure messages, terminated in a finaliser; and
+:func:`served_on`, what the same server tests serve on each runtime (a looped model directory
+on PyTorch, its exported engine directory on onnxruntime, its TensorRT engine directory under
+the TensorRT test double) with the reference each answer is compared with."""
 
 from __future__ import annotations
 
@@ -9,13 +12,23 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 
 import looptool
+from looptool.engine import OpenedEngine, open_engine
+from looptool.engine.budgets import RowBudgets
+from looptool.engine.sampling import GREEDY, SamplingParams
+from looptool.runtime.generation import decode_loop, generate
 from looptool.testing import byte_tokenizer, tiny_model
+
+RUNTIMES = ("pytorch", "onnxruntime", "tensorrt")
+FAKE_TRT_PROCESS = str(Path(__file__).with_name("fake_trt_process.py"))
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}|{% endfor %}"
@@ -56,7 +69,7 @@ class ServerProcess:
         entry = launcher or ["-m", "looptool"]
         argv = [sys.executable, *entry, "serve", str(model_dir), "--port", str(self.port), *args]
         self._log = open(log, "w")  # noqa: SIM115 (closed in stop())
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
         while True:
@@ -104,3 +117,116 @@ def metric(text: str, name: str, **labels: str) -> float:
         if key == (f"{name}{{{want}}}" if want else name):
             return float(value)
     return 0.0
+
+
+# ---------------------------------------------------------------------- one test, three runtimes
+Alone = Callable[..., list[int]]  # (prompt ids, budget, max_tokens, sampling=GREEDY) -> the tokens, EOS included
+
+
+@dataclass
+class Served:
+    """What the server tests serve on one runtime: the directory, the ``looptool serve``
+    options and launcher that serve it there, and :attr:`alone`, the tokens a prompt gets
+    generated alone at a budget on that runtime (what every batched answer must equal)."""
+
+    runtime: str
+    directory: Path
+    args: tuple[str, ...]
+    launcher: list[str] | None
+    alone: Alone
+
+    def start(self, *args: str, log: Path) -> ServerProcess:
+        """A server of this directory on this runtime with ``args`` (checked to run there)."""
+        proc = ServerProcess(self.directory, *self.args, *args, log=log, launcher=self.launcher)
+        try:
+            _wait_for_text(proc, f"runtime {self.runtime},")
+        except BaseException:
+            proc.stop()
+            raise
+        return proc
+
+
+def _wait_for_text(proc: ServerProcess, text: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in proc.output():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{text!r} not in the server's output:\n{proc.output()}")
+        time.sleep(0.05)
+
+
+def export_engine(model_dir: Path, output: Path, *args: str) -> Path:
+    """``looptool export MODEL_DIR -o OUTPUT ARGS`` in this process, unvalidated (the export
+    tests validate); the engine directory."""
+    from typer.testing import CliRunner
+
+    from looptool.cli import app
+
+    res = CliRunner().invoke(app, ["export", str(model_dir), "-o", str(output), "--no-validate", *args])
+    assert res.exit_code == 0, res.output
+    return output
+
+
+def alone_on(opened: OpenedEngine, ids: list[int], budget: int, max_tokens: int, sampling: SamplingParams = GREEDY):
+    """The tokens ``ids`` gets alone at ``budget`` on ``opened``'s step engine (one row, a cache
+    of its own, the shared prefill-then-decode loop), EOS included."""
+    engine = opened.engine
+    capacity = len(ids) + max_tokens
+    cache = engine.allocate(1, capacity)
+
+    def step(input_ids, mask, position_ids, cache_position):
+        return engine.step(cache, slice(0, 1), input_ids, mask, position_ids, cache_position, RowBudgets((budget,)))
+
+    out = decode_loop(
+        step,
+        torch.tensor([ids]),
+        None,
+        capacity=capacity,
+        max_new_tokens=max_tokens,
+        mask_dtype=engine.mask_dtype,
+        sampling=sampling,
+        eos_token_id=list(opened.eos),
+    )
+    return out.sequences[0, len(ids) :].tolist()
+
+
+def served_on(runtime: str, model_dir: Path, model, workdir: Path) -> Served:
+    """``model_dir`` (saved from ``model``) as ``runtime`` serves it: the looped model directory on
+    PyTorch (the reference: :func:`looptool.runtime.generation.generate`); an engine directory
+    exported into ``workdir`` on onnxruntime; a TensorRT engine directory built there by the
+    TensorRT test double (fp32: the tiny models' new parameters, N(0, 0.5²), overflow fp16 in
+    PyTorch itself) and served by TensorRT's step engine in a process that has the double.
+    An engine directory's reference is onnxruntime's step engine over it, one row alone (the
+    double runs the TensorRT variants with onnxruntime, so they compute what its graphs do)."""
+    if runtime == "pytorch":
+
+        def alone(ids, budget, max_tokens, sampling=GREEDY):
+            out = generate(
+                model,
+                torch.tensor([ids]),
+                budget=budget,
+                max_new_tokens=max_tokens,
+                eos_token_id=model.tokenizer.eos_token_id,
+                sampling=sampling,
+            )
+            return out.sequences[0, len(ids) :].tolist()
+
+        return Served(runtime, Path(model_dir), ("--runtime", runtime, "--device", "cpu"), None, alone)
+    pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+    output = workdir / Path(model_dir).name  # the served model's name, as on PyTorch
+    if runtime == "onnxruntime":
+        export_engine(model_dir, output)
+        args, launcher = ("--runtime", runtime, "--threads", "1"), None
+    else:
+        import fake_tensorrt
+
+        with pytest.MonkeyPatch.context() as patch:
+            fake_tensorrt.install(patch)
+            fake_tensorrt.pretend_gpu(patch)
+            export_engine(model_dir, output, "--backend", "tensorrt", "--precision", "fp32")
+        args, launcher = ("--runtime", runtime, "--device", "cpu"), [FAKE_TRT_PROCESS]
+    opened = open_engine(output, runtime="onnxruntime", threads=1)
+
+    def alone(ids, budget, max_tokens, sampling=GREEDY):
+        return alone_on(opened, ids, budget, max_tokens, sampling)
+
+    return Served(runtime, output, args, launcher, alone)

@@ -152,8 +152,8 @@ def test_every_module_imports(name):
 
 
 # The stages from the bottom up; a module may import its own stage and the stages below it.
-# runtime and storage are one stage: the model's save_pretrained writes through storage.save,
-# and storage.load rebuilds a model (the module graph stays acyclic, tested above).
+# storage sits below the runtime: it reads and writes files and tensors duck-typed over the
+# model, and the runtime loads and saves through it (rebuilding a model is runtime.convert's).
 LAYERS = (
     ("core",),
     ("cache",),  # one keyed store type, an instance per kind; capture and backends keep their kinds' keys
@@ -161,7 +161,8 @@ LAYERS = (
     ("engine",),  # the step-engine interface; its registry names the runtimes by import path only
     ("capture",),
     ("passes",),
-    ("runtime", "storage"),
+    ("storage",),
+    ("runtime",),
     ("backends",),
     ("train",),
     ("posttrain",),
@@ -183,6 +184,7 @@ def _stage(module: str) -> int | None:
 
 
 def test_imports_point_down_the_stages():
+    assert _stage("looptool.storage.load") < _stage("looptool.runtime.model")  # storage imports no runtime
     upward = sorted(
         f"{a} -> {b}"
         for a, targets in import_graph().items()
@@ -192,23 +194,37 @@ def test_imports_point_down_the_stages():
     assert not upward, "imports that point up the stages:\n" + "\n".join(upward)
 
 
-def test_serving_reaches_runtimes_only_through_the_step_engine_seam():
-    """``looptool.serve`` imports no backend and no runtime engine (deferred imports included):
-    it drives :class:`looptool.engine.StepEngine` and opens directories with
-    :func:`looptool.engine.open_engine`."""
-    graph = import_graph()
-    crossing = sorted(
+# what serving may import from the runtime: its text helpers (incremental detokenising), no engine
+SERVE_RUNTIME_HELPERS = {"looptool.runtime.text"}
+
+
+def serve_crossings(graph: dict[str, set[str]], runtime_modules: set[str]) -> list[str]:
+    """The imports of ``looptool.serve`` past the step-engine seam: a module of ``backends/``, a
+    registered runtime's module (``runtime_modules``), a ``looptool.runtime`` module other than
+    :data:`SERVE_RUNTIME_HELPERS`, or storage."""
+    return sorted(
         f"{a} -> {b}"
         for a, targets in graph.items()
-        if a.startswith("looptool.serve")
+        if a == "looptool.serve" or a.startswith("looptool.serve.")
         for b in targets
-        if b.startswith(
-            ("looptool.backends", "looptool.runtime.step_engine", "looptool.storage", "looptool.runtime.model")
-        )
+        if b in runtime_modules
+        or b.startswith(("looptool.backends", "looptool.storage"))
+        or (b.startswith("looptool.runtime") and b not in SERVE_RUNTIME_HELPERS)
     )
-    assert not crossing, "serving imports past the step-engine seam:\n" + "\n".join(crossing)
+
+
+def test_serving_reaches_runtimes_only_through_the_step_engine_seam():
+    """``looptool.serve`` imports no module of ``backends/``, no ``looptool.runtime`` module
+    but its text helpers (no engine: not the step engine, the model, its decode graphs or
+    generation) and not storage (deferred imports included): it drives
+    :class:`looptool.engine.StepEngine` and opens directories with
+    :func:`looptool.engine.open_engine`."""
     from looptool.engine import RUNTIMES
 
+    graph = import_graph()
+    assert {"looptool.serve.app", "looptool.serve.scheduler", "looptool.serve.models"} <= set(graph)
+    crossing = serve_crossings(graph, set(RUNTIMES.values()))
+    assert not crossing, "serving imports past the step-engine seam:\n" + "\n".join(crossing)
     for runtime, module in RUNTIMES.items():  # every registered runtime implements the seam
         mod = importlib.import_module(module)
         assert all(callable(getattr(mod, f, None)) for f in ("detect", "describe", "open_dir")), runtime
@@ -216,6 +232,23 @@ def test_serving_reaches_runtimes_only_through_the_step_engine_seam():
         from looptool.engine import StepEngine
 
         assert any(issubclass(c, StepEngine) for c in engines), runtime
+
+
+def test_the_seam_check_catches_a_crossing():
+    runtime_modules = {"looptool.runtime.step_engine", "looptool.backends.ort.engine"}
+    graph = {
+        "looptool.serve.app": {"looptool.engine", "looptool.runtime.text"},
+        "looptool.serve.models": {"looptool.backends.ort.engine", "looptool.runtime.model"},
+        "looptool.serve.scheduler": {"looptool.runtime.step_engine", "looptool.storage.load"},
+        "looptool.cli.serve": {"looptool.runtime.model"},  # not serving
+    }
+    assert serve_crossings(graph, runtime_modules) == [
+        "looptool.serve.models -> looptool.backends.ort.engine",
+        "looptool.serve.models -> looptool.runtime.model",
+        "looptool.serve.scheduler -> looptool.runtime.step_engine",
+        "looptool.serve.scheduler -> looptool.storage.load",
+    ]
+    assert not serve_crossings({"looptool.serve.text": {"looptool.runtime.text"}}, runtime_modules)
 
 
 def test_every_subpackage_has_a_stage():

@@ -2,9 +2,13 @@
 fixed-prefix model (new parameters non-zero), driven by the official ``openai`` client, raw
 HTTP for the faults, and lm-evaluation-harness's stock ``local-completions`` model.
 
-One server (``server``: 4 slots of 64 tokens, so requests queue, rows are repacked and the
-write clock wraps) answers the API, budget, batching and fault tests; a second one
-(``guarded``: one slot, one queue place, an API key) shows the queue-full 503 and the exact
+Every test runs on every runtime (``served``: the looped model directory on PyTorch, its
+exported engine directory on onnxruntime, its TensorRT engine directory under the TensorRT
+test double), each answer compared with that prompt generated alone on the same runtime;
+only the lm-eval comparison, which scores the model in process with PyTorch, runs on PyTorch
+alone. Per runtime, one server (``server``: 4 slots of 64 tokens, so requests queue, rows are
+repacked and the write clock wraps) answers the API, budget, batching and fault tests; a second
+one (``guarded``: one slot, one queue place, an API key) shows the queue-full 503 and the exact
 queue bound, the API key, disconnects (streamed and not) freeing their slot and the draining
 SIGTERM.
 """
@@ -20,11 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from serve_process import ServerProcess, metric, tiny_looped
+from serve_process import RUNTIMES, metric, served_on, tiny_looped
 
 import looptool
 from looptool.engine.sampling import SamplingParams
-from looptool.runtime.generation import generate
 
 openai = pytest.importorskip("openai", reason="the server tests use the openai client (pip install 'looptool[test]')")
 pytest.importorskip("fastapi", reason="looptool serve needs the serve extra (pip install 'looptool[serve]')")
@@ -44,11 +47,15 @@ def model(model_dir):
     return looptool.load(model_dir)
 
 
+@pytest.fixture(scope="module", params=RUNTIMES)
+def served(request, model_dir, model, tmp_path_factory):
+    """The model on one runtime (one engine directory per runtime for the whole module)."""
+    return served_on(request.param, model_dir, model, tmp_path_factory.mktemp(request.param))
+
+
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    proc = ServerProcess(
-        model_dir, "--max-batch", "4", "--capacity", "64", "--device", "cpu", log=tmp_path_factory.mktemp("log") / "s"
-    )
+def server(served, tmp_path_factory):
+    proc = served.start("--max-batch", "4", "--capacity", "64", log=tmp_path_factory.mktemp("log") / "s")
     yield proc
     proc.stop()
 
@@ -56,19 +63,6 @@ def server(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.base, api_key="dummy", max_retries=0, timeout=60)
-
-
-def alone(model, ids: list[int], budget: int, max_tokens: int, **sampling) -> list[int]:
-    """The tokens ``generate`` gives for one prompt alone at ``budget`` (EOS included)."""
-    out = generate(
-        model,
-        torch.tensor([ids]),
-        budget=budget,
-        max_new_tokens=max_tokens,
-        eos_token_id=model.tokenizer.eos_token_id,
-        **sampling,
-    )
-    return out.sequences[0, len(ids) :].tolist()
 
 
 def text_of(model, tokens: list[int]) -> str:
@@ -96,10 +90,10 @@ def test_models_lists_the_name_and_one_id_per_budget_with_its_cost(client, model
     ],
     ids=["model@k", "extra_body budget", "reasoning_effort", "default", "budget effort level"],
 )
-def test_completion_runs_at_the_budget_the_request_picks(client, model, how, budget):
+def test_completion_runs_at_the_budget_the_request_picks(client, served, model, how, budget):
     prompt = "We the People"
     r = client.completions.create(prompt=prompt, max_tokens=12, temperature=0, **how)
-    want = alone(model, model.tokenizer(prompt)["input_ids"], budget, 12)
+    want = served.alone(model.tokenizer(prompt)["input_ids"], budget, 12)
     assert r.choices[0].text == text_of(model, want)
     assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == len(want)
     assert r.usage.total_tokens == len(prompt) + len(want)
@@ -107,14 +101,14 @@ def test_completion_runs_at_the_budget_the_request_picks(client, model, how, bud
     assert r.choices[0].finish_reason == ("length" if len(want) == 12 else "stop")
 
 
-def test_chat_uses_the_chat_template_and_reasoning_effort(client, model):
+def test_chat_uses_the_chat_template_and_reasoning_effort(client, served, model):
     messages = [{"role": "user", "content": "hello there"}]
     r = client.chat.completions.create(
         model=NAME, messages=messages, max_tokens=10, temperature=0, reasoning_effort="minimal"
     )
     ids = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-    want = alone(model, list(ids), 0, 10)
+    want = served.alone(list(ids), 0, 10)
     assert r.choices[0].message.content == text_of(model, want)
     assert r.choices[0].message.role == "assistant"
     assert r.usage.prompt_tokens == len(ids) and r.model_extra["cost"]["budget"] == 0
@@ -147,7 +141,7 @@ def test_streams_end_with_done_and_carry_cost_and_usage(client, server, model):
     assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
 
 
-def test_twelve_concurrent_requests_each_equal_generating_alone_at_its_budget(client, model):
+def test_twelve_concurrent_requests_each_equal_generating_alone_at_its_budget(client, served, model):
     """Batch invariance by budget: requests of every budget share decode steps (4 slots, so
     they also queue, get repacked, and the 64-token write clock wraps) and each gets exactly
     what its prompt alone gets at its budget, EOS included."""
@@ -161,17 +155,17 @@ def test_twelve_concurrent_requests_each_equal_generating_alone_at_its_budget(cl
     with ThreadPoolExecutor(12) as pool:
         got = list(pool.map(ask, range(12)))
     for i, (text, count, budget) in enumerate(got):
-        want = alone(model, model.tokenizer(prompts[i])["input_ids"], budgets[i], 24)
+        want = served.alone(model.tokenizer(prompts[i])["input_ids"], budgets[i], 24)
         assert (text, count, budget) == (text_of(model, want), len(want), budgets[i]), i
     assert len({text for text, _, _ in got}) > 3  # budgets and prompts differ, so do the answers
 
 
-def test_seeded_sampling_equals_generate_with_that_seed(client, model):
+def test_seeded_sampling_equals_generate_with_that_seed(client, served, model):
     prompt = "Liberty"
     settings = dict(temperature=0.9, top_p=0.9, seed=7)
     r = client.completions.create(model=f"{NAME}@1", prompt=prompt, max_tokens=12, extra_body={"top_k": 40}, **settings)
     ids = model.tokenizer(prompt)["input_ids"]
-    want = alone(model, ids, 1, 12, sampling=SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=7))
+    want = served.alone(ids, 1, 12, SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=7))
     assert r.choices[0].text == text_of(model, want)
 
 
@@ -211,6 +205,7 @@ def test_echo_logprobs_of_token_prompts_are_the_models_log_likelihoods(server, m
     assert max(lp["top_logprobs"][-1].values()) == pytest.approx(lp["token_logprobs"][-1])  # greedy: the top token
 
 
+@pytest.mark.parametrize("served", ["pytorch"], indirect=True)  # compared with PyTorch in process
 def test_lm_eval_local_completions_scores_a_budget_like_looptool_lm_eval(server, model_dir, tmp_path):
     """lm-eval's stock ``local-completions`` model (token-id prompts, ``echo`` + ``logprobs``)
     against the served model at two budgets gives what ``looptool lm-eval`` gives in process."""
@@ -299,11 +294,9 @@ def test_chat_faults(server):
 
 # ------------------------------------------------------------------------- one slot, a key
 @pytest.fixture(scope="module")
-def guarded(model_dir, tmp_path_factory):
-    proc = ServerProcess(
-        model_dir,
-        *("--max-batch", "1", "--max-queue", "1", "--api-key", KEY, "--device", "cpu"),
-        log=tmp_path_factory.mktemp("log") / "g",
+def guarded(served, tmp_path_factory):
+    proc = served.start(
+        *("--max-batch", "1", "--max-queue", "1", "--api-key", KEY), log=tmp_path_factory.mktemp("log") / "g"
     )
     yield proc
     proc.stop()
@@ -398,8 +391,9 @@ def test_the_server_holds_exactly_max_batch_plus_max_queue_requests(guarded):
 
 
 def test_sigterm_drains_with_503_then_exits_0(guarded):
-    """Last test of the module: the guarded server is stopped here. After SIGTERM the socket
-    stays open: /health and new requests get 503 while the running stream finishes."""
+    """Last of each runtime's tests (pytest runs them runtime by runtime, in file order): the
+    guarded server is stopped here. After SIGTERM the socket stays open: /health and new
+    requests get 503 while the running stream finishes."""
     events, done = [], threading.Event()
 
     def read():

@@ -4,6 +4,7 @@ the scheduler's bookkeeping over a step engine that needs no model."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -265,3 +266,121 @@ def test_a_port_in_use_is_one_sentence_before_the_load(saved, monkeypatch):
     assert res.exit_code == 1, res.output
     assert f"port {port} on 127.0.0.1 is already in use" in res.output and "serving" not in res.output
     assert "Errno" not in res.output and "Traceback" not in res.output
+
+
+# ------------------------------------------------------------------ the disconnect watcher
+class _Client:
+    """A request whose client goes away when ``gone`` is set; counts the connection checks."""
+
+    def __init__(self) -> None:
+        self.checks, self.gone = 0, False
+
+    async def is_disconnected(self) -> bool:
+        self.checks += 1
+        return self.gone
+
+
+class _Cancels:
+    """A scheduler that records what the HTTP side cancels."""
+
+    def __init__(self) -> None:
+        self.cancelled: list[tuple[Job, str]] = []
+
+    def cancel(self, job: Job, reason: str = "cancelled") -> None:
+        self.cancelled.append((job, reason))
+
+
+def test_a_non_streamed_request_checks_its_connection_once_per_poll_with_one_watcher():
+    """The jobs of one non-streamed request (two prompts) share one watcher: however many tokens
+    arrive, the connection is checked once every DISCONNECT_POLL seconds, and a client that
+    leaves ends every job within a poll (each cancelled once, as ``cancelled``)."""
+    from looptool.serve.app import DISCONNECT_POLL, _collect
+    from looptool.serve.choices import Choice
+    from looptool.serve.scheduler import Event
+
+    async def scenario():
+        client, scheduler = _Client(), _Cancels()
+        jobs = [Job([1], 0, 10_000), Job([1], 0, 10_000)]
+        queues = [asyncio.Queue(), asyncio.Queue()]
+        choices = [Choice(i, byte_tokenizer(), []) for i in range(2)]
+        collect = asyncio.create_task(_collect(scheduler, jobs, queues, choices, client))
+        start = time.monotonic()
+        while time.monotonic() - start < 4 * DISCONNECT_POLL:  # a token every millisecond or so
+            for queue in queues:
+                queue.put_nowait(Event("token", token=ord("a")))
+            await asyncio.sleep(0.001)
+        tokens, polled = len(choices[0].tokens), time.monotonic() - start
+        client.gone = True
+        left = time.monotonic()
+        await asyncio.wait_for(collect, 10)
+        return client, scheduler, jobs, tokens, polled, time.monotonic() - left
+
+    client, scheduler, jobs, tokens, polled, ended_in = asyncio.run(scenario())
+    assert tokens > 20  # many more tokens than checks
+    assert 1 <= client.checks <= polled / DISCONNECT_POLL + 2, (client.checks, polled)
+    assert ended_in < 2 * DISCONNECT_POLL + 0.5
+    assert sorted((id(j), r) for j, r in scheduler.cancelled) == sorted((id(j), "cancelled") for j in jobs)
+
+
+def test_a_finished_request_stops_its_watcher():
+    """A request whose jobs finish leaves no watcher behind: the connection is not checked after."""
+    from looptool.serve.app import DISCONNECT_POLL, _collect
+    from looptool.serve.choices import Choice
+    from looptool.serve.scheduler import Event
+
+    async def scenario():
+        client, scheduler = _Client(), _Cancels()
+        job, queue = Job([1], 0, 1), asyncio.Queue()
+        choice = Choice(0, byte_tokenizer(), [])
+        queue.put_nowait(Event("token", token=ord("a")))
+        queue.put_nowait(Event("finished", reason="length"))
+        await _collect(scheduler, [job], [queue], [choice], client)
+        await asyncio.sleep(3 * DISCONNECT_POLL)
+        return client, scheduler, choice, asyncio.all_tasks()
+
+    client, scheduler, choice, tasks = asyncio.run(scenario())
+    assert choice.reason == "length" and choice.tokens == [ord("a")]
+    assert client.checks == 0 and len(tasks) == 1  # only the scenario itself runs
+    assert [r for _, r in scheduler.cancelled] == ["cancelled"]  # a no-op for a job that left the scheduler
+
+
+# ------------------------------------------------------------------ options resolved once
+def test_options_are_resolved_once_before_the_load_and_the_server_takes_only_resolved_ones(saved, monkeypatch):
+    """``prepare`` resolves the options against the model's facts once, before anything loads
+    (the resolver it builds is the one the server answers with); a server given options not
+    resolved for its model refuses them."""
+    import looptool.serve.server as server_module
+    from looptool.serve.models import ServedModel
+
+    created = []
+    real_create = BudgetResolver.create.__func__
+
+    def counting(cls, *args, **kwargs):
+        created.append(args)
+        return real_create(cls, *args, **kwargs)
+
+    monkeypatch.setattr(BudgetResolver, "create", classmethod(counting))
+    engine = _GatedEngine()
+    engine.gate.set()
+    engine.budgets = (0, 2)
+    opened = []
+
+    def fake_open(path, *, name, **kwargs):
+        assert len(created) == 1  # resolved before the load
+        opened.append(ServedModel(name, engine, byte_tokenizer(), (0, 2), {}, (), "cpu", "pytorch"))
+        return opened[-1]
+
+    monkeypatch.setattr(server_module, "open_model", fake_open)
+    server = server_module.prepare(saved, ServeOptions(port=0, max_batch=2, default_budget=0))
+    try:
+        assert len(created) == 1 and isinstance(server.options, server_module.ResolvedOptions)
+        assert server.options.capacity == 1024 and server.resolver is server.options.resolver
+        assert server.resolver.default == 0 and server.model_ids == ["tiny", "tiny@0", "tiny@2"]
+    finally:
+        server.socket.close()
+        server.scheduler.stop(10)
+    with pytest.raises(TypeError, match="resolved for the model"):
+        server_module.Server(opened[0], ServeOptions(port=0))
+    other = ServeOptions(port=0).for_model(EngineFacts((0, 1), None), "tiny")
+    with pytest.raises(LooptoolError, match=r"budget menu \[0, 1\]"):
+        server_module.Server(opened[0], other)

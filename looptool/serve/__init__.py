@@ -16,6 +16,6 @@ from looptool.core.errors import require_extra
 
 require_extra("serve", "looptool serve", "fastapi", "uvicorn", "prometheus_client")
 
-from looptool.serve.server import ServeOptions, Server, prepare  # noqa: E402
+from looptool.serve.server import ResolvedOptions, ServeOptions, Server, prepare  # noqa: E402
 
-__all__ = ["ServeOptions", "Server", "prepare"]
+__all__ = ["ResolvedOptions", "ServeOptions", "Server", "prepare"]

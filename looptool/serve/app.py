@@ -9,8 +9,8 @@ drains (after SIGTERM) it still listens: ``/v1`` requests get 503 and ``/health`
 ``{"status": "draining"}``, so a load balancer's readiness probe takes the replica out.
 
 A client that goes away frees its slot: a stream's generator is closed by the framework, and a
-non-streamed request checks its connection every :data:`DISCONNECT_POLL` seconds while it
-waits for tokens.
+non-streamed request has one watcher task that checks its connection every
+:data:`DISCONNECT_POLL` seconds while it waits for tokens.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -122,7 +121,7 @@ def create_app(served: ServedModel, scheduler: Scheduler, resolver: BudgetResolv
         for job, choice in zip(jobs, choices):
             if scoring is not None:
                 choice.echo_prompt(job.prompt)
-        await asyncio.gather(*(_collect(scheduler, j, q, c, request) for j, q, c in zip(jobs, queues, choices)))
+        await _collect(scheduler, jobs, queues, choices, request)
         out = [
             {
                 "index": c.index,
@@ -152,7 +151,7 @@ def create_app(served: ServedModel, scheduler: Scheduler, resolver: BudgetResolv
         if req.stream:
             return _sse(_stream_chat(rid, req, job, queue, budget))
         choice = Choice(0, served.tokenizer, req.stops())
-        await _collect(scheduler, job, queue, choice, request)
+        await _collect(scheduler, [job], [queue], [choice], request)
         message = {"role": "assistant", "content": choice.text.text}
         out = [{"index": 0, "message": message, "logprobs": None, "finish_reason": choice.reason}]
         return response(
@@ -256,7 +255,7 @@ def _common(req, resolver: BudgetResolver) -> tuple[int, SamplingParams]:
 def _submit(scheduler: Scheduler, job: Job) -> asyncio.Queue:
     """Queue ``job`` with the engine; its events arrive on the returned asyncio queue."""
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[Event] = asyncio.Queue()
+    queue: asyncio.Queue[Event | None] = asyncio.Queue()  # None: the client went away (see _collect)
     job.emit = lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)
     try:
         scheduler.submit(job)
@@ -269,33 +268,20 @@ def _submit(scheduler: Scheduler, job: Job) -> asyncio.Queue:
     return queue
 
 
-async def _pieces(
-    scheduler: Scheduler, job: Job, queue: asyncio.Queue, choice: Choice, request: Request | None = None
-) -> AsyncIterator[str]:
+async def _pieces(scheduler: Scheduler, job: Job, queue: asyncio.Queue, choice: Choice) -> AsyncIterator[str]:
     """The text piece of each token of ``job`` (and any text left at the end) until it finishes.
 
     The job leaves the engine early (its slot freed at the next step) when a stop string ends
     it (counted as ``stop``), when the consumer stops early (a stream whose client went away),
-    or, given the ``request``, when its client disconnects (checked every
-    :data:`DISCONNECT_POLL` seconds; counted as ``cancelled``); a no-op once the job finished.
+    or when ``queue`` yields ``None`` (a non-streamed request's client disconnected, see
+    :func:`_collect`; counted as ``cancelled``); a no-op once the job finished.
     """
     reason = "cancelled"
     try:
-        checked = time.monotonic()
         while not choice.done:
-            if request is None:
-                event = await queue.get()
-            else:
-                try:
-                    event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL)
-                except asyncio.TimeoutError:
-                    event = None
-                if time.monotonic() - checked >= DISCONNECT_POLL:
-                    checked = time.monotonic()
-                    if await request.is_disconnected():
-                        return  # nobody reads the answer: the finally frees the slot
-                if event is None:
-                    continue
+            event = await queue.get()
+            if event is None:
+                return  # nobody reads the answer: the finally frees the slot
             piece = choice.push(event)
             if event.kind == "token" or piece:
                 yield piece  # one chunk per token (empty while text is held back), so clients can time tokens
@@ -308,12 +294,35 @@ async def _pieces(
 
 
 async def _collect(
-    scheduler: Scheduler, job: Job, queue: asyncio.Queue, choice: Choice, request: Request | None = None
+    scheduler: Scheduler, jobs: list[Job], queues: list[asyncio.Queue], choices: list[Choice], request: Request
 ) -> None:
-    """Run ``job`` to its end for a non-streamed response, giving up when ``request``'s client
-    disconnects."""
-    async for _ in _pieces(scheduler, job, queue, choice, request):
-        pass
+    """Run the jobs of one non-streamed request to their end. One watcher task checks every
+    :data:`DISCONNECT_POLL` seconds that ``request``'s client is still there; once it left,
+    every job gives up (its slot freed, counted as ``cancelled``). The watcher ends with the
+    request, and a job still running then (a sibling failed) gives up too."""
+
+    async def drain(job: Job, queue: asyncio.Queue, choice: Choice) -> None:
+        async for _ in _pieces(scheduler, job, queue, choice):
+            pass
+
+    watcher = asyncio.create_task(_watch(request, queues))
+    try:
+        await asyncio.gather(*(drain(j, q, c) for j, q, c in zip(jobs, queues, choices)))
+    finally:
+        watcher.cancel()
+        for queue in queues:
+            queue.put_nowait(None)  # unread by a job that finished
+
+
+async def _watch(request: Request, queues: list[asyncio.Queue]) -> None:
+    """Every :data:`DISCONNECT_POLL` seconds, whether ``request``'s client disconnected; once it
+    did, a ``None`` on every queue tells its reader to give up."""
+    while True:
+        await asyncio.sleep(DISCONNECT_POLL)
+        if await request.is_disconnected():
+            break
+    for queue in queues:
+        queue.put_nowait(None)
 
 
 async def _ending(rid, kind, req, last_choices, prompt_tokens: int, choice: Choice, cost: dict) -> AsyncIterator[dict]:

@@ -17,7 +17,7 @@ import logging
 import os
 import signal
 import socket
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from looptool.core.errors import LooptoolError
@@ -57,10 +57,12 @@ class ServeOptions:
         if not 0 <= self.port < 65536:
             raise LooptoolError(f"port {self.port} is not a TCP port (0-65535).", parameter="port")
 
-    def for_model(self, facts: EngineFacts, name: str) -> ServeOptions:
-        """These options checked against the model (``default_budget`` and ``effort`` against its
-        budget menu, ``capacity`` against its context), with the default capacity filled in."""
-        BudgetResolver.create(name, facts.budgets, self.default_budget, self.effort)
+    def for_model(self, facts: EngineFacts, name: str) -> ResolvedOptions:
+        """These options checked (:meth:`check`) and resolved against the model served as
+        ``name``: ``default_budget`` and ``effort`` against its budget menu (the budget resolver
+        built here, once), ``capacity`` against its context, the default capacity filled in."""
+        self.check()
+        resolver = BudgetResolver.create(name, facts.budgets, self.default_budget, self.effort)
         capacity = self.capacity
         if capacity is None:
             capacity = min(DEFAULT_CAPACITY, facts.context or DEFAULT_CAPACITY)
@@ -70,7 +72,25 @@ class ServeOptions:
                 f"pass a capacity of at most {facts.context}.",
                 parameter="capacity",
             )
-        return replace(self, capacity=capacity)
+        return ResolvedOptions(
+            self.host, self.port, self.max_batch, capacity, self.max_queue, self.api_key, self.log_level, resolver
+        )
+
+
+@dataclass(frozen=True)
+class ResolvedOptions:
+    """:class:`ServeOptions` checked and resolved for one model (:meth:`ServeOptions.for_model`):
+    what a :class:`Server` takes. ``capacity`` is filled in, and ``resolver`` (the model's name
+    and budget menu, the default budget and the effort ladder) answers every request."""
+
+    host: str
+    port: int
+    max_batch: int
+    capacity: int
+    max_queue: int
+    api_key: str | None
+    log_level: str
+    resolver: BudgetResolver
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -101,20 +121,30 @@ def bind(host: str, port: int) -> socket.socket:
 
 class Server:
     """A prepared server: ``model_ids``, ``url``, and :meth:`run` (blocks until shut down).
-    ``sock`` is the bound socket to serve on (default: one bound here)."""
+    ``options`` are resolved for ``served`` (:meth:`ServeOptions.for_model`, as :func:`prepare`
+    does before the load); ``sock`` is the bound socket to serve on (default: one bound here)."""
 
-    def __init__(self, served: ServedModel, options: ServeOptions, sock: socket.socket | None = None):
+    def __init__(self, served: ServedModel, options: ResolvedOptions, sock: socket.socket | None = None):
         import uvicorn
 
         from looptool.serve.app import create_app
 
-        options.check()
-        if options.capacity is None:
-            options = options.for_model(EngineFacts(served.budgets, None), served.name)
+        if not isinstance(options, ResolvedOptions):
+            raise TypeError(
+                f"Server takes options resolved for the model (ServeOptions.for_model), got {type(options).__name__}; "
+                "prepare() resolves them."
+            )
+        resolver = options.resolver
+        if resolver.name != served.name or resolver.budgets != tuple(sorted(served.budgets)):
+            raise LooptoolError(
+                f"the options were resolved for {resolver.name!r} with the budget menu {list(resolver.budgets)}, "
+                f"but the model served is {served.name!r} with {sorted(served.budgets)}; "
+                "resolve them against this model's facts."
+            )
         self.served = served
         self.options = options
         self.socket = sock if sock is not None else bind(options.host, options.port)
-        self.resolver = BudgetResolver.create(served.name, served.budgets, options.default_budget, options.effort)
+        self.resolver = resolver
         self.scheduler = Scheduler(
             served.engine,
             max_batch=options.max_batch,
@@ -184,15 +214,15 @@ def prepare(
     (``auto``, ``pytorch``, ``onnxruntime`` or ``tensorrt``) and prepare a server.
     Every option is checked and the port bound before the model loads."""
     options = options or ServeOptions()
-    options.check()
+    options.check()  # before the directory is read: a bad option is reported first
     name = name or Path(model_dir).resolve().name
-    options = options.for_model(read_facts(model_dir, runtime), name)
-    sock = bind(options.host, options.port)
+    resolved = options.for_model(read_facts(model_dir, runtime), name)
+    sock = bind(resolved.host, resolved.port)
     try:
         served = open_model(
             model_dir, name=name, runtime=runtime, device=device, kv=kv, tokenizer=tokenizer, threads=threads
         )
-        return Server(served, options, sock)
+        return Server(served, resolved, sock)
     except BaseException:
         sock.close()
         raise
