@@ -146,7 +146,7 @@ def test_the_cycle_check_catches_a_cycle():
 
 @pytest.mark.parametrize("name", sorted(set(modules()) - {"looptool.__main__"}))  # __main__ runs the CLI
 def test_every_module_imports(name):
-    if name.startswith("looptool.ops.kernels") or name == "looptool.backends.trt_plugins":
+    if name.startswith("looptool.ops.kernels") or name == "looptool.backends.tensorrt.plugins":
         pytest.importorskip("triton", reason="the Triton kernels need triton")
     importlib.import_module(name)
 
@@ -235,7 +235,7 @@ def cache_modules() -> list[pathlib.Path]:
         {
             *(ROOT / "looptool" / "cache").rglob("*.py"),
             *(ROOT / "looptool" / "capture").glob("*cache*.py"),
-            *(ROOT / "backends").glob("*cache*.py"),
+            *(ROOT / "backends").rglob("*cache*.py"),
         }
     )
 

@@ -86,9 +86,9 @@ for m in ("onnxscript", "onnx_ir", "onnxruntime", "onnx"):
     sys.modules[m] = None  # as if not installed
 import looptool
 from looptool.testing import tiny_model
-from looptool.backends.onnx import export_onnx
-from looptool.backends.ort import Runtime
-from looptool.backends.tensorrt import export_tensorrt
+from looptool.backends.onnx.export import export_onnx
+from looptool.backends.ort.runtime import Runtime
+from looptool.backends.tensorrt.export import export_tensorrt
 from looptool.core.errors import MissingExtraError
 m = looptool.convert(tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)))
 for f in (lambda: export_onnx(m, sys.argv[1] + "/a"), lambda: Runtime(sys.argv[1]),

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from looptool.backends.onnx_format import ExportError
+from looptool.backends.errors import ExportError
+from looptool.core.dtypes import named
 
 AOT_OPS = ("GatedResidual", "AdaptiveDeltaUpdate", "Modulate")  # one Triton kernel each, PTX in the engine
 
@@ -21,16 +22,6 @@ class AOTKernel:
     shared: int  # bytes of shared memory
     block: int  # elements (or rows) per program
     scalars: tuple[str, ...]  # the i32 arguments TensorRT passes between inputs and outputs, in order
-
-
-_TRITON_DTYPES = {
-    "fp32": "fp32",
-    "fp16": "fp16",
-    "bf16": "bf16",
-    "float32": "fp32",
-    "float16": "fp16",
-    "bfloat16": "bf16",
-}
 
 
 def aot_compile(op: str, dtype: str, *, arch: int = 90, ptx_version: int = 87, rank: int = 16) -> AOTKernel:
@@ -50,7 +41,8 @@ def aot_compile(op: str, dtype: str, *, arch: int = 90, ptx_version: int = 87, r
             "AOT compilation needs Triton's compiler, but this process runs Triton's interpreter "
             "(TRITON_INTERPRET=1); unset it."
         )
-    t = "*" + _TRITON_DTYPES[dtype]
+    element = named(dtype).short  # Triton's name of the element type: fp32, fp16, bf16
+    t = "*" + element
     if op == "GatedResidual":
         fn, scalars, block = kernels.gated_residual_kernel, ("n", "gate_n"), kernels.ELEMENTWISE_BLOCK
         signature = {
@@ -84,7 +76,7 @@ def aot_compile(op: str, dtype: str, *, arch: int = 90, ptx_version: int = 87, r
         fn, scalars, block = (
             kernels.modulate_kernel,
             ("rows", "d", "rank"),
-            32 if _TRITON_DTYPES[dtype] == "fp32" else 64,
+            32 if element == "fp32" else 64,
         )
         signature = {
             "x_ptr": t,
@@ -105,7 +97,7 @@ def aot_compile(op: str, dtype: str, *, arch: int = 90, ptx_version: int = 87, r
             "RANK": kernels.modulate_rank_block(rank),
             "BLOCK_M": block,
             "BLOCK_D": 64,
-            "PRECISION": "ieee" if _TRITON_DTYPES[dtype] == "fp32" else "tf32",
+            "PRECISION": "ieee" if element == "fp32" else "tf32",
         }
     else:
         raise ExportError(f"no AOT kernel for {op!r}; AOT plugins are {', '.join(AOT_OPS)}.")

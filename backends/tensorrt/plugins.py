@@ -3,32 +3,35 @@
 
 * ``looptool::GatedResidual``, ``looptool::AdaptiveDeltaUpdate``, ``looptool::Modulate``:
   AOT plugins. Their PTX is compiled from the Triton kernels of :mod:`looptool.ops.kernels`
-  when the engine is built (:func:`looptool.backends.trt_kernels.aot_compile`) and stored in the
+  when the engine is built (:func:`looptool.backends.tensorrt.kernels.aot_compile`) and stored in the
   engine, so a built engine runs without Python.
 * ``looptool::Moe``: a Python plugin (``tensorrt.plugin.impl``): routing and the two grouped
   GEMMs are several launches, and an AOT plugin carries one kernel. It calls the same
   launcher as torch's CUDA dispatch of ``looptool::moe``, so engines with MoE need Python
-  and looptool at run time (:class:`looptool.backends.trt_runtime.Runtime` registers it).
+  and looptool at run time (:class:`looptool.backends.tensorrt.runtime.Runtime` registers it).
 
 Nothing here runs without TensorRT; :func:`register` imports it. (No ``from __future__
 import annotations`` here: TensorRT reads the ``trtp.TensorDesc`` annotations as classes.)
 """
 
 _REGISTERED: list[bool] = []
-_FLOATS = ("FP32", "FP16", "BF16")
+_FLOATS = ("fp32", "fp16", "bf16")  # the float types every plugin takes (names of looptool.core.dtypes)
 
 
 def _combos(pattern: str) -> list:
     """One ``AutoTuneCombination`` per float type: ``pattern`` with ``F`` replaced by it."""
     import tensorrt.plugin as trtp
 
-    return [trtp.AutoTuneCombination(pattern.replace("F", t).replace("I64", "INT64")) for t in _FLOATS]
+    return [trtp.AutoTuneCombination(pattern.replace("F", t.upper()).replace("I64", "INT64")) for t in _FLOATS]
 
 
 def _dtype_name(desc) -> str:
+    """The short name (``fp16``) of a plugin tensor's TensorRT dtype."""
     import tensorrt as trt
 
-    return {trt.float32: "fp32", trt.float16: "fp16", trt.bfloat16: "bf16"}[desc.dtype]
+    from looptool.core.dtypes import named
+
+    return next(t for t in _FLOATS if getattr(trt, named(t).tensorrt) == desc.dtype)
 
 
 def _launch(kernel, work, extra):
@@ -53,7 +56,7 @@ def register() -> None:
         return
     import tensorrt.plugin as trtp
 
-    from looptool.backends.trt_kernels import aot_compile
+    from looptool.backends.tensorrt.kernels import aot_compile
 
     @trtp.register("looptool::GatedResidual")
     def gated_residual_desc(x: trtp.TensorDesc, gate: trtp.TensorDesc, f: trtp.TensorDesc) -> trtp.TensorDesc:
