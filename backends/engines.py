@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 
-from looptool.backends.onnx_format import ExportError
+from looptool.backends.errors import ExportError
 
 BACKENDS = ("onnx", "tensorrt")
 
@@ -52,8 +52,8 @@ def export_options(
     max_prefill: int = 2048,
     max_capacity: int = 4096,
 ) -> dict:
-    """The keyword arguments of ``backend``'s exporter (:func:`looptool.backends.onnx.export_onnx`
-    or :func:`looptool.backends.tensorrt.export_tensorrt`), checked now, before a model is
+    """The keyword arguments of ``backend``'s exporter (:func:`looptool.backends.onnx.export.export_onnx`
+    or :func:`looptool.backends.tensorrt.export.export_tensorrt`), checked now, before a model is
     loaded: the TensorRT settings (``precision``, ``max_*``, ``build_on_target``) apply to
     ``tensorrt`` only, ``ort_fusions`` to ``onnx`` only; building engines (``tensorrt``
     without ``build_on_target``) needs TensorRT installed. ``rowwise`` adds the row-wise-budget
@@ -62,7 +62,7 @@ def export_options(
     check_exporter()
     if backend == "onnx":
         return dict(kv=kv, compose=compose, ort_fusions=ort_fusions, rowwise=rowwise)
-    from looptool.backends.tensorrt import check_precision, require_tensorrt
+    from looptool.backends.tensorrt.export import check_precision, require_tensorrt
 
     check_precision(precision)
     if ort_fusions:
@@ -98,16 +98,16 @@ def export_engines(
 ):
     """Export ``budgets`` of ``model`` into the engine directory ``output`` with ``backend``'s
     exporter and ``options`` (from :func:`export_options`; default: its defaults); returns
-    the exporter's :class:`~looptool.backends.onnx.ExportReport`."""
+    the exporter's :class:`~looptool.backends.onnx.export.ExportReport`."""
     check_exporter()
     options = dict(options) if options is not None else export_options(backend)
     if check_backend(backend) == "tensorrt":
-        from looptool.backends.tensorrt import export_tensorrt
+        from looptool.backends.tensorrt.export import export_tensorrt
 
         return export_tensorrt(
             model, output, budgets, **options, overwrite=overwrite, validate=validate, on_progress=on_progress
         )
-    from looptool.backends.onnx import export_onnx
+    from looptool.backends.onnx.export import export_onnx
 
     return export_onnx(
         model, output, budgets, **options, overwrite=overwrite, validate=validate, on_progress=on_progress
@@ -118,13 +118,13 @@ def open_runtime(
     engine_dir: str | os.PathLike, backend: str = "onnx", *, threads: int | None = None, prepack: bool = False
 ):
     """The runtime of an exported engine directory: onnxruntime sessions
-    (:class:`looptool.backends.ort.Runtime`, with ``threads`` and ``prepack``) or the built
-    TensorRT engines (:class:`looptool.backends.trt_runtime.Runtime`)."""
+    (:class:`looptool.backends.ort.runtime.Runtime`, with ``threads`` and ``prepack``) or the built
+    TensorRT engines (:class:`looptool.backends.tensorrt.runtime.Runtime`)."""
     if check_backend(backend) == "tensorrt":
-        from looptool.backends.trt_runtime import Runtime
+        from looptool.backends.tensorrt.runtime import Runtime
 
         return Runtime(engine_dir)
-    from looptool.backends.ort import Runtime
+    from looptool.backends.ort.runtime import Runtime
 
     return Runtime(engine_dir, threads=threads, prepack=prepack)
 

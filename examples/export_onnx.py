@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 import looptool
-from looptool.backends.onnx import export_onnx
-from looptool.backends.ort import Runtime
+from looptool.backends.onnx.export import export_onnx
+from looptool.backends.ort.runtime import Runtime
 from looptool.runtime.generation import generate
 from looptool.testing import tiny_model
 

@@ -1,7 +1,7 @@
 """The ``unflatten_crossings`` pass: tensors that cross layer applications with their tokens
 flattened are carried as ``[batch, step, …]``.
 
-A composed ONNX graph (:mod:`looptool.backends.onnx_layers`) exports each layer application
+A composed ONNX graph (:mod:`looptool.backends.onnx.layers`) exports each layer application
 as a body with named dynamic dimensions (batch, step, capacity). A body input of
 ``[batch·step, …]`` has none that ``torch.export`` accepts (derived dimensions are linear in
 one symbol), and MoE route replay (ELR Sec. 3.4) passes loop 1's top-k weights and experts,

@@ -126,7 +126,7 @@ def test_exporting_engines_on_an_older_torch_is_refused_in_one_sentence(monkeypa
     """torch 2.11's ONNX exporter cannot trace the serving graphs: export says so before any
     slow work, for both backends, and names the version it needs."""
     from looptool.backends.engines import export_options
-    from looptool.backends.onnx_format import ExportError
+    from looptool.backends.errors import ExportError
     from looptool.core import compat
 
     monkeypatch.setattr(compat, "installed_version", lambda library: (2, 11))

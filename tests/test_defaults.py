@@ -21,6 +21,7 @@ from test_harness import _task_configs
 from typer.main import get_command
 from typer.testing import CliRunner
 
+from looptool.backends.manifest import Manifest
 from looptool.cli import app
 from looptool.testing import byte_tokenizer, tiny_model
 
@@ -178,12 +179,11 @@ def _check(args: list[str], w: Workspace, output: str) -> None:
         result = json.loads(Path(w.trained, "lm_eval.json").read_text())
         assert [r["budget"] for r in result["budgets"]] == [0, 1, 2]
     elif name == "export" and "tensorrt" in args:
-        manifest = json.loads(Path(w.trt, "manifest.json").read_text())
-        assert manifest["tensorrt"]["precision"] == "fp16"  # the default precision of an fp32 model
+        assert Manifest.read(w.trt).tensorrt.precision == "fp16"  # the default precision of an fp32 model
     elif name == "export":
-        manifest = json.loads(Path(w.engine, "manifest.json").read_text())
-        assert sorted(manifest["budgets"]) == ["0", "1", "2"] and manifest["kv_policies"] == ["per-loop"]
-        assert manifest["dtype"] == "float32"
+        manifest = Manifest.read(w.engine)
+        assert manifest.budgets == (0, 1, 2) and manifest.kv_policies == ("per-loop",)
+        assert manifest.dtype == "float32"
     elif name == "serve":
         assert "serving trained, trained@0, trained@1, trained@2 at http://127.0.0.1:8000/v1" in output
     elif name == "demo":

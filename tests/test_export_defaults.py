@@ -10,7 +10,6 @@ The plain ONNX export at its defaults runs for the families no other test covers
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -22,11 +21,13 @@ import torch
 from typer.testing import CliRunner
 
 import looptool
-from looptool.backends.onnx import FP16_ATOL, MANIFEST, ROWWISE
+from looptool.backends.manifest import Manifest
+from looptool.backends.onnx.validate import FP16_ATOL
 from looptool.backends.serving import BUDGETS
-from looptool.backends.tensorrt import PLUGIN_NAMESPACE, weight_arrays
-from looptool.backends.trt_moe import MOE_OPS
+from looptool.backends.tensorrt.export import PLUGIN_NAMESPACE, weight_arrays
+from looptool.backends.tensorrt.moe import MOE_OPS
 from looptool.cli import app
+from looptool.core.graph import ROWWISE
 from looptool.testing import tiny_model
 
 FAMILIES = {
@@ -81,27 +82,26 @@ def models(tmp_path_factory):
     return _Models(tmp_path_factory.mktemp("families"))
 
 
-def _export(args: list[str]) -> dict:
+def _export(args: list[str]) -> Manifest:
     """Run ``looptool export ARGS``; the written manifest."""
     res = CliRunner().invoke(app, ["export", *args])
     assert res.exit_code == 0, res.output
     assert "not validated" not in res.output
-    return json.loads((Path(args[2]) / MANIFEST).read_text())
+    return Manifest.read(Path(args[2]))
 
 
-def _graphs(manifest: dict) -> dict:
+def _graphs(manifest: Manifest) -> dict:
     """``{(budget, policy): entry}`` of every graph, the row-wise ones included."""
-    entries = {(int(b), p): e for b, ps in manifest["budgets"].items() for p, e in ps.items()}
-    return entries | {(ROWWISE, p): e for p, e in (manifest.get(ROWWISE) or {}).items()}
+    return {(b, p): e for b, ps in manifest.graphs.items() for p, e in ps.items()}
 
 
-def _check_validated(manifest: dict, family: str, limit: float) -> None:
+def _check_validated(manifest: Manifest, family: str, limit: float) -> None:
     """Every budget's graph and the row-wise one were validated on both prompts, within ``limit``."""
     graphs = _graphs(manifest)
     assert {b for b, _ in graphs if b != ROWWISE} == set(FAMILIES[family][1].budgets)  # the default budget 'all'
     assert {p for _, p in graphs} == {"per-loop"} and (ROWWISE, "per-loop") in graphs  # the default kv, row-wise on
     for key, entry in graphs.items():
-        diff = entry["max_abs_diff"]
+        diff = entry.max_abs_diff
         assert set(diff) == {"random", "real"}, key
         assert all(0 <= d <= limit for d in diff.values()), (key, diff)
 
@@ -114,20 +114,19 @@ def test_tensorrt_export_defaults_validate(models, family, tmp_path):
     graph's logits and caches in onnxruntime within ``VARIANT_ATOL`` at a prefill and a decode step."""
     out = tmp_path / "trt"
     manifest = _export([str(models[family]), "-o", str(out), "--backend", "tensorrt", "--build-on-target"])
-    assert manifest["tensorrt"]["precision"] == "fp16" and manifest["dtype"] == "float16"
+    assert manifest.tensorrt.precision == "fp16" and manifest.dtype == "float16"
     _check_validated(manifest, family, FP16_ATOL)
     weights = weight_arrays(out, manifest)
-    variants = manifest["tensorrt"]["graphs"]
-    deepest = max(int(b) for b in manifest["budgets"])
-    assert set(variants[str(deepest)]["per-loop"]["plugins"]) == PLUGINS[family]
+    variants = manifest.tensorrt.graphs
+    deepest = max(manifest.budgets)
+    assert set(variants[deepest]["per-loop"].plugins) == PLUGINS[family]
     rng = np.random.default_rng(0)
     for (budget, policy), entry in _graphs(manifest).items():
-        variant = variants[str(budget)][policy]
-        plugin_nodes = [n for n in onnx.load(str(out / variant["file"])).graph.node if n.domain == PLUGIN_NAMESPACE]
-        assert len(plugin_nodes) == sum(variant["plugins"].values())
+        variant = variants[budget][policy]
+        plugin_nodes = [n for n in onnx.load(str(out / variant.file)).graph.node if n.domain == PLUGIN_NAMESPACE]
+        assert len(plugin_nodes) == sum(variant.plugins.values())
         graph, trt = (
-            ort.InferenceSession(str(out / f), providers=["CPUExecutionProvider"])
-            for f in (entry["file"], variant["file"])
+            ort.InferenceSession(str(out / f), providers=["CPUExecutionProvider"]) for f in (entry.file, variant.file)
         )
         inputs = {i.name: i for i in graph.get_inputs()}
         batch, capacity = 2, 12
@@ -137,14 +136,14 @@ def test_tensorrt_export_defaults_validate(models, family, tmp_path):
         for start, step in ((0, 5), (5, 1)):
             feeds = {
                 "input_ids": rng.integers(0, 256, (batch, step)),
-                "attention_mask": np.ones((batch, capacity), np.dtype(manifest["mask_dtype"])),
+                "attention_mask": np.ones((batch, capacity), np.dtype(manifest.mask_dtype)),
                 "position_ids": np.tile(np.arange(start, start + step), (batch, 1)),
                 "cache_position": np.arange(start, start + step),
-                **({BUDGETS: np.array([min(entry["menu"]), max(entry["menu"])])} if BUDGETS in inputs else {}),
+                **({BUDGETS: np.array([min(entry.menu), max(entry.menu)])} if BUDGETS in inputs else {}),
                 **caches,
             }
             ref = graph.run(None, feeds)
-            got = trt.run(None, {**feeds, **{n: weights[n] for n in variant["weight_inputs"]}})
+            got = trt.run(None, {**feeds, **{n: weights[n] for n in variant.weight_inputs}})
             assert ref[0].dtype == np.float16 and np.isfinite(ref[0]).all(), (budget, policy)
             for a, b in zip(ref, got):
                 np.testing.assert_allclose(b.astype(np.float32), a.astype(np.float32), rtol=0, atol=VARIANT_ATOL)
@@ -156,5 +155,5 @@ def test_onnx_export_defaults_validate(models, family, tmp_path):
     """``looptool export DIR -o OUT``: every budget and the row-wise graph, per-loop caches, the
     model's own dtype (fp32), each graph validated within 1e-4 x max(1, |logits|)."""
     manifest = _export([str(models[family]), "-o", str(tmp_path / "onnx")])
-    assert manifest["dtype"] == "float32" and "tensorrt" not in manifest
+    assert manifest.dtype == "float32" and manifest.tensorrt is None
     _check_validated(manifest, family, 1e-4)

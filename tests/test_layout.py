@@ -146,7 +146,7 @@ def test_the_cycle_check_catches_a_cycle():
 
 @pytest.mark.parametrize("name", sorted(set(modules()) - {"looptool.__main__"}))  # __main__ runs the CLI
 def test_every_module_imports(name):
-    if name.startswith(("looptool.ops.kernels", "looptool.ops.moe_kernels")) or name == "looptool.backends.trt_plugins":
+    if name.startswith(("looptool.ops.kernels", "looptool.ops.moe_kernels")) or name == "looptool.backends.tensorrt.plugins":
         pytest.importorskip("triton", reason="the Triton kernels need triton")
     importlib.import_module(name)
 
@@ -257,6 +257,90 @@ def test_every_subpackage_has_a_stage():
     assert not loose, f"subpackages or modules outside the stages: {loose}"
 
 
+# ---------------------------------------------------------------------- backends: one subpackage each
+BACKENDS = ("onnx", "ort", "tensorrt")  # one subpackage per backend
+# what every backend shares, the only modules at the top of backends/: the decode interface,
+# the engine manifest, the errors, and export/open by backend name (the dtype names are
+# looptool.core.dtypes, shared with storage)
+BACKENDS_SHARED = ("__init__", "engines", "errors", "manifest", "serving")
+
+
+def test_backends_top_holds_only_shared_modules_and_one_subpackage_per_backend():
+    top = ROOT / "backends"
+    assert sorted(p.stem for p in top.glob("*.py")) == sorted(BACKENDS_SHARED)
+    folders = sorted(p.name for p in top.iterdir() if p.is_dir() and any(p.glob("*.py")))
+    assert folders == sorted(BACKENDS) and all((top / b / "__init__.py").is_file() for b in BACKENDS)
+
+
+def _backend(module: str) -> str | None:
+    """The backend subpackage ``module`` belongs to (``looptool.backends.<backend>...``), else None."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 and parts[:2] == ["looptool", "backends"] and parts[2] in BACKENDS else None
+
+
+def private_crossings(path: pathlib.Path, name: str, known: set[str]) -> list[str]:
+    """The private names (``_x``) module ``name`` takes from another backend subpackage: ``from
+    other import _x``, ``from other import _module``, ``import other._module``, or ``m._x`` of a
+    module ``m`` imported from another backend (deferred imports included)."""
+    own = _backend(name)
+    found: list[str] = []
+    aliases: dict[str, str] = {}  # local name -> module of another backend
+
+    def foreign(module: str) -> bool:
+        return _backend(module) not in (None, own)
+
+    def private(part: str) -> bool:
+        return part.startswith("_") and not part.startswith("__")
+
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if foreign(full if full in known else node.module):
+                    if private(alias.name) or any(private(p) for p in node.module.split(".")):
+                        found.append(f"line {node.lineno}: from {node.module} import {alias.name}")
+                    elif full in known:
+                        aliases[alias.asname or alias.name] = full
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if foreign(alias.name) and any(private(p) for p in alias.name.split(".")):
+                    found.append(f"line {node.lineno}: import {alias.name}")
+                elif foreign(alias.name) and alias.asname:
+                    aliases[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            if private(node.attr):
+                found.append(f"line {node.lineno}: {aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_backend_takes_a_private_name_from_another():
+    """What two backends share is public, or lives in a shared module at the top of backends/."""
+    mods = modules()
+    known = set(mods)
+    offenders = {
+        name: found for name, path in mods.items() if _backend(name) and (found := private_crossings(path, name, known))
+    }
+    assert not offenders, f"private names taken across backends: {offenders}"
+
+
+def test_the_private_crossing_check_catches_one(tmp_path):
+    known = {"looptool.backends.ort.runtime", "looptool.backends.onnx.export", "looptool.backends.ort"}
+    name = "looptool.backends.tensorrt.export"
+
+    def check(source: str) -> list[str]:
+        (tmp_path / "m.py").write_text(source)
+        return private_crossings(tmp_path / "m.py", name, known)
+
+    assert check("def f():\n    from looptool.backends.ort.runtime import _NUMPY_DTYPES")
+    assert check("from looptool.backends.ort import runtime as r\nx = r._GPU_PROVIDERS")
+    assert check("import looptool.backends.ort.runtime as r\nr._shared_cpu_arena()")
+    assert not check("from looptool.backends.ort.runtime import Runtime")  # public
+    assert not check("from looptool.backends.tensorrt.kernels import _x")  # its own subpackage
+    assert not check("from looptool.core.graph import _x")  # not a backend
+
+
 # ---------------------------------------------------------------------- caches keep no module state
 MUTABLE_CALLS = {"dict", "list", "set", "Counter", "OrderedDict", "defaultdict", "deque", "Store", "Caches"}
 MUTABLE_LITERALS = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
@@ -268,7 +352,7 @@ def cache_modules() -> list[pathlib.Path]:
         {
             *(ROOT / "looptool" / "cache").rglob("*.py"),
             *(ROOT / "looptool" / "capture").glob("*cache*.py"),
-            *(ROOT / "backends").glob("*cache*.py"),
+            *(ROOT / "backends").rglob("*cache*.py"),
         }
     )
 

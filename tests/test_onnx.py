@@ -14,21 +14,16 @@ import pytest
 import torch
 
 import looptool
-from looptool.backends.onnx import (
-    INLINE_LIMIT,
-    MANIFEST,
-    WEIGHTS,
-    EngineError,
-    ExportError,
-    export_onnx,
-    export_program,
-    serving_example,
-    sha256_file,
-)
-from looptool.backends.onnx_layers import LAYER_DOMAIN
-from looptool.backends.ort import Runtime, _Binding
-from looptool.backends.serving import serving_graph
+from looptool.backends.errors import EngineError, ExportError
+from looptool.backends.manifest import MANIFEST, WEIGHTS, Manifest
+from looptool.backends.onnx.export import export_onnx, export_program, serving_example
+from looptool.backends.onnx.layers import LAYER_DOMAIN
+from looptool.backends.onnx.store import INLINE_LIMIT
+from looptool.backends.ort.binding import CacheBinding
+from looptool.backends.ort.runtime import Runtime
+from looptool.backends.serving import CacheLayout, serving_graph
 from looptool.runtime.generation import GenerationOutput, generate
+from looptool.storage.files import sha256_file
 from looptool.testing import tiny_model
 
 CASES = {
@@ -108,7 +103,7 @@ def test_every_graph_validated_and_composed(engines, case):
 def test_graphs_call_layer_functions_with_fused_ops(engines, case):
     report, directory = engines[case]
     arch = CASES[case][0]
-    manifest = json.loads((directory / MANIFEST).read_text())
+    manifest = Manifest.read(directory)
     deepest = max((b for b in report.budgets if b.composed and b.kv == "per-loop"), key=lambda b: b.budget)
     graph = _graph(directory / deepest.file)
     top = {}
@@ -134,12 +129,12 @@ def test_graphs_call_layer_functions_with_fused_ops(engines, case):
     assert {("looptool", 1), (LAYER_DOMAIN, 1)} <= {(o.domain, o.version) for o in graph.opset_import}
     if arch == "qwen3_moe":
         assert inner["Moe"] == 4 + 2 * (deepest.budget - 1)
-    entry = manifest["budgets"][str(deepest.budget)]["per-loop"]
-    assert entry["fused"] == deepest.fused and entry["layer_calls"] == deepest.layer_calls
-    assert manifest["kv_policies"] == ["last-loop", "per-loop"]
+    entry = manifest.graphs[deepest.budget]["per-loop"]
+    assert entry.fused == deepest.fused and entry.layer_calls == deepest.layer_calls
+    assert manifest.kv_policies == ("last-loop", "per-loop")
     names = [i.name for i in graph.graph.input]
     assert names[:4] == ["input_ids", "attention_mask", "position_ids", "cache_position"]
-    pairs = len(entry["cache"]["pairs"])
+    pairs = len(entry.cache.pairs)
     assert names[4:] == [f"past_key_values.{j}.{kv}" for j in range(pairs) for kv in ("key", "value")]
     assert [o.name for o in graph.graph.output] == ["logits"] + [
         f"present.{j}.{kv}" for j in range(pairs) for kv in ("key", "value")
@@ -150,12 +145,12 @@ def test_graphs_call_layer_functions_with_fused_ops(engines, case):
 def test_one_weight_store_no_duplicates(engines, case):
     report, directory = engines[case]
     model = looped(case)
-    manifest = json.loads((directory / MANIFEST).read_text())
+    manifest = Manifest.read(directory)
     param_bytes = model.dims().param_bytes
-    assert manifest["parameter_bytes"] == param_bytes == report.parameter_bytes
+    assert manifest.parameter_bytes == param_bytes == report.parameter_bytes
     # each tensor once: weights.bin is no bigger than the parameters (+ alignment padding)
     assert (directory / WEIGHTS).stat().st_size <= 1.02 * param_bytes
-    spans = {(e["offset"], e["length"]) for e in manifest["weights"]["tensors"].values()}
+    spans = {(e.offset, e.length) for e in manifest.weights.tensors.values()}
     assert sum(length for _, length in spans) <= param_bytes
     assert all(offset % 64 == 0 for offset, _ in spans)
     ends = sorted(spans)
@@ -167,14 +162,14 @@ def test_one_weight_store_no_duplicates(engines, case):
             if init.data_location == onnx.TensorProto.EXTERNAL:
                 info = {e.key: e.value for e in init.external_data}
                 assert info["location"] == WEIGHTS
-                entry = manifest["weights"]["tensors"][init.name]
-                assert (int(info["offset"]), int(info["length"])) == (entry["offset"], entry["length"])
+                entry = manifest.weights.tensors[init.name]
+                assert (int(info["offset"]), int(info["length"])) == (entry.offset, entry.length)
             else:
                 assert len(init.raw_data) < INLINE_LIMIT, f"{init.name} is a large inline constant (folded weight?)"
                 inline += len(init.raw_data)
         assert inline < 0.01 * param_bytes
     # every weight a budget reads is stored, including the loop parameters of deep budgets
-    names = set(manifest["weights"]["tensors"])
+    names = set(manifest.weights.tensors)
     assert {n for n, _ in model.new_parameters()} <= names
     assert report.total_bytes == sum(p.stat().st_size for p in directory.iterdir())
 
@@ -208,7 +203,7 @@ def test_caches_are_written_in_place(engines):
     writes its keys and values into those very arrays at ``cache_position`` and nowhere else."""
     _, directory = engines["llama-prefix"]
     rt = Runtime(directory)
-    binding = _Binding(rt.session(2, "per-loop"), rt.layout(2, "per-loop"), batch=1, capacity=10)
+    binding = CacheBinding(rt.session(2, "per-loop"), rt.layout(2, "per-loop"), batch=1, capacity=10)
     buffers = [id(c) for c in binding.caches]
     mask = torch.zeros(1, 10, dtype=torch.long)
     mask[:, :4] = 1
@@ -312,7 +307,7 @@ def _greedy(ids, steps: int, table: torch.Tensor):
 
 
 def test_validation_tells_a_near_tie_from_a_wrong_token():
-    from looptool.backends.onnx_validate import _check
+    from looptool.backends.onnx.validate import _check
 
     table = torch.rand(5, 5, generator=torch.Generator().manual_seed(0)) * 0.5
     table[0, 1], table[0, 2] = 0.5, 0.4998  # after token 0, tokens 1 and 2 nearly tie
@@ -339,7 +334,7 @@ def test_validation_tells_a_near_tie_from_a_wrong_token():
 
 
 def test_a_reference_that_overflows_is_refused_naming_the_precision():
-    from looptool.backends.onnx_validate import _check
+    from looptool.backends.onnx.validate import _check
 
     table = torch.rand(5, 5, generator=torch.Generator().manual_seed(0)).half()
     table[0, 1] = float("inf")  # what an fp16 model whose residual stream passes 65504 produces
@@ -399,10 +394,10 @@ def test_manifest_without_cache_layout_refused(engine_copy):
 
 
 def test_cache_layout_that_does_not_match_the_graph_refused(engine_copy):
-    manifest = json.loads((engine_copy / MANIFEST).read_text())
-    pairs = manifest["budgets"]["2"]["per-loop"]["cache"]["pairs"]
-    manifest["budgets"]["2"]["per-loop"]["cache"]["pairs"] = pairs[:-1]
-    (engine_copy / MANIFEST).write_text(json.dumps(manifest))
+    manifest = Manifest.read(engine_copy)
+    layout = manifest.graphs[2]["per-loop"].cache
+    manifest.graphs[2]["per-loop"].cache = CacheLayout(layout.pairs[:-1], layout.dtype)
+    manifest.write(engine_copy)
     with pytest.raises(EngineError, match="do not match the cache layout"):
         Runtime(engine_copy).generate(np.array([[1, 2]]), budget=2)
 
@@ -415,9 +410,9 @@ def test_external_data_outside_engine_refused(engine_copy, tmp_path):
         if entry.key == "location":
             entry.value = "../stolen.bin"
     onnx.save(graph, str(path))
-    manifest = json.loads((engine_copy / MANIFEST).read_text())
-    manifest["budgets"]["0"]["per-loop"]["sha256"] = sha256_file(path)  # a consistent but hostile engine
-    (engine_copy / MANIFEST).write_text(json.dumps(manifest))
+    manifest = Manifest.read(engine_copy)
+    manifest.graphs[0]["per-loop"].sha256 = sha256_file(path)  # a consistent but hostile engine
+    manifest.write(engine_copy)
     with pytest.raises(EngineError, match="outside the engine directory"):
         Runtime(engine_copy).session(0, "per-loop")
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import looptool
-from looptool.backends import onnx_body_cache
-from looptool.backends.onnx import export_onnx
+from looptool.backends.onnx import body_cache as onnx_body_cache
+from looptool.backends.onnx.export import export_onnx
 from looptool.cache import caches, scoped
 from looptool.testing import tiny_model
 
@@ -80,7 +80,7 @@ def test_a_bad_entry_is_dropped_with_a_warning_and_rebuilt(model, populated, cac
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
-    with caplog.at_level("WARNING", logger="looptool.backends.onnx_body_cache"):
+    with caplog.at_level("WARNING", logger="looptool.backends.onnx.body_cache"):
         _export(model, tmp_path / "again", validate=False)
     assert "ONNX body cache: dropping the corrupt or stale entry" in caplog.text
     assert stats()["dropped"] == stats()["miss"] == 1
@@ -157,13 +157,13 @@ def test_the_torchlib_registry_is_built_once_and_each_export_gets_its_own_copy()
     its own; after the block torch's classmethod is back, the very same descriptor."""
     from torch.onnx._internal.exporter._registration import ONNXRegistry
 
-    from looptool.backends import onnx_exporter
+    from looptool.core import compat
 
     own = vars(ONNXRegistry)["from_torchlib"]
     fresh = ONNXRegistry.from_torchlib()
-    with onnx_exporter.reused_torchlib_registry():
+    with compat.reused_torchlib_registry():
         a, b = ONNXRegistry.from_torchlib(), ONNXRegistry.from_torchlib()
-        kept = onnx_exporter._PRISTINE[fresh.opset_version]
+        kept = compat._PRISTINE[fresh.opset_version]
     assert vars(ONNXRegistry)["from_torchlib"] is own
     assert a is not b and a is not kept
     assert a.opset_version == fresh.opset_version

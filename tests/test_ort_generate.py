@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import looptool
-from looptool.backends.onnx import export_onnx
-from looptool.backends.ort import Runtime
+from looptool.backends.onnx.export import export_onnx
+from looptool.backends.ort.runtime import Runtime
 from looptool.engine.sampling import SamplingParams
 from looptool.runtime.generation import generate
 from looptool.testing import tiny_model
@@ -88,30 +88,29 @@ def test_tensorrt_variants_run_in_onnxruntime_like_the_ort_graphs(exported, case
     """Every budget's TensorRT variant (layer functions inlined, looptool nodes as plugin
     nodes, AdaptiveDelta split, weights as inputs) gives the ORT graph's logits and caches
     in onnxruntime, for a prefill and a decode step."""
-    import json
-
     import numpy as np
     import onnx
     import onnxruntime as ort
 
-    from looptool.backends.tensorrt import PLUGIN_NAMESPACE, weight_arrays, write_variants
+    from looptool.backends.manifest import Manifest
+    from looptool.backends.tensorrt.export import PLUGIN_NAMESPACE, weight_arrays, write_variants
 
     model, rt = exported[case]
     directory = rt.directory
-    graphs = write_variants(directory)
-    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest = Manifest.read(directory)
+    graphs = write_variants(directory, manifest)
     weights = weight_arrays(directory, manifest)
     rng = np.random.default_rng(0)
     for budget in (model.budgets[0], model.budgets[-1]):
-        entry = graphs[str(budget)]["per-loop"]
-        variant = onnx.load(str(directory / entry["file"]))
+        entry = graphs[budget]["per-loop"]
+        variant = onnx.load(str(directory / entry.file))
         plugin_nodes = [n for n in variant.graph.node if n.domain == PLUGIN_NAMESPACE]
-        assert sum(entry["plugins"].values()) == len(plugin_nodes)
+        assert sum(entry.plugins.values()) == len(plugin_nodes)
         assert all({"plugin_namespace", "plugin_version"} <= {a.name for a in n.attribute} for n in plugin_nodes)
-        assert "AdaptiveDelta" not in entry["plugins"]
+        assert "AdaptiveDelta" not in entry.plugins
         ref_session, var_session = (
             rt.session(budget, "per-loop"),
-            ort.InferenceSession(str(directory / entry["file"]), providers=["CPUExecutionProvider"]),
+            ort.InferenceSession(str(directory / entry.file), providers=["CPUExecutionProvider"]),
         )
         batch, capacity = 2, 12
         caches = {
@@ -128,7 +127,7 @@ def test_tensorrt_variants_run_in_onnxruntime_like_the_ort_graphs(exported, case
                 **caches,
             }
             ref = ref_session.run(None, feeds)
-            got = var_session.run(None, {**feeds, **{n: weights[n] for n in entry["weight_inputs"]}})
+            got = var_session.run(None, {**feeds, **{n: weights[n] for n in entry.weight_inputs}})
             for a, b in zip(ref, got):
                 np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
             caches = dict(zip(caches, ref[1:]))

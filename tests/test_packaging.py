@@ -20,14 +20,20 @@ def test_subpackages_import_under_looptool():
 
 
 def test_every_subpackage_is_in_the_wheel():
-    """Every package folder of looptool/ is listed in pyproject's ``packages`` (a wheel holds
-    only those; an editable install hides the omission)."""
+    """Every package folder of looptool/, passes/ and backends/ is listed in pyproject's
+    ``packages`` under the name its ``package-dir`` gives it (a wheel holds only those; an
+    editable install hides the omission)."""
     from pathlib import Path
 
     tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
     root = Path(__file__).resolve().parents[1]
-    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = {".".join(init.parent.relative_to(root).parts) for init in (root / "looptool").rglob("__init__.py")}
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    found = set()
+    for name, folder in setuptools["package-dir"].items():
+        for init in (root / folder).rglob("__init__.py"):
+            found.add(".".join([name, *init.parent.relative_to(root / folder).parts]))
+    assert {"looptool", "looptool.passes", "looptool.backends", "looptool.backends.onnx"} <= found
     assert found - listed == set(), f"packages missing from pyproject.toml: {sorted(found - listed)}"
 
 
@@ -86,9 +92,9 @@ for m in ("onnxscript", "onnx_ir", "onnxruntime", "onnx"):
     sys.modules[m] = None  # as if not installed
 import looptool
 from looptool.testing import tiny_model
-from looptool.backends.onnx import export_onnx
-from looptool.backends.ort import Runtime
-from looptool.backends.tensorrt import export_tensorrt
+from looptool.backends.onnx.export import export_onnx
+from looptool.backends.ort.runtime import Runtime
+from looptool.backends.tensorrt.export import export_tensorrt
 from looptool.core.errors import MissingExtraError
 m = looptool.convert(tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)))
 for f in (lambda: export_onnx(m, sys.argv[1] + "/a"), lambda: Runtime(sys.argv[1]),

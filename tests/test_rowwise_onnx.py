@@ -13,9 +13,12 @@ import pytest
 import torch
 
 import looptool
-from looptool.backends.onnx import MANIFEST, ROWWISE, EngineError, export_onnx
-from looptool.backends.ort import Runtime
-from looptool.backends.ort_engine import OrtStepEngine
+from looptool.backends.errors import EngineError
+from looptool.backends.manifest import MANIFEST, Manifest
+from looptool.backends.onnx.export import export_onnx
+from looptool.backends.ort.engine import OrtStepEngine
+from looptool.backends.ort.runtime import Runtime
+from looptool.core.graph import ROWWISE
 from looptool.engine.budgets import RowBudgets
 from looptool.runtime.generation import generate
 from looptool.testing import byte_tokenizer, tiny_model
@@ -105,19 +108,19 @@ def test_each_row_runs_exactly_its_own_budget(engines, name, kv):
 
 def test_export_lists_validates_and_shares_weights(engines):
     model, rt, report = engines["prefix"]
-    manifest = json.loads((rt.directory / MANIFEST).read_text())
-    assert sorted(manifest[ROWWISE]) == ["last-loop", "per-loop"]
+    manifest = Manifest.read(rt.directory)
+    assert sorted(manifest.graphs[ROWWISE]) == ["last-loop", "per-loop"]
     assert [(b.budget, b.kv, b.file) for b in report.rowwise] == [
         (ROWWISE, "per-loop", "rowwise.per-loop.onnx"),
         (ROWWISE, "last-loop", "rowwise.last-loop.onnx"),
     ]
     assert all(b.composed and set(b.max_abs_diff) == {"random", "real"} for b in report.rowwise)
     assert max(d for b in report.rowwise for d in b.max_abs_diff.values()) <= 1e-4
-    entry = manifest[ROWWISE]["per-loop"]
-    assert entry["menu"] == list(model.budgets) and max(p["execution"] for p in entry["cache"]["pairs"]) == 2
+    entry = manifest.graphs[ROWWISE]["per-loop"]
+    assert entry.menu == tuple(model.budgets) and max(p.execution for p in entry.cache.pairs) == 2
     deepest_pairs = len(model.layer_graph.layers) + 2  # the window's two layers repeated
-    assert len(entry["cache"]["pairs"]) == deepest_pairs
-    assert set(entry["initializers"]) <= set(manifest["weights"]["tensors"])  # over the one weights.bin
+    assert len(entry.cache.pairs) == deepest_pairs
+    assert set(entry.initializers) <= set(manifest.weights.tensors)  # over the one weights.bin
     assert len(list(rt.directory.glob("*.bin"))) == 1
     # a uniform list runs that budget's own graph where it has one, the row-wise graph otherwise
     ids, mask = _batch(model, 2)
@@ -233,23 +236,24 @@ def test_tensorrt_variant_of_the_rowwise_graph_runs_in_onnxruntime(engines, tmp_
     inputs) gives the ORT graph's logits and caches for a prefill and a decode step."""
     import onnxruntime as ort
 
-    from looptool.backends.tensorrt import profile_shapes, trt_graph_file, weight_arrays, write_variants
+    from looptool.backends.manifest import Profiles
+    from looptool.backends.tensorrt.export import profile_shapes, trt_graph_file, weight_arrays, write_variants
 
     model, rt, _ = engines["elr"]
     directory = tmp_path / "e"
     shutil.copytree(rt.directory, directory)
-    graphs = write_variants(directory)
+    manifest = Manifest.read(directory)
+    graphs = write_variants(directory, manifest)
     assert list(graphs) == [ROWWISE]  # one graph, so a TensorRT deployment builds one engine per policy
-    manifest = json.loads((directory / MANIFEST).read_text())
     entry = graphs[ROWWISE]["per-loop"]
-    assert entry["file"] == trt_graph_file(ROWWISE, "per-loop") == "rowwise.per-loop.trt.onnx"
-    assert entry["plugins"].get("AdaptiveDeltaUpdate", 0) >= 1 and "AdaptiveDelta" not in entry["plugins"]
+    assert entry.file == trt_graph_file(ROWWISE, "per-loop") == "rowwise.per-loop.trt.onnx"
+    assert entry.plugins.get("AdaptiveDeltaUpdate", 0) >= 1 and "AdaptiveDelta" not in entry.plugins
     layout = Runtime(directory).layout(ROWWISE, "per-loop")
-    manifest["tensorrt"] = {"profiles": {"max_batch": 4, "max_prefill": 8, "max_capacity": 16}}
-    assert profile_shapes(manifest, layout, True, rowwise=True)["budgets"] == ((1,), (1,), (4,))
+    limits = Profiles(max_batch=4, max_prefill=8, max_capacity=16)
+    assert profile_shapes(limits, layout, True, rowwise=True)["budgets"] == ((1,), (1,), (4,))
     weights = weight_arrays(directory, manifest)
     ref_session = rt.session(ROWWISE, "per-loop")
-    var_session = ort.InferenceSession(str(directory / entry["file"]), providers=["CPUExecutionProvider"])
+    var_session = ort.InferenceSession(str(directory / entry.file), providers=["CPUExecutionProvider"])
     batch, capacity = len(model.budgets), 12
     caches = {
         i.name: np.zeros((batch, i.shape[1], capacity, i.shape[3]), np.float32)
@@ -267,7 +271,7 @@ def test_tensorrt_variant_of_the_rowwise_graph_runs_in_onnxruntime(engines, tmp_
             **caches,
         }
         ref = ref_session.run(None, feeds)
-        got = var_session.run(None, {**feeds, **{n: weights[n] for n in entry["weight_inputs"]}})
+        got = var_session.run(None, {**feeds, **{n: weights[n] for n in entry.weight_inputs}})
         for a, b in zip(ref, got):
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
         caches = dict(zip(caches, ref[1:]))

@@ -76,7 +76,7 @@ def test_elr_requests_of_every_budget_batch_together_and_equal_generating_alone(
 @pytest.mark.slow  # the ONNX export of every budget and the row-wise graph dominates
 def test_the_onnxruntime_engine_serves_the_same_way(model, tmp_path):
     pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
-    from looptool.backends.onnx import export_onnx
+    from looptool.backends.onnx.export import export_onnx
 
     engine_dir = tmp_path / NAME
     export_onnx(model, engine_dir, validate=False)
@@ -88,7 +88,7 @@ def test_the_onnxruntime_engine_serves_the_same_way(model, tmp_path):
 def _check_against_onnxruntime(server: ServerProcess, engine_dir, model, budgets: list[int]) -> None:
     """Serve the concurrent requests, stop the server, and compare each answer with that prompt
     generated alone by onnxruntime over ``engine_dir``."""
-    from looptool.backends.ort import Runtime
+    from looptool.backends.ort.runtime import Runtime
 
     try:
         got = _concurrent(server.base, budgets)
@@ -113,7 +113,7 @@ def test_the_tensorrt_engine_serves_the_same_way(model, tmp_path, monkeypatch):
     pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
     import fake_tensorrt
 
-    from looptool.backends.tensorrt import build_engines, export_tensorrt
+    from looptool.backends.tensorrt.export import build_engines, export_tensorrt
 
     engine_dir = tmp_path / NAME
     export_tensorrt(

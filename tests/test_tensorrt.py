@@ -18,8 +18,9 @@ import torch
 from typer.testing import CliRunner
 
 import looptool
-from looptool.backends.onnx import MANIFEST, WEIGHTS, EngineError, ExportError
-from looptool.backends.tensorrt import (
+from looptool.backends.errors import EngineError, ExportError
+from looptool.backends.manifest import WEIGHTS, BuiltOn, FileEntry, Manifest, Profiles
+from looptool.backends.tensorrt.export import (
     AOT_OPS,
     BUILD_SCRIPT,
     PLUGIN_NAMESPACE,
@@ -27,7 +28,7 @@ from looptool.backends.tensorrt import (
     export_tensorrt,
     trt_graph_file,
 )
-from looptool.backends.trt_runtime import Runtime, check_built_for
+from looptool.backends.tensorrt.runtime import Runtime, check_built_for
 from looptool.cli import app
 from looptool.testing import tiny_model
 
@@ -66,19 +67,19 @@ def on_target(exported):
 
 
 def test_default_precision_exports_and_validates_an_fp16_copy(exported, prefix_model):
-    from looptool.backends.onnx import FP16_ATOL
+    from looptool.backends.onnx.validate import FP16_ATOL
 
     out, report = exported
-    manifest = json.loads((out / MANIFEST).read_text())
-    assert manifest["tensorrt"]["precision"] == "fp16"
-    dtypes = {name: t["dtype"] for name, t in manifest["weights"]["tensors"].items()}
+    manifest = Manifest.read(out)
+    assert manifest.tensorrt.precision == "fp16"
+    dtypes = {name: t.dtype for name, t in manifest.weights.tensors.items()}
     assert all(d == "FLOAT16" or "inv_freq" in n for n, d in dtypes.items()), dtypes  # rotary stays fp32, as in HF
     assert next(prefix_model.parameters()).dtype == torch.float32  # the model itself is untouched
     for b in report.budgets:
         assert set(b.max_abs_diff) == {"random", "real"}  # validated on both prompts
         assert 0 < max(b.max_abs_diff.values()) < FP16_ATOL * 20  # fp16 rounding, within the limit
-    for entry in manifest["tensorrt"]["graphs"].values():
-        onnx.checker.check_model(onnx.load(str(out / entry["per-loop"]["file"])))
+    for entry in manifest.tensorrt.graphs.values():
+        onnx.checker.check_model(onnx.load(str(out / entry["per-loop"].file)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -92,8 +93,8 @@ def test_moe_function_body_runs_in_the_graph_dtype(dtype):
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    from looptool.backends.onnx import FP16_ATOL
-    from looptool.backends.onnx_functions import DOMAIN, DOMAIN_VERSION, OPSET, Moe
+    from looptool.backends.onnx.functions import DOMAIN, DOMAIN_VERSION, OPSET, Moe
+    from looptool.backends.onnx.validate import FP16_ATOL
     from looptool.ops import moe_reference
 
     g = torch.Generator().manual_seed(0)
@@ -135,26 +136,26 @@ def test_bf16_precision_writes_valid_bf16_graphs(prefix_model, tmp_path):
     out = tmp_path / "bf16"
     report = export_tensorrt(prefix_model, out, [2], precision="bf16", build_on_target=True)
     assert all(b.composed for b in report.budgets)  # from layer functions, not the flat fallback
-    manifest = json.loads((out / MANIFEST).read_text())
-    assert manifest["tensorrt"]["precision"] == "bf16"
-    dtypes = {name: t["dtype"] for name, t in manifest["weights"]["tensors"].items()}
+    manifest = Manifest.read(out)
+    assert manifest.tensorrt.precision == "bf16"
+    dtypes = {name: t.dtype for name, t in manifest.weights.tensors.items()}
     assert all(d == "BFLOAT16" or "inv_freq" in n for n, d in dtypes.items()), dtypes
     for path in out.glob("*.onnx"):
         onnx.checker.check_model(onnx.load(str(path)))
 
 
 def test_build_on_target_writes_variants_manifest_and_build_script(on_target):
-    manifest = json.loads((on_target / MANIFEST).read_text())
-    section = manifest["tensorrt"]
-    assert section["precision"] == "fp16" and "engines" not in section
-    assert section["profiles"] == {"max_batch": 4, "max_prefill": 64, "max_capacity": 128}
-    entry = section["graphs"]["2"]["per-loop"]
-    variant = onnx.load(str(on_target / entry["file"]))
+    manifest = Manifest.read(on_target)
+    section = manifest.tensorrt
+    assert section.precision == "fp16" and section.engines is None
+    assert section.profiles == Profiles(max_batch=4, max_prefill=64, max_capacity=128)
+    entry = section.graphs[2]["per-loop"]
+    variant = onnx.load(str(on_target / entry.file))
     onnx.checker.check_model(variant)
-    assert entry["file"] == trt_graph_file(2, "per-loop") and entry["plugins"] == {"GatedResidual": 4}
-    assert section["graphs"]["0"]["per-loop"]["plugins"] == {}
+    assert entry.file == trt_graph_file(2, "per-loop") and entry.plugins == {"GatedResidual": 4}
+    assert section.graphs[0]["per-loop"].plugins == {}
     names = {i.name for i in variant.graph.input}
-    assert set(entry["weight_inputs"]) <= names and set(entry["weight_inputs"]) <= set(manifest["weights"]["tensors"])
+    assert set(entry.weight_inputs) <= names and set(entry.weight_inputs) <= set(manifest.weights.tensors)
     assert not [i for i in variant.graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL]
     assert not [f for f in variant.functions if f.domain != PLUGIN_NAMESPACE]  # layer functions inlined
     plugin_nodes = [n for n in variant.graph.node if n.domain == PLUGIN_NAMESPACE]
@@ -175,10 +176,10 @@ def test_runtime_checks_before_it_needs_tensorrt(on_target, tmp_path):
 
     copy = tmp_path / "e"
     shutil.copytree(on_target, copy)
-    manifest = json.loads((copy / MANIFEST).read_text())
-    manifest["tensorrt"]["engines"] = {"2": {"per-loop": {"file": "budget_2.per-loop.fp16.engine", "sha256": "0"}}}
-    manifest["tensorrt"]["built_on"] = {"gpu": "NVIDIA H200", "compute_capability": [9, 0], "tensorrt": "11.0"}
-    (copy / MANIFEST).write_text(json.dumps(manifest))
+    manifest = Manifest.read(copy)
+    manifest.tensorrt.engines = {2: {"per-loop": FileEntry("budget_2.per-loop.fp16.engine", "0")}}
+    manifest.tensorrt.built_on = BuiltOn("NVIDIA H200", (9, 0), "11.0")
+    manifest.write(copy)
     with open(copy / WEIGHTS, "r+b") as f:  # one byte changed: same size, other sha256
         first = f.read(1)
         f.seek(0)
@@ -193,7 +194,7 @@ def test_runtime_checks_before_it_needs_tensorrt(on_target, tmp_path):
 
 
 def test_engines_for_another_gpu_are_refused(tmp_path):
-    built = {"gpu": "NVIDIA H200", "compute_capability": [9, 0], "tensorrt": "11.0"}
+    built = BuiltOn(gpu="NVIDIA H200", compute_capability=(9, 0), tensorrt="11.0")
     check_built_for(built, (9, 0), "NVIDIA H100", tmp_path)  # same architecture: fine
     with pytest.raises(
         EngineError, match=r"built for NVIDIA H200 \(sm_90\), this GPU is NVIDIA A100 \(sm_80\); rebuild"
@@ -244,7 +245,7 @@ def test_cli_backend_tensorrt_errors(prefix_model, tmp_path):
 
 _AOT_SCRIPT = """
 import json, re, sys
-from looptool.backends.trt_kernels import AOT_OPS, aot_compile
+from looptool.backends.tensorrt.kernels import AOT_OPS, aot_compile
 out = []
 cases = [(op, dtype, 8) for op in AOT_OPS for dtype in ("fp32", "bf16")] + [("MoeAlign", "fp16", 128), ("MoeAlign", "fp16", 512)]
 for op, dtype, experts in cases:
@@ -285,7 +286,7 @@ def test_aot_ptx_for_sm90_has_tensorrts_argument_order():
     not _has_tensorrt(), reason='TensorRT is not installed (pip install "looptool[tensorrt]" on an NVIDIA machine)'
 )
 def test_plugin_definitions_register_against_tensorrt():  # pragma: no cover - no TensorRT on the project's machines
-    from looptool.backends import trt_plugins
+    from looptool.backends.tensorrt import plugins as trt_plugins
 
     trt_plugins.register()
     trt_plugins.register()  # idempotent
@@ -303,8 +304,8 @@ def test_build_and_runtime_decode_like_onnxruntime_through_a_tensorrt_test_doubl
 
     import fake_tensorrt
 
-    from looptool.backends import trt_plugins
-    from looptool.backends.ort import Runtime as OrtRuntime
+    from looptool.backends.ort.runtime import Runtime as OrtRuntime
+    from looptool.backends.tensorrt import plugins as trt_plugins
 
     trt = fake_tensorrt.install(monkeypatch)
     monkeypatch.setattr(trt_plugins, "_REGISTERED", [])
@@ -312,11 +313,8 @@ def test_build_and_runtime_decode_like_onnxruntime_through_a_tensorrt_test_doubl
     directory = tmp_path / "e"
     shutil.copytree(on_target, directory)
     engines = build_engines(directory)  # what build.py runs
-    manifest = json.loads((directory / MANIFEST).read_text())
-    assert manifest["tensorrt"]["engines"] == engines and manifest["tensorrt"]["built_on"]["compute_capability"] == [
-        9,
-        0,
-    ]
+    manifest = Manifest.read(directory)
+    assert manifest.tensorrt.engines == engines and manifest.tensorrt.built_on.compute_capability == (9, 0)
     _, profiles = trt.Builder.built[-1]
     assert profiles[0]["input_ids"] == ((1, 1), (1, 64), (4, 64)) and profiles[1]["input_ids"] == (
         (1, 1),
@@ -328,9 +326,9 @@ def test_build_and_runtime_decode_like_onnxruntime_through_a_tensorrt_test_doubl
     rt = Runtime(directory, device="cpu")
     assert set(trt.plugin.registered) == {f"looptool::{op}" for op in AOT_OPS}
     assert all(set(trt.plugin.registered[f"looptool::{op}"]) == {"register", "autotune", "aot_impl"} for op in AOT_OPS)
-    assert rt.device_bytes()["weights"] == manifest["weights"]["bytes"]
+    assert rt.device_bytes()["weights"] == manifest.weights.bytes
     contexts = {b: rt.engines[b, "per-loop"].contexts[0] for b in (0, 2)}
-    names = {b: manifest["tensorrt"]["graphs"][str(b)]["per-loop"]["weight_inputs"] for b in (0, 2)}
+    names = {b: manifest.tensorrt.graphs[b]["per-loop"].weight_inputs for b in (0, 2)}
     for b, ctx in contexts.items():
         assert {n: ctx.addresses[n] for n in names[b]} == {n: rt._weights[n].data_ptr() for n in names[b]}
         assert ctx.device_memory == (rt._activations.data_ptr(), rt.activation_bytes)

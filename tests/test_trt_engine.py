@@ -25,7 +25,7 @@ BUDGETS = (0, 2)
 def exported(tmp_path_factory):
     """A tiny Llama with non-zero gates, exported for TensorRT with its default precision
     (fp16) on target: the variants, the row-wise graph and build.py, no engines yet."""
-    from looptool.backends.tensorrt import export_tensorrt
+    from looptool.backends.tensorrt.export import export_tensorrt
 
     model = looptool.convert(
         tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=BUDGETS), tokenizer=byte_tokenizer()
@@ -44,8 +44,8 @@ def built(exported, tmp_path, monkeypatch):
     """A copy of the export with engines built by the test double, on a pretend CUDA GPU."""
     import fake_tensorrt
 
-    from looptool.backends import trt_plugins
-    from looptool.backends.tensorrt import build_engines
+    from looptool.backends.tensorrt import plugins as trt_plugins
+    from looptool.backends.tensorrt.export import build_engines
 
     fake_tensorrt.install(monkeypatch)
     monkeypatch.setattr(trt_plugins, "_REGISTERED", [])
@@ -86,10 +86,10 @@ def _serve(engine, prompts: list[list[int]], budgets: list[int], tokens: int) ->
 
 
 def test_a_mixed_budget_batch_through_the_tensorrt_step_engine_equals_onnxruntime_and_each_row_alone(built):
-    from looptool.backends.ort import Runtime as OrtRuntime
-    from looptool.backends.ort_engine import OrtStepEngine
-    from looptool.backends.trt_engine import TrtStepEngine
-    from looptool.backends.trt_runtime import Runtime as TrtRuntime
+    from looptool.backends.ort.engine import OrtStepEngine
+    from looptool.backends.ort.runtime import Runtime as OrtRuntime
+    from looptool.backends.tensorrt.engine import TrtStepEngine
+    from looptool.backends.tensorrt.runtime import Runtime as TrtRuntime
 
     rt = TrtRuntime(built, device="cpu")
     trt = TrtStepEngine(rt)

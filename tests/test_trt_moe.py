@@ -17,8 +17,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from looptool.backends.onnx_functions import DOMAIN, DOMAIN_VERSION, OPSET, Moe
-from looptool.backends.trt_moe import BLOCK_M, MOE_OPS, split_moe
+from looptool.backends.onnx.functions import DOMAIN, DOMAIN_VERSION, OPSET, Moe
+from looptool.backends.tensorrt.moe import BLOCK_M, MOE_OPS, split_moe
 from looptool.ops import moe_reference
 
 ort = pytest.importorskip("onnxruntime")
@@ -81,7 +81,7 @@ def test_split_bodies_compute_what_the_kernels_compute(case, dtype):
     the neighbouring value), and ``y`` within rounding of ``moe_reference`` (fp32: 1e-5;
     fp16: ``FP16_ATOL`` × max(1, |y|))."""
     pytest.importorskip("triton")
-    from looptool.backends.onnx import FP16_ATOL
+    from looptool.backends.onnx.validate import FP16_ATOL
     from looptool.ops import moe_kernels
 
     x, weights, ids, gate_up, down = args = _case(*case, dtype)
@@ -108,7 +108,7 @@ def test_split_bodies_compute_what_the_kernels_compute(case, dtype):
 
 
 def test_split_refuses_expert_weights_of_unknown_size():
-    from looptool.backends.onnx import ExportError
+    from looptool.backends.errors import ExportError
 
     model = _split_graph(*_case(*CASES[2], torch.float32))
     node = helper.make_node("Moe", ["x", "routing_weights", "expert_ids", "w", "down_proj"], ["z"], domain=DOMAIN)
@@ -132,7 +132,9 @@ def test_plugin_launches_give_the_bodies_outputs(dtype, monkeypatch):
     pytest.importorskip("triton")
     import fake_tensorrt
 
-    from looptool.backends import trt_kernels, trt_moe, trt_plugins
+    from looptool.backends.tensorrt import kernels as trt_kernels
+    from looptool.backends.tensorrt import moe as trt_moe
+    from looptool.backends.tensorrt import plugins as trt_plugins
 
     trt = fake_tensorrt.install(monkeypatch)
     monkeypatch.setattr(trt_plugins, "_REGISTERED", [])
@@ -193,11 +195,11 @@ def test_an_moe_model_builds_and_decodes_through_the_test_double(tmp_path, monke
     import fake_tensorrt
 
     import looptool
-    from looptool.backends import trt_plugins
-    from looptool.backends.onnx import MANIFEST
-    from looptool.backends.ort import Runtime as OrtRuntime
+    from looptool.backends.tensorrt import plugins as trt_plugins
+    from looptool.backends.manifest import MANIFEST
+    from looptool.backends.ort.runtime import Runtime as OrtRuntime
     from looptool.backends.tensorrt import build_engines, export_tensorrt
-    from looptool.backends.trt_runtime import Runtime
+    from looptool.backends.tensorrt.runtime import Runtime
     from looptool.testing import tiny_model
 
     model = looptool.convert(tiny_model("qwen3_moe"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 2)))

@@ -10,7 +10,7 @@ entries in process (a :class:`cachetools.LRUCache`), and counts what served its 
 and how an entry is encoded and checked stays with each kind's module
 (:mod:`looptool.capture.cache`, :mod:`~looptool.capture.config_cache`,
 :mod:`~looptool.capture.tokenizer_cache`, :mod:`~looptool.capture.gguf_cache`,
-:mod:`looptool.backends.onnx_body_cache`).
+:mod:`looptool.backends.onnx.body_cache`).
 
 Use :func:`caches` for the process's stores (``caches().captures.stats["miss"]``) and
 ``with scoped(path):`` for fresh ones under ``path`` (a test's own cache).

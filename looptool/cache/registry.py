@@ -10,7 +10,7 @@ off (downloads still go to the default root). Each kind has its folder there:
 * ``tokenizers/`` (:data:`TOKENIZERS`): loaded tokenizers (:mod:`looptool.capture.tokenizer_cache`);
 * ``gguf/`` (:data:`GGUF`): dequantised GGUF sources (:mod:`looptool.capture.gguf_cache`);
 * ``onnx-bodies/`` (:data:`ONNX_BODIES`): exported layer bodies
-  (:mod:`looptool.backends.onnx_body_cache`).
+  (:mod:`looptool.backends.onnx.body_cache`).
 
 A :class:`Caches` holds the five stores (their in-process entries and counts) and a memo of
 file hashes. :func:`caches` gives the process's one, made on first use; :func:`scoped` puts
@@ -41,7 +41,7 @@ CONFIGS = Kind(
 )
 TOKENIZERS = Kind("tokenizers", 1, ".pkl", "tokenizer cache", "looptool.capture.tokenizer_cache", "loading", memory=4)
 GGUF = Kind("gguf", 1, ".safetensors", "GGUF cache", "looptool.capture.gguf_cache", "dequantising the file")
-ONNX_BODIES = Kind("onnx-bodies", 1, ".onnx", "ONNX body cache", "looptool.backends.onnx_body_cache")
+ONNX_BODIES = Kind("onnx-bodies", 1, ".onnx", "ONNX body cache", "looptool.backends.onnx.body_cache")
 
 
 def enabled() -> bool:

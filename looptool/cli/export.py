@@ -71,7 +71,7 @@ def export_cmd(
     one graph per budget plus one row-wise graph (every row at its own budget);
     --backend tensorrt adds TensorRT graphs with looptool plugins and builds their engines."""
     from looptool.backends.engines import export_engines, export_options
-    from looptool.backends.onnx import resolve_budgets, resolve_policies
+    from looptool.backends.onnx.export import resolve_budgets, resolve_policies
     from looptool.report.tables import human_bytes
     from looptool.runtime.convert import load
     from looptool.storage.files import check_output_dir

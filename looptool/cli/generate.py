@@ -157,16 +157,16 @@ def run_cmd(
         raise LooptoolError("--capacity must be at least 1.")
     check_backend(backend)
     rt = open_runtime(engine_dir, backend, threads=threads, prepack=prepack)
-    source = tokenizer if tokenizer is not None else (engine_dir if rt.manifest.get("tokenizer") else None)
+    source = tokenizer if tokenizer is not None else (engine_dir if rt.manifest.tokenizer else None)
     if source is None:
         raise LooptoolError(
             "this engine was exported without a tokenizer; pass --tokenizer PATH (a Hugging Face tokenizer folder)."
         )
     tok = text.load_tokenizer(source)
     budget = rt.budgets[-1] if budgets is None else budgets
-    graph = budget
+    graph, rows = budget, budget
     if backend == "onnx":
-        graph, _ = rt.resolve_budget(budget, len(prompt), kv)
+        graph, rows = rt.resolve_budget(budget, len(prompt), kv)  # resolved once, here
         rt.session(graph, kv)  # bad budget or policy, no row-wise graph: fail before tokenising
     enc = text.encode_prompts(tok, prompt)
     result = _stream_generation(
@@ -176,7 +176,7 @@ def run_cmd(
         lambda on_step: rt.generate(
             enc["input_ids"],
             attention_mask=enc["attention_mask"],
-            budget=budget,
+            budget=rows,
             max_new_tokens=max_new_tokens,
             kv=kv,
             capacity=capacity,

@@ -18,8 +18,8 @@ from looptool.core.errors import LooptoolError
 from looptool.engine.interface import EngineFacts, OpenedEngine
 
 RUNTIMES: dict[str, str] = {
-    "tensorrt": "looptool.backends.trt_engine",  # an engine directory with TensorRT engines built, on a CUDA GPU
-    "onnxruntime": "looptool.backends.ort_engine",  # an engine directory written by looptool export
+    "tensorrt": "looptool.backends.tensorrt.engine",  # an engine directory with TensorRT engines built, on a CUDA GPU
+    "onnxruntime": "looptool.backends.ort.engine",  # an engine directory written by looptool export
     "pytorch": "looptool.runtime.step_engine",  # a looped model directory (save_pretrained, looptool convert)
 }
 

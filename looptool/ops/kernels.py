@@ -5,7 +5,7 @@
 Each launcher takes the op's arguments and returns its result, so the same function serves
 torch's CUDA dispatch (registered in :mod:`looptool.ops.fused`), tests under
 ``TRITON_INTERPRET=1`` on CPU tensors, and the TensorRT plugins (whose AOT PTX comes from
-the very ``@triton.jit`` functions defined here, see :mod:`looptool.backends.trt_plugins`).
+the very ``@triton.jit`` functions defined here, see :mod:`looptool.backends.tensorrt.plugins`).
 
 Numerics: every kernel loads its inputs in their storage dtype, computes in fp32 and stores
 in the output dtype. Elementwise kernels therefore equal the fp32 reference to a few ulp,

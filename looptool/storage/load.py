@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
+from looptool.core.dtypes import named
 from looptool.core.errors import CheckpointError
 from looptool.core.graph import FLOAT_DTYPES
 from looptool.storage.files import sha256_file
@@ -119,7 +120,7 @@ def check_weights(model: LoopedModel, path: Path, *, cast: bool = False) -> dict
         )
     for name, ref in expected.items():
         shape, dtype = header[aliases.get(name, name)]
-        want, have = str(ref.dtype).removeprefix("torch."), _ST_DTYPES.get(dtype, dtype)
+        want, have = str(ref.dtype).removeprefix("torch."), _torch_name(dtype)
         if cast and ref.dtype.is_floating_point and have in _ST_FLOATS:
             have = want
         if shape != tuple(ref.shape) or have != want:
@@ -130,17 +131,14 @@ def check_weights(model: LoopedModel, path: Path, *, cast: bool = False) -> dict
     return aliases
 
 
-_ST_DTYPES = {
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F64": "float64",
-    "I64": "int64",
-    "I32": "int32",
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-}
+def _torch_name(safetensors_dtype: str) -> str:
+    """torch's name of a safetensors dtype (the name itself where the table lacks it)."""
+    try:
+        return named(safetensors_dtype).name
+    except KeyError:
+        return safetensors_dtype
+
+
 _ST_FLOATS = tuple(str(d).removeprefix("torch.") for d in FLOAT_DTYPES)  # the dtypes a cast load accepts
 
 

@@ -19,18 +19,7 @@ from pathlib import Path
 
 import torch
 
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+from looptool.core.dtypes import named
 
 
 class WeightReader:
@@ -105,7 +94,7 @@ class _Plan:
                 begin, end = spec["data_offsets"]
                 if begin < pos:
                     raise ValueError(f"tensor '{name}' overlaps another")
-                t = torch.empty(spec["shape"], dtype=_DTYPES[spec["dtype"]])
+                t = torch.empty(spec["shape"], dtype=named(spec["dtype"]).torch)
                 if t.numel() * t.element_size() != end - begin:
                     raise ValueError(f"tensor '{name}' has {end - begin} bytes for shape {spec['shape']}")
                 self.tensors[name] = t

@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 
 import looptool
-from looptool.backends.onnx import export_onnx
-from looptool.backends.ort import Runtime
+from looptool.backends.onnx.export import export_onnx
+from looptool.backends.ort.runtime import Runtime
 from looptool.capture.sources import load_source
 from looptool.runtime.generation import generate
 
@@ -47,7 +47,7 @@ SOTU = Path(__file__).resolve().parents[1] / "data" / "sotu"
 _RSS_PROBE = """
 import json, sys
 import numpy as np
-from looptool.backends.ort import Runtime
+from looptool.backends.ort.runtime import Runtime
 
 def status(key):
     for line in open("/proc/self/status"):

@@ -284,7 +284,8 @@ def main() -> None:
     from shapes import prefix_plan
 
     import looptool
-    from looptool.backends.onnx import ROWWISE, export_onnx
+    from looptool.backends.onnx.export import export_onnx
+    from looptool.core.graph import ROWWISE
     from looptool.backends.ort import Runtime
     from looptool.capture.sources import SMOLLM2_WHEEL, load_source
     from looptool.eval.demo import demo_ids

@@ -30,15 +30,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import onnxruntime
 import torch
 
 import looptool
-from looptool.backends.onnx import ROWWISE, export_onnx
-from looptool.backends.ort import Runtime
-from looptool.backends.ort_binding import CacheBinding
+from looptool.backends.manifest import MANIFEST
+from looptool.backends.onnx.export import export_onnx
+from looptool.backends.ort.binding import CacheBinding
+from looptool.backends.ort.runtime import Runtime
 from looptool.capture.sources import load_source
+from looptool.core.graph import ROWWISE
+from looptool.engine.budgets import RowBudgets
 from looptool.runtime.generation import GenerationOutput, decode_loop
 
 RESULTS = Path(__file__).resolve().parent / "results" / "rowwise_ort.json"
@@ -57,7 +59,7 @@ def graph_generate(rt: Runtime, key, rows: list[int], ids: torch.Tensor, new: in
         batch,
         capacity,
         rt.vocab_size,
-        budgets=np.array(rows, dtype=np.int64) if key == ROWWISE else None,
+        budgets=RowBudgets(tuple(rows)) if key == ROWWISE else None,
     )
     return decode_loop(
         binding.step,
@@ -108,7 +110,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         engine = args.engine or Path(tmp) / "engine"
         export = None
-        if not (engine / "manifest.json").exists():
+        if not (engine / MANIFEST).exists():
             t0 = time.perf_counter()
             report = export_onnx(model, engine, "all", kv="per-loop")
             export = {

@@ -17,7 +17,8 @@ import numpy as np
 import onnxruntime as ort
 
 import looptool
-from looptool.backends.tensorrt import export_tensorrt, weight_arrays
+from looptool.backends.manifest import WEIGHTS, Manifest
+from looptool.backends.tensorrt.export import export_tensorrt, weight_arrays
 from looptool.capture.sources import load_source
 
 
@@ -35,16 +36,14 @@ def main() -> None:
     t0 = time.perf_counter()
     export_tensorrt(model, out, budgets, precision="fp32", build_on_target=True, validate=False, overwrite=True)
     seconds = time.perf_counter() - t0
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = Manifest.read(out)
     weights = weight_arrays(out, manifest)
     result = {"export_seconds": seconds, "budgets": {}}
     rng = np.random.default_rng(0)
     for b in budgets:
-        entry = manifest["tensorrt"]["graphs"][str(b)]["per-loop"]
-        ref = ort.InferenceSession(
-            str(out / manifest["budgets"][str(b)]["per-loop"]["file"]), providers=["CPUExecutionProvider"]
-        )
-        var = ort.InferenceSession(str(out / entry["file"]), providers=["CPUExecutionProvider"])
+        entry = manifest.tensorrt.graphs[b]["per-loop"]
+        ref = ort.InferenceSession(str(out / manifest.graphs[b]["per-loop"].file), providers=["CPUExecutionProvider"])
+        var = ort.InferenceSession(str(out / entry.file), providers=["CPUExecutionProvider"])
         capacity, prompt = 160, 128
         caches = {
             i.name: np.zeros((1, i.shape[1], capacity, i.shape[3]), np.float32)
@@ -61,17 +60,17 @@ def main() -> None:
                 **caches,
             }
             a = ref.run(None, feeds)
-            c = var.run(None, {**feeds, **{n: weights[n] for n in entry["weight_inputs"]}})
+            c = var.run(None, {**feeds, **{n: weights[n] for n in entry.weight_inputs}})
             diffs.append(max(float(np.abs(x - y).max()) for x, y in zip(a, c)))
             caches = dict(zip(caches, a[1:]))
         result["budgets"][b] = {
             "max_abs_diff_prefill_decode": diffs,
-            "plugins": entry["plugins"],
-            "weight_inputs": len(entry["weight_inputs"]),
-            "variant_bytes": (out / entry["file"]).stat().st_size,
-            "ort_graph_bytes": (out / manifest["budgets"][str(b)]["per-loop"]["file"]).stat().st_size,
+            "plugins": entry.plugins,
+            "weight_inputs": len(entry.weight_inputs),
+            "variant_bytes": (out / entry.file).stat().st_size,
+            "ort_graph_bytes": (out / manifest.graphs[b]["per-loop"].file).stat().st_size,
         }
-    result["weights_bytes"] = (out / "weights.bin").stat().st_size
+    result["weights_bytes"] = (out / WEIGHTS).stat().st_size
     print(json.dumps(result))
 
 

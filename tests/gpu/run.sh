@@ -70,7 +70,7 @@ json.dump(info, open(sys.argv[1], "w"), indent=2)
 print(info)
 PY
 # -P: the checkout's own looptool/ folder (without passes/ and backends/) must not shadow the shim
-stage shim 30 "$PY" -P -c "import looptool.passes, looptool.backends.onnx; print(looptool.__file__)"
+stage shim 30 "$PY" -P -c "import looptool.passes, looptool.backends.onnx.export; print(looptool.__file__)"
 stage pytest_gpu 140 "$PY" -P -m pytest tests/gpu tests/test_kernels.py -q -s -p no:cacheprovider -rs -n 0 ${GPU_CHECK_K:+-k "$GPU_CHECK_K"} --junitxml="$OUT/pytest_gpu.xml"
 if [ "$DEVICE" = cuda ]; then  # Triton kernels against copy bandwidth and dense bf16 GEMM throughput
     stage kernels 45 "$PY" tests/bench/bench_kernels.py --rounds "$ROUNDS" --out "$OUT/kernels.json"

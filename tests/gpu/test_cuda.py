@@ -230,9 +230,9 @@ def test_tensorrt_step_engine_serves_a_mixed_budget_batch_on_cuda(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from test_trt_engine import _serve
 
-    from looptool.backends.ort import Runtime as OrtRuntime
-    from looptool.backends.ort_engine import OrtStepEngine
-    from looptool.backends.tensorrt import export_tensorrt
+    from looptool.backends.ort.engine import OrtStepEngine
+    from looptool.backends.ort.runtime import Runtime as OrtRuntime
+    from looptool.backends.tensorrt.export import export_tensorrt
     from looptool.engine import open_engine
 
     model = looptool.convert(

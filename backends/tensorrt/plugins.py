@@ -2,13 +2,13 @@
 ``looptool`` nodes of the TensorRT graph variants.
 
 Every plugin is an AOT plugin: its PTX is compiled from a Triton kernel when the engine is
-built (:func:`looptool.backends.trt_kernels.aot_compile`) and stored in the engine, so a built
+built (:func:`looptool.backends.tensorrt.kernels.aot_compile`) and stored in the engine, so a built
 engine runs without Python.
 
 * ``looptool::GatedResidual``, ``looptool::AdaptiveDeltaUpdate``, ``looptool::Modulate``: the
   kernels of :mod:`looptool.ops.kernels`.
 * ``looptool::MoeAlign``, ``MoeGateUp``, ``MoeDown``, ``MoeCombine``: a mixture of experts as
-  four one-kernel steps (:mod:`looptool.backends.trt_moe`, kernels in
+  four one-kernel steps (:mod:`looptool.backends.tensorrt.moe`, kernels in
   :mod:`looptool.ops.moe_kernels`): routing into per-expert row blocks, the two grouped GEMMs
   and the weighted sum over the top-k, every output shape static in the input shapes.
 
@@ -17,20 +17,23 @@ import annotations`` here: TensorRT reads the ``trtp.TensorDesc`` annotations as
 """
 
 _REGISTERED: list[bool] = []
-_FLOATS = ("FP32", "FP16", "BF16")
+_FLOATS = ("fp32", "fp16", "bf16")  # the float types every plugin takes (names of looptool.core.dtypes)
 
 
 def _combos(pattern: str) -> list:
     """One ``AutoTuneCombination`` per float type: ``pattern`` with ``F`` replaced by it."""
     import tensorrt.plugin as trtp
 
-    return [trtp.AutoTuneCombination(pattern.replace("F", t).replace("I64", "INT64")) for t in _FLOATS]
+    return [trtp.AutoTuneCombination(pattern.replace("F", t.upper()).replace("I64", "INT64")) for t in _FLOATS]
 
 
 def _dtype_name(desc) -> str:
+    """The short name (``fp16``) of a plugin tensor's TensorRT dtype."""
     import tensorrt as trt
 
-    return {trt.float32: "fp32", trt.float16: "fp16", trt.bfloat16: "bf16"}[desc.dtype]
+    from looptool.core.dtypes import named
+
+    return next(t for t in _FLOATS if getattr(trt, named(t).tensorrt) == desc.dtype)
 
 
 def _launch(kernel, work, extra, columns=None):
@@ -60,7 +63,7 @@ def register() -> None:
     import tensorrt as trt
     import tensorrt.plugin as trtp
 
-    from looptool.backends.trt_kernels import aot_compile
+    from looptool.backends.tensorrt.kernels import aot_compile
 
     aot = tuple[bytes, bytes, trtp.KernelLaunchParams, trtp.SymIntExprs]  # TensorRT requires the annotation
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from looptool.backends.onnx_format import ExportError
+from looptool.backends.errors import ExportError
 
 
 def outline_looptool_functions(onnx_model) -> dict[str, int]:
@@ -11,7 +11,7 @@ def outline_looptool_functions(onnx_model) -> dict[str, int]:
     the function definitions (bodies) to the model; returns the count per function."""
     import onnx_ir as ir
 
-    from looptool.backends.onnx_functions import DOMAIN, DOMAIN_VERSION, FUNCTIONS
+    from looptool.backends.onnx.functions import DOMAIN, DOMAIN_VERSION, FUNCTIONS
 
     groups: dict[str, list] = {}
     kinds: dict[str, str] = {}

@@ -1,5 +1,5 @@
 """ONNX function bodies of the four ``looptool`` MoE step ops of a TensorRT variant
-(:mod:`looptool.backends.trt_moe`): ``MoeAlign``, ``MoeGateUp``, ``MoeDown``, ``MoeCombine``.
+(:mod:`looptool.backends.tensorrt.moe`): ``MoeAlign``, ``MoeGateUp``, ``MoeDown``, ``MoeCombine``.
 
 Each computes what its Triton kernel (:mod:`looptool.ops.moe_kernels`) computes, with the
 same output shapes (static functions of the input shapes) and dtypes, so onnxruntime runs a
@@ -17,7 +17,7 @@ from onnxscript import FLOAT, INT32, INT64
 from onnxscript import opset18 as op
 from onnxscript.function_libs.torch_lib.tensor_typing import TFloat
 
-from looptool.backends.onnx_functions import DOMAIN, DOMAIN_VERSION
+from looptool.backends.onnx.functions import DOMAIN, DOMAIN_VERSION
 
 _looptool = onnxscript.values.Opset(DOMAIN, DOMAIN_VERSION)
 

@@ -1,7 +1,7 @@
 """Lower budget paths to TensorRT: one engine per budget and KV policy, one copy of the
 weights on the GPU.
 
-``export_tensorrt`` writes an ONNX engine directory (:mod:`looptool.backends.onnx`, the
+``export_tensorrt`` writes an ONNX engine directory (:mod:`looptool.backends.onnx.export`, the
 same serving graphs and ``weights.bin``) and adds, per graph, its *TensorRT variant*
 ``budget_<k>.<policy>.trt.onnx``:
 
@@ -14,7 +14,7 @@ same serving graphs and ``weights.bin``) and adds, per graph, its *TensorRT vari
 * ``AdaptiveDelta`` split into the gate GEMM (TensorRT's own ``Gemm``) and the
   ``AdaptiveDeltaUpdate`` plugin (one elementwise kernel);
 * ``Moe`` split into ``MoeAlign``, ``MoeGateUp``, ``MoeDown`` and ``MoeCombine``
-  (:mod:`looptool.backends.trt_moe`: routing, two grouped GEMMs, the weighted sum);
+  (:mod:`looptool.backends.tensorrt.moe`: routing, two grouped GEMMs, the weighted sum);
 * every weight a named *network input* instead of an initializer: engines hold no weights,
   and :class:`Runtime` uploads ``weights.bin`` once and binds the same device pointers into
   every budget's execution context.
@@ -31,7 +31,6 @@ which none of the project's machines has.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -42,17 +41,31 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from looptool.backends.onnx_format import MANIFEST, ROWWISE, WEIGHTS, ExportError, budget_file, sha256_file
+from looptool.backends.errors import ExportError
+from looptool.backends.manifest import (
+    WEIGHTS,
+    BuiltOn,
+    FileEntry,
+    Manifest,
+    Plugins,
+    Profiles,
+    TensorRTSection,
+    VariantEntry,
+)
+from looptool.backends.onnx.format import budget_file
 from looptool.backends.serving import BUDGETS, INPUTS, CacheLayout
-from looptool.backends.trt_kernels import AOT_OPS
-from looptool.backends.trt_moe import split_moe
+from looptool.backends.tensorrt.kernels import AOT_OPS
+from looptool.backends.tensorrt.moe import split_moe
+from looptool.core.dtypes import DTYPES, named, raw_numpy
 from looptool.core.errors import require_extra
+from looptool.core.graph import ROWWISE
+from looptool.storage.files import sha256_file
 
 log = logging.getLogger(__name__)
 
 PLUGIN_NAMESPACE = "looptool"
 PLUGIN_VERSION = "1"
-PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+PRECISIONS = tuple(d.short for d in DTYPES if d.torch in (torch.float32, torch.float16, torch.bfloat16))
 BUILD_SCRIPT = "build.py"
 INSTALL_HINT = 'pip install "looptool[tensorrt]"'
 
@@ -69,7 +82,7 @@ def engine_file(budget: int | str, kv: str, precision: str) -> str:
 def check_precision(precision: str) -> torch.dtype:
     if precision not in PRECISIONS:
         raise ExportError(f"TensorRT precision {precision!r} is not supported; choose one of {', '.join(PRECISIONS)}.")
-    return PRECISIONS[precision]
+    return named(precision).torch
 
 
 def require_tensorrt(purpose: str):
@@ -93,7 +106,7 @@ def tensorrt_variant(model):
     import onnx
     from onnx import helper, inliner
 
-    from looptool.backends.onnx_functions import DOMAIN, AdaptiveDeltaUpdate
+    from looptool.backends.onnx.functions import DOMAIN, AdaptiveDeltaUpdate
 
     layer_functions = [(f.domain, f.name) for f in model.functions if f.domain != DOMAIN]
     if layer_functions:
@@ -176,34 +189,29 @@ def _split_adaptive_delta(graph, domain: str) -> None:
     graph.node.extend(out)
 
 
-def write_variants(directory: Path) -> dict[str, dict[str, dict]]:
-    """Write the TensorRT variant of every graph in ``directory``'s manifest; returns the
-    manifest entries ``{budget: {policy: {...}}}``, the row-wise graphs' under :data:`ROWWISE`."""
+def write_variants(directory: Path, manifest: Manifest) -> dict[int | str, dict[str, VariantEntry]]:
+    """Write the TensorRT variant of every graph of ``manifest`` in ``directory``; returns
+    their entries ``{budget: {policy: entry}}``, the row-wise graphs' under :data:`ROWWISE`."""
     import onnx
 
-    manifest = json.loads((directory / MANIFEST).read_text())
-    entries: dict[str, dict[str, dict]] = {}
-    graphs = [(b, p, info) for b, ps in manifest["budgets"].items() for p, info in ps.items()]
-    graphs += [(ROWWISE, p, info) for p, info in (manifest.get(ROWWISE) or {}).items()]
-    for budget, policy, info in graphs:
-        model = onnx.load(str(directory / info["file"]), load_external_data=False)
-        variant, meta = tensorrt_variant(model)
-        name = trt_graph_file(budget if budget == ROWWISE else int(budget), policy)
-        onnx.save(variant, str(directory / name))
-        entries.setdefault(budget, {})[policy] = {"file": name, "sha256": sha256_file(directory / name), **meta}
+    entries: dict[int | str, dict[str, VariantEntry]] = {}
+    for budget, policies in manifest.graphs.items():
+        for policy, info in policies.items():
+            model = onnx.load(str(directory / info.file), load_external_data=False)
+            variant, meta = tensorrt_variant(model)
+            name = trt_graph_file(budget, policy)
+            onnx.save(variant, str(directory / name))
+            entries.setdefault(budget, {})[policy] = VariantEntry(name, sha256_file(directory / name), **meta)
     return entries
 
 
-def weight_arrays(directory: Path, manifest: dict) -> dict[str, np.ndarray]:
-    """Every tensor of ``weights.bin`` by name, as read-only views into one mapping."""
-    from looptool.backends.ort import _NUMPY_DTYPES
-
+def weight_arrays(directory: Path, manifest: Manifest) -> dict[str, np.ndarray]:
+    """Every tensor of ``weights.bin`` by name, as read-only views into one mapping (bfloat16: its raw bits)."""
     mmap = np.memmap(directory / WEIGHTS, dtype=np.uint8, mode="r")
-    arrays = {}
-    for name, entry in manifest["weights"]["tensors"].items():
-        dtype = {**_NUMPY_DTYPES, "BFLOAT16": np.uint16}[entry["dtype"]]  # bf16: its raw bits
-        arrays[name] = mmap[entry["offset"] : entry["offset"] + entry["length"]].view(dtype).reshape(entry["shape"])
-    return arrays
+    return {
+        name: mmap[t.offset : t.offset + t.length].view(raw_numpy(named(t.dtype))).reshape(t.shape)
+        for name, t in manifest.weights.tensors.items()
+    }
 
 
 # ---------------------------------------------------------------------------- export
@@ -232,7 +240,7 @@ def export_tensorrt(
     ``precision`` is the engines' dtype: the model is exported in it (a cast copy where it
     differs). Validation with onnxruntime runs for fp32 and fp16 graphs (onnxruntime's CPU
     kernels lack bf16)."""
-    from looptool.backends.onnx import export_onnx
+    from looptool.backends.onnx.export import export_onnx
     from looptool.storage.files import check_output_dir
 
     require_extra("tensorrt", "TensorRT export", "onnx", "onnxscript", "onnx_ir")
@@ -274,19 +282,14 @@ def export_tensorrt(
     )
     try:
         say("writing TensorRT variants")
-        graphs = write_variants(final)
-        manifest = json.loads((final / MANIFEST).read_text())
-        manifest["tensorrt"] = {
-            "precision": precision,
-            "plugins": {
-                "namespace": PLUGIN_NAMESPACE,
-                "version": PLUGIN_VERSION,
-                "aot": list(AOT_OPS),
-            },
-            "profiles": {"max_batch": max_batch, "max_prefill": max_prefill, "max_capacity": max_capacity},
-            "graphs": graphs,
-        }
-        (final / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+        manifest = Manifest.read(final)
+        manifest.tensorrt = TensorRTSection(
+            precision,
+            Plugins(PLUGIN_NAMESPACE, PLUGIN_VERSION, list(AOT_OPS)),
+            Profiles(max_batch, max_prefill, max_capacity),
+            write_variants(final, manifest),
+        )
+        manifest.write(final)
         (final / BUILD_SCRIPT).write_text(_BUILD_PY)
         if not build_on_target:
             build_engines(final, on_progress=say)
@@ -303,7 +306,7 @@ _BUILD_PY = '''"""Build this directory's TensorRT engines on the machine that wi
 """
 from pathlib import Path
 
-from looptool.backends.tensorrt import build_engines
+from looptool.backends.tensorrt.export import build_engines
 
 if __name__ == "__main__":
     build_engines(Path(__file__).resolve().parent, on_progress=print)
@@ -311,13 +314,12 @@ if __name__ == "__main__":
 
 
 def profile_shapes(
-    manifest: dict, layout: CacheLayout, decode: bool, rowwise: bool = False
+    limits: Profiles, layout: CacheLayout, decode: bool, rowwise: bool = False
 ) -> dict[str, tuple[tuple, tuple, tuple]]:
     """(min, opt, max) shapes of every dynamic input for the prefill or the decode profile
-    (``rowwise``: the row-wise graph, which also takes ``budgets [batch]``)."""
-    limits = manifest["tensorrt"]["profiles"]
-    batch, cap = limits["max_batch"], limits["max_capacity"]
-    step = (1, 1, 1) if decode else (1, min(128, limits["max_prefill"]), limits["max_prefill"])
+    under ``limits`` (``rowwise``: the row-wise graph, which also takes ``budgets [batch]``)."""
+    batch, cap = limits.max_batch, limits.max_capacity
+    step = (1, 1, 1) if decode else (1, min(128, limits.max_prefill), limits.max_prefill)
     b = (1, 1, batch)
     c = (step[0], max(step[1], min(cap, 512)), cap)
     shapes = {
@@ -334,18 +336,21 @@ def profile_shapes(
     return shapes
 
 
-def build_engines(directory: str | os.PathLike, *, on_progress: Callable[[str], None] | None = None) -> dict:
+def build_engines(
+    directory: str | os.PathLike, *, on_progress: Callable[[str], None] | None = None
+) -> dict[int | str, dict[str, FileEntry]]:
     """Build ``budget_<k>.<policy>.<precision>.engine`` for every TensorRT variant in
     ``directory`` (strongly typed networks: the graph's dtype is the engine's), with a
-    prefill profile (0) and a decode profile (1); records them in the manifest."""
+    prefill profile (0) and a decode profile (1); records them in the manifest and returns
+    their entries ``{budget: {policy: entry}}``."""
     trt = require_tensorrt("building TensorRT engines")
-    from looptool.backends import trt_plugins
+    from looptool.backends.tensorrt import plugins as trt_plugins
 
     say = on_progress or (lambda text: None)
     directory = Path(directory)
-    manifest = json.loads((directory / MANIFEST).read_text())
-    section = manifest.get("tensorrt")
-    if not section:
+    manifest = Manifest.read(directory)
+    section = manifest.tensorrt
+    if section is None:
         raise ExportError(
             f"{directory} has no TensorRT variants; export it with the tensorrt backend (export_tensorrt).",
             parameter="backend",
@@ -353,42 +358,35 @@ def build_engines(directory: str | os.PathLike, *, on_progress: Callable[[str], 
     trt_plugins.register()
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    engines: dict[str, dict[str, dict]] = {}
-    for budget, policies in section["graphs"].items():
+    engines: dict[int | str, dict[str, FileEntry]] = {}
+    for budget, policies in section.graphs.items():
         for policy, info in policies.items():
             say(f"building {'the row-wise graph' if budget == ROWWISE else f'budget {budget}'} ({policy})")
             flags = 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
             network = builder.create_network(flags)
             parser = trt.OnnxParser(network, logger)
-            if not parser.parse_from_file(str(directory / info["file"])):
+            if not parser.parse_from_file(str(directory / info.file)):
                 errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-                raise ExportError(f"TensorRT could not parse {info['file']}: {errors}")
+                raise ExportError(f"TensorRT could not parse {info.file}: {errors}")
             config = builder.create_builder_config()
-            entry = manifest[ROWWISE][policy] if budget == ROWWISE else manifest["budgets"][budget][policy]
-            layout = CacheLayout.from_dict(entry["cache"])
+            layout = manifest.graphs[budget][policy].cache
             for decode in (False, True):
                 profile = builder.create_optimization_profile()
-                for name, (lo, opt, hi) in profile_shapes(manifest, layout, decode, budget == ROWWISE).items():
+                for name, (lo, opt, hi) in profile_shapes(section.profiles, layout, decode, budget == ROWWISE).items():
                     profile.set_shape(name, lo, opt, hi)
                 config.add_optimization_profile(profile)
             plan = builder.build_serialized_network(network, config)
             if plan is None:
                 raise ExportError(
-                    f"TensorRT failed to build an engine for {info['file']}; rerun with TensorRT's verbose log."
+                    f"TensorRT failed to build an engine for {info.file}; rerun with TensorRT's verbose log."
                 )
-            name = engine_file(budget if budget == ROWWISE else int(budget), policy, section["precision"])
+            name = engine_file(budget, policy, section.precision)
             (directory / name).write_bytes(bytes(plan))
-            engines.setdefault(budget, {})[policy] = {
-                "file": name,
-                "sha256": sha256_file(directory / name),
-                "bytes": (directory / name).stat().st_size,
-            }
+            engines.setdefault(budget, {})[policy] = FileEntry(
+                name, sha256_file(directory / name), (directory / name).stat().st_size
+            )
     major, minor = torch.cuda.get_device_capability()
-    section["engines"] = engines
-    section["built_on"] = {
-        "gpu": torch.cuda.get_device_name(),
-        "compute_capability": [major, minor],
-        "tensorrt": trt.__version__,
-    }
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+    section.engines = engines
+    section.built_on = BuiltOn(torch.cuda.get_device_name(), (major, minor), trt.__version__)
+    manifest.write(directory)
     return engines

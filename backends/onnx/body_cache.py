@@ -13,7 +13,7 @@ shapes and dtypes only, so it is kept, keyed by:
 * every input's shape and dtype (the example sizes fix which dimensions are dynamic);
 * the export variant (onnxruntime fusions or not);
 * the torch / onnx / onnxscript / onnx_ir / looptool / Python versions and the source of
-  looptool's ONNX lowering code (``backends/*.py``, ``looptool/ops/*.py``) and the
+  looptool's ONNX lowering code (``backends/**/*.py``, ``looptool/ops/*.py``) and the
   settings it traces under (``looptool/core/tracing.py``).
 
 Entries live under ``$LOOPTOOL_CACHE/onnx-bodies`` (``LOOPTOOL_CACHE=off`` disables it) in
@@ -116,7 +116,8 @@ def _lowering_code_hash() -> str:
     """What looptool's ONNX lowering code looks like (a change of it must miss)."""
     import looptool.ops
 
-    here = Path(__file__).resolve().parent
+    backends = Path(__file__).resolve().parents[1]
     ops = Path(looptool.ops.__file__).resolve().parent
-    files = sorted(here.glob("*.py")) + sorted(ops.glob("*.py")) + [ops.parent / "core" / "tracing.py"]
-    return sha256(b"".join(f.name.encode() + b"\0" + f.read_bytes() for f in files))[:16]
+    files = [(f.relative_to(backends).as_posix(), f) for f in sorted(backends.rglob("*.py"))]
+    files += [(f.name, f) for f in sorted(ops.glob("*.py"))] + [("tracing.py", ops.parent / "core" / "tracing.py")]
+    return sha256(b"".join(name.encode() + b"\0" + f.read_bytes() for name, f in files))[:16]

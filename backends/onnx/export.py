@@ -9,11 +9,11 @@ An engine directory holds::
 Each graph is a budget path in the decode interface of :mod:`looptool.backends.serving`:
 one graph with a dynamic step length serves the prefill and every decode step, reading and
 writing a fixed-capacity KV cache. Graphs are composed from layer functions
-(:mod:`looptool.backends.onnx_layers`): each distinct layer body is exported once with
+(:mod:`looptool.backends.onnx.layers`): each distinct layer body is exported once with
 ``torch.onnx.export(..., dynamo=True)`` and called as an ONNX function, and only the glue
 between layers is traced per graph (a graph that cannot be composed is exported flat). Fused
 ops become single nodes of the ``looptool`` domain whose function bodies ship in the model
-(:mod:`looptool.backends.onnx_functions`); the exporter's opset conversion inlines every
+(:mod:`looptool.backends.onnx.functions`); the exporter's opset conversion inlines every
 function, so after export the nodes of each fused op (grouped by the FX node they came
 from) are outlined again into one call; the body is checked node by node.
 
@@ -24,14 +24,17 @@ initializer is checked to be a model tensor, byte for byte, or a small constant.
 export is validated with onnxruntime against the PyTorch path (cached generation, step by
 step) before the directory is committed; a failure leaves nothing behind.
 
-This module runs the export; one job per module beside it: the engine format and manifest
-(:mod:`~looptool.backends.onnx_format`), the weight store (:mod:`~looptool.backends.onnx_store`),
-optimisation (:mod:`~looptool.backends.onnx_optimize`), outlining of fused ops
-(:mod:`~looptool.backends.onnx_outline`) and validation (:mod:`~looptool.backends.onnx_validate`).
+This module runs the export (under :func:`faster_exporter`); one job per module beside it:
+graph file names and the manifest of an export (:mod:`~looptool.backends.onnx.format`; the
+manifest's type is :mod:`looptool.backends.manifest`'s), the weight store
+(:mod:`~looptool.backends.onnx.store`), optimisation (:mod:`~looptool.backends.onnx.optimize`),
+outlining of fused ops (:mod:`~looptool.backends.onnx.outline`) and validation
+(:mod:`~looptool.backends.onnx.validate`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -39,59 +42,25 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from looptool.backends.onnx_format import (
-    FORMAT,
-    FORMAT_VERSION,
-    MANIFEST,
-    ROWWISE,
-    WEIGHTS,
-    EngineError,
-    ExportError,
-    budget_file,
-    sha256_file,
-    write_manifest,
-)
-from looptool.backends.onnx_optimize import simplify, strip_metadata
-from looptool.backends.onnx_outline import outline_looptool_functions
-from looptool.backends.onnx_store import INLINE_LIMIT, WeightStore, externalize, to_numpy
-from looptool.backends.onnx_validate import DEFAULT_ATOL, FP16_ATOL, default_atol, validate_engine, validation_prompts
+from looptool.backends.errors import ExportError
+from looptool.backends.manifest import WEIGHTS, GraphEntry
+from looptool.backends.onnx.format import budget_file, export_manifest
+from looptool.backends.onnx.optimize import simplify, strip_metadata
+from looptool.backends.onnx.outline import outline_looptool_functions
+from looptool.backends.onnx.store import WeightStore, externalize, to_numpy
+from looptool.backends.onnx.validate import validate_engine
 from looptool.backends.serving import example_budgets
+from looptool.core.compat import decompose_only_what_onnx_lacks, reused_torchlib_registry, without_torchvision_notice
 from looptool.core.errors import require_extra
+from looptool.core.graph import ROWWISE
 from looptool.core.tracing import fast_tracing
 
-__all__ = [  # the engine format, store, optimisation and validation names stay importable from here
-    "DEFAULT_ATOL",
-    "FP16_ATOL",
-    "FORMAT",
-    "FORMAT_VERSION",
-    "INLINE_LIMIT",
-    "MANIFEST",
-    "ROWWISE",
-    "WEIGHTS",
-    "BudgetExport",
-    "EngineError",
-    "ExportError",
-    "ExportReport",
-    "WeightStore",
-    "budget_file",
-    "export_onnx",
-    "export_program",
-    "outline_looptool_functions",
-    "resolve_budgets",
-    "resolve_policies",
-    "serving_example",
-    "sha256_file",
-    "simplify",
-    "default_atol",
-    "validate_engine",
-    "validation_prompts",
-]
 log = logging.getLogger(__name__)
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16)
@@ -222,7 +191,7 @@ def export_onnx(
     |logits|)``; ``atol`` default: 1e-4 for float32, 1e-2 for float16 graphs).
     """
     require_extra("onnx", "ONNX export", "onnx", "onnxscript", "onnx_ir", *(("onnxruntime",) if validate else ()))
-    from looptool.backends.onnx_layers import LayerLibrary
+    from looptool.backends.onnx.layers import LayerLibrary
     from looptool.backends.serving import rowwise_serving_graph, serving_graph
     from looptool.storage.files import commit_output_dir, prepare_output_dir
 
@@ -240,7 +209,7 @@ def export_onnx(
         known = _model_tensor_digests(model)
         results: list[BudgetExport] = []
         rowwise_results: list[BudgetExport] = []
-        graphs: dict[tuple[int | str, str], dict] = {}
+        graphs: dict[tuple[int | str, str], GraphEntry] = {}
         try:
             for policy in policies:
                 for budget in (*chosen, *((ROWWISE,) if rowwise else ())):
@@ -258,15 +227,16 @@ def export_onnx(
         if model.tokenizer is not None:  # so `looptool run` can encode prompts from the engine alone
             model.tokenizer.save_pretrained(temp)
         functions = library.fusions() if library else {}
-        write_manifest(model, temp, store, graphs, functions, ort_fusions)
+        manifest = export_manifest(model, temp, store, graphs, functions, ort_fusions)
+        manifest.write(temp)
         t_validate = time.perf_counter()
         if validate:
             say("validating with onnxruntime")
             diffs = validate_engine(model, temp, atol=atol)
             for r in [*results, *rowwise_results]:
                 r.max_abs_diff = diffs[r.budget, r.kv]
-                graphs[r.budget, r.kv]["max_abs_diff"] = r.max_abs_diff
-            write_manifest(model, temp, store, graphs, functions, ort_fusions)
+                graphs[r.budget, r.kv].max_abs_diff = r.max_abs_diff
+            manifest.write(temp)
         t_validate = time.perf_counter() - t_validate
         graph_bytes = sum(p.stat().st_size for p in temp.iterdir() if p.name != WEIGHTS)
         bodies = list(library.bodies.values()) if library else []
@@ -339,6 +309,16 @@ def serving_example(sg) -> tuple[list[torch.Tensor], tuple]:
     return args, shapes
 
 
+@contextlib.contextmanager
+def faster_exporter() -> Iterator[None]:
+    """``torch.onnx.export`` under two of :mod:`looptool.core.compat`'s patches of its internals
+    (each behind its version check): :func:`~looptool.core.compat.reused_torchlib_registry` and
+    :func:`~looptool.core.compat.decompose_only_what_onnx_lacks`, and the exporter's torchvision
+    notice dropped (:func:`~looptool.core.compat.without_torchvision_notice`)."""
+    with reused_torchlib_registry(), decompose_only_what_onnx_lacks(), without_torchvision_notice():
+        yield
+
+
 def export_program(
     gm: torch.fx.GraphModule,
     args,
@@ -353,8 +333,7 @@ def export_program(
     eval mode (serving graphs are inference graphs; ``gm``'s mode is restored after), under
     :func:`looptool.core.tracing.fast_tracing` (``fake_tensor_cache=False`` for a small graph
     such as one layer body, which traces faster without it)."""
-    from looptool.backends.onnx_exporter import faster_exporter
-    from looptool.backends.onnx_functions import OPSET, translation_table
+    from looptool.backends.onnx.functions import OPSET, translation_table
 
     training = gm.training
     gm.eval()
@@ -424,22 +403,22 @@ def _export_graph(
         composed=bool(calls),
         layer_calls=calls,
     )
-    entry = {
-        "file": path.name,
-        **({"menu": list(sg.menu)} if sg.rowwise else {}),
-        "initializers": names,
-        "fused": sg.fused,
-        "composed": bool(calls),
-        "layer_calls": calls,
-        "cache": sg.layout.to_dict(),
-        "kv_bytes_per_token": sg.layout.bytes_per_token(),
-    }
+    entry = GraphEntry(
+        file=path.name,
+        cache=sg.layout,
+        menu=tuple(sg.menu) if sg.rowwise else None,
+        initializers=names,
+        fused=sg.fused,
+        composed=bool(calls),
+        layer_calls=calls,
+        kv_bytes_per_token=sg.layout.bytes_per_token(),
+    )
     return result, entry
 
 
 def _compose(sg, library) -> tuple[object, dict[str, int]]:
     """The serving graph as calls of functions, each distinct body exported once."""
-    from looptool.backends.onnx_functions import OPSET
+    from looptool.backends.onnx.functions import OPSET
 
     comp = library.partition(sg)
     library.record_examples(comp, sg)

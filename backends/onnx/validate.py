@@ -10,7 +10,8 @@ import os
 import numpy as np
 import torch
 
-from looptool.backends.onnx_format import ROWWISE, ExportError
+from looptool.backends.errors import ExportError
+from looptool.core.graph import ROWWISE
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def validate_engine(
     next-token logits over the prefill and every decode step, per ``(budget, policy)`` and
     prompt (the row-wise graph: key ``(ROWWISE, policy)``, against the PyTorch row-wise path), raising :class:`ExportError` above ``atol × max(1, max |logits|)`` (``atol``
     default: :func:`default_atol` of the model's dtype) or when the greedy tokens differ."""
-    from looptool.backends.ort import Runtime
+    from looptool.backends.ort.runtime import Runtime
     from looptool.runtime.generation import generate
 
     atol = default_atol(model) if atol is None else atol

@@ -8,7 +8,7 @@ can claim the node by domain and name instead. The translation table also lowers
 second, per-session copy of every weight matrix, and the four ops of looptool's graphs that
 torchlib has no translation for (``index_copy`` of the KV cache writes, ``__and__`` of
 masks, ``to.dtype`` / ``to.device``), so a graph of only translatable ops skips the
-exporter's decomposition retrace (:func:`looptool.backends.onnx_exporter.decompose_only_what_onnx_lacks`).
+exporter's decomposition retrace (:func:`looptool.core.compat.decompose_only_what_onnx_lacks`).
 """
 
 from __future__ import annotations

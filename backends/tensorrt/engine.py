@@ -2,7 +2,7 @@
 of :func:`looptool.engine.open_engine`: an engine directory whose TensorRT engines were built
 (``build.py`` on the target GPU), served on a CUDA GPU.
 
-:class:`TrtStepEngine` drives the built engines of a :class:`looptool.backends.trt_runtime.Runtime`
+:class:`TrtStepEngine` drives the built engines of a :class:`looptool.backends.tensorrt.runtime.Runtime`
 (one upload of the weights, bound by address into every context) over one persistent
 :class:`~looptool.engine.TensorSlotCache` on the GPU, laid out like the row-wise engine's caches
 (the deepest budget's pairs). Rows of different budgets run the row-wise engine (input
@@ -20,8 +20,10 @@ from pathlib import Path
 
 import torch
 
-from looptool.backends.onnx_format import MANIFEST, ROWWISE, EngineError
+from looptool.backends.errors import EngineError
+from looptool.backends.manifest import MANIFEST, Manifest, engine_tokenizer
 from looptool.backends.serving import BUDGETS, INPUTS, LOGITS, CacheLayout, past_name, present_name
+from looptool.core.graph import ROWWISE
 from looptool.engine.budgets import RowBudgets
 from looptool.engine.interface import (
     EngineFacts,
@@ -49,9 +51,9 @@ class TrtStepEngine(StepEngine):
             )
         self.runtime, self.kv = runtime, kv
         manifest = runtime.manifest
-        entry = manifest[ROWWISE][kv]
-        self.layout = CacheLayout.from_dict(entry["cache"])
-        self.budgets: tuple[int, ...] = tuple(sorted(int(b) for b in entry.get("menu", runtime.budgets)))
+        entry = manifest.graphs[ROWWISE][kv]
+        self.layout: CacheLayout = entry.cache
+        self.budgets: tuple[int, ...] = tuple(sorted(runtime.budgets if entry.menu is None else entry.menu))
         self.vocab_size = int(runtime.vocab_size)
         self.mask_dtype: torch.dtype = runtime.mask_dtype
         index = {(p.layer, p.execution): j for j, p in enumerate(self.layout.pairs)}
@@ -59,7 +61,7 @@ class TrtStepEngine(StepEngine):
         for budget in runtime.budgets:
             if (budget, kv) not in runtime.contexts:
                 continue
-            pairs = CacheLayout.from_dict(manifest["budgets"][str(budget)][kv]["cache"]).pairs
+            pairs = manifest.graphs[budget][kv].cache.pairs
             if all((p.layer, p.execution) in index for p in pairs):
                 self._pairs[budget] = [index[p.layer, p.execution] for p in pairs]
         self._profiles: dict[int | str, int] = {}  # the optimisation profile each context has set
@@ -140,22 +142,18 @@ class TrtStepEngine(StepEngine):
 # ---------------------------------------------------------------------- the tensorrt runtime
 def detect(path: Path) -> bool:
     """Whether ``path`` holds built TensorRT engines and a CUDA GPU is here to run them."""
-    import json
-
-    manifest = path / MANIFEST
-    if not manifest.is_file() or not torch.cuda.is_available():
+    if not (path / MANIFEST).is_file() or not torch.cuda.is_available():
         return False
     try:
-        return bool((json.loads(manifest.read_text()).get("tensorrt") or {}).get("engines"))
-    except (ValueError, UnicodeDecodeError):
+        section = Manifest.read(path).tensorrt
+    except EngineError:
         return False
+    return section is not None and bool(section.engines)
 
 
 def describe(path: Path) -> EngineFacts:
-    """The exported budgets and the source config's context (the manifest is onnxruntime's)."""
-    from looptool.backends import ort_engine
-
-    return ort_engine.describe(path)
+    """The exported budgets and the source config's context, from the manifest alone."""
+    return Manifest.read(path).facts()
 
 
 def open_dir(
@@ -167,12 +165,11 @@ def open_dir(
     **_,
 ) -> OpenedEngine:
     """The built engines of ``path`` on the CUDA ``device`` and their step engine for ``kv``."""
-    from looptool.backends.ort_engine import engine_tokenizer
-    from looptool.backends.trt_runtime import Runtime
+    from looptool.backends.tensorrt.runtime import Runtime
 
     rt = Runtime(path, device="cuda" if device == "auto" else device)
     tok = engine_tokenizer(path, rt.manifest, tokenizer)
     engine = TrtStepEngine(rt, kv=kv)
-    costs = costs_by_budget(rt.manifest.get("costs", []), engine.budgets, kv)
-    eos = eos_ids(tok, rt.manifest.get("source_config", {}).get("eos_token_id"))
+    costs = costs_by_budget([c.as_dict() for c in rt.manifest.costs], engine.budgets, kv)
+    eos = eos_ids(tok, rt.manifest.eos_token_id)
     return OpenedEngine(engine, tok, costs, eos, str(rt.device), "tensorrt")

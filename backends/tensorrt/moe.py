@@ -7,7 +7,7 @@ splits each ``looptool.Moe`` node into four one-kernel AOT plugin nodes,
     y   = MoeCombine(out, pair_row, routing_weights)
 
 whose kernels are :mod:`looptool.ops.moe_kernels` (:func:`aot_spec` says how each is compiled
-to PTX) and whose ONNX function bodies (:mod:`looptool.backends.trt_moe_functions`) let
+to PTX) and whose ONNX function bodies (:mod:`looptool.backends.tensorrt.moe_functions`) let
 onnxruntime run the variant. Every output shape is a static function of the input shapes:
 ``B = ⌈T·k / block_m⌉ + E`` row blocks of ``block_m`` rows bound the padded rows of any routing.
 ``num_experts`` comes from the expert weights' first dimension (a graph initializer).
@@ -15,7 +15,7 @@ onnxruntime run the variant. Every output shape is a static function of the inpu
 
 from __future__ import annotations
 
-from looptool.backends.onnx_format import ExportError
+from looptool.backends.errors import ExportError
 
 MOE_OPS = ("MoeAlign", "MoeGateUp", "MoeDown", "MoeCombine")  # one Triton kernel each
 BLOCK_M = 16  # rows per block: the align output's size depends on it, so one value per engine
@@ -26,7 +26,7 @@ def split_moe(model, domain: str) -> int:
     the four step nodes and add their function bodies; returns how many were split."""
     from onnx import helper
 
-    from looptool.backends.trt_moe_functions import FUNCTIONS
+    from looptool.backends.tensorrt.moe_functions import FUNCTIONS
 
     graph = model.graph
     shapes = {i.name: list(i.dims) for i in graph.initializer}

@@ -29,14 +29,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import onnx
 import torch
 from torch import fx
 
-from looptool.backends import onnx_body_cache
-from looptool.backends.onnx_store import to_numpy
+from looptool.backends.onnx import body_cache as onnx_body_cache
+from looptool.backends.onnx.store import to_numpy
 from looptool.backends.serving import BUDGETS, LOGITS, ServingGraph, example_budgets
+from looptool.core.dtypes import named, of_torch
 from looptool.core.errors import LooptoolError
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ class LayerLibrary:
     def export_functions(self, comp: Composition, export: Callable) -> None:
         """Export the bodies ``comp`` calls that are not exported yet: ``export(module,
         example, dynamic_shapes)`` returns ``(onnx_ir model, fusion counts)`` (served from
-        :mod:`looptool.backends.onnx_body_cache` for a body exported before); the model
+        :mod:`looptool.backends.onnx.body_cache` for a body exported before); the model
         becomes an ONNX function. A body that cannot be exported fails every later call fast."""
         for body in {u.body.index: u.body for u in comp.units}.values():
             if body.function is not None:
@@ -286,11 +286,9 @@ def _interface_types(sg: ServingGraph) -> dict[str, tuple]:
     """ONNX element type and symbolic shape of every interface input and output."""
     import onnx_ir as ir
 
-    float_type = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}[
-        sg.layout.dtype
-    ]
+    float_type = getattr(ir.DataType, named(sg.layout.dtype).onnx)
     placeholders = [n for n in sg.module.graph.nodes if n.op == "placeholder"]
-    mask = ir.DataType.from_numpy(np.dtype(str(placeholders[1].meta["val"].dtype).removeprefix("torch.")))
+    mask = getattr(ir.DataType, of_torch(placeholders[1].meta["val"].dtype).onnx)
     out = {
         "input_ids": (ir.DataType.INT64, ["batch", "step"]),
         "attention_mask": (mask, ["batch", "capacity"]),

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from looptool.backends.onnx_format import ExportError
-from looptool.backends.trt_moe import BLOCK_M, MOE_OPS, aot_spec
+from looptool.backends.errors import ExportError
+from looptool.backends.tensorrt.moe import BLOCK_M, MOE_OPS, aot_spec
+from looptool.core.dtypes import named
 
 AOT_OPS = ("GatedResidual", "AdaptiveDeltaUpdate", "Modulate", *MOE_OPS)  # one Triton kernel each, PTX in the engine
 
@@ -23,16 +24,6 @@ class AOTKernel:
     block: int  # elements (or rows) per program
     scalars: tuple[str, ...]  # the i32 arguments TensorRT passes between inputs and outputs, in order
     columns: int = 1  # columns per program along the grid's y axis (the grouped GEMMs; 1: a 1-D grid)
-
-
-_TRITON_DTYPES = {
-    "fp32": "fp32",
-    "fp16": "fp16",
-    "bf16": "bf16",
-    "float32": "fp32",
-    "float16": "fp16",
-    "bfloat16": "bf16",
-}
 
 
 def aot_compile(
@@ -62,7 +53,8 @@ def aot_compile(
             "AOT compilation needs Triton's compiler, but this process runs Triton's interpreter "
             "(TRITON_INTERPRET=1); unset it."
         )
-    t = "*" + _TRITON_DTYPES[dtype]
+    element = named(dtype).short  # Triton's name of the element type: fp32, fp16, bf16
+    t = "*" + element
     options: dict = {"num_warps": 4}
     columns = 1
     if op == "GatedResidual":
@@ -98,7 +90,7 @@ def aot_compile(
         fn, scalars, block = (
             kernels.modulate_kernel,
             ("rows", "d", "rank"),
-            32 if _TRITON_DTYPES[dtype] == "fp32" else 64,
+            32 if element == "fp32" else 64,
         )
         signature = {
             "x_ptr": t,
@@ -119,7 +111,7 @@ def aot_compile(
             "RANK": kernels.modulate_rank_block(rank),
             "BLOCK_M": block,
             "BLOCK_D": 64,
-            "PRECISION": "ieee" if _TRITON_DTYPES[dtype] == "fp32" else "tf32",
+            "PRECISION": "ieee" if element == "fp32" else "tf32",
         }
     elif op in MOE_OPS:
         spec = aot_spec(op, t, num_experts=num_experts, block_m=block_m)

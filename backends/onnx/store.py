@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from looptool.backends.onnx_format import WEIGHTS, ExportError
+from looptool.backends.errors import ExportError
+from looptool.backends.manifest import WEIGHTS, TensorEntry
 
 ALIGN = 64  # bytes; every tensor starts on a cache-line (and SIMD) boundary
 ALIGN_LARGE = 4096  # tensors of 1 MiB or more start on a page, so they can be mapped as is
@@ -34,28 +35,27 @@ class WeightStore:
     def __init__(self, path: Path):
         self.path = path
         self._file = open(path, "wb")  # noqa: SIM115  (closed by close(), one file for all budgets)
-        self._by_digest: dict[str, dict] = {}
-        self.tensors: dict[str, dict] = {}  # initializer name → entry (shared with its digest)
+        self._by_digest: dict[str, tuple[int, int]] = {}  # sha256 -> (offset, length)
+        self.tensors: dict[str, TensorEntry] = {}  # initializer name → where it lies
         self.size = 0
 
-    def add(self, name: str, array: np.ndarray, dtype: str) -> dict:
+    def add(self, name: str, array: np.ndarray, dtype: str) -> TensorEntry:
         """Store ``array`` (or find identical bytes already stored); returns its entry."""
         data = np.ascontiguousarray(array).tobytes()
         digest = hashlib.sha256(data).hexdigest()
-        entry = self._by_digest.get(digest)
-        if entry is None:
+        span = self._by_digest.get(digest)
+        if span is None:
             align = ALIGN_LARGE if len(data) >= LARGE else ALIGN
             offset = -(-self.size // align) * align
             self._file.write(b"\0" * (offset - self.size))
             self._file.write(data)
             self.size = offset + len(data)
-            entry = {"offset": offset, "length": len(data), "sha256": digest}
-            self._by_digest[digest] = entry
-        if name in self.tensors and self.tensors[name]["sha256"] != digest:
+            span = self._by_digest[digest] = (offset, len(data))
+        if name in self.tensors and self.tensors[name].sha256 != digest:
             raise ExportError(
                 f"two different tensors are both named '{name}' in the exported graphs; please report this as a bug."
             )
-        self.tensors[name] = {**entry, "dtype": dtype, "shape": list(array.shape)}
+        self.tensors[name] = TensorEntry(*span, digest, dtype, tuple(array.shape))
         return self.tensors[name]
 
     def close(self) -> None:
@@ -92,8 +92,8 @@ def externalize(onnx_model, directory: Path, store: WeightStore, known: dict[str
         entry = store.add(name, array, str(tensor.dtype))
         value.const_value = ir.ExternalTensor(
             WEIGHTS,
-            entry["offset"],
-            entry["length"],
+            entry.offset,
+            entry.length,
             tensor.dtype,
             shape=tensor.shape,
             name=name,

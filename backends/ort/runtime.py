@@ -1,4 +1,4 @@
-"""onnxruntime runtime for engine directories written by :mod:`looptool.backends.onnx`.
+"""onnxruntime runtime for engine directories written by :mod:`looptool.backends.onnx.export`.
 
 ``Runtime(engine_dir)`` checks the manifest and every file's sha256, maps ``weights.bin``
 once (a read-only ``numpy.memmap``) and wraps each stored tensor as an ``OrtValue`` over
@@ -16,7 +16,6 @@ copied per token; the attention mask is bound once too and updated in place.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import threading
@@ -24,34 +23,18 @@ from pathlib import Path
 
 import numpy as np
 
-from looptool.backends.onnx_format import (
-    FORMAT,
-    FORMAT_VERSION,
-    MANIFEST,
-    ROWWISE,
-    WEIGHTS,
-    EngineError,
-    sha256_file,
-)
-from looptool.backends.ort_binding import CacheBinding, check_request, check_row_budgets, row_costs
-from looptool.backends.serving import CacheLayout
+from looptool.backends.errors import EngineError
+from looptool.backends.manifest import MANIFEST, WEIGHTS, GraphEntry, Manifest
+from looptool.backends.ort.binding import CacheBinding
+from looptool.backends.serving import CacheLayout, check_request
+from looptool.core.dtypes import named
 from looptool.core.errors import require_extra
+from looptool.core.graph import ROWWISE
+from looptool.engine.budgets import RowBudgets
 from looptool.engine.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger(__name__)
-_Binding = CacheBinding  # the name tests and older callers import from here
-__all__ = ["CacheBinding", "Runtime", "check_request", "default_providers", "read_manifest"]
 
-_NUMPY_DTYPES = {
-    "FLOAT": np.float32,
-    "FLOAT16": np.float16,
-    "DOUBLE": np.float64,
-    "INT64": np.int64,
-    "INT32": np.int32,
-    "BOOL": np.bool_,
-    "UINT8": np.uint8,
-    "INT8": np.int8,
-}  # manifest tensor dtypes
 _GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
 _SHARED_ARENA: list[bool] = []  # set once the process-wide CPU arena is registered
 
@@ -79,28 +62,12 @@ def default_providers() -> list[str]:
     return [p for p in _GPU_PROVIDERS if p in available] + ["CPUExecutionProvider"]
 
 
-def read_manifest(directory: Path) -> dict:
-    """Parse and check ``manifest.json`` of an engine directory."""
-    path = directory / MANIFEST
-    if not directory.is_dir():
-        raise EngineError(f"'{directory}' is not a directory; pass the folder written by looptool export.")
-    if not path.exists():
-        raise EngineError(f"'{directory}' has no {MANIFEST}; it is not an engine written by looptool export.")
+def _numpy_type(onnx_name: str) -> type | None:
+    """The numpy type of a manifest tensor dtype (None where numpy has none, or for an unknown name)."""
     try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise EngineError(f"{path} is not valid JSON ({exc}); export the engine again.") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise EngineError(f"{path} is not a looptool engine manifest; export the engine again.")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise EngineError(
-            f"{path} has format version {manifest.get('format_version')}, this looptool reads "
-            f"version {FORMAT_VERSION}; export the engine again with this looptool."
-        )
-    for key in ("budgets", "weights"):
-        if key not in manifest:
-            raise EngineError(f"{path} lacks the '{key}' entry; export the engine again.")
-    return manifest
+        return named(onnx_name).numpy
+    except KeyError:
+        return None
 
 
 def _inside(directory: Path, location: str) -> Path:
@@ -163,77 +130,57 @@ class Runtime:
     ):
         require_extra("onnx", "running ONNX engines", "onnxruntime", "onnx")
         self.directory = Path(engine_dir)
-        self.manifest = read_manifest(self.directory)
-        try:
-            self.budgets: tuple[int, ...] = tuple(sorted(int(b) for b in self.manifest["budgets"]))
-            self.kv_policies: tuple[str, ...] = tuple(self.manifest["kv_policies"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise EngineError(
-                f"{self.directory / MANIFEST} does not list its budgets and KV policies; export the engine again."
-            ) from exc
-        self._layouts = {key: self._layout(*key) for key in self._graphs()}
-        rowwise = self.manifest.get(ROWWISE) or {}
-        self._layouts.update({(ROWWISE, p): self._layout(ROWWISE, p) for p in self.kv_policies if p in rowwise})
+        self.manifest = Manifest.read(self.directory)
+        self.budgets: tuple[int, ...] = self.manifest.budgets
+        self.kv_policies: tuple[str, ...] = self.manifest.kv_policies
+        self._layouts = {
+            (b, p): entry.cache
+            for b in (*self.budgets, ROWWISE)
+            for p in self.kv_policies
+            if (entry := self.manifest.graph(b, p)) is not None
+        }
         self.providers = providers or default_providers()
         self.threads = threads
         self.prepack = prepack
-        weights = self.directory / self.manifest["weights"]["file"]
-        if self.manifest["weights"]["file"] != WEIGHTS or not weights.exists():
-            raise EngineError(f"'{self.directory}' has no {WEIGHTS}; export the engine again.")
+        weights = self.directory / WEIGHTS
         self.verify = verify
-        if verify:
-            self._verify(weights)
-        if weights.stat().st_size != self.manifest["weights"]["bytes"]:
+        problem = self.manifest.verify(self.directory, sha256=verify)
+        if problem == "missing":
+            raise EngineError(f"'{self.directory}' has no {WEIGHTS}; export the engine again.")
+        if problem == "modified":
             raise EngineError(
-                f"{weights} has {weights.stat().st_size} bytes, the manifest says {self.manifest['weights']['bytes']}; export the engine again."
+                f"{weights} does not match the sha256 in {MANIFEST} (the file was modified or corrupted); export the engine again."
+            )
+        if problem == "resized":
+            raise EngineError(
+                f"{weights} has {weights.stat().st_size} bytes, the manifest says {self.manifest.weights.bytes}; export the engine again."
             )
         self._graph_inits: dict[tuple[int, str], list[str]] = {}  # per graph, checked when its session is made
         self._mmap = np.memmap(weights, dtype=np.uint8, mode="r") if weights.stat().st_size else np.zeros(0, np.uint8)
         self._values: dict[str, object] = {}
         self._sessions: dict[tuple[int, str], object] = {}
         self._lock = threading.Lock()
-        self.mask_dtype = np.dtype(self.manifest.get("mask_dtype", "int64"))
-        self.vocab_size = self.manifest.get("source_config", {}).get("vocab_size")
+        self.mask_dtype = np.dtype(self.manifest.mask_dtype)
+        self.vocab_size = self.manifest.vocab_size
 
     # ------------------------------------------------------------------ files
-    def _graphs(self) -> list[tuple[int, str]]:
-        return [(b, p) for b in self.budgets for p in self.kv_policies]
-
-    def _entry(self, budget: int | str, kv: str) -> dict:
-        if budget == ROWWISE:
-            entry = (self.manifest.get(ROWWISE) or {}).get(kv)
-            if not isinstance(entry, dict):
-                raise EngineError(
-                    f"'{self.directory}' was exported without the row-wise graph for kv {kv}, so its rows cannot "
-                    "take different budgets; export it again with this looptool (it writes that graph by default).",
-                    parameter="budget",
-                )
-            return entry
-        entry = self.manifest["budgets"].get(str(budget), {}).get(kv)
-        if not isinstance(entry, dict):
+    def _entry(self, budget: int | str, kv: str) -> GraphEntry:
+        entry = self.manifest.graph(budget, kv)
+        if entry is None and budget == ROWWISE:
+            raise EngineError(
+                f"'{self.directory}' was exported without the row-wise graph for kv {kv}, so its rows cannot "
+                "take different budgets; export it again with this looptool (it writes that graph by default).",
+                parameter="budget",
+            )
+        if entry is None:
             raise EngineError(
                 f"{MANIFEST} lists budget {budget} and policy {kv} but has no graph entry for them; export the engine again."
             )
         return entry
 
-    def _graph_path(self, budget: int, kv: str) -> Path:
-        name = self._entry(budget, kv).get("file", "")
-        path = _inside(self.directory, name)
-        if not path.exists():
-            raise EngineError(f"'{self.directory}' has no {name} for budget {budget} ({kv}); export the engine again.")
-        return path
-
-    def _layout(self, budget: int, kv: str) -> CacheLayout:
-        try:
-            return CacheLayout.from_dict(self._entry(budget, kv)["cache"])
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise EngineError(
-                f"{MANIFEST} does not describe the cache layout of budget {budget} ({kv}); export the engine again."
-            ) from exc
-
     def layout(self, budget: int | str | None = None, kv: str = "per-loop") -> CacheLayout:
         """The cache layout of one graph (pairs, dtype) as the manifest records it (``budget``
-        :data:`~looptool.backends.onnx_format.ROWWISE`: the row-wise graph's)."""
+        :data:`~looptool.core.graph.ROWWISE`: the row-wise graph's)."""
         return self._layouts[self._key(budget, kv)]
 
     def has_rowwise(self, kv: str = "per-loop") -> bool:
@@ -242,31 +189,31 @@ class Runtime:
 
     def rowwise_menu(self, kv: str = "per-loop") -> tuple[int, ...]:
         """The budgets a row of the row-wise graph may take (refused where it was not exported)."""
-        return tuple(int(b) for b in self._entry(ROWWISE, self._check_policy(kv)).get("menu", self.budgets))
+        menu = self._entry(ROWWISE, self._check_policy(kv)).menu
+        return self.budgets if menu is None else menu
 
-    def resolve_budget(self, budget, batch: int, kv: str = "per-loop") -> tuple[int | str, np.ndarray | None]:
-        """The graph :meth:`generate` runs for ``budget`` (one for all rows, or one per row) on
-        ``batch`` rows, and the per-row budgets (None for one budget): rows that agree run
-        their budget's own graph where the engine has it, mixed rows the row-wise graph.
-        One sentence for a bad budget or an engine without the row-wise graph."""
-        if check_row_budgets(budget, None, batch) is None:
-            deepest = self.rowwise_menu(kv)[-1:] if not self.budgets and self.has_rowwise(kv) else ()
-            budget = deepest[0] if budget is None and deepest else budget
-            plain = isinstance(budget, (int, np.integer)) and not isinstance(budget, bool)
-            if plain and self.has_rowwise(kv) and budget not in self.budgets and budget in self.rowwise_menu(kv):
-                return ROWWISE, np.full(batch, int(budget), dtype=np.int64)  # a budget with no graph of its own
-            return self._check_budget(budget), None
-        # the model's menu (its cost table), so a mixed list on an engine without the row-wise
-        # graph is refused for that reason, not for a budget the engine simply has no graph of
-        menu = self.rowwise_menu(kv) if self.has_rowwise(kv) else self._menu()
-        rows = check_row_budgets(budget, menu, batch)
-        if len(set(rows.tolist())) == 1 and (int(rows[0]) in self.budgets or not self.has_rowwise(kv)):
-            return self._check_budget(int(rows[0])), rows
-        return self._key(ROWWISE, kv)[0], rows  # no row-wise graph: one sentence
-
-    def _menu(self) -> tuple[int, ...]:
-        """The model's whole budget menu as the manifest's cost table lists it (else this engine's budgets)."""
-        return tuple(sorted(int(c["budget"]) for c in self.manifest.get("costs") or [])) or self.budgets
+    def resolve_budget(self, budget, batch: int, kv: str = "per-loop") -> tuple[int | str, RowBudgets]:
+        """``budget`` as the caller gave it (None, one budget for all ``batch`` rows, one per row,
+        or :class:`~looptool.engine.budgets.RowBudgets` resolved before, taken as it is) resolved
+        once into each row's budget, and the graph that runs them: rows that agree run their
+        budget's own graph where the engine has it, other rows the row-wise graph. One sentence
+        for a bad budget or an engine without the row-wise graph."""
+        kv = self._check_policy(kv)
+        rowwise = self.has_rowwise(kv)
+        one = not isinstance(budget, (RowBudgets, list, tuple)) and getattr(budget, "ndim", 0) == 0
+        # without the row-wise graph one budget must have a graph of its own; a list is checked
+        # against the model's menu (the cost table), so a mixed list is refused for that reason
+        menu = self.rowwise_menu(kv) if rowwise else (self.budgets if one else self.manifest.menu)
+        if not menu:
+            self._check_budget(None)  # one sentence: an engine of row-wise graphs only
+        default = self.budgets[-1] if self.budgets else menu[-1]
+        rows = RowBudgets.resolve(budget, menu, batch, default=default, error=EngineError)
+        graph = rows.graph(self.budgets)
+        if graph == ROWWISE and not rowwise:
+            if rows.uniform:
+                self._check_budget(rows.rows[0])  # a budget this engine has no graph of
+            self._entry(ROWWISE, kv)  # one sentence: no row-wise graph
+        return graph, rows
 
     def _key(self, budget, kv: str) -> tuple[int | str, str]:
         """``(budget or ROWWISE, policy)``, both checked."""
@@ -276,18 +223,16 @@ class Runtime:
             return ROWWISE, kv
         return self._check_budget(budget), kv
 
-    def _verify(self, weights: Path) -> None:
-        expected = self.manifest["weights"].get("sha256")
-        if sha256_file(weights) != expected:
-            raise EngineError(
-                f"{weights} does not match the sha256 in {MANIFEST} (the file was modified or corrupted); export the engine again."
-            )
-
     def _checked_graph(self, budget: int, kv: str) -> Path:
         """The graph file of one budget and policy: present, matching its sha256 (``verify``)
         and reading its weights only from this engine's ``weights.bin``."""
-        path = self._graph_path(budget, kv)
-        if self.verify and sha256_file(path) != self._entry(budget, kv).get("sha256"):
+        entry = self._entry(budget, kv)
+        path = _inside(self.directory, entry.file)
+        if not path.exists():
+            raise EngineError(
+                f"'{self.directory}' has no {entry.file} for budget {budget} ({kv}); export the engine again."
+            )
+        if self.verify and self.manifest.verify(self.directory, entry) == "modified":
             raise EngineError(
                 f"{path} does not match the sha256 in {MANIFEST} (the file was modified or corrupted); export the engine again."
             )
@@ -300,19 +245,18 @@ class Runtime:
 
         value = self._values.get(name)
         if value is None:
-            entry = self.manifest["weights"]["tensors"].get(name)
+            entry = self.manifest.weights.tensors.get(name)
             if entry is None:
                 raise EngineError(f"tensor '{name}' is not in the manifest's tensor table; export the engine again.")
-            start, length = entry["offset"], entry["length"]
+            start, length = entry.offset, entry.length
             if start < 0 or start + length > self._mmap.size:
                 raise EngineError(f"tensor '{name}' lies outside {WEIGHTS}; export the engine again.")
-            dtype = entry["dtype"]
-            np_dtype = _NUMPY_DTYPES.get(dtype)
+            np_dtype = _numpy_type(entry.dtype)
             if np_dtype is None:
                 raise EngineError(
-                    f"tensor '{name}' has dtype {dtype}, which this runtime cannot map; export in float32 or float16."
+                    f"tensor '{name}' has dtype {entry.dtype}, which this runtime cannot map; export in float32 or float16."
                 )
-            array = self._mmap[start : start + length].view(np_dtype).reshape(entry["shape"])
+            array = self._mmap[start : start + length].view(np_dtype).reshape(entry.shape)
             value = ort.OrtValue.ortvalue_from_numpy(array)
             self._values[name] = value
         return value
@@ -399,21 +343,22 @@ class Runtime:
         ``input_ids [batch, prompt]`` may be left-padded (``attention_mask`` 0 on
         padding). The caches hold ``capacity`` tokens (default: prompt + new tokens) and
         are bound in place for the whole call. ``budget`` is one budget for every row, or one
-        per row (a list, tensor or array of ``batch`` budgets): rows of different budgets run
-        through the row-wise graph, each exactly at its own budget.
+        per row (a list, tensor or array of ``batch`` budgets, or
+        :class:`~looptool.engine.budgets.RowBudgets` resolved before): rows of different budgets
+        run through the row-wise graph, each exactly at its own budget.
         """
         from looptool.runtime.generation import decode_loop
 
         kv = self._check_policy(kv)
         ids, mask, capacity = check_request(self.manifest, input_ids, attention_mask, max_new_tokens, capacity)
-        budget, rows = self.resolve_budget(budget, ids.shape[0], kv)
+        graph, rows = self.resolve_budget(budget, ids.shape[0], kv)
         binding = CacheBinding(
-            self.session(budget, kv),
-            self._layouts[budget, kv],
+            self.session(graph, kv),
+            self._layouts[graph, kv],
             ids.shape[0],
             capacity,
             self.vocab_size,
-            budgets=rows if budget == ROWWISE else None,
+            budgets=rows if graph == ROWWISE else None,
         )
         import torch
 
@@ -432,8 +377,7 @@ class Runtime:
             output_logits=output_logits,
             kv_bytes=binding.kv_bytes,
         )
-        budgets = tuple(int(k) for k in rows) if rows is not None else (budget,) * ids.shape[0]
-        return dataclasses.replace(out, budgets=budgets, row_costs=row_costs(self.manifest, budgets))
+        return dataclasses.replace(out, budgets=rows.rows, row_costs=self.manifest.row_costs(rows.rows))
 
     def kv_bytes(self, budget: int | None = None, kv: str = "per-loop", *, batch: int = 1, capacity: int = 1) -> int:
         """Bytes :meth:`generate` allocates for the caches of ``batch`` rows of ``capacity`` tokens."""

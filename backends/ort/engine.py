@@ -19,9 +19,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from looptool.backends.onnx_format import MANIFEST, ROWWISE, EngineError
+from looptool.backends.errors import EngineError
+from looptool.backends.manifest import MANIFEST, Manifest, engine_tokenizer
 from looptool.backends.serving import BUDGETS, INPUTS, LOGITS, CacheLayout, past_name, present_name
-from looptool.core.errors import LooptoolError
+from looptool.core.dtypes import named
+from looptool.core.graph import ROWWISE
 from looptool.engine.budgets import RowBudgets
 from looptool.engine.interface import (
     ArraySlotCache,
@@ -41,7 +43,7 @@ _BINDINGS_KEPT = 64  # cached IOBindings (one per graph, row slice and cache)
 
 class OrtStepEngine(StepEngine):
     """Cached decode steps over slices of one slot cache, every row at its own budget, with
-    an onnxruntime :class:`~looptool.backends.ort.Runtime` whose engine holds the row-wise
+    an onnxruntime :class:`~looptool.backends.ort.runtime.Runtime` whose engine holds the row-wise
     graph for ``kv``."""
 
     def __init__(self, runtime, kv: str = "per-loop"):
@@ -53,7 +55,7 @@ class OrtStepEngine(StepEngine):
             raise EngineError("the engine's manifest does not record the vocabulary size; export it again.")
         self.vocab_size = int(runtime.vocab_size)
         self.mask_dtype: torch.dtype = getattr(torch, str(runtime.mask_dtype))
-        self._dtype = {"float32": np.float32, "float16": np.float16}.get(self.layout.dtype)
+        self._dtype = named(self.layout.dtype).numpy
         if self._dtype is None:
             raise EngineError(f"cache dtype {self.layout.dtype} cannot be held in numpy; export in float32 or float16.")
         index = {(p.layer, p.execution): j for j, p in enumerate(self.layout.pairs)}
@@ -136,29 +138,7 @@ def detect(path: Path) -> bool:
 
 def describe(path: Path) -> EngineFacts:
     """The exported budgets and the source config's context, from the manifest alone."""
-    import transformers
-
-    from looptool.backends.ort import read_manifest
-    from looptool.capture.facts import context_length_of
-
-    manifest = read_manifest(path)
-    source = manifest.get("source_config") or {}
-    config = transformers.CONFIG_MAPPING[source["model_type"]].from_dict(source) if "model_type" in source else None
-    budgets = tuple(sorted(int(b) for b in manifest["budgets"]))
-    return EngineFacts(budgets, context_length_of(config) if config is not None else None)
-
-
-def engine_tokenizer(path: Path, manifest: dict, tokenizer: str | os.PathLike | None):
-    """The tokenizer given, else the one exported beside the engine; one sentence if neither."""
-    from looptool.runtime import text
-
-    source = tokenizer if tokenizer is not None else (path if manifest.get("tokenizer") else None)
-    if source is None:
-        raise LooptoolError(
-            "this engine was exported without a tokenizer; pass tokenizer=PATH (a Hugging Face tokenizer folder).",
-            parameter="tokenizer",
-        )
-    return text.load_tokenizer(source)
+    return Manifest.read(path).facts()
 
 
 def open_dir(
@@ -171,11 +151,11 @@ def open_dir(
 ) -> OpenedEngine:
     """onnxruntime sessions over the engine directory ``path`` (``threads`` intra-op threads,
     CPU) and their step engine for ``kv``."""
-    from looptool.backends.ort import Runtime
+    from looptool.backends.ort.runtime import Runtime
 
     rt = Runtime(path, threads=threads)
     tok = engine_tokenizer(path, rt.manifest, tokenizer)
     engine = OrtStepEngine(rt, kv=kv)
-    costs = costs_by_budget(rt.manifest.get("costs", []), engine.budgets, kv)
-    eos = eos_ids(tok, rt.manifest.get("source_config", {}).get("eos_token_id"))
+    costs = costs_by_budget([c.as_dict() for c in rt.manifest.costs], engine.budgets, kv)
+    eos = eos_ids(tok, rt.manifest.eos_token_id)
     return OpenedEngine(engine, tok, costs, eos, "cpu", "onnxruntime")

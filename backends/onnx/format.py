@@ -1,0 +1,61 @@
+"""The ONNX engine directory: graph file names, and the manifest of an export
+(:class:`looptool.backends.manifest.Manifest`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from looptool.backends.manifest import WEIGHTS, GraphEntry, Manifest, WeightsEntry
+from looptool.core.graph import ROWWISE
+from looptool.storage.files import sha256_file
+
+if TYPE_CHECKING:
+    from looptool.backends.onnx.store import WeightStore
+
+
+def budget_file(budget: int | str, kv: str = "per-loop") -> str:
+    """File name of one budget's graph under KV policy ``kv`` (``budget`` :data:`ROWWISE`: the
+    row-wise-budget graph, ``rowwise.<policy>.onnx``)."""
+    return f"{ROWWISE}.{kv}.onnx" if budget == ROWWISE else f"budget_{budget}.{kv}.onnx"
+
+
+def export_manifest(
+    model,
+    directory: Path,
+    store: WeightStore,
+    graphs: dict[tuple[int | str, str], GraphEntry],
+    functions: dict[str, dict[str, int]],
+    ort_fusions: bool,
+) -> Manifest:
+    """The manifest of an export into ``directory``: ``graphs`` maps ``(budget, policy)`` to each
+    graph's entry (the row-wise graphs under :data:`ROWWISE`), each given its file's sha256 and
+    size here; ``store`` holds the weights."""
+    from looptool.backends.onnx.functions import DOMAIN, DOMAIN_VERSION, OPSET
+
+    by_budget: dict[int | str, dict[str, GraphEntry]] = {}
+    order = {key: (key[0] == ROWWISE, 0 if key[0] == ROWWISE else key[0], key[1]) for key in graphs}
+    for (budget, policy), entry in sorted(graphs.items(), key=lambda item: order[item[0]]):
+        path = directory / entry.file
+        entry.sha256, entry.bytes = sha256_file(path), path.stat().st_size
+        by_budget.setdefault(budget, {})[policy] = entry
+    return Manifest(
+        graphs=by_budget,
+        kv_policies=tuple(sorted({policy for _, policy in graphs})),
+        weights=WeightsEntry(
+            WEIGHTS,
+            sha256_file(directory / WEIGHTS),
+            store.size,
+            dict(store.tensors),
+        ),
+        mask_dtype=str(model.mask_dtype).removeprefix("torch."),
+        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        source_config=model.config.to_dict(),
+        costs=tuple(model.cost_table()),  # per budget: what a row at it costs per token
+        plan=model.plan.to_dict(),
+        opset={"": OPSET, DOMAIN: DOMAIN_VERSION},
+        ort_fusions=ort_fusions,
+        fused_per_body=functions,
+        parameter_bytes=model.dims().param_bytes,
+        tokenizer=model.tokenizer is not None,
+    )
