@@ -146,7 +146,10 @@ def test_the_cycle_check_catches_a_cycle():
 
 @pytest.mark.parametrize("name", sorted(set(modules()) - {"looptool.__main__"}))  # __main__ runs the CLI
 def test_every_module_imports(name):
-    if name.startswith(("looptool.ops.kernels", "looptool.ops.moe_kernels")) or name == "looptool.backends.tensorrt.plugins":
+    if (
+        name.startswith(("looptool.ops.kernels", "looptool.ops.moe_kernels"))
+        or name == "looptool.backends.tensorrt.plugins"
+    ):
         pytest.importorskip("triton", reason="the Triton kernels need triton")
     importlib.import_module(name)
 

@@ -195,10 +195,10 @@ def test_an_moe_model_builds_and_decodes_through_the_test_double(tmp_path, monke
     import fake_tensorrt
 
     import looptool
-    from looptool.backends.tensorrt import plugins as trt_plugins
     from looptool.backends.manifest import MANIFEST
     from looptool.backends.ort.runtime import Runtime as OrtRuntime
-    from looptool.backends.tensorrt import build_engines, export_tensorrt
+    from looptool.backends.tensorrt import plugins as trt_plugins
+    from looptool.backends.tensorrt.export import build_engines, export_tensorrt
     from looptool.backends.tensorrt.runtime import Runtime
     from looptool.testing import tiny_model
 

@@ -285,9 +285,9 @@ def main() -> None:
 
     import looptool
     from looptool.backends.onnx.export import export_onnx
-    from looptool.core.graph import ROWWISE
-    from looptool.backends.ort import Runtime
+    from looptool.backends.ort.runtime import Runtime
     from looptool.capture.sources import SMOLLM2_WHEEL, load_source
+    from looptool.core.graph import ROWWISE
     from looptool.eval.demo import demo_ids
     from looptool.eval.timing import interleaved
     from looptool.runtime.generation import generate
