@@ -220,7 +220,7 @@ def test_ablating_every_repetition_is_the_unlooped_path(moe):
     ablated = shared_graph_module(model, ablate_repetitions(full, [1, 2, 3]))
     assert torch.equal(ablated(ids, mask), model(ids, budget=0).logits)
     left = {annotation(n)["role"] for n in ablated.graph.nodes if annotation(n).get("repeat") == 2}
-    assert left == {"residual", "layer"}  # the dead second-pass branches are gone: `stream + 0` and dtype checks stay
+    assert left == {"residual"}  # the dead second-pass branches are gone: `stream + 0` stays
     some = shared_graph_module(model, ablate_repetitions(full, [2, 3]))
     assert torch.equal(some(ids, mask), model(ids, budget=1).logits)  # the prefix (1,) is budget 1
     assert not torch.equal(some(ids, mask), model(ids, budget=3).logits)
