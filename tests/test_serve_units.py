@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("fastapi", reason="looptool serve needs the serve extra (pip install 'looptool[serve]')")
 
 from looptool.core.errors import LooptoolError  # noqa: E402
-from looptool.engine import EngineFacts  # noqa: E402
+from looptool.engine import EngineFacts, TensorSlotCache  # noqa: E402
 from looptool.serve.budgets import BudgetChoiceError, BudgetResolver, default_ladder, parse_effort  # noqa: E402
 from looptool.serve.models import read_facts  # noqa: E402
 from looptool.serve.prompts import check_room  # noqa: E402
@@ -138,8 +138,8 @@ class _GatedEngine:
     def __init__(self) -> None:
         self.gate, self.entered = threading.Event(), threading.Event()
 
-    def allocate(self, slots: int, length: int) -> SimpleNamespace:
-        return SimpleNamespace(copy_row=lambda src, dst: None, shift_left=lambda n: None)
+    def allocate(self, slots: int, length: int) -> TensorSlotCache:
+        return TensorSlotCache([torch.zeros(slots, 1, length, 1)])
 
     def step(self, cache, rows, input_ids, attention_mask, position_ids, cache_position, budgets) -> torch.Tensor:
         if input_ids.shape[1] > 1:
@@ -207,6 +207,77 @@ def test_a_request_ended_by_the_http_side_counts_under_its_reason():
         assert _finished(batch, "stop") == 1
     finally:
         batch.stop(10)
+
+
+class _SummingEngine:
+    """A step engine whose cache holds the tokens fed (one position each) and whose next token
+    is the sum of every token its row attends to, modulo the vocabulary: any position a row
+    loses, gains or shares with another row changes its tokens. It records each decode step's
+    mask width and cache length."""
+
+    budgets = (0,)
+    vocab_size = 97
+    mask_dtype = torch.long
+
+    def __init__(self) -> None:
+        self.widths: list[tuple[int, int, int]] = []  # (mask width, cache length, positions of the longest row)
+
+    def allocate(self, slots: int, length: int) -> TensorSlotCache:
+        self.moves: list[str] = []
+        cache = TensorSlotCache([torch.zeros(slots, 1, length, 1, dtype=torch.long)])
+        for name in ("shift_left", "shift_right", "resize"):
+            method = getattr(cache, name)
+            setattr(cache, name, lambda n, method=method, name=name: (self.moves.append(name), method(n)))
+        return cache
+
+    def step(self, cache, rows, input_ids, attention_mask, position_ids, cache_position, budgets) -> torch.Tensor:
+        width = attention_mask.shape[1]
+        buffer = cache.buffers[0][rows, 0, :width, 0]  # a view: written in place
+        buffer[:, cache_position] = input_ids
+        if rows.start == 0 and input_ids.shape[1] == 1:  # a decode step (every running row) or a first prefill
+            self.widths.append((width, cache.length, int(position_ids.max()) + 1))
+        total = (buffer * attention_mask).sum(dim=1) % self.vocab_size
+        return torch.nn.functional.one_hot(total, self.vocab_size).float()
+
+
+def _sums_alone(prompt: list[int], new: int, vocab: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(new):
+        ids.append(sum(ids) % vocab)
+    return ids[len(prompt) :]
+
+
+def test_the_slot_cache_holds_what_the_rows_need_and_every_row_keeps_its_tokens():
+    """Requests of mixed prompt and answer lengths, arriving while others run: every answer is
+    what its request gives alone (no row loses, gains or shares a position while the cache
+    grows, drops old positions, moves right for a long prompt and shrinks again), and no step
+    attends over more than twice the positions the rows hold (64 at the least) although the
+    capacity is 1024."""
+    engine = _SummingEngine()
+    batch = Scheduler(engine, max_batch=3, capacity=1024, max_queue=16)
+    rng = torch.Generator().manual_seed(0)
+    shapes = [(3, 40), (150, 30), (5, 200), (90, 5), (2, 3), (400, 20), (7, 60), (1, 1), (30, 100), (12, 12)]
+    jobs, answers = [], {}
+    for i, (n, new) in enumerate(shapes):
+        prompt = torch.randint(0, 97, (n,), generator=rng).tolist()
+        job = Job(prompt, 0, new, emit=lambda event, i=i: answers.setdefault(i, []).append(event))
+        jobs.append((job, prompt, new))
+    batch.start()
+    try:
+        for job, _, _ in jobs:
+            batch.submit(job)
+            time.sleep(0.002)
+        _wait_for(lambda: batch.held == 0, timeout=60)
+    finally:
+        batch.stop(10)
+    for i, (_, prompt, new) in enumerate(jobs):
+        tokens = [e.token for e in answers[i] if e.kind == "token"]
+        assert tokens == _sums_alone(prompt, new, 97), f"request {i}"
+    assert {"shift_left", "shift_right", "resize"} <= set(engine.moves)
+    lengths = {length for _, length, _ in engine.widths}
+    assert max(lengths) > 400 and min(lengths) == 64  # grew for the long prompt, back to the start after
+    for width, length, longest in engine.widths:
+        assert width <= max(64, 2 * longest) and length <= max(64, 4 * (width + 1))
 
 
 # ------------------------------------------------------------------ options checked before a load

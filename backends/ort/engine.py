@@ -33,6 +33,7 @@ from looptool.engine.interface import (
     as_numpy,
     costs_by_budget,
     eos_ids,
+    full_width,
     row_span,
 )
 
@@ -95,7 +96,8 @@ class OrtStepEngine(StepEngine):
         key = budgets.graph(self._pairs)
         io, logits = self._binding(cache, key, start, stop)
         io.bind_cpu_input(INPUTS[0], as_numpy(input_ids).astype(np.int64, copy=False))
-        io.bind_cpu_input(INPUTS[1], as_numpy(attention_mask).astype(self.runtime.mask_dtype, copy=False))
+        mask = full_width(as_numpy(attention_mask), cache.length)  # the graph attends over whole bound buffers
+        io.bind_cpu_input(INPUTS[1], mask.astype(self.runtime.mask_dtype, copy=False))
         io.bind_cpu_input(INPUTS[2], as_numpy(position_ids).astype(np.int64, copy=False))
         io.bind_cpu_input(INPUTS[3], as_numpy(cache_position).astype(np.int64, copy=False))
         if key == ROWWISE:
@@ -112,8 +114,8 @@ class OrtStepEngine(StepEngine):
         found = self._bindings.get(ident)
         if found is not None:
             return found[0], found[1]
-        if len(self._bindings) >= _BINDINGS_KEPT:
-            self._bindings.clear()
+        if len(self._bindings) >= _BINDINGS_KEPT or any(b[2] is not cache.buffers for b in self._bindings.values()):
+            self._bindings.clear()  # also when the cache was resized: the old buffers are freed
         io = self.runtime.session(key, self.kv).io_binding()
         values = []
         for local, j in enumerate(self._pairs[key]):

@@ -32,6 +32,7 @@ from looptool.engine.interface import (
     TensorSlotCache,
     costs_by_budget,
     eos_ids,
+    full_width,
     row_span,
 )
 
@@ -101,7 +102,8 @@ class TrtStepEngine(StepEngine):
         if self._profiles.get(key) != profile:
             ctx.set_optimization_profile_async(profile, rt.stream.cuda_stream)
             self._profiles[key] = profile
-        feeds = dict(zip(INPUTS, (input_ids, attention_mask, position_ids, cache_position)))
+        mask = full_width(torch.as_tensor(attention_mask), cache.length)  # the engine reads whole row buffers
+        feeds = dict(zip(INPUTS, (input_ids, mask, position_ids, cache_position)))
         dtypes = dict(zip(INPUTS, (torch.long, self.mask_dtype, torch.long, torch.long)))
         if key == ROWWISE:
             feeds[BUDGETS], dtypes[BUDGETS] = budgets.tensor(), torch.long

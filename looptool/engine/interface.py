@@ -52,6 +52,13 @@ class SlotCache(ABC):
     @abstractmethod
     def _shift(self, n: int) -> None: ...
 
+    @abstractmethod
+    def _shift_right(self, n: int) -> None: ...
+
+    @abstractmethod
+    def _resized(self, buffer, length: int):
+        """A zeroed buffer like ``buffer`` with ``length`` positions, holding its first ones."""
+
     def copy_row(self, src: int, dst: int) -> None:
         """Every buffer: ``buf[dst] = buf[src]`` (moves a request to another slot)."""
         if src != dst:
@@ -63,6 +70,21 @@ class SlotCache(ABC):
             raise LooptoolError(f"cannot shift a cache of {self.length} positions by {n}.", parameter="n")
         if n:
             self._shift(n)
+
+    def shift_right(self, n: int) -> None:
+        """Every buffer: positions ``[:length - n]`` move to ``[n:]`` (the rest keeps its values)."""
+        if not 0 <= n <= self.length:
+            raise LooptoolError(f"cannot shift a cache of {self.length} positions by {n}.", parameter="n")
+        if n:
+            self._shift_right(n)
+
+    def resize(self, length: int) -> None:
+        """Give every buffer ``length`` positions (new ones zeroed, the first ``min(length,
+        old)`` kept): a cache grows and shrinks with what its rows hold."""
+        if length < 1:
+            raise LooptoolError(f"a slot cache needs at least one position, got {length}.", parameter="length")
+        if length != self.length:
+            self.buffers = [self._resized(b, length) for b in self.buffers]
 
 
 class TensorSlotCache(SlotCache):
@@ -80,6 +102,16 @@ class TensorSlotCache(SlotCache):
         for b in self.buffers:
             b[:, :, : self.length - n].copy_(b[:, :, n:].clone())  # the ranges overlap
 
+    def _shift_right(self, n: int) -> None:
+        for b in self.buffers:
+            b[:, :, n:].copy_(b[:, :, : self.length - n].clone())
+
+    def _resized(self, buffer: torch.Tensor, length: int) -> torch.Tensor:
+        new = buffer.new_zeros((*buffer.shape[:2], length, *buffer.shape[3:]))
+        keep = min(length, buffer.shape[2])
+        new[:, :, :keep] = buffer[:, :, :keep]
+        return new
+
 
 class ArraySlotCache(SlotCache):
     """A slot cache of numpy arrays (row slices are contiguous views a runtime binds in place)."""
@@ -95,6 +127,16 @@ class ArraySlotCache(SlotCache):
     def _shift(self, n: int) -> None:
         for b in self.buffers:
             b[:, :, : self.length - n] = b[:, :, n:]  # numpy copies overlapping ranges safely
+
+    def _shift_right(self, n: int) -> None:
+        for b in self.buffers:
+            b[:, :, n:] = b[:, :, : self.length - n]
+
+    def _resized(self, buffer: np.ndarray, length: int) -> np.ndarray:
+        new = np.zeros((*buffer.shape[:2], length, *buffer.shape[3:]), dtype=buffer.dtype)
+        keep = min(length, buffer.shape[2])
+        new[:, :, :keep] = buffer[:, :, :keep]
+        return new
 
 
 class StepEngine(ABC):
@@ -124,9 +166,14 @@ class StepEngine(ABC):
         budgets: RowBudgets,
     ) -> torch.Tensor:
         """One cached step over cache rows ``rows`` (written in place): ``input_ids [R, T]``,
-        ``attention_mask [R, length]``, ``position_ids [R, T]``, ``cache_position [T]`` (the
+        ``attention_mask [R, W]``, ``position_ids [R, T]``, ``cache_position [T]`` (the
         slots this step writes) and each row's budget, resolved by the caller (an engine does
-        not check it again); float32 next-token logits ``[R, vocab]`` (CPU)."""
+        not check it again); float32 next-token logits ``[R, vocab]`` (CPU).
+
+        The mask may be narrower than the cache (``W <= length``): positions from ``W`` on are
+        neither read nor written, so an engine that can attends over the first ``W`` positions
+        only (a decode step then costs what the rows hold, not what the cache could hold); one
+        that binds whole buffers pads the mask with zeros (:func:`full_width`)."""
 
     def prompt_logprobs(self, input_ids: torch.Tensor, budget: int) -> torch.Tensor:
         """float32 log-softmax over the vocabulary at every position of ``input_ids [1, T]``:
@@ -209,6 +256,18 @@ def row_span(rows: slice, slots: int, budgets: RowBudgets) -> tuple[int, int]:
             f"({len(budgets)} given)."
         )
     return start, stop
+
+
+def full_width(mask, length: int):
+    """``mask [R, W]`` (a torch tensor or numpy array) padded with zeros to ``[R, length]``; the
+    mask itself when it is that wide already."""
+    if mask.shape[1] == length:
+        return mask
+    if mask.shape[1] > length:
+        raise LooptoolError(f"an attention mask of {mask.shape[1]} positions is wider than the cache ({length}).")
+    if isinstance(mask, torch.Tensor):
+        return torch.nn.functional.pad(mask, (0, length - mask.shape[1]))
+    return np.pad(np.asarray(mask), ((0, 0), (0, length - mask.shape[1])))
 
 
 def as_numpy(value) -> np.ndarray:

@@ -63,8 +63,10 @@ class TorchStepEngine(StepEngine):
     ) -> torch.Tensor:
         """One cached step over cache rows ``rows`` (views, written in place); returns float32
         next-token logits ``[R, vocab]`` at the last position, each row at its own budget
-        (``budgets``, resolved by the caller)."""
-        views = [b[rows] for b in cache.buffers]
+        (``budgets``, resolved by the caller). Attention reads only the first
+        ``attention_mask.shape[1]`` positions: the views end there."""
+        width = attention_mask.shape[1]
+        views = [b[rows, :, :width] for b in cache.buffers]
         if budgets.graph(self.paths) != ROWWISE:  # one budget: its own path on its own cache pairs
             k = budgets.rows[0]
             caches = [views[i] for i in self.pairs[k]]

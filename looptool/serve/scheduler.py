@@ -5,11 +5,19 @@ One thread owns a step engine (:class:`looptool.engine.StepEngine`: PyTorch, onn
 TensorRT alike) and a slot cache of ``max_batch`` rows. Each iteration admits waiting requests (a prefill of each at
 its own budget), runs ONE row-wise-budget decode step for every running request whatever its
 budget, and retires finished ones. Running requests stay packed in rows ``[0, n)``: a retired
-row's slot takes the last row (``copy_row``). All rows share one write clock over a cache of
-``2 x capacity`` slots: a request's tokens lie in ``[clock - capacity, clock)``, a prefill
-writes its prompt at ``[clock - len, clock)``, each decode step writes slot ``clock`` for every
-row, and at the end of the buffer ``shift_left(capacity)`` moves everything back by
-``capacity`` (so one decode step is one ``step(cache, slice(0, n), ...)`` with ``T = 1``).
+row's slot takes the last row (``copy_row``). All rows share one write clock: a request's
+tokens lie in ``[clock - len, clock)``, a prefill writes its prompt at ``[clock - len, clock)``
+and each decode step writes slot ``clock`` for every row (so one decode step is one
+``step(cache, slice(0, n), ...)`` with ``T = 1``).
+
+The cache holds what the rows need, not what they could need (:meth:`Scheduler._fit`): it
+starts at 64 positions and doubles up to ``capacity`` when the clock reaches its end; the
+positions before the oldest running request's first token are dropped (``shift_left``) when
+the clock reaches the end or they outnumber the longest request's; a prompt longer than the
+clock moves the rows right (``shift_right``); a cache four times longer than the clock shrinks
+to twice the clock. Each step
+passes the mask up to the clock, so an engine attends over the positions the rows hold
+(``capacity`` is a limit, not a cost).
 
 The HTTP side only submits :class:`Job` objects and receives :class:`Event` s through each
 job's ``emit`` callback (called on the scheduler thread; it must be thread-safe).
@@ -70,6 +78,9 @@ class Job:
     arrived: float = field(default_factory=time.perf_counter)
 
 
+FIRST_LENGTH = 64  # cache positions at start; the cache grows by doubling
+
+
 class QueueFull(Exception):
     """Every slot is busy and the waiting queue is full (HTTP 503)."""
 
@@ -113,9 +124,9 @@ class Scheduler:
         self.eos = frozenset(eos)
         self.metrics = metrics or Metrics()
         self.device = torch.device(device)
-        self.cache = engine.allocate(max_batch, 2 * capacity)
-        self.mask = torch.zeros(max_batch, 2 * capacity, dtype=engine.mask_dtype, device=self.device)
-        self.clock = capacity
+        self.cache = engine.allocate(max_batch, min(FIRST_LENGTH, capacity))
+        self.mask = torch.zeros(max_batch, self.cache.length, dtype=engine.mask_dtype, device=self.device)
+        self.clock = 0
         self.rows: list[_Row] = []
         self.waiting: deque[Job] = deque()
         self._held: set[Job] = set()  # accepted and not yet out of the scheduler: waiting, prefilling or running
@@ -258,6 +269,7 @@ class Scheduler:
         if job.prompt_logprobs is not None:
             logp = self.engine.prompt_logprobs(ids, job.budget)
             job.emit(Event("prompt", prompt_logprobs=_prompt_logprobs(logp, job.prompt, job.prompt_logprobs)))
+        self._fit(before=n)
         r = len(self.rows)
         self.mask[r].zero_()
         self.mask[r, self.clock - n : self.clock] = 1
@@ -265,7 +277,7 @@ class Scheduler:
             self.cache,
             slice(r, r + 1),
             ids,
-            self.mask[r : r + 1],
+            self.mask[r : r + 1, : self.clock],
             torch.arange(n, device=self.device)[None],
             torch.arange(self.clock - n, self.clock, device=self.device),
             RowBudgets((job.budget,)),
@@ -278,18 +290,14 @@ class Scheduler:
     def _decode(self) -> None:
         """One step for all running rows: each feeds its last token at slot ``clock``."""
         n = len(self.rows)
-        if self.clock == 2 * self.capacity:
-            self.cache.shift_left(self.capacity)
-            self.mask[:, : self.capacity] = self.mask[:, self.capacity :].clone()
-            self.mask[:, self.capacity :] = 0
-            self.clock = self.capacity
+        self._fit(before=0)
         self.mask[:n, self.clock] = 1
         dev = self.device
         logits = self.engine.step(
             self.cache,
             slice(0, n),
             torch.tensor([[row.ids[-1]] for row in self.rows], dtype=torch.long, device=dev),
-            self.mask[:n],
+            self.mask[:n, : self.clock + 1],
             torch.tensor([[row.position] for row in self.rows], dtype=torch.long, device=dev),
             torch.tensor([self.clock], dtype=torch.long, device=dev),
             RowBudgets(tuple(row.job.budget for row in self.rows)),  # resolved at the HTTP edge
@@ -299,6 +307,47 @@ class Scheduler:
         for i, row in enumerate(self.rows):
             row.position += 1
             self._take(row, logits[i : i + 1])
+
+    def _fit(self, before: int) -> None:
+        """Arrange the cache for the next step: at least ``before`` positions before the clock
+        (a prompt's) and the clock's own slot, with no more positions than the rows need
+        (up to a factor of four); moves the rows and the mask, never a row's content."""
+        if not self.rows:  # nothing to keep: start over at the front
+            self.clock = 0
+        length = self.cache.length
+        longest = max((row.position for row in self.rows), default=0)
+        oldest = self.clock - longest  # positions before every running request's first token
+        if oldest and (self.clock + 1 > length or oldest >= max(longest, FIRST_LENGTH // 2) or self.clock < before):
+            self._shift(-oldest)  # drop them: a step then reads at most about twice what the rows hold
+        target = max(self.clock, before)
+        if target + 1 > length:
+            self._resize(max(target + 1, min(self.capacity, 2 * length)))
+        elif length > FIRST_LENGTH and 4 * (target + 1) <= length:
+            self._resize(max(FIRST_LENGTH, 2 * (target + 1)))
+        if target > self.clock:
+            self._shift(target - self.clock)
+
+    def _shift(self, n: int) -> None:
+        """Move every row's positions (cache and mask) ``n`` to the right (left when negative);
+        the clock moves with them."""
+        if n > 0:
+            self.cache.shift_right(n)
+            self.mask[:, n:] = self.mask[:, :-n].clone()
+            self.mask[:, :n] = 0
+        else:
+            self.cache.shift_left(-n)
+            self.mask[:, :n] = self.mask[:, -n:].clone()
+            self.mask[:, n:] = 0
+        self.clock += n
+
+    def _resize(self, length: int) -> None:
+        """Give the cache and the mask ``length`` positions (the first ones kept)."""
+        self.cache.resize(length)
+        mask = self.mask.new_zeros(self.mask.shape[0], length)
+        keep = min(length, self.mask.shape[1])
+        mask[:, :keep] = self.mask[:, :keep]
+        self.mask = mask
+        log.debug("slot cache resized to %d positions", length)
 
     def _take(self, row: _Row, logits: torch.Tensor) -> None:
         """Pick ``row``'s next token from ``logits [1, vocab]``, send it, and mark the row done
