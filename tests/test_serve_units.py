@@ -8,7 +8,6 @@ import asyncio
 import socket
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
