@@ -7,7 +7,7 @@ exported engine directory on onnxruntime, its TensorRT engine directory under th
 test double), each answer compared with that prompt generated alone on the same runtime;
 only the lm-eval comparison, which scores the model in process with PyTorch, runs on PyTorch
 alone. Per runtime, one server (``server``: 4 slots of 64 tokens, so requests queue, rows are
-repacked and the write clock wraps) answers the API, budget, batching and fault tests; a second
+repacked and the slot cache drops the positions of finished requests) answers the API, budget, batching and fault tests; a second
 one (``guarded``: one slot, one queue place, an API key) shows the queue-full 503 and the exact
 queue bound, the API key, disconnects (streamed and not) freeing their slot and the draining
 SIGTERM.
@@ -143,7 +143,7 @@ def test_streams_end_with_done_and_carry_cost_and_usage(client, server, model):
 
 def test_twelve_concurrent_requests_each_equal_generating_alone_at_its_budget(client, served, model):
     """Batch invariance by budget: requests of every budget share decode steps (4 slots, so
-    they also queue, get repacked, and the 64-token write clock wraps) and each gets exactly
+    they also queue, get repacked, and the slot cache drops finished requests' positions) and each gets exactly
     what its prompt alone gets at its budget, EOS included."""
     prompts = [f"Request {i}: {'xyz' * (i % 5)}" for i in range(12)]
     budgets = [BUDGETS[i % len(BUDGETS)] for i in range(12)]

@@ -454,3 +454,16 @@ def test_options_are_resolved_once_before_the_load_and_the_server_takes_only_res
     other = ServeOptions(port=0).for_model(EngineFacts((0, 1), None), "tiny")
     with pytest.raises(LooptoolError, match=r"budget menu \[0, 1\]"):
         server_module.Server(opened[0], other)
+
+
+def test_a_cpu_server_over_a_looped_model_points_at_the_onnx_engine():
+    """The start-up hint names the export and serve commands for a looped model served by
+    PyTorch on a CPU, and says nothing for an engine directory or a GPU."""
+    from pathlib import Path
+
+    from looptool.cli.serve import faster_engine_hint
+
+    hint = faster_engine_hint(Path("looped"), "pytorch", "cpu")
+    assert "looptool export looped -o looped-onnx" in hint and "looptool serve looped-onnx" in hint
+    assert faster_engine_hint(Path("engines"), "onnxruntime", "cpu") == ""
+    assert faster_engine_hint(Path("looped"), "pytorch", "cuda:0") == ""

@@ -80,5 +80,20 @@ def serve(
             )
     where = f"runtime {server.served.runtime}, device {server.served.device}"
     console.print(f"serving {', '.join(server.model_ids)} at {server.url} ({where})", highlight=False, soft_wrap=True)
+    hint = faster_engine_hint(model_dir, server.served.runtime, server.served.device)
+    if hint:
+        console.print(hint, highlight=False, soft_wrap=True)
     server.run()
     console.print("server stopped", highlight=False)
+
+
+def faster_engine_hint(model_dir: Path, runtime: str, device: str) -> str:
+    """The start-up line that points a CPU server over a looped model directory (the PyTorch
+    runtime) at the onnxruntime engine of the same model, which decodes faster on a CPU (see
+    tests/bench/README.md); empty for any other runtime or device."""
+    if runtime != "pytorch" or not str(device).startswith("cpu"):
+        return ""
+    return (
+        "hint: on a CPU the onnxruntime engine of this model decodes faster than PyTorch: "
+        f"looptool export {model_dir} -o {model_dir}-onnx, then looptool serve {model_dir}-onnx"
+    )

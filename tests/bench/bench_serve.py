@@ -8,17 +8,27 @@ and per budget. Scenarios, run in interleaved rounds (the machine is noisy):
 ``single``  one stream at a time at ``--budget`` (default: the middle of the menu);
 ``mixed``   ``--concurrency`` streams at once spread over every budget (request i at
             menu[i % len(menu)]);
-``inproc``  ``looptool.runtime.generation.generate`` in this process, same prompt, budget and
-            token count as ``single`` (tokens / (prefill + decode) seconds).
+``inproc``  the same runtime in this process (``looptool.runtime.generation.generate``, or the
+            onnxruntime ``Runtime.generate`` with ``--engine``), same prompt, budget and token
+            count as ``single`` (tokens / (prefill + decode) seconds);
+``capacity`` with ``--capacities A,B``: one stream at a time on two more servers, started with
+            ``--capacity A`` and ``--capacity B``, alternating; their p50 TPOT ratio B ÷ A says
+            whether the slot cache's capacity costs time.
 
-Targets (issue text; SmolLM2-135M 8:20, budgets 0,3,6,9,12, 2 cores): mixed output tok/s ≥ 4×
-single's, mixed p50 TPOT ≤ 2.5× single's, single tok/s ÷ inproc tok/s ≥ 0.9. Every request
-uses ``ignore_eos`` so each one generates exactly ``--new`` tokens.
+The server runs with its own defaults (``--capacity`` only when given here), ``--max-batch``
+the concurrency. ``--engine ENGINE_DIR`` serves that engine directory (looptool export of
+MODEL_DIR) on onnxruntime instead of MODEL_DIR on PyTorch.
 
-Run: python tests/bench/bench_serve.py MODEL_DIR [--runs 3] [--requests 16] [--concurrency 8]
-[--prompt 64] [--new 64] [--device cpu] [--threads N] [--out FILE]. Starts its own server on a free port
-(``--url`` uses a running one instead). GPU check: --shape llama-1b --device cuda --dtype
-bfloat16 (random weights of that shape, byte tokenizer, no download). Prints one JSON line.
+Targets (SmolLM2-135M 8:20, budgets 0,3,6,9,12, 2 cores): mixed output tok/s ≥ 5× single's on
+the onnxruntime engine, ≥ 3× on PyTorch; p50 TPOT at capacity 4096 ≤ 1.1× at 256; single tok/s
+÷ inproc tok/s ≥ 0.9. Every request uses ``ignore_eos`` so each one generates exactly
+``--new`` tokens.
+
+Run: python tests/bench/bench_serve.py MODEL_DIR [--engine ENGINE_DIR] [--runs 3] [--requests 16]
+[--concurrency 8] [--prompt 64] [--new 64] [--capacity N] [--capacities 256,4096] [--device cpu]
+[--threads N] [--out FILE]. Starts its own servers on free ports (``--url`` uses a running one
+instead). GPU check: --shape llama-1b --device cuda --dtype bfloat16 (random weights of that
+shape, byte tokenizer, no download). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -128,7 +138,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: str, args) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: str, args, capacity: int | None = None) -> tuple[subprocess.Popen, str]:
+    """A ``looptool serve`` process over ``model_dir`` on a free port, and its /v1 URL."""
     port = _free_port()
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []  # the working directory never shadows looptool
     argv = [
@@ -140,10 +151,10 @@ def start_server(model_dir: str, args) -> tuple[subprocess.Popen, str]:
         model_dir,
         "--port",
         str(port),
-        "--device",
-        args.device,
     ]
-    argv += ["--max-batch", str(args.concurrency), "--capacity", str(args.capacity), "--served-model-name", "m"]
+    argv += ["--threads", str(args.threads)] if args.engine and args.threads else ["--device", args.device]
+    argv += ["--max-batch", str(args.concurrency), "--served-model-name", "m"]
+    argv += ["--capacity", str(capacity)] if capacity else []
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
     log = tempfile.NamedTemporaryFile("w+", prefix="looptool-serve-", suffix=".log", delete=False)
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -194,7 +205,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--budget", type=int, default=None, help="budget of single and inproc (default: the middle)")
-    ap.add_argument("--capacity", type=int, default=256)
+    ap.add_argument("--capacity", type=int, default=None, help="the server's --capacity (default: its own)")
+    ap.add_argument("--capacities", default=None, help="A,B: compare one stream's TPOT at two capacities")
+    ap.add_argument("--engine", default=None, help="serve this engine directory (onnxruntime) instead")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the server and of inproc alike")
     ap.add_argument("--url", default=None, help="a running server's /v1 URL (its model id: m)")
@@ -219,19 +232,49 @@ def main() -> None:
     text = (SOTU / sorted(p.name for p in SOTU.glob("2*.txt"))[0]).read_text()
     prompt = model.tokenizer(text)["input_ids"][: args.prompt]
     ids = torch.tensor([prompt], device=args.device)
-    generate(model, ids, budget=budget, max_new_tokens=2)  # builds the cached paths
-    proc, url = (None, args.url) if args.url else start_server(args.model_dir, args)
-    load_before = os.getloadavg()[0]  # other work on the machine skews every number; say how much there was
-    runs = []
+    if args.engine:
+        from looptool.backends.ort.runtime import Runtime
+
+        runtime = Runtime(args.engine, threads=args.threads)
+
+        def inproc(new: int) -> float:
+            t0 = time.perf_counter()
+            out = runtime.generate(ids, budget=budget, max_new_tokens=new)
+            return (out.sequences.shape[1] - ids.shape[1]) / (time.perf_counter() - t0)
+    else:
+
+        def inproc(new: int) -> float:
+            return generate(model, ids, budget=budget, max_new_tokens=new).tokens_per_second
+
+    inproc(2)  # builds the cached paths or sessions
+    served = args.engine or args.model_dir
+    capacities = [int(c) for c in args.capacities.split(",")] if args.capacities else []
+    procs: list[subprocess.Popen] = []
     try:
+        if args.url:
+            url = args.url
+        else:
+            proc, url = start_server(served, args, args.capacity)
+            procs.append(proc)
+        compared = []
+        for capacity in capacities:
+            proc, other = start_server(served, args, capacity)
+            procs.append(proc)
+            compared.append(other)
+        load_before = os.getloadavg()[0]  # other work on the machine skews every number; say how much there was
+        runs = []
         for _ in range(args.runs):
             single = asyncio.run(load(url, "m", prompt, [budget] * args.single_requests, args.new, 1))
             mixed_budgets = [menu[i % len(menu)] for i in range(args.requests)]
             mixed = asyncio.run(load(url, "m", prompt, mixed_budgets, args.new, args.concurrency))
-            out = generate(model, ids, budget=budget, max_new_tokens=args.new)
-            runs.append({"single": single, "mixed": mixed, "inproc_tok_s": out.tokens_per_second})
+            run = {"single": single, "mixed": mixed, "inproc_tok_s": inproc(args.new)}
+            for capacity, other in zip(capacities, compared):
+                run[f"single_capacity_{capacity}"] = asyncio.run(
+                    load(other, "m", prompt, [budget] * args.single_requests, args.new, 1)
+                )
+            runs.append(run)
     finally:
-        if proc is not None:
+        for proc in procs:
             proc.terminate()
             proc.wait(60)
     single_tok_s = [r["single"]["output_throughput"] for r in runs]
@@ -242,6 +285,11 @@ def main() -> None:
         ),
         "http_over_inproc_tok_s": _range([s / r["inproc_tok_s"] for r, s in zip(runs, single_tok_s)]),
     }
+    if len(capacities) == 2:
+        small, large = (f"single_capacity_{c}" for c in capacities)
+        ratios[f"tpot_capacity_{capacities[1]}_over_{capacities[0]}"] = _range(
+            [r[large]["tpot_s"]["p50"] / r[small]["tpot_s"]["p50"] for r in runs]
+        )
     result = {
         "bench": "serve",
         "model": args.shape or Path(args.model_dir).name,
@@ -250,13 +298,14 @@ def main() -> None:
         "prompt_tokens": len(prompt),
         "new_tokens": args.new,
         "concurrency": args.concurrency,
-        "capacity": args.capacity,
+        "capacity": args.capacity or "the server's default",
+        "runtime": "onnxruntime" if args.engine else "pytorch",
         "device": args.device,
         "torch_threads": torch.get_num_threads(),
         "load_average_1min": {"start": load_before, "end": os.getloadavg()[0]},
         "targets": {
-            "mixed_over_single_tok_s": ">= 4",
-            "mixed_over_single_p50_tpot": "<= 2.5",
+            "mixed_over_single_tok_s": ">= 5" if args.engine else ">= 3",
+            "tpot_capacity_4096_over_256": "<= 1.1",
             "http_over_inproc_tok_s": ">= 0.9",
         },
         "ratios": ratios,
