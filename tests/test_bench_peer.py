@@ -65,6 +65,25 @@ def test_compare_tokens_counts_differing_rows_from_the_first_differing_step():
     assert not bench_peer.compare_tokens(ref[:, :4], ref, 2)["same"]  # fewer tokens
 
 
+def test_compare_tokens_stops_each_row_at_its_first_eos():
+    """The reference suppresses EOS to decode a fixed number of steps; an arm that emits EOS is
+    compared up to it, and not from there on."""
+    ref = torch.tensor([[1, 2, 5, 6, 7, 8], [1, 2, 5, 6, 7, 8]])
+    got = torch.tensor([[1, 2, 5, 0, 4, 4], [1, 2, 5, 6, 7, 9]])  # row 0 emits EOS (0) where ref has 6
+    assert not bench_peer.compare_tokens(got, ref, 2)["same"]
+    t = bench_peer.compare_tokens(got, ref, 2, eos=0)
+    assert t == {"same": False, "rows": 2, "rows_differ": 1, "first_step": 3}  # row 1's last token
+    got[1, 5] = 8
+    assert bench_peer.compare_tokens(got, ref, 2, eos=0)["same"]
+    got[0, 2] = 3  # a token before the EOS still counts
+    assert bench_peer.compare_tokens(got, ref, 2, eos=0) == {
+        "same": False,
+        "rows": 2,
+        "rows_differ": 1,
+        "first_step": 0,
+    }
+
+
 def test_markdown_has_an_arm_table_and_a_ratio_table():
     ms = {"min_ms": 10.0, "median_ms": 11.04, "max_ms": 12.0, "n": 3}
     same = {"same": True, "rows": 1, "rows_differ": 0, "first_step": None}

@@ -136,14 +136,24 @@ def ratio_rows(timings: dict[str, Timing], specs: list[RatioSpec], batches: list
     return rows
 
 
-def compare_tokens(sequences: torch.Tensor, reference: torch.Tensor, prompt: int) -> dict:
+def compare_tokens(sequences: torch.Tensor, reference: torch.Tensor, prompt: int, eos: int | None = None) -> dict:
     """How ``sequences``' new tokens (after ``prompt``) differ from ``reference``'s: the rows
-    that differ and the first new-token index where any does (None when all agree)."""
+    that differ and the first new-token index where any does (None when all agree).
+
+    With ``eos``, each row is compared up to its first ``eos`` in ``sequences``: every arm decodes
+    a fixed number of steps, and the reference (transformers with ``min_new_tokens``, like genai
+    with ``min_length``) suppresses EOS to do so, so it cannot emit that EOS and continues from
+    another token. (An arm's EOS is therefore not checked; the tokens before it are.)"""
     new, want = sequences[:, prompt:], reference[:, prompt:]
     rows = int(new.shape[0])
     if new.shape != want.shape:
         return {"same": False, "rows": rows, "rows_differ": rows, "first_step": 0}
     diff = new != want
+    if eos is not None:
+        steps = torch.arange(new.shape[1])
+        hit = new == eos
+        first_eos = torch.where(hit.any(dim=1), hit.int().argmax(dim=1), new.shape[1])
+        diff &= steps[None, :] < first_eos[:, None]
     bad = diff.any(dim=1)
     first = int(diff.any(dim=0).nonzero()[0, 0]) if bool(bad.any()) else None
     return {"same": not bool(bad.any()), "rows": rows, "rows_differ": int(bad.sum()), "first_step": first}
@@ -454,7 +464,7 @@ def main() -> None:
             "batch": arm.batch,
             "ms_per_step": timings[arm.key].as_dict(),
             "first_token_ms": Timing(tuple(first_token[arm.key][WARMUP:])).as_dict(),
-            "tokens": compare_tokens(sequences[arm.key], ref, prompt),
+            "tokens": compare_tokens(sequences[arm.key], ref, prompt, eos=pad),
             "tokens_expected_same": arm.name in expected_same or arm.name.startswith(("onnx_k", "rowwise_k")),
         }
     specs = ratio_specs(budgets, rowwise, layers, precisions, set(runners))
