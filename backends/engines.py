@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from looptool.backends.errors import ExportError
 
@@ -134,3 +135,54 @@ def engine_name(runtime, backend: str, budget: int, kv: str) -> str:
     if backend == "tensorrt":
         return "TensorRT"
     return "onnxruntime " + runtime.session(budget, kv).get_providers()[0].removesuffix("ExecutionProvider")
+
+
+SOURCE_STAMP = "source.json"  # in an engine directory made by exported_engine: the model files it came from
+
+
+def _source_of(model_dir: Path) -> dict:
+    """What identifies a looped model directory's content: the sha256 of its plan and weights."""
+    from looptool.storage.files import sha256_file
+    from looptool.storage.save import LOOPTOOL_JSON, WEIGHTS
+
+    return {name: sha256_file(model_dir / name) for name in (LOOPTOOL_JSON, WEIGHTS) if (model_dir / name).is_file()}
+
+
+def exported_engine(
+    model_dir: str | os.PathLike,
+    engine_dir: str | os.PathLike,
+    *,
+    kv: str | Iterable[str] = "per-loop",
+    validate: bool = True,
+    on_progress: Callable[[str], None] | None = None,
+) -> Path:
+    """The onnxruntime engine directory of the looped model directory ``model_dir``, kept at
+    ``engine_dir``: exported there (every budget and the row-wise graph, validated) unless it
+    already holds the engine of the same model files (their sha256, recorded beside the
+    manifest), so a second call costs two file hashes. A directory at ``engine_dir`` that this
+    function did not write is never overwritten."""
+    import json
+
+    from looptool.backends.manifest import MANIFEST
+
+    model_dir, engine_dir = Path(model_dir), Path(engine_dir)
+    source = _source_of(model_dir)
+    stamp = engine_dir / SOURCE_STAMP
+    if engine_dir.exists():
+        if not stamp.is_file():
+            raise ExportError(
+                f"'{engine_dir}' exists and was not written by exported_engine; give another engine directory "
+                "or remove it.",
+                parameter="engine_dir",
+            )
+        if json.loads(stamp.read_text()) == source and (engine_dir / MANIFEST).is_file():
+            return engine_dir
+    from looptool.runtime.convert import load
+
+    model = load(model_dir)
+    options = export_options("onnx", kv=kv)
+    export_engines(
+        model, engine_dir, "onnx", "all", options=options, overwrite=True, validate=validate, on_progress=on_progress
+    )
+    stamp.write_text(json.dumps(source, indent=1) + "\n")
+    return engine_dir

@@ -191,8 +191,8 @@ def alone_on(opened: OpenedEngine, ids: list[int], budget: int, max_tokens: int,
 
 def served_on(runtime: str, model_dir: Path, model, workdir: Path) -> Served:
     """``model_dir`` (saved from ``model``) as ``runtime`` serves it: the looped model directory on
-    PyTorch (the reference: :func:`looptool.runtime.generation.generate`); an engine directory
-    exported into ``workdir`` on onnxruntime; a TensorRT engine directory built there by the
+    PyTorch (the reference: :func:`looptool.runtime.generation.generate`); on onnxruntime, the
+    looped model directory with ``--engine onnx``, its engine exported into ``workdir``; a TensorRT engine directory built there by the
     TensorRT test double (fp32: the tiny models' new parameters, N(0, 0.5²), overflow fp16 in
     PyTorch itself) and served by TensorRT's step engine in a process that has the double.
     An engine directory's reference is onnxruntime's step engine over it, one row alone (the
@@ -213,9 +213,13 @@ def served_on(runtime: str, model_dir: Path, model, workdir: Path) -> Served:
         return Served(runtime, Path(model_dir), ("--runtime", runtime, "--device", "cpu"), None, alone)
     pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
     output = workdir / Path(model_dir).name  # the served model's name, as on PyTorch
-    if runtime == "onnxruntime":
-        export_engine(model_dir, output)
-        args, launcher = ("--runtime", runtime, "--threads", "1"), None
+    directory = output
+    if runtime == "onnxruntime":  # exported as looptool serve MODEL_DIR --engine onnx does, which then reuses it
+        from looptool.backends.engines import exported_engine
+
+        exported_engine(model_dir, output, validate=False)
+        directory = Path(model_dir)
+        args, launcher = ("--runtime", runtime, "--threads", "1", "--engine", "onnx", "--engine-dir", str(output)), None
     else:
         import fake_tensorrt
 
@@ -229,4 +233,4 @@ def served_on(runtime: str, model_dir: Path, model, workdir: Path) -> Served:
     def alone(ids, budget, max_tokens, sampling=GREEDY):
         return alone_on(opened, ids, budget, max_tokens, sampling)
 
-    return Served(runtime, output, args, launcher, alone)
+    return Served(runtime, directory, args, launcher, alone)

@@ -461,9 +461,37 @@ def test_a_cpu_server_over_a_looped_model_points_at_the_onnx_engine():
     PyTorch on a CPU, and says nothing for an engine directory or a GPU."""
     from pathlib import Path
 
-    from looptool.cli.serve import faster_engine_hint
+    from looptool.cli.serve import default_engine_dir, faster_engine_hint
 
+    assert default_engine_dir(Path("models/looped")) == Path("models/looped-onnx")  # --engine-dir's default
     hint = faster_engine_hint(Path("looped"), "pytorch", "cpu")
+    assert "looptool serve looped --engine onnx" in hint
     assert "looptool export looped -o looped-onnx" in hint and "looptool serve looped-onnx" in hint
     assert faster_engine_hint(Path("engines"), "onnxruntime", "cpu") == ""
     assert faster_engine_hint(Path("looped"), "pytorch", "cuda:0") == ""
+
+
+def test_the_onnx_engine_of_a_looped_model_is_exported_once_and_kept_with_its_source(saved, tmp_path, monkeypatch):
+    """``exported_engine`` (what ``looptool serve --engine onnx`` runs) exports into a directory
+    that records the model files' sha256, reuses it while they are unchanged, exports again
+    when they change, and never touches a directory it did not write."""
+    import json
+
+    from looptool.backends import engines
+    from looptool.backends.errors import ExportError
+
+    pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+    out = engines.exported_engine(saved, tmp_path / "engine", validate=False)
+    stamp = json.loads((out / engines.SOURCE_STAMP).read_text())
+    assert (out / "manifest.json").is_file() and set(stamp) == {"looptool.json", "model.safetensors"}
+    exports = []
+    monkeypatch.setattr(engines, "export_engines", lambda *a, **k: exports.append(a[1]))
+    assert engines.exported_engine(saved, out) == out and exports == []  # unchanged model: reused
+    (out / engines.SOURCE_STAMP).write_text(json.dumps({**stamp, "model.safetensors": "0" * 64}))
+    engines.exported_engine(saved, out)
+    assert exports == [out]  # another model's engine: exported again
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(ExportError, match="was not written by exported_engine"):
+        engines.exported_engine(saved, tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"

@@ -55,6 +55,16 @@ def serve(
     kv: Kv = "per-loop",
     tokenizer: Tokenizer = None,
     threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads (engine directories).")] = None,
+    engine: Annotated[
+        str,
+        typer.Option(
+            help="as-is: serve MODEL_DIR as it is; onnx: serve the onnxruntime engine of a looped model directory "
+            "(faster on a CPU), exported to --engine-dir on first use and reused while the model is unchanged."
+        ),
+    ] = "as-is",
+    engine_dir: Annotated[
+        Path | None, typer.Option(help="Where --engine onnx keeps the engine (default: MODEL_DIR-onnx).")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning",
 ) -> None:
     """Serve a model over HTTP (OpenAI API): every request picks its own budget. Every option is
@@ -64,8 +74,13 @@ def serve(
 
     check_kv_names(kv)
     check_sizes(max_batch=max_batch, capacity=capacity)
+    if engine not in ("as-is", "onnx"):
+        raise typer.BadParameter(f"unknown engine {engine!r}; use as-is or onnx.", param_hint="--engine")
     options = ServeOptions(host, port, max_batch, capacity, max_queue, default_budget, effort, api_key, log_level)
     options.check()
+    if engine == "onnx":
+        served_model_name = served_model_name or model_dir.resolve().name
+        model_dir = onnx_engine_of(model_dir, engine_dir or default_engine_dir(model_dir), kv)
     with progress() as steps:
         with steps.stage(f"loading {model_dir}"):
             server = prepare(
@@ -87,13 +102,36 @@ def serve(
     console.print("server stopped", highlight=False)
 
 
+def default_engine_dir(model_dir: Path) -> Path:
+    """Where ``--engine onnx`` keeps a looped model directory's engine: beside it, ``NAME-onnx``."""
+    return model_dir.parent / f"{model_dir.name}-onnx"
+
+
+def onnx_engine_of(model_dir: Path, engine_dir: Path, kv: str) -> Path:
+    """The onnxruntime engine of the looped model directory ``model_dir`` at ``engine_dir``,
+    exported there first unless it holds the engine of the same model files."""
+    from looptool.backends.engines import exported_engine
+    from looptool.runtime.step_engine import detect
+
+    if not detect(model_dir):
+        raise typer.BadParameter(
+            f"'{model_dir}' is not a looped model directory; --engine onnx exports one (an engine directory is "
+            "served as it is).",
+            param_hint="--engine",
+        )
+    with progress() as steps, steps.stage(f"onnxruntime engine of {model_dir} in {engine_dir}") as step:
+        return exported_engine(model_dir, engine_dir, kv=kv, on_progress=lambda text: step.update(text=text))
+
+
 def faster_engine_hint(model_dir: Path, runtime: str, device: str) -> str:
     """The start-up line that points a CPU server over a looped model directory (the PyTorch
     runtime) at the onnxruntime engine of the same model, which decodes faster on a CPU (see
     tests/bench/README.md); empty for any other runtime or device."""
     if runtime != "pytorch" or not str(device).startswith("cpu"):
         return ""
+    engine = default_engine_dir(model_dir)
     return (
         "hint: on a CPU the onnxruntime engine of this model decodes faster than PyTorch: "
-        f"looptool export {model_dir} -o {model_dir}-onnx, then looptool serve {model_dir}-onnx"
+        f"looptool serve {model_dir} --engine onnx (or looptool export {model_dir} -o {engine}, then "
+        f"looptool serve {engine})"
     )
