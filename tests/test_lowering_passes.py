@@ -106,6 +106,25 @@ def test_decode_interface_computes_what_the_cached_path_computes(prefix, kind):
         assert torch.equal(present, written[pair.layer, pair.execution, kind])
 
 
+def test_grouped_attention_reads_the_grouped_cache_without_repeating_it(prefix):
+    """Every attention execution of a cached path (4 layers + 2 second passes) reads the
+    ``[batch, kv_heads, length, head_dim]`` cache with ``enable_gqa`` instead of a per-query-head
+    copy; the input path is untouched (the cached paths the runtime binds are checked bit-exact
+    against the unrewritten serving graphs in the test above)."""
+    lg = cached_layer_graph(prefix, "per-loop", (2,))
+    before = _snapshot(lg)
+    graph = PassManager([("grouped_attention", {})])(lg).paths[2]
+    assert _snapshot(lg) == before
+    attention = [n for n in graph.nodes if n.target is _aten.scaled_dot_product_attention.default]
+    assert len(attention) == 4 + 2 and all(n.kwargs["enable_gqa"] for n in attention)
+    heads, kv_heads = prefix.config.num_attention_heads, prefix.config.num_key_value_heads
+    for n in attention:
+        q, k, v = (x.meta["val"] for x in n.args[:3])
+        assert q.shape[1] == heads and k.shape[1] == v.shape[1] == kv_heads < heads
+    original = [n for n in lg.paths[2].nodes if n.target is _aten.scaled_dot_product_attention.default]
+    assert all(n.args[1].meta["val"].shape[1] == heads for n in original)  # repeated before the pass
+
+
 def test_decode_interface_refuses_a_path_that_writes_no_cache(prefix):
     lg = prefix.layer_graph  # budget paths of the forward: no cache input, nothing to lower
     with pytest.raises(PassError, match="pass 'decode_interface' needs pass 'kv_cache' to run first"):

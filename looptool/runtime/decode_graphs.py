@@ -149,7 +149,8 @@ def cached_paths(
     model: LoopedModel, kv: str = "per-loop", budgets: Iterable[int] | None = None
 ) -> dict[int, CachedPath]:
     """The cached budget paths of ``model`` under KV policy ``kv``: the paths of
-    :func:`cached_layer_graph` bound to the model's own tensors (built once per model, policy
+    :func:`cached_layer_graph`, their attention reading the grouped KV cache as it is (the
+    ``grouped_attention`` pass), bound to the model's own tensors (built once per model, policy
     and budget; ``budgets``, default every budget, limits which are built and returned). Each
     returns ``logits [batch, 1, vocab]``."""
     kv = check_policy(model, kv)
@@ -157,7 +158,7 @@ def cached_paths(
     bound = decode_graphs(model).paths.setdefault(DecodeKey("cached", kv), {})
     missing = [b for b in wanted if b not in bound]
     if missing:
-        lg = cached_layer_graph(model, kv, missing)
+        lg = PassManager([("grouped_attention", {})])(cached_layer_graph(model, kv, missing))
         for b, g in lg.paths.items():
             bound[b] = _bind(model, g, lg.module)
     return {b: bound[b] for b in wanted}
@@ -187,7 +188,7 @@ def rowwise_path(model: LoopedModel, kv: str = "per-loop") -> CachedPath:
     budget, over the deepest budget's cache slots (``slots``; :func:`allocate_cache` works)."""
     bound = decode_graphs(model).paths.setdefault(DecodeKey("rowwise", kv), {})
     if ROWWISE not in bound:
-        lg = rowwise_layer_graph(model, kv)
+        lg = PassManager([("grouped_attention", {})])(rowwise_layer_graph(model, kv))
         bound[ROWWISE] = _bind(model, lg.paths[ROWWISE], lg.module)
     return bound[ROWWISE]
 
