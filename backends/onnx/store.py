@@ -63,12 +63,20 @@ class WeightStore:
         self._file.close()
 
 
-def externalize(onnx_model, directory: Path, store: WeightStore, known: dict[str, str], budget: int) -> list[str]:
+def externalize(
+    onnx_model,
+    directory: Path,
+    store: WeightStore,
+    known: dict[str, str],
+    budget: int | str,
+    derived: frozenset[str] | set[str] = frozenset(),
+) -> list[str]:
     """Point every large or model-owned initializer at ``weights.bin``; refuse folded
-    copies of weights (an initializer that is big but no model tensor)."""
+    copies of weights (an initializer that is big but no model tensor, nor one of the
+    ``derived`` digests: the quantized blocks and scales made from model tensors)."""
     import onnx_ir as ir
 
-    known_digests = set(known.values())
+    known_digests = set(known.values()) | set(derived)
     names: list[str] = []
     for name, value in list(onnx_model.graph.initializers.items()):
         tensor = value.const_value
