@@ -410,7 +410,9 @@ def _export_graph(
     fused = dict(sg.fused)
     if quantizer is not None:
         fused.update({op: n for op, n in quantizer.rewrite(onnx_model).items() if n})
-    names = externalize(onnx_model, directory, store, known, budget, quantizer.digests if quantizer else frozenset())
+    if quantizer is not None:  # its tensors are model tensors too (stored however small), checked by digest
+        known = {**known, **quantizer.tensors}
+    names = externalize(onnx_model, directory, store, known, budget)
     strip_metadata(onnx_model)
     path = directory / budget_file(budget, policy)
     ir.save(onnx_model, path)

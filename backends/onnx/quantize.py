@@ -91,7 +91,7 @@ class Quantizer:
     block_size: int = BLOCK_SIZE
     accuracy_level: int = ACCURACY_LEVEL
     weights: dict[str, QuantizedWeight] = field(default_factory=dict)
-    digests: set[str] = field(default_factory=set)  # of every quantized tensor, for the store's check
+    tensors: dict[str, str] = field(default_factory=dict)  # sha256 of every tensor it made, by name
 
     @property
     def bits(self) -> int:
@@ -114,8 +114,14 @@ class Quantizer:
         blocks, scales, _ = DefaultWeightOnlyQuantizer(config).qbits_block_quant(np.ascontiguousarray(weight.T))
         digest = hashlib.sha256(np.ascontiguousarray(weight).tobytes()).hexdigest()
         q = QuantizedWeight(name, np.ascontiguousarray(blocks), np.ascontiguousarray(scales), n, k, self.bits, digest)
-        for array in (q.blocks, q.scales):
-            self.digests.add(hashlib.sha256(array.tobytes()).hexdigest())
+        blocks_digest = hashlib.sha256(q.blocks.tobytes()).hexdigest()
+        self.tensors.update(
+            {
+                q.blocks_name: blocks_digest,
+                q.gather_name: blocks_digest,  # the same bytes
+                q.scales_name: hashlib.sha256(q.scales.tobytes()).hexdigest(),
+            }
+        )
         self.weights[name] = q
         return q
 

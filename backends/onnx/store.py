@@ -63,20 +63,12 @@ class WeightStore:
         self._file.close()
 
 
-def externalize(
-    onnx_model,
-    directory: Path,
-    store: WeightStore,
-    known: dict[str, str],
-    budget: int | str,
-    derived: frozenset[str] | set[str] = frozenset(),
-) -> list[str]:
+def externalize(onnx_model, directory: Path, store: WeightStore, known: dict[str, str], budget: int) -> list[str]:
     """Point every large or model-owned initializer at ``weights.bin``; refuse folded
-    copies of weights (an initializer that is big but no model tensor, nor one of the
-    ``derived`` digests: the quantized blocks and scales made from model tensors)."""
+    copies of weights (an initializer that is big but no model tensor)."""
     import onnx_ir as ir
 
-    known_digests = set(known.values()) | set(derived)
+    known_digests = set(known.values())
     names: list[str] = []
     for name, value in list(onnx_model.graph.initializers.items()):
         tensor = value.const_value
