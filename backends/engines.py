@@ -127,10 +127,15 @@ def export_engines(
 
 
 def open_runtime(
-    engine_dir: str | os.PathLike, backend: str = "onnx", *, threads: int | None = None, prepack: bool = False
+    engine_dir: str | os.PathLike,
+    backend: str = "onnx",
+    *,
+    threads: int | None = None,
+    prepack: bool | None = None,
 ):
     """The runtime of an exported engine directory: onnxruntime sessions
-    (:class:`looptool.backends.ort.runtime.Runtime`, with ``threads`` and ``prepack``) or the built
+    (:class:`looptool.backends.ort.runtime.Runtime`, with ``threads`` and ``prepack``: None
+    pre-packs only weight-quantized engines) or the built
     TensorRT engines (:class:`looptool.backends.tensorrt.runtime.Runtime`)."""
     if check_backend(backend) == "tensorrt":
         from looptool.backends.tensorrt.runtime import Runtime

@@ -263,3 +263,10 @@ def test_cli_default_precision_and_int4_with_tensorrt(model, tmp_path):
     )
     assert res.exit_code == 1 and "export it with backend='onnx'" in res.output
     assert not (tmp_path / "q").exists()
+
+
+def test_quantized_engines_prepack_by_default(engines):
+    """MatMulNBits runs its fast kernels only over packed weights: a quantized engine's sessions pack."""
+    _, directory = engines["int4"]
+    assert Runtime(directory).prepack is True
+    assert Runtime(directory, prepack=False).prepack is False

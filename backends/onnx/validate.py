@@ -106,13 +106,15 @@ def _check(ref, run, ids, mask, atol: float, what: str, label: str) -> float:
 # Weight-only quantized graphs (looptool.backends.onnx.quantize) cannot reproduce PyTorch's
 # logits; they are held to a bound on the relative error of the next-token logits instead:
 # rms(Δ - mean Δ) / rms(ref - mean ref) per row and step (logits centred, since a constant shift
-# changes no probability). Blockwise symmetric rounding leaves each weight an error of about
-# step/√12: absmax/7 per 32-weight block at 4 bits (≈ 9% of a Gaussian block's rms), absmax/127
-# at 8 bits (≈ 0.5%); through the layers that gives ~10-20% (int4) and ~1% (int8) on logits
-# (measured: tiny test llama int4 ≈ 0.1, int8 ≈ 0.006; SmolLM2-135M int4 ≈ 0.15). The bounds
-# leave room for that and fail a broken quantization: wrong K/N or a scrambled block layout
-# gives logits unrelated to the reference, a relative error near √2 (≥ 1 in any case).
-QUANTIZED_BOUNDS = {"int8": 0.05, "int4": 0.5}
+# changes no probability). Blockwise symmetric rounding leaves each weight an rms error of
+# step/√12, a step being absmax/8 per 32-weight block at 4 bits and absmax/128 at 8 bits; through the
+# layers (and int8 activations, accuracy_level 4) that gives, measured: tiny test llama int4
+# 0.16-0.24, int8 ~0.012; SmolLM2-135M int4 0.47-0.49 (its weights come from a Q4_1 GGUF, an
+# asymmetric 4-bit grid that symmetric int4 does not fit). A broken quantization (blocks read
+# for the wrong row, a wrong K/N or block layout) gives logits unrelated to the reference, a
+# relative error near √2 (measured 1.45-1.51 on the tiny llama with its blocks shifted by one
+# row), so the bounds sit between the two.
+QUANTIZED_BOUNDS = {"int8": 0.1, "int4": 0.8}
 
 
 def relative_logit_error(ref: torch.Tensor, got: torch.Tensor) -> float:

@@ -387,7 +387,8 @@ def main() -> None:
 
     # ---------------------------------------------------------------- runners
     rt = Runtime(engine_dir, threads=args.threads, prepack=args.prepack)
-    rt4 = Runtime(int4_dir, threads=args.threads, prepack=args.prepack) if args.int4 else None
+    # MatMulNBits needs its packed weights (Runtime's default for quantized engines; a packed copy per session)
+    rt4 = Runtime(int4_dir, threads=args.threads) if args.int4 else None
     genai_options = {"intra_op_num_threads": args.threads}
     genai_models = {}
     for p in precisions:
