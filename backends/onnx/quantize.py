@@ -28,6 +28,14 @@ graph, so it never reaches ``weights.bin``.
 A graph composed from layer functions takes its weights as function arguments, so the
 rewrite inlines the functions first (onnxruntime inlines them anyway when it loads a graph):
 a quantized graph file holds the flat node list.
+
+In memory the store is still mapped once, but ``MatMulNBits`` runs its fast kernels only over
+weights onnxruntime has pre-packed, so the runtime pre-packs quantized engines by default
+(:class:`looptool.backends.ort.runtime.Runtime`), and each session then holds its own packed
+copy (onnxruntime shares packed weights across sessions only through its C API).
+
+SmolLM2-135M at int4: the blocks and scales written here are byte-identical to those of
+onnxruntime-genai's ``-p int4 -e cpu`` build (checked for the LM head and ``down_proj``).
 """
 
 from __future__ import annotations
