@@ -55,14 +55,26 @@ def export_options(
 ) -> dict:
     """The keyword arguments of ``backend``'s exporter (:func:`looptool.backends.onnx.export.export_onnx`
     or :func:`looptool.backends.tensorrt.export.export_tensorrt`), checked now, before a model is
-    loaded: the TensorRT settings (``precision``, ``max_*``, ``build_on_target``) apply to
-    ``tensorrt`` only, ``ort_fusions`` to ``onnx`` only; building engines (``tensorrt``
-    without ``build_on_target``) needs TensorRT installed. ``rowwise`` adds the row-wise-budget
-    graph per policy (both backends)."""
+    loaded: the TensorRT settings (``max_*``, ``build_on_target``) apply to ``tensorrt`` only,
+    ``ort_fusions`` to ``onnx`` only; building engines (``tensorrt`` without
+    ``build_on_target``) needs TensorRT installed. ``rowwise`` adds the row-wise-budget graph
+    per policy (both backends). ``precision``: for ``tensorrt`` the engines' dtype (fp16, bf16
+    or fp32); for ``onnx``, ``int8`` or ``int4`` quantizes the linears' weights
+    (:mod:`looptool.backends.onnx.quantize`) and a float name keeps the model's own dtype, as
+    before (the default, fp16, is TensorRT's)."""
+    from looptool.backends.onnx.quantize import QUANTIZED
+
     check_backend(backend)
     check_exporter()
     if backend == "onnx":
-        return dict(kv=kv, compose=compose, ort_fusions=ort_fusions, rowwise=rowwise)
+        quantize = precision if precision in QUANTIZED else None
+        return dict(kv=kv, compose=compose, ort_fusions=ort_fusions, rowwise=rowwise, quantize=quantize)
+    if precision in QUANTIZED:
+        raise ExportError(
+            f"precision {precision!r} is weight-only quantization for onnxruntime (MatMulNBits), which TensorRT "
+            "engines here do not use; export it with backend='onnx', or pick fp16, bf16 or fp32 for TensorRT.",
+            parameter="precision",
+        )
     from looptool.backends.tensorrt.export import check_precision, require_tensorrt
 
     check_precision(precision)
@@ -116,10 +128,15 @@ def export_engines(
 
 
 def open_runtime(
-    engine_dir: str | os.PathLike, backend: str = "onnx", *, threads: int | None = None, prepack: bool = False
+    engine_dir: str | os.PathLike,
+    backend: str = "onnx",
+    *,
+    threads: int | None = None,
+    prepack: bool | None = None,
 ):
     """The runtime of an exported engine directory: onnxruntime sessions
-    (:class:`looptool.backends.ort.runtime.Runtime`, with ``threads`` and ``prepack``) or the built
+    (:class:`looptool.backends.ort.runtime.Runtime`, with ``threads`` and ``prepack``: None
+    pre-packs only weight-quantized engines) or the built
     TensorRT engines (:class:`looptool.backends.tensorrt.runtime.Runtime`)."""
     if check_backend(backend) == "tensorrt":
         from looptool.backends.tensorrt.runtime import Runtime

@@ -156,6 +156,8 @@ class Manifest:
     fused_per_body: dict[str, dict[str, int]] = field(default_factory=dict)
     parameter_bytes: int | None = None
     tokenizer: bool = False  # a tokenizer was saved beside the graphs
+    # weight-only quantization of the linears (looptool.backends.onnx.quantize), None: float weights
+    quantization: dict[str, Any] | None = None
     looptool_version: str = __version__
     tensorrt: TensorRTSection | None = None
 
@@ -253,6 +255,7 @@ class Manifest:
             "parameter_bytes": self.parameter_bytes,
             "source_config": self.source_config,
             "tokenizer": self.tokenizer,
+            **({"quantization": self.quantization} if self.quantization is not None else {}),
             **({"tensorrt": _tensorrt_json(self.tensorrt)} if self.tensorrt is not None else {}),
         }
 
@@ -400,6 +403,7 @@ def _parse(data: dict, directory: Path, path: Path) -> Manifest:
         fused_per_body=functions.get("fused_per_body") or {},
         parameter_bytes=data.get("parameter_bytes"),
         tokenizer=bool(data.get("tokenizer")),
+        quantization=data.get("quantization"),
         looptool_version=str(data.get("looptool_version", "")),
         tensorrt=tensorrt,
     )

@@ -53,6 +53,7 @@ from looptool.backends.manifest import WEIGHTS, GraphEntry
 from looptool.backends.onnx.format import budget_file, export_manifest
 from looptool.backends.onnx.optimize import simplify, strip_metadata
 from looptool.backends.onnx.outline import outline_looptool_functions
+from looptool.backends.onnx.quantize import Quantizer, check_quantize
 from looptool.backends.onnx.store import WeightStore, externalize, to_numpy
 from looptool.backends.onnx.validate import validate_engine
 from looptool.backends.serving import example_budgets
@@ -167,6 +168,7 @@ def export_onnx(
     compose: bool = True,
     ort_fusions: bool = False,
     rowwise: bool = True,
+    quantize: str | None = None,
     overwrite: bool = False,
     validate: bool = True,
     atol: float | None = None,
@@ -189,6 +191,12 @@ def export_onnx(
     ``validate=False`` every graph is run with onnxruntime, prefill then step-by-step
     decoding, against the PyTorch cached path (max abs diff ≤ ``atol × max(1, max
     |logits|)``; ``atol`` default: 1e-4 for float32, 1e-2 for float16 graphs).
+
+    ``quantize`` (``"int8"`` or ``"int4"``; default None: float weights) stores every linear's
+    weight once as weight-only blocks read by ``com.microsoft.MatMulNBits`` in every graph
+    (:mod:`looptool.backends.onnx.quantize`: onnxruntime-only graphs); such graphs cannot
+    reproduce PyTorch's logits, so validation bounds their error instead
+    (:func:`looptool.backends.onnx.validate.check_quantized`).
     """
     require_extra("onnx", "ONNX export", "onnx", "onnxscript", "onnx_ir", *(("onnxruntime",) if validate else ()))
     from looptool.backends.onnx.layers import LayerLibrary
@@ -201,6 +209,7 @@ def export_onnx(
     if not chosen and not rowwise:
         raise ExportError("no graph to export: pick budgets, or keep rowwise=True.", parameter="budgets")
     _check_exportable(model, _SUPPORTED_DTYPES + ((torch.bfloat16,) if _allow_bf16 else ()))
+    quantizer = Quantizer(check_quantize(quantize)) if quantize is not None else None
     final, temp = prepare_output_dir(output, overwrite)
     t0 = time.perf_counter()
     library = LayerLibrary(ort_fusions=ort_fusions) if compose else None
@@ -219,7 +228,7 @@ def export_onnx(
                         if budget == ROWWISE
                         else serving_graph(model, budget, policy, unflatten=compose)
                     )
-                    result, entry = _export_graph(sg, budget, policy, temp, store, known, library)
+                    result, entry = _export_graph(sg, budget, policy, temp, store, known, library, quantizer)
                     (rowwise_results if budget == ROWWISE else results).append(result)
                     graphs[budget, policy] = entry
         finally:
@@ -228,11 +237,12 @@ def export_onnx(
             model.tokenizer.save_pretrained(temp)
         functions = library.fusions() if library else {}
         manifest = export_manifest(model, temp, store, graphs, functions, ort_fusions)
+        manifest.quantization = quantizer.describe() if quantizer is not None else None
         manifest.write(temp)
         t_validate = time.perf_counter()
         if validate:
             say("validating with onnxruntime")
-            diffs = validate_engine(model, temp, atol=atol)
+            diffs = validate_engine(model, temp, atol=atol, quantized=quantize)
             for r in [*results, *rowwise_results]:
                 r.max_abs_diff = diffs[r.budget, r.kv]
                 graphs[r.budget, r.kv].max_abs_diff = r.max_abs_diff
@@ -361,10 +371,18 @@ def export_program(
 
 
 def _export_graph(
-    sg, budget: int | str, policy: str, directory: Path, store: WeightStore, known: dict[str, str], library
+    sg,
+    budget: int | str,
+    policy: str,
+    directory: Path,
+    store: WeightStore,
+    known: dict[str, str],
+    library,
+    quantizer: Quantizer | None = None,
 ):
     """Export one serving graph (composed from layer functions when ``library`` is given),
-    externalise its weights and save it; returns its report and manifest entry."""
+    quantize its linears' weights (``quantizer``), externalise its weights and save it;
+    returns its report and manifest entry."""
     import onnx_ir as ir
 
     t0 = time.perf_counter()
@@ -389,6 +407,11 @@ def _export_graph(
     outline_looptool_functions(onnx_model)
     if not calls:  # a composed graph is only calls of bodies, each simplified when it was exported
         simplify(onnx_model)
+    fused = dict(sg.fused)
+    if quantizer is not None:
+        fused.update({op: n for op, n in quantizer.rewrite(onnx_model).items() if n})
+    if quantizer is not None:  # its tensors are model tensors too (stored however small), checked by digest
+        known = {**known, **quantizer.tensors}
     names = externalize(onnx_model, directory, store, known, budget)
     strip_metadata(onnx_model)
     path = directory / budget_file(budget, policy)
@@ -399,7 +422,7 @@ def _export_graph(
         file=path.name,
         bytes=path.stat().st_size,
         seconds=time.perf_counter() - t0,
-        fused=sg.fused,
+        fused=fused,
         composed=bool(calls),
         layer_calls=calls,
     )
@@ -408,7 +431,7 @@ def _export_graph(
         cache=sg.layout,
         menu=tuple(sg.menu) if sg.rowwise else None,
         initializers=names,
-        fused=sg.fused,
+        fused=fused,
         composed=bool(calls),
         layer_calls=calls,
         kv_bytes_per_token=sg.layout.bytes_per_token(),

@@ -55,7 +55,13 @@ def export_cmd(
             help="Also write the row-wise-budget graph per policy (rows of one batch at different budgets).",
         ),
     ] = True,
-    precision: Annotated[str, typer.Option(help="tensorrt: engine dtype, fp16, bf16 or fp32.")] = "fp16",
+    precision: Annotated[
+        str,
+        typer.Option(
+            help="tensorrt: engine dtype, fp16, bf16 or fp32; onnx: int8 or int4 quantizes the linears' "
+            "weights (MatMulNBits, one copy for all budgets), a float name keeps the model's dtype."
+        ),
+    ] = "fp16",
     build_on_target: Annotated[
         bool,
         typer.Option(
@@ -72,6 +78,8 @@ def export_cmd(
     --backend tensorrt adds TensorRT graphs with looptool plugins and builds their engines."""
     from looptool.backends.engines import export_engines, export_options
     from looptool.backends.onnx.export import resolve_budgets, resolve_policies
+    from looptool.backends.onnx.quantize import BLOCK_SIZE, QUANTIZED
+    from looptool.backends.onnx.validate import QUANTIZED_BOUNDS
     from looptool.report.tables import human_bytes
     from looptool.runtime.convert import load
     from looptool.storage.files import check_output_dir
@@ -160,6 +168,12 @@ def export_cmd(
         out.print(
             f"{report.layer_functions} distinct bodies exported once each ({report.layer_seconds:.1f} s); "
             f"validation {report.validation_seconds:.1f} s; total {report.seconds:.1f} s"
+        )
+    if backend == "onnx" and precision in QUANTIZED:
+        out.print(
+            f"weights {precision}: every linear a MatMulNBits over blocks of {BLOCK_SIZE} stored once; "
+            f"'max |Δ|' is the relative logit error against PyTorch's float path (bound "
+            f"{QUANTIZED_BOUNDS[precision]})"
         )
     if backend == "tensorrt":
         built = (

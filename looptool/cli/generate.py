@@ -156,7 +156,7 @@ def run_cmd(
     if capacity is not None and capacity < 1:
         raise LooptoolError("--capacity must be at least 1.")
     check_backend(backend)
-    rt = open_runtime(engine_dir, backend, threads=threads, prepack=prepack)
+    rt = open_runtime(engine_dir, backend, threads=threads, prepack=prepack or None)  # None: quantized engines pack
     source = tokenizer if tokenizer is not None else (engine_dir if rt.manifest.tokenizer else None)
     if source is None:
         raise LooptoolError(

@@ -39,7 +39,13 @@ command. What it does:
    per arm. Ratios, round by round (``timing.Ratio``; median ± half the spread, "noisy"
    under 3 rounds or beyond a 20% spread): looptool ONNX budget 0 ÷ genai fp32; budget k ÷
    budget 0 beside Accordion's (L + k) / L (L = 30 layers); row-wise ÷ the budget's own
-   graph; PyTorch budget 0 ÷ transformers; genai int4 ÷ fp32.
+   graph; PyTorch budget 0 ÷ transformers; genai int4 ÷ fp32; looptool int4 budget 0 ÷ genai int4.
+   With ``--int4`` looptool's engine is also exported at int4 (``export_onnx(...,
+   quantize="int4")``: MatMulNBits over one stored copy of the quantized weights, every budget,
+   no row-wise graph) and timed as ``onnx_int4_k{k}`` at the same budgets as ``onnx_k{k}``;
+   ``loss`` then holds the held-out loss (mean next-token NLL, nats) of the demo text's tokens
+   after the timed prompt, teacher-forced one token per decode step, for ``genai_int4``,
+   ``genai_fp32``, ``onnx_int4_k0`` and ``onnx_k0``.
 4. Tokens: every arm's new tokens against ``hf_generate``'s at the same batch. The fp32 arms at
    budget 0 are expected to match; at a fresh conversion (zero gates) every budget computes
    the source model too, so a mismatch there is reported as well; int4 may differ. Arms that
@@ -114,6 +120,7 @@ def ratio_specs(
     specs += [RatioSpec(f"rowwise_k{k}", f"onnx_k{k}") for k in rowwise]
     specs += [RatioSpec(f"torch_k{first}", REFERENCE)]
     specs += [RatioSpec(f"genai_{p}", "genai_fp32") for p in precisions if p != "fp32"]
+    specs += [RatioSpec(f"onnx_int4_k{first}", "genai_int4")]
     return [s for s in specs if s.numerator in arms and s.denominator in arms]
 
 
@@ -261,6 +268,46 @@ def genai_build(hf_dir: Path, precision: str, work: Path) -> Callable[[Path], No
 
 
 # ----------------------------------------------------------------------------- arms
+def _nll(logits, target: int) -> float:
+    logits = torch.as_tensor(np.asarray(logits), dtype=torch.float64).reshape(-1)
+    return float(torch.logsumexp(logits, 0) - logits[target])
+
+
+def engine_loss(runtime, budget: int, ids: torch.Tensor, prompt: int) -> float:
+    """Mean next-token NLL (nats) of ``ids[0, prompt:]`` under a looptool engine: the first
+    ``prompt`` tokens prefilled, then one teacher-forced decode step per token (the KV-cached
+    path the timing runs)."""
+    from looptool.backends.ort.binding import CacheBinding
+
+    total = ids.shape[1]
+    binding = CacheBinding(runtime.session(budget), runtime.layout(budget), 1, total, runtime.vocab_size)
+    mask = torch.zeros(1, total, dtype=getattr(torch, str(runtime.mask_dtype)))  # updated in place, as decode_loop
+    mask[:, :prompt] = 1
+    steps = torch.arange(total)
+    logits = binding.step(ids[:, :prompt], mask, steps[None, :prompt], steps[:prompt])
+    nll = []
+    for t in range(prompt, total):
+        nll.append(_nll(logits[0], int(ids[0, t])))
+        if t + 1 < total:
+            mask[:, t] = 1
+            logits = binding.step(ids[:, t : t + 1], mask, steps[None, t : t + 1], steps[t : t + 1])
+    return float(np.mean(nll))
+
+
+def genai_loss(og, genai_model, ids: torch.Tensor, prompt: int) -> float:
+    """The same loss under an onnxruntime-genai model (prefill, then one appended token per step)."""
+    params = og.GeneratorParams(genai_model)
+    params.set_search_options(max_length=ids.shape[1] + 1, batch_size=1)
+    gen = og.Generator(genai_model, params)
+    gen.append_tokens(ids[:, :prompt].numpy().astype(np.int32))
+    nll = []
+    for t in range(prompt, ids.shape[1]):
+        nll.append(_nll(gen.get_logits()[0, -1], int(ids[0, t])))
+        if t + 1 < ids.shape[1]:
+            gen.append_tokens(ids[:, t : t + 1].numpy().astype(np.int32))
+    return float(np.mean(nll))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--rounds", type=int, default=5)
@@ -272,7 +319,11 @@ def main() -> None:
     ap.add_argument(
         "--rowwise", default="ends", help="budgets of the row-wise arms: ends (shallowest, deepest), all, none, a list"
     )
-    ap.add_argument("--int4", action="store_true", help="also build and time onnxruntime-genai's int4 model")
+    ap.add_argument(
+        "--int4",
+        action="store_true",
+        help="also build and time onnxruntime-genai's int4 model and looptool's int4 engine (onnx_int4_k*)",
+    )
     ap.add_argument(
         "--prepack", action="store_true", help="looptool's sessions pre-pack weights (Runtime(prepack=True))"
     )
@@ -298,7 +349,7 @@ def main() -> None:
     from looptool.backends.ort.runtime import Runtime
     from looptool.capture.sources import SMOLLM2_WHEEL, load_source
     from looptool.core.graph import ROWWISE
-    from looptool.eval.demo import demo_ids
+    from looptool.eval.demo import DEMO_TEXT, demo_ids
     from looptool.eval.timing import interleaved
     from looptool.runtime.generation import generate
 
@@ -334,8 +385,20 @@ def main() -> None:
         engine_dir, engine_stamp, lambda d: export_onnx(model, d, "all", kv="per-loop"), args.rebuild, say
     )
 
+    int4_dir = work / "looptool-engine-int4"
+    if args.int4:
+        builds["looptool_engine_int4"] = cached_build(
+            int4_dir,
+            {**engine_stamp, "quantize": "int4"},
+            lambda d: export_onnx(model, d, "all", kv="per-loop", quantize="int4", rowwise=False),
+            args.rebuild,
+            say,
+        )
+
     # ---------------------------------------------------------------- runners
     rt = Runtime(engine_dir, threads=args.threads, prepack=args.prepack)
+    # MatMulNBits needs its packed weights (Runtime's default for quantized engines; a packed copy per session)
+    rt4 = Runtime(int4_dir, threads=args.threads) if args.int4 else None
     genai_options = {"intra_op_num_threads": args.threads}
     genai_models = {}
     for p in precisions:
@@ -399,9 +462,9 @@ def main() -> None:
 
         return run
 
-    def onnx_run(k: int):
+    def onnx_run(k: int, runtime=rt):
         def run(ids: torch.Tensor, stamps: list[float]) -> torch.Tensor:
-            return rt.generate(ids, budget=k, max_new_tokens=args.new, on_step=on_step(stamps)).sequences
+            return runtime.generate(ids, budget=k, max_new_tokens=args.new, on_step=on_step(stamps)).sequences
 
         return run
 
@@ -434,6 +497,8 @@ def main() -> None:
 
     runners: dict[str, Callable] = {f"genai_{p}": genai_run(p) for p in precisions}
     runners.update({f"onnx_k{k}": onnx_run(k) for k in budgets})
+    if rt4 is not None:
+        runners.update({f"onnx_int4_k{k}": onnx_run(k, rt4) for k in budgets})
     runners.update({f"rowwise_k{k}": rowwise_run(k) for k in rowwise})
     runners[f"torch_k{menu[0]}"] = torch_run(menu[0])
     runners[REFERENCE] = hf_run
@@ -451,6 +516,18 @@ def main() -> None:
         say(f"round {done[0]}/{args.rounds + WARMUP} done" + (" (warm-up)" if done[0] <= WARMUP else ""))
 
     timings = interleaved(fns, repeats=args.rounds, warmup=WARMUP, on_round=on_round, measured=True)
+    losses = {}
+    if rt4 is not None:
+        say("held-out loss of the int4 and fp32 arms on the demo text")
+        text = src.tokenizer(DEMO_TEXT, return_tensors="pt").input_ids
+        losses = {
+            "tokens": int(text.shape[1] - prompt),
+            "genai_int4": genai_loss(og, genai_models["int4"], text, prompt),
+            "genai_fp32": genai_loss(og, genai_models["fp32"], text, prompt),
+            f"onnx_int4_k{menu[0]}": engine_loss(rt4, menu[0], text, prompt),
+            f"onnx_k{menu[0]}": engine_loss(rt, menu[0], text, prompt),
+        }
+        rt4.close()
     rt.close()
 
     # ---------------------------------------------------------------- results
@@ -504,6 +581,7 @@ def main() -> None:
         "builds": builds,
         "arms": arm_results,
         "ratios": ratio_rows(timings, specs, batches),
+        **({"loss": losses} if losses else {}),
         "token_mismatches": mismatches,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
