@@ -43,7 +43,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-ATTENTION_OPSET = 23  # the first opset with Attention (q_num_heads / kv_num_heads)
+ATTENTION_OPSET = 23  # the first opset with Attention (q_num_heads / kv_num_heads) and RotaryEmbedding
 MS_DOMAIN = "com.microsoft"
 FUSE_PREFIX = "ort."  # the key prefix of these rules' counts among a body's fusions
 
@@ -70,11 +70,6 @@ def _is_weight(value) -> bool:
     if value is None or value.producer() is not None or value.shape is None or len(value.shape) != 2:
         return False
     return all(isinstance(d, int) for d in value.shape)
-
-
-def _attr(node, name: str, default):
-    attr = node.attributes.get(name)
-    return default if attr is None else attr.value
 
 
 # ---------------------------------------------------------------------------- linear
@@ -192,6 +187,56 @@ def _attention_rewrite(op, q, k_cache, v_cache, bias, q_scale, k_scale, **_):
     return op.Attention(q, k_cache, v_cache, bias, q_num_heads=q_heads, kv_num_heads=kv_heads, scale=scale)
 
 
+# ---------------------------------------------------------------------------- rotary
+def _rotary_pattern(op, x, cos, sin, cos_axis, sin_axis, start1, end1, axis1, step1, start2, end2, axis2, step2):
+    first = op.Slice(x, start1, end1, axis1, step1)
+    second = op.Slice(x, start2, end2, axis2, step2)
+    rotated = op.Concat(op.Neg(second), first, axis=-1)  # HF rotate_half
+    return op.Add(op.Mul(x, op.Unsqueeze(cos, cos_axis)), op.Mul(rotated, op.Unsqueeze(sin, sin_axis)))
+
+
+def _rotary_check(
+    context, x, cos, sin, cos_axis, sin_axis, start1, end1, axis1, step1, start2, end2, axis2, step2, **_
+):
+    from onnxscript.rewriter import pattern
+
+    result = pattern.MatchResult()
+    if x.shape is None or len(x.shape) != 4 or not isinstance(x.shape[3], int) or x.shape[3] % 2:
+        return result.fail("x is not [B, heads, T, d] with a static even d", x)
+    half = x.shape[3] // 2
+    wanted = {
+        cos_axis: [1],
+        sin_axis: [1],
+        start1: [0],
+        end1: [half],
+        step1: [1],
+        start2: [half],
+        step2: [1],
+    }
+    for value, expected in wanted.items():
+        array = _const(value)
+        if array is None or array.reshape(-1).tolist() != expected:
+            return result.fail("not rotate_half over the last axis", value)
+    for axis in (axis1, axis2):
+        array = _const(axis)
+        if array is None or array.reshape(-1).tolist() not in ([3], [-1]):
+            return result.fail("the halves are not cut on the last axis", axis)
+    end = _const(end2)
+    if end is None or end.reshape(-1).tolist()[0] < 2 * half:
+        return result.fail("the second half does not run to the end", end2)
+    for table in (cos, sin):
+        if table.shape is not None and len(table.shape) != 3:
+            return result.fail("the rotary table is not [B, T, d]", table)
+    return result
+
+
+def _rotary_rewrite(op, x, cos, sin, **_):
+    half = x.shape[3] // 2
+    # cos/sin are HF tables cat(freqs, freqs): the op reads the first half
+    starts, ends, axes = op.Constant(value_ints=[0]), op.Constant(value_ints=[half]), op.Constant(value_ints=[-1])
+    return op.RotaryEmbedding(x, op.Slice(cos, starts, ends, axes), op.Slice(sin, starts, ends, axes))
+
+
 # ---------------------------------------------------------------------------- driver
 def _rules() -> dict[str, Callable]:
     """Name → rule set, in the order they apply."""
@@ -200,6 +245,9 @@ def _rules() -> dict[str, Callable]:
     return {
         "linear": pattern.RewriteRuleSet(
             [pattern.RewriteRule(_linear_pattern, _linear_rewrite, _linear_check, name="linear", remove_nodes=False)]
+        ),
+        "rotary": pattern.RewriteRuleSet(
+            [pattern.RewriteRule(_rotary_pattern, _rotary_rewrite, _rotary_check, name="rotary", remove_nodes=False)]
         ),
         "attention": pattern.RewriteRuleSet(
             [
@@ -215,30 +263,25 @@ def fuse_for_ort(model) -> dict[str, int]:
     """Rewrite ``model`` (an ``onnx_ir`` model: a layer body or a flat serving graph) in place
     into onnxruntime's fused ops; returns how many of each it got (zeros where nothing
     matched, and then the graph is unchanged)."""
-    import onnx_ir as ir
+    import onnx_ir.passes.common as common_passes
     from onnxscript.rewriter.ort_fusions.rms_normalization import rms_normalization_ruleset
     from onnxscript.rewriter.ort_fusions.skip_normalization import skip_rms_normalization_ruleset
 
-    _drop_identities(model.graph)
-    counts: dict[str, int] = {}
+    # the exporter leaves Identity nodes inside the spans the patterns match
+    common_passes.IdentityEliminationPass()(model)
     rules = _rules()
+    counts: dict[str, int] = {}
     counts["linear"] = rules["linear"].apply_to_model(model)
     counts["rms_norm"] = rms_normalization_ruleset.apply_to_model(model)
-    counts["skip_rms_norm"] = skip_rms_normalization_ruleset.apply_to_model(model)
+    counts["skip_rms_norm"] = skip_rms_normalization_ruleset.apply_to_model(model)  # needs rms_norm's nodes
     counts["attention"] = rules["attention"].apply_to_model(model)
-    if counts["attention"]:
+    counts["rotary"] = rules["rotary"].apply_to_model(model)
+    if counts["attention"] or counts["rotary"]:
         model.graph.opset_imports[""] = max(model.graph.opset_imports.get("", 0), ATTENTION_OPSET)
     if counts["linear"] or counts["skip_rms_norm"]:
         model.graph.opset_imports.setdefault(MS_DOMAIN, 1)
-    ir.passes.common.RemoveUnusedNodesPass()(model)
+    if any(counts.values()):
+        common_passes.RemoveUnusedNodesPass()(model)
+        # one Slice of the rotary tables per layer, not one per rotated tensor
+        common_passes.CommonSubexpressionEliminationPass()(model)
     return counts
-
-
-def _drop_identities(graph) -> None:
-    """Bypass ``Identity`` nodes that do not produce a graph output (the exporter leaves them
-    between ops a pattern spans)."""
-    outputs = set(graph.outputs)
-    for node in list(graph):
-        if node.op_type != "Identity" or node.outputs[0] in outputs or node.inputs[0] is None:
-            continue
-        node.outputs[0].replace_all_uses_with(node.inputs[0])
