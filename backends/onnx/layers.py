@@ -265,6 +265,9 @@ class LayerLibrary:
                     # onnxruntime resolves an inlined function's ops at the model's opset: the
                     # newest a body needs (opset-23 Attention in a fused body)
                     graph.opset_imports[domain] = max(graph.opset_imports.get(domain, version), version)
+        for fn in model.functions.values():  # one opset per domain in the file (onnx's inliner requires it)
+            for domain in fn.opset_imports:
+                fn.opset_imports[domain] = graph.opset_imports[domain]
         return model
 
 
