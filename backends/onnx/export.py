@@ -28,8 +28,9 @@ This module runs the export (under :func:`faster_exporter`); one job per module 
 graph file names and the manifest of an export (:mod:`~looptool.backends.onnx.format`; the
 manifest's type is :mod:`looptool.backends.manifest`'s), the weight store
 (:mod:`~looptool.backends.onnx.store`), optimisation (:mod:`~looptool.backends.onnx.optimize`),
-outlining of fused ops (:mod:`~looptool.backends.onnx.outline`) and validation
-(:mod:`~looptool.backends.onnx.validate`).
+lowering to onnxruntime's fused ops (:mod:`~looptool.backends.onnx.fuse_ort`, on each layer
+body after it is simplified, or on a flat graph), outlining of fused ops
+(:mod:`~looptool.backends.onnx.outline`) and validation (:mod:`~looptool.backends.onnx.validate`).
 """
 
 from __future__ import annotations
