@@ -477,7 +477,7 @@ def _body_model(module, example, shapes, *, ort_fusions: bool = False, fuse_ort:
         model, more = optimize_for_ort(model)
         counts.update(more)
     strip_metadata(model)
-    return model, {k: v for k, v in counts.items() if v}
+    return model, {k: v for k, v in sorted(counts.items()) if v}  # sorted as a cached entry's are
 
 
 def _run_exporter(call, budget: int):
