@@ -28,8 +28,9 @@ This module runs the export (under :func:`faster_exporter`); one job per module 
 graph file names and the manifest of an export (:mod:`~looptool.backends.onnx.format`; the
 manifest's type is :mod:`looptool.backends.manifest`'s), the weight store
 (:mod:`~looptool.backends.onnx.store`), optimisation (:mod:`~looptool.backends.onnx.optimize`),
-outlining of fused ops (:mod:`~looptool.backends.onnx.outline`) and validation
-(:mod:`~looptool.backends.onnx.validate`).
+lowering to onnxruntime's fused ops (:mod:`~looptool.backends.onnx.fuse_ort`, on each layer
+body after it is simplified, or on a flat graph), outlining of fused ops
+(:mod:`~looptool.backends.onnx.outline`) and validation (:mod:`~looptool.backends.onnx.validate`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import torch
 from looptool.backends.errors import ExportError
 from looptool.backends.manifest import WEIGHTS, GraphEntry
 from looptool.backends.onnx.format import budget_file, export_manifest
+from looptool.backends.onnx.fuse_ort import FUSE_PREFIX, fuse_for_ort
 from looptool.backends.onnx.optimize import simplify, strip_metadata
 from looptool.backends.onnx.outline import outline_looptool_functions
 from looptool.backends.onnx.quantize import Quantizer, check_quantize
@@ -80,6 +82,7 @@ class BudgetExport:
     seconds: float
     fused: dict[str, int]
     composed: bool = False  # built from layer functions (else traced flat)
+    ort_ops: dict[str, int] = field(default_factory=dict)  # onnxruntime fused ops in the graph, by rule
     layer_calls: dict[str, int] = field(default_factory=dict)
     max_abs_diff: dict[str, float] = field(default_factory=dict)
 
@@ -167,6 +170,7 @@ def export_onnx(
     kv: str | Iterable[str] = "per-loop",
     compose: bool = True,
     ort_fusions: bool = False,
+    fuse_ort: bool = True,
     rowwise: bool = True,
     quantize: str | None = None,
     overwrite: bool = False,
@@ -187,7 +191,11 @@ def export_onnx(
     ``compose=True`` builds the graphs from layer functions, each distinct layer body
     exported once (falls back to a flat export per graph where that fails).
     ``ort_fusions=True`` rewrites each body with onnxscript's onnxruntime fusions (RMSNorm,
-    skip-RMSNorm, attention as ``com.microsoft`` ops): onnxruntime-only graphs. Unless
+    skip-RMSNorm, attention as ``com.microsoft`` ops): onnxruntime-only graphs.
+    ``fuse_ort=True`` lowers each graph to onnxruntime's fused ops where their patterns match
+    (:mod:`looptool.backends.onnx.fuse_ort`: linears as ``FusedMatMul`` over the stored
+    weights, RMSNorm, attention over the grouped caches): onnxruntime-only graphs too, so the
+    TensorRT export turns it off. Unless
     ``validate=False`` every graph is run with onnxruntime, prefill then step-by-step
     decoding, against the PyTorch cached path (max abs diff ≤ ``atol × max(1, max
     |logits|)``; ``atol`` default: 1e-4 for float32, 1e-2 for float16 graphs).
@@ -212,7 +220,7 @@ def export_onnx(
     quantizer = Quantizer(check_quantize(quantize)) if quantize is not None else None
     final, temp = prepare_output_dir(output, overwrite)
     t0 = time.perf_counter()
-    library = LayerLibrary(ort_fusions=ort_fusions) if compose else None
+    library = LayerLibrary(ort_fusions=ort_fusions, fuse_ort=fuse_ort) if compose else None
     try:
         store = WeightStore(temp / WEIGHTS)
         known = _model_tensor_digests(model)
@@ -228,7 +236,9 @@ def export_onnx(
                         if budget == ROWWISE
                         else serving_graph(model, budget, policy, unflatten=compose)
                     )
-                    result, entry = _export_graph(sg, budget, policy, temp, store, known, library, quantizer)
+                    result, entry = _export_graph(
+                        sg, budget, policy, temp, store, known, library, quantizer=quantizer, fuse_ort=fuse_ort
+                    )
                     (rowwise_results if budget == ROWWISE else results).append(result)
                     graphs[budget, policy] = entry
         finally:
@@ -379,6 +389,7 @@ def _export_graph(
     known: dict[str, str],
     library,
     quantizer: Quantizer | None = None,
+    fuse_ort: bool = False,
 ):
     """Export one serving graph (composed from layer functions when ``library`` is given),
     quantize its linears' weights (``quantizer``), externalise its weights and save it;
@@ -386,10 +397,10 @@ def _export_graph(
     import onnx_ir as ir
 
     t0 = time.perf_counter()
-    onnx_model, calls = None, {}
+    onnx_model, calls, ort_ops = None, {}, {}
     if library is not None:
         try:
-            onnx_model, calls = _compose(sg, library)
+            onnx_model, calls, ort_ops = _compose(sg, library)
         except Exception as exc:  # noqa: BLE001  (any failure of the composed route: trace flat instead)
             log.warning(
                 "budget %s (%s): composing from layer functions failed (%s: %s); exporting it flat",
@@ -407,11 +418,12 @@ def _export_graph(
     outline_looptool_functions(onnx_model)
     if not calls:  # a composed graph is only calls of bodies, each simplified when it was exported
         simplify(onnx_model)
+        if fuse_ort:
+            ort_ops = _fused_counts(fuse_for_ort(onnx_model))
     fused = dict(sg.fused)
-    if quantizer is not None:
+    if quantizer is not None:  # after the fusions: it reads their FusedMatMul linears too
         fused.update({op: n for op, n in quantizer.rewrite(onnx_model).items() if n})
-    if quantizer is not None:  # its tensors are model tensors too (stored however small), checked by digest
-        known = {**known, **quantizer.tensors}
+        known = {**known, **quantizer.tensors}  # its tensors are model tensors too (stored however small)
     names = externalize(onnx_model, directory, store, known, budget)
     strip_metadata(onnx_model)
     path = directory / budget_file(budget, policy)
@@ -424,6 +436,7 @@ def _export_graph(
         seconds=time.perf_counter() - t0,
         fused=fused,
         composed=bool(calls),
+        ort_ops=ort_ops,
         layer_calls=calls,
     )
     entry = GraphEntry(
@@ -439,34 +452,50 @@ def _export_graph(
     return result, entry
 
 
-def _compose(sg, library) -> tuple[object, dict[str, int]]:
-    """The serving graph as calls of functions, each distinct body exported once."""
+def _compose(sg, library) -> tuple[object, dict[str, int], dict[str, int]]:
+    """The serving graph as calls of functions, each distinct body exported once; returns
+    the model, the calls per body and the onnxruntime fused ops of all calls together."""
     from looptool.backends.onnx.functions import OPSET
 
     comp = library.partition(sg)
     library.record_examples(comp, sg)
-    library.export_functions(comp, functools.partial(_body_model, ort_fusions=library.ort_fusions))
+    library.export_functions(
+        comp, functools.partial(_body_model, ort_fusions=library.ort_fusions, fuse_ort=library.fuse_ort)
+    )
     onnx_model = library.assemble(comp, sg, {"": OPSET})
     calls: dict[str, int] = {}
+    ort_ops: dict[str, int] = {}
     for unit in comp.units:
         calls[unit.body.name] = calls.get(unit.body.name, 0) + 1
-    return onnx_model, calls
+        for rule, n in _fused_counts(unit.body.fusions).items():
+            ort_ops[rule] = ort_ops.get(rule, 0) + n
+    return onnx_model, calls, ort_ops
 
 
-def _body_model(module, example, shapes, *, ort_fusions: bool = False):
-    """One body exported and tidied (fused ops outlined, shape arithmetic folded), with
-    onnxruntime's transformer fusions when ``ort_fusions``; returns ``(model, fusion counts)``."""
+def _fused_counts(counts: dict[str, int]) -> dict[str, int]:
+    """The :mod:`~looptool.backends.onnx.fuse_ort` rules' counts among a body's fusions
+    (keys ``ort.<rule>``), matched ones only."""
+    return {k.removeprefix(FUSE_PREFIX): v for k, v in counts.items() if k.startswith(FUSE_PREFIX) and v}
+
+
+def _body_model(module, example, shapes, *, ort_fusions: bool = False, fuse_ort: bool = False):
+    """One body exported and tidied (fused ops outlined, shape arithmetic folded), lowered to
+    onnxruntime's fused ops when ``fuse_ort`` (counts keyed ``ort.<rule>``), with onnxscript's
+    transformer fusions when ``ort_fusions``; returns ``(model, fusion counts)``."""
     program = export_program(module, example, shapes, fake_tensor_cache=False)  # one body: small
     model = program.model
     outline_looptool_functions(model)
     simplify(model)
     counts: dict[str, int] = {}
+    if fuse_ort:
+        counts.update({FUSE_PREFIX + k: v for k, v in fuse_for_ort(model).items()})
     if ort_fusions:
         from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
-        model, counts = optimize_for_ort(model)
+        model, more = optimize_for_ort(model)
+        counts.update(more)
     strip_metadata(model)
-    return model, {k: v for k, v in counts.items() if v}
+    return model, {k: v for k, v in sorted(counts.items()) if v}  # sorted as a cached entry's are
 
 
 def _run_exporter(call, budget: int):

@@ -106,9 +106,10 @@ class Composition:
 class LayerLibrary:
     """The distinct bodies of a set of serving graphs, each exported once."""
 
-    def __init__(self, *, ort_fusions: bool = False):
+    def __init__(self, *, ort_fusions: bool = False, fuse_ort: bool = False):
         self.bodies: dict[str, LayerBody] = {}
         self.ort_fusions = ort_fusions
+        self.fuse_ort = fuse_ort  # lowered to onnxruntime's fused ops (looptool.backends.onnx.fuse_ort)
 
     def fusions(self) -> dict[str, dict[str, int]]:
         """onnxruntime fusions applied, per exported body."""
@@ -196,7 +197,7 @@ class LayerLibrary:
                     body.example,
                     shapes,
                     code_key=body.key,
-                    variant=f"ort_fusions={self.ort_fusions}",
+                    variant=f"ort_fusions={self.ort_fusions}" + (",fuse_ort" if self.fuse_ort else ""),
                 )
                 _check_symbolic(model, body)
                 body.function, body.functions = _as_function(model, body.name)
@@ -261,7 +262,12 @@ class LayerLibrary:
                 fn = ir.serde.deserialize_function(proto)
                 model.functions.setdefault(fn.identifier(), fn)
                 for domain, version in fn.opset_imports.items():
-                    graph.opset_imports.setdefault(domain, version)
+                    # onnxruntime resolves an inlined function's ops at the model's opset: the
+                    # newest a body needs (opset-23 Attention in a fused body)
+                    graph.opset_imports[domain] = max(graph.opset_imports.get(domain, version), version)
+        for fn in model.functions.values():  # one opset per domain in the file (onnx's inliner requires it)
+            for domain in fn.opset_imports:
+                fn.opset_imports[domain] = graph.opset_imports[domain]
         return model
 
 

@@ -274,6 +274,7 @@ def export_tensorrt(
         budgets,
         kv=kv,
         compose=compose,
+        fuse_ort=False,  # onnxruntime's fused ops: TensorRT parses standard ONNX only
         rowwise=rowwise,
         overwrite=overwrite,
         validate=validate and precision != "bf16",
