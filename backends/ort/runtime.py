@@ -120,8 +120,11 @@ class Runtime:
     (``MatMulNBits``, :mod:`looptool.backends.onnx.quantize`) and no other: MatMulNBits runs its
     fast int4/int8 kernels only over its packed form (SmolLM2-135M int4, 2 threads, batch 1:
     ~1.1 s per decode step unpacked, ~30 ms packed), so there each session holds a packed copy
-    of the quantized weights (about their stored size) beside the one shared mapping. Inputs
-    may be numpy arrays or torch tensors.
+    of the quantized weights (about their stored size) beside the one shared mapping.
+    ``spin=True`` lets onnxruntime's idle intra-op threads spin between ops (its own default):
+    faster decoding when this runtime is the only work on the cores (tests/bench/README.md), but
+    a spinning thread takes a core from every other session and from PyTorch in the same
+    process, so it is off unless asked for. Inputs may be numpy arrays or torch tensors.
     """
 
     def __init__(
@@ -132,6 +135,7 @@ class Runtime:
         verify: bool = True,
         threads: int | None = None,
         prepack: bool | None = None,
+        spin: bool = False,
     ):
         require_extra("onnx", "running ONNX engines", "onnxruntime", "onnx")
         self.directory = Path(engine_dir)
@@ -146,6 +150,7 @@ class Runtime:
         }
         self.providers = providers or default_providers()
         self.threads = threads
+        self.spin = spin
         self.prepack = bool(self.manifest.quantization) if prepack is None else prepack
         weights = self.directory / WEIGHTS
         self.verify = verify
@@ -280,8 +285,8 @@ class Runtime:
                 options.log_severity_level = 3
                 if not self.prepack:  # packed copies are per session: one copy of the weights needs them off
                     options.add_session_config_entry("session.disable_prepacking", "1")
-                # idle ORT threads must not spin: they would starve PyTorch or other sessions
-                options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+                # idle ORT threads must not spin unless asked: they would starve PyTorch or other sessions
+                options.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spin else "0")
                 if _shared_cpu_arena():
                     options.add_session_config_entry("session.use_env_allocators", "1")
                 if self.threads:

@@ -45,7 +45,10 @@ command. What it does:
    no row-wise graph) and timed as ``onnx_int4_k{k}`` at the same budgets as ``onnx_k{k}``;
    ``loss`` then holds the held-out loss (mean next-token NLL, nats) of the demo text's tokens
    after the timed prompt, teacher-forced one token per decode step, for ``genai_int4``,
-   ``genai_fp32``, ``onnx_int4_k0`` and ``onnx_k0``.
+   ``genai_fp32``, ``onnx_int4_k0`` and ``onnx_k0``. With ``--fast``, looptool's fp32 engine is
+   also timed as onnxruntime-genai runs its own (``onnx_fast_k{k}``, the shallowest and the
+   deepest budget): weights pre-packed and idle threads spinning (``Runtime(prepack=True,
+   spin=True)``, a packed copy per session), beside the default arms.
 4. Tokens: every arm's new tokens against ``hf_generate``'s at the same batch. The fp32 arms at
    budget 0 are expected to match; at a fresh conversion (zero gates) every budget computes
    the source model too, so a mismatch there is reported as well; int4 may differ. Arms that
@@ -53,7 +56,7 @@ command. What it does:
 5. Writes the JSON to ``--out`` and prints the tables in markdown.
 
 Run: python tests/bench/bench_peer.py [--rounds 5] [--new 64] [--threads 2] [--batches 1,8]
-[--work DIR] [--int4] [--prepack] [--out FILE]; ``--quick`` (smoke): one round, 8 new tokens,
+[--work DIR] [--int4] [--fast] [--prepack] [--out FILE]; ``--quick`` (smoke): one round, 8 new tokens,
 budgets 0 and 12, row-wise at budget 0 only.
 """
 
@@ -121,6 +124,7 @@ def ratio_specs(
     specs += [RatioSpec(f"torch_k{first}", REFERENCE)]
     specs += [RatioSpec(f"genai_{p}", "genai_fp32") for p in precisions if p != "fp32"]
     specs += [RatioSpec(f"onnx_int4_k{first}", "genai_int4")]
+    specs += [RatioSpec(f"onnx_fast_k{first}", "genai_fp32"), RatioSpec(f"onnx_fast_k{first}", f"onnx_k{first}")]
     return [s for s in specs if s.numerator in arms and s.denominator in arms]
 
 
@@ -399,6 +403,8 @@ def main() -> None:
     rt = Runtime(engine_dir, threads=args.threads, prepack=args.prepack)
     # MatMulNBits needs its packed weights (Runtime's default for quantized engines; a packed copy per session)
     rt4 = Runtime(int4_dir, threads=args.threads) if args.int4 else None
+    # onnxruntime's own defaults for a process that runs nothing else: packed weights, spinning threads
+    rt_fast = Runtime(engine_dir, threads=args.threads, prepack=True, spin=True) if args.fast else None
     genai_options = {"intra_op_num_threads": args.threads}
     genai_models = {}
     for p in precisions:
@@ -499,6 +505,8 @@ def main() -> None:
     runners.update({f"onnx_k{k}": onnx_run(k) for k in budgets})
     if rt4 is not None:
         runners.update({f"onnx_int4_k{k}": onnx_run(k, rt4) for k in budgets})
+    if rt_fast is not None:
+        runners.update({f"onnx_fast_k{k}": onnx_run(k, rt_fast) for k in (menu[0], menu[-1])})
     runners.update({f"rowwise_k{k}": rowwise_run(k) for k in rowwise})
     runners[f"torch_k{menu[0]}"] = torch_run(menu[0])
     runners[REFERENCE] = hf_run
@@ -529,6 +537,8 @@ def main() -> None:
         }
         rt4.close()
     rt.close()
+    if rt_fast is not None:
+        rt_fast.close()
 
     # ---------------------------------------------------------------- results
     # fp32 at budget 0 computes the source model; so does every budget at a fresh conversion (zero gates)
@@ -542,7 +552,8 @@ def main() -> None:
             "ms_per_step": timings[arm.key].as_dict(),
             "first_token_ms": Timing(tuple(first_token[arm.key][WARMUP:])).as_dict(),
             "tokens": compare_tokens(sequences[arm.key], ref, prompt, eos=pad),
-            "tokens_expected_same": arm.name in expected_same or arm.name.startswith(("onnx_k", "rowwise_k")),
+            "tokens_expected_same": arm.name in expected_same
+            or arm.name.startswith(("onnx_k", "onnx_fast_k", "rowwise_k")),
         }
     specs = ratio_specs(budgets, rowwise, layers, precisions, set(runners))
     mismatches = [key for key, a in arm_results.items() if a["tokens_expected_same"] and not a["tokens"]["same"]]
@@ -560,6 +571,7 @@ def main() -> None:
         "warmup_rounds": WARMUP,
         "threads": args.threads,
         "prepack": args.prepack,
+        "fast_arms": "onnx_fast_k*: Runtime(prepack=True, spin=True)" if args.fast else None,
         "timing": (
             "ms per decode step: time from the first new token to the last over the new - 1 steps between "
             "(the first token comes from the prefill's logits); arms interleaved, order rotated each round"
