@@ -329,6 +329,11 @@ def main() -> None:
         help="also build and time onnxruntime-genai's int4 model and looptool's int4 engine (onnx_int4_k*)",
     )
     ap.add_argument(
+        "--fast",
+        action="store_true",
+        help="also time looptool's engine with packed weights and spinning threads (Runtime(prepack=True, spin=True))",
+    )
+    ap.add_argument(
         "--prepack", action="store_true", help="looptool's sessions pre-pack weights (Runtime(prepack=True))"
     )
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "looptool-bench-peer")
