@@ -1048,6 +1048,73 @@ def _ort():
     yield H("ONNX decode ms/token ÷ eager, every budget", *span("decode_ort_over_eager"))
 
 
+def _ms(t: dict) -> list[float]:
+    return [t["min_ms"], t["median_ms"], t["max_ms"]]
+
+
+def _peer():
+    d = result("bench_peer")
+    R = functools.partial(row, BENCH, "| arm (ms per decode step) |", source="bench_peer", cols=(0, 1, 2))
+    Q = functools.partial(row, BENCH, "| ratio (round by round) |", source="bench_peer")
+    P = functools.partial(prose, BENCH, source="bench_peer")
+    arms: dict[str, dict[int, dict]] = {}
+    for a in d["arms"].values():
+        arms.setdefault(a["arm"], {})[a["batch"]] = a
+    for name, by in arms.items():
+        yield R(name, *_ms(by[1]["ms_per_step"]), *_ms(by[8]["ms_per_step"]))
+    for r in d["ratios"]:
+        label, b = r["ratio"], r["batches"]
+        figures = [b["1"]["min"], b["1"]["median"], b["8"]["min"], b["8"]["median"]]
+        if r["predicted"]:
+            target = [None, r["predicted"]]  # "≤ 1.05 × (L + k) / L"
+        elif label.endswith(("÷ genai_fp32", "÷ genai_int4")) and not label.startswith("genai"):
+            target = [None, None]  # the targets at batch 1 and 8
+        elif label.startswith(("rowwise", "torch")):
+            target = [None]
+        else:
+            target = []
+        yield Q(label, *figures, *target)
+    torch1, torch8 = (arms["torch_k0"][b]["ms_per_step"]["min_ms"] for b in (1, 8))
+    yield P("PyTorch's batch-8 step ÷ its batch-1 step: {} (minimums; target ≤ {})", torch8 / torch1, None)
+    loss = d["loss"]
+    yield P(
+        "held-out loss (nats per token) on the demo text's {} tokens after the prompt: onnxruntime-genai int4 {}, "
+        "looptool int4 {}, both fp32 {} / {}",
+        loss["tokens"],
+        loss["genai_int4"],
+        loss["onnx_int4_k0"],
+        loss["genai_fp32"],
+        loss["onnx_k0"],
+    )
+
+
+def _serve():
+    for label, name in (
+        ("PyTorch (looped model directory)", "bench_serve_pytorch"),
+        ("onnxruntime (engine directory)", "bench_serve_onnx"),
+    ):
+        d = result(name)
+        runs, ratios = d["runs"], d["ratios"]
+
+        def median(get, runs=runs):
+            return statistics.median(get(r) for r in runs)
+
+        yield row(
+            BENCH,
+            "| runtime (server defaults, `--max-batch 8`) |",
+            label,
+            median(lambda r: r["single"]["output_throughput"]),
+            median(lambda r: r["mixed"]["output_throughput"]),
+            *(ratios["mixed_over_single_tok_s"][k] for k in ("min", "median")),
+            median(lambda r: r["single"]["tpot_s"]["p50"]),
+            median(lambda r: r["mixed"]["tpot_s"]["p50"]),
+            *(ratios["tpot_capacity_4096_over_256"][k] for k in ("min", "median")),
+            *(ratios["http_over_inproc_tok_s"][k] for k in ("min", "median")),
+            source=name,
+            cols=(0, 1, 2, 3, 4, 5, 6),
+        )
+
+
 def _load():
     d = result("load")
     R = functools.partial(row, BENCH, "| what | min / median / max (s) |", source="load")
@@ -1167,6 +1234,8 @@ CHECKS = [
     *_smollm2(),
     *_ort(),
     *_load(),
+    *_peer(),
+    *_serve(),
     *_gpu(),
 ]
 
