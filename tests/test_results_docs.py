@@ -37,6 +37,11 @@ Covered (results file → tests/bench/README.md, unless README.md is named):
   load rows.
 - bench_ort.json → the per-budget ONNX table, the targets table (its "target" column is
   not a measurement) and the prose under it; README.md's "ONNX decode" row.
+- bench_peer.json → the arm table (ms per decode step) and the ratio table of "Decode speed
+  against onnxruntime-genai", its PyTorch batch-8 ÷ batch-1 and held-out-loss prose;
+  README.md's three onnxruntime-genai rows.
+- bench_serve_pytorch.json, bench_serve_onnx.json → the "Serving many streams" table;
+  README.md's serving row.
 
 Not checked, because no results file is kept for them (the docs say so):
 
@@ -1074,6 +1079,15 @@ def _peer():
         else:
             target = []
         yield Q(label, *figures, *target)
+    H = functools.partial(row, README, "| what | measured | target | details |", source="bench_peer", cols=(0, 1))
+    by_label = {r["ratio"]: r["batches"] for r in d["ratios"]}
+    for label, key in (
+        ("ONNX decode, budget 0 ÷ onnxruntime-genai on the same weights (one row · eight rows)", "onnx_k0 ÷ genai_fp32"),
+        ("… with packed weights and spinning threads, as onnxruntime-genai runs", "onnx_fast_k0 ÷ genai_fp32"),
+        ("int4 engine, budget 0 ÷ onnxruntime-genai int4 (one row · eight rows)", "onnx_int4_k0 ÷ genai_int4"),
+    ):
+        shown_budget = [None] if "budget 0" in label else []  # the label's own "0"
+        yield H(label, *shown_budget, by_label[key]["1"]["median"], by_label[key]["8"]["median"])
     torch1, torch8 = (arms["torch_k0"][b]["ms_per_step"]["min_ms"] for b in (1, 8))
     yield P("PyTorch's batch-8 step ÷ its batch-1 step: {} (minimums; target ≤ {})", torch8 / torch1, None)
     loss = d["loss"]
@@ -1113,6 +1127,13 @@ def _serve():
             source=name,
             cols=(0, 1, 2, 3, 4, 5, 6),
         )
+    H = functools.partial(row, README, "| what | measured | target | details |", cols=(0, 1))
+    yield H(
+        "`looptool serve` with its defaults, eight streams ÷ one (onnxruntime · PyTorch)",
+        result("bench_serve_onnx")["ratios"]["mixed_over_single_tok_s"]["median"],
+        result("bench_serve_pytorch")["ratios"]["mixed_over_single_tok_s"]["median"],
+        source="bench_serve_onnx",
+    )
 
 
 def _load():
