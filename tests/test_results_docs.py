@@ -1082,7 +1082,10 @@ def _peer():
     H = functools.partial(row, README, "| what | measured | target | details |", source="bench_peer", cols=(0, 1))
     by_label = {r["ratio"]: r["batches"] for r in d["ratios"]}
     for label, key in (
-        ("ONNX decode, budget 0 ÷ onnxruntime-genai on the same weights (one row · eight rows)", "onnx_k0 ÷ genai_fp32"),
+        (
+            "ONNX decode, budget 0 ÷ onnxruntime-genai on the same weights (one row · eight rows)",
+            "onnx_k0 ÷ genai_fp32",
+        ),
         ("… with packed weights and spinning threads, as onnxruntime-genai runs", "onnx_fast_k0 ÷ genai_fp32"),
         ("int4 engine, budget 0 ÷ onnxruntime-genai int4 (one row · eight rows)", "onnx_int4_k0 ÷ genai_int4"),
     ):
