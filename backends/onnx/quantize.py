@@ -182,14 +182,7 @@ class Quantizer:
                 domain=MS_DOMAIN,
                 name=(node.name or "linear") + f"_Q{self.bits}",
             )
-            new.outputs[0].name = node.outputs[0].name
-            new.outputs[0].shape, new.outputs[0].type = node.outputs[0].shape, node.outputs[0].type
-            graph.insert_before(node, new)
-            out = node.outputs[0]
-            ir.convenience.replace_all_uses_with(out, new.outputs[0])
-            if out in graph.outputs:
-                graph.outputs[graph.outputs.index(out)] = new.outputs[0]
-            graph.remove(node, safe=True)
+            _replace(graph, node, new)
             counts["MatMulNBits"] += 1
         if self.bits == 4:
             for node in gathers:
@@ -264,15 +257,23 @@ class Quantizer:
             domain=MS_DOMAIN,
             name=(node.name or "embedding") + "_Q4",
         )
-        new.outputs[0].name = node.outputs[0].name
-        new.outputs[0].shape, new.outputs[0].type = node.outputs[0].shape, node.outputs[0].type
-        graph.insert_before(node, new)
-        out = node.outputs[0]
-        ir.convenience.replace_all_uses_with(out, new.outputs[0])
-        if out in graph.outputs:
-            graph.outputs[graph.outputs.index(out)] = new.outputs[0]
-        graph.remove(node, safe=True)
+        _replace(graph, node, new)
         return 1
+
+
+def _replace(graph, node, new) -> None:
+    """Put ``new`` where ``node`` is: its output takes the old output's name, shape and type and
+    every use of it (graph outputs included), and ``node`` leaves the graph."""
+    import onnx_ir as ir
+
+    new.outputs[0].name = node.outputs[0].name
+    new.outputs[0].shape, new.outputs[0].type = node.outputs[0].shape, node.outputs[0].type
+    graph.insert_before(node, new)
+    out = node.outputs[0]
+    ir.convenience.replace_all_uses_with(out, new.outputs[0])
+    if out in graph.outputs:
+        graph.outputs[graph.outputs.index(out)] = new.outputs[0]
+    graph.remove(node, safe=True)
 
 
 def _source_initializer(value):
