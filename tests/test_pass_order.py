@@ -140,8 +140,9 @@ def test_cached_decode_paths_go_through_the_manager(prefix, spy):
     prefix.derived.clear()
     prefix.generate(torch.randint(0, 256, (1, 4)), budget=2, max_new_tokens=2)
     names = [name for name, _ in spy]
-    # the decode-step capture moved to the model's device, the recipe replayed on it, then the cache passes
-    assert names == ["retarget_device", "prefix_loop", "kv_cache", "last_position"] and spy[2] == (
+    # the decode-step capture moved to the model's device, the recipe replayed on it, the cache
+    # passes, then the runtime's own attention over the grouped cache
+    assert names == ["retarget_device", "prefix_loop", "kv_cache", "last_position", "grouped_attention"] and spy[2] == (
         "kv_cache",
         {"policy": "per-loop"},
     )

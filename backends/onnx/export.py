@@ -52,7 +52,7 @@ import torch
 from looptool.backends.errors import ExportError
 from looptool.backends.manifest import WEIGHTS, GraphEntry
 from looptool.backends.onnx.format import budget_file, export_manifest
-from looptool.backends.onnx.fuse_ort import FUSE_PREFIX, fuse_for_ort
+from looptool.backends.onnx.fuse_ort import FUSE_PREFIX, fuse_for_ort, rule_counts
 from looptool.backends.onnx.optimize import simplify, strip_metadata
 from looptool.backends.onnx.outline import outline_looptool_functions
 from looptool.backends.onnx.quantize import Quantizer, check_quantize
@@ -419,7 +419,7 @@ def _export_graph(
     if not calls:  # a composed graph is only calls of bodies, each simplified when it was exported
         simplify(onnx_model)
         if fuse_ort:
-            ort_ops = _fused_counts(fuse_for_ort(onnx_model))
+            ort_ops = rule_counts(fuse_for_ort(onnx_model))
     fused = dict(sg.fused)
     if quantizer is not None:  # after the fusions: it reads their FusedMatMul linears too
         fused.update({op: n for op, n in quantizer.rewrite(onnx_model).items() if n})
@@ -467,15 +467,9 @@ def _compose(sg, library) -> tuple[object, dict[str, int], dict[str, int]]:
     ort_ops: dict[str, int] = {}
     for unit in comp.units:
         calls[unit.body.name] = calls.get(unit.body.name, 0) + 1
-        for rule, n in _fused_counts(unit.body.fusions).items():
+        for rule, n in rule_counts(unit.body.fusions).items():
             ort_ops[rule] = ort_ops.get(rule, 0) + n
     return onnx_model, calls, ort_ops
-
-
-def _fused_counts(counts: dict[str, int]) -> dict[str, int]:
-    """The :mod:`~looptool.backends.onnx.fuse_ort` rules' counts among a body's fusions
-    (keys ``ort.<rule>``), matched ones only."""
-    return {k.removeprefix(FUSE_PREFIX): v for k, v in counts.items() if k.startswith(FUSE_PREFIX) and v}
 
 
 def _body_model(module, example, shapes, *, ort_fusions: bool = False, fuse_ort: bool = False):

@@ -58,6 +58,11 @@ MS_DOMAIN = "com.microsoft"
 FUSE_PREFIX = "ort."  # the key prefix of these rules' counts among a body's fusions
 
 
+def rule_counts(counts: dict[str, int]) -> dict[str, int]:
+    """These rules' counts among a body's fusions (keys ``ort.<rule>``), matched ones only."""
+    return {k.removeprefix(FUSE_PREFIX): v for k, v in counts.items() if k.startswith(FUSE_PREFIX) and v}
+
+
 # ---------------------------------------------------------------------------- helpers
 def _const(value) -> np.ndarray | None:
     """The constant array a value holds (an initializer or a ``Constant`` node's), else None."""
