@@ -219,7 +219,8 @@ def served_on(runtime: str, model_dir: Path, model, workdir: Path) -> Served:
 
         exported_engine(model_dir, output, validate=False)
         directory = Path(model_dir)
-        args, launcher = ("--runtime", runtime, "--threads", "1", "--engine", "onnx", "--engine-dir", str(output)), None
+        args = ("--runtime", runtime, "--threads", "1", "--engine", "onnx", "--engine-dir", str(output), "--prepack")
+        launcher = None
     else:
         import fake_tensorrt
 

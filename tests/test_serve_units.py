@@ -474,7 +474,8 @@ def test_a_cpu_server_over_a_looped_model_points_at_the_onnx_engine():
 def test_the_onnx_engine_of_a_looped_model_is_exported_once_and_kept_with_its_source(saved, tmp_path, monkeypatch):
     """``exported_engine`` (what ``looptool serve --engine onnx`` runs) exports into a directory
     that records the model files' sha256, reuses it while they are unchanged, exports again
-    when they change, and never touches a directory it did not write."""
+    when they change, and never touches a directory it did not write; the engine opens with
+    onnxruntime's session settings off by default and on when asked (``--prepack``, ``--spin``)."""
     import json
 
     from looptool.backends import engines
@@ -487,6 +488,13 @@ def test_the_onnx_engine_of_a_looped_model_is_exported_once_and_kept_with_its_so
     exports = []
     monkeypatch.setattr(engines, "export_engines", lambda *a, **k: exports.append(a[1]))
     assert engines.exported_engine(saved, out) == out and exports == []  # unchanged model: reused
+    from looptool.engine import open_engine
+
+    for session, want in (({}, ("0", False)), ({"prepack": True, "spin": True}, ("1", True))):
+        runtime = open_engine(out, runtime="onnxruntime", threads=1, **session).engine.runtime
+        options = runtime.session(0).get_session_options()
+        assert options.get_session_config_entry("session.intra_op.allow_spinning") == want[0]
+        assert runtime.prepack is want[1]
     (out / engines.SOURCE_STAMP).write_text(json.dumps({**stamp, "model.safetensors": "0" * 64}))
     engines.exported_engine(saved, out)
     assert exports == [out]  # another model's engine: exported again

@@ -149,13 +149,16 @@ def open_dir(
     kv: str = "per-loop",
     tokenizer: str | os.PathLike | None = None,
     threads: int | None = None,
+    prepack: bool | None = None,
+    spin: bool = False,
     **_,
 ) -> OpenedEngine:
     """onnxruntime sessions over the engine directory ``path`` (``threads`` intra-op threads,
-    CPU) and their step engine for ``kv``."""
+    CPU; ``prepack`` and ``spin`` as :class:`~looptool.backends.ort.runtime.Runtime` takes them)
+    and their step engine for ``kv``."""
     from looptool.backends.ort.runtime import Runtime
 
-    rt = Runtime(path, threads=threads)
+    rt = Runtime(path, threads=threads, prepack=prepack, spin=spin)
     tok = engine_tokenizer(path, rt.manifest, tokenizer)
     engine = OrtStepEngine(rt, kv=kv)
     costs = costs_by_budget([c.as_dict() for c in rt.manifest.costs], engine.budgets, kv)

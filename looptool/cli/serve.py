@@ -55,6 +55,19 @@ def serve(
     kv: Kv = "per-loop",
     tokenizer: Tokenizer = None,
     threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads (engine directories).")] = None,
+    prepack: Annotated[
+        bool,
+        typer.Option(
+            "--prepack",
+            help="onnxruntime pre-packs weights (faster; a packed copy per budget's session; int4/int8 engines always do).",
+        ),
+    ] = False,
+    spin: Annotated[
+        bool,
+        typer.Option(
+            "--spin", help="onnxruntime's idle threads spin (faster when the server has the cores to itself)."
+        ),
+    ] = False,
     engine: Annotated[
         str,
         typer.Option(
@@ -92,6 +105,8 @@ def serve(
                 kv=kv,
                 tokenizer=tokenizer,
                 threads=threads,
+                prepack=prepack or None,  # None: quantized engines pack, float ones do not
+                spin=spin,
             )
     where = f"runtime {server.served.runtime}, device {server.served.device}"
     console.print(f"serving {', '.join(server.model_ids)} at {server.url} ({where})", highlight=False, soft_wrap=True)

@@ -69,10 +69,11 @@ def open_engine(
     kv: str = "per-loop",
     tokenizer: str | os.PathLike | None = None,
     threads: int | None = None,
+    **session,
 ) -> OpenedEngine:
     """The step engine for ``path`` on ``runtime`` (``auto``: TensorRT where the directory holds
     built engines and a CUDA GPU is present, else onnxruntime for an engine directory, PyTorch
-    for a looped model directory). ``device`` applies to PyTorch, ``threads`` (intra-op) to
-    onnxruntime; ``tokenizer`` replaces the directory's own."""
+    for a looped model directory). ``device`` applies to PyTorch, ``threads`` (intra-op) and
+    ``session`` (``prepack``, ``spin``) to onnxruntime; ``tokenizer`` replaces the directory's own."""
     path = Path(path)
-    return _choose(path, runtime).open_dir(path, device=device, kv=kv, tokenizer=tokenizer, threads=threads)
+    return _choose(path, runtime).open_dir(path, device=device, kv=kv, tokenizer=tokenizer, threads=threads, **session)

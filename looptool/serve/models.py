@@ -40,10 +40,11 @@ def open_model(
     kv: str = "per-loop",
     tokenizer: str | os.PathLike | None = None,
     threads: int | None = None,
+    **session,
 ) -> ServedModel:
-    """The served model at ``path`` on ``runtime`` (``auto``: see :func:`looptool.engine.open_engine`).
-    ``name`` (default: the directory's name) is the model id clients ask for."""
-    opened = open_engine(path, runtime=runtime, device=device, kv=kv, tokenizer=tokenizer, threads=threads)
+    """The served model at ``path`` on ``runtime`` (``auto``: see :func:`looptool.engine.open_engine`,
+    which takes ``session``). ``name`` (default: the directory's name) is the model id clients ask for."""
+    opened = open_engine(path, runtime=runtime, device=device, kv=kv, tokenizer=tokenizer, threads=threads, **session)
     name = name or Path(path).resolve().name
     engine = opened.engine
     return ServedModel(

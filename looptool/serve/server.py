@@ -209,9 +209,11 @@ def prepare(
     kv: str = "per-loop",
     tokenizer: str | os.PathLike | None = None,
     threads: int | None = None,
+    **session,
 ) -> Server:
     """Load ``model_dir`` (a looped model or an exported engine directory) on ``runtime``
-    (``auto``, ``pytorch``, ``onnxruntime`` or ``tensorrt``) and prepare a server.
+    (``auto``, ``pytorch``, ``onnxruntime`` or ``tensorrt``) and prepare a server
+    (``session``: onnxruntime's ``prepack`` and ``spin``, see :func:`looptool.engine.open_engine`).
     Every option is checked and the port bound before the model loads."""
     options = options or ServeOptions()
     options.check()  # before the directory is read: a bad option is reported first
@@ -220,7 +222,7 @@ def prepare(
     sock = bind(resolved.host, resolved.port)
     try:
         served = open_model(
-            model_dir, name=name, runtime=runtime, device=device, kv=kv, tokenizer=tokenizer, threads=threads
+            model_dir, name=name, runtime=runtime, device=device, kv=kv, tokenizer=tokenizer, threads=threads, **session
         )
         return Server(served, resolved, sock)
     except BaseException:
