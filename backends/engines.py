@@ -159,10 +159,11 @@ SOURCE_STAMP = "source.json"  # in an engine directory made by exported_engine: 
 
 def _source_of(model_dir: Path) -> dict:
     """What identifies a looped model directory's content: the sha256 of its plan and weights."""
-    from looptool.storage.files import sha256_file
+    from looptool.cache import file_sha256
     from looptool.storage.save import LOOPTOOL_JSON, WEIGHTS
 
-    return {name: sha256_file(model_dir / name) for name in (LOOPTOOL_JSON, WEIGHTS) if (model_dir / name).is_file()}
+    # remembered per process by path, size and modification time (the load hashes these files too)
+    return {name: file_sha256(model_dir / name) for name in (LOOPTOOL_JSON, WEIGHTS) if (model_dir / name).is_file()}
 
 
 def exported_engine(

@@ -55,10 +55,6 @@ class SlotCache(ABC):
     @abstractmethod
     def _shift_right(self, n: int) -> None: ...
 
-    @abstractmethod
-    def _resized(self, buffer, length: int):
-        """A zeroed buffer like ``buffer`` with ``length`` positions, holding its first ones."""
-
     def copy_row(self, src: int, dst: int) -> None:
         """Every buffer: ``buf[dst] = buf[src]`` (moves a request to another slot)."""
         if src != dst:
@@ -84,7 +80,7 @@ class SlotCache(ABC):
         if length < 1:
             raise LooptoolError(f"a slot cache needs at least one position, got {length}.", parameter="length")
         if length != self.length:
-            self.buffers = [self._resized(b, length) for b in self.buffers]
+            self.buffers = [with_length(b, length, dim=2) for b in self.buffers]
 
 
 class TensorSlotCache(SlotCache):
@@ -106,12 +102,6 @@ class TensorSlotCache(SlotCache):
         for b in self.buffers:
             b[:, :, n:].copy_(b[:, :, : self.length - n].clone())
 
-    def _resized(self, buffer: torch.Tensor, length: int) -> torch.Tensor:
-        new = buffer.new_zeros((*buffer.shape[:2], length, *buffer.shape[3:]))
-        keep = min(length, buffer.shape[2])
-        new[:, :, :keep] = buffer[:, :, :keep]
-        return new
-
 
 class ArraySlotCache(SlotCache):
     """A slot cache of numpy arrays (row slices are contiguous views a runtime binds in place)."""
@@ -131,12 +121,6 @@ class ArraySlotCache(SlotCache):
     def _shift_right(self, n: int) -> None:
         for b in self.buffers:
             b[:, :, n:] = b[:, :, : self.length - n]
-
-    def _resized(self, buffer: np.ndarray, length: int) -> np.ndarray:
-        new = np.zeros((*buffer.shape[:2], length, *buffer.shape[3:]), dtype=buffer.dtype)
-        keep = min(length, buffer.shape[2])
-        new[:, :, :keep] = buffer[:, :, :keep]
-        return new
 
 
 class StepEngine(ABC):
@@ -265,9 +249,19 @@ def full_width(mask, length: int):
         return mask
     if mask.shape[1] > length:
         raise LooptoolError(f"an attention mask of {mask.shape[1]} positions is wider than the cache ({length}).")
-    if isinstance(mask, torch.Tensor):
-        return torch.nn.functional.pad(mask, (0, length - mask.shape[1]))
-    return np.pad(np.asarray(mask), ((0, 0), (0, length - mask.shape[1])))
+    return with_length(mask if isinstance(mask, torch.Tensor) else np.asarray(mask), length, dim=1)
+
+
+def with_length(array, length: int, dim: int):
+    """A new, zeroed torch tensor or numpy array like ``array`` with ``length`` entries along
+    ``dim``, holding ``array``'s first ones (a cache or mask grown or shrunk; never a view, so
+    a shrunk buffer frees the old one and stays contiguous)."""
+    shape = list(array.shape)
+    shape[dim] = length
+    new = array.new_zeros(shape) if isinstance(array, torch.Tensor) else np.zeros(shape, dtype=array.dtype)
+    kept = (slice(None),) * dim + (slice(0, min(length, array.shape[dim])),)
+    new[kept] = array[kept]
+    return new
 
 
 def as_numpy(value) -> np.ndarray:

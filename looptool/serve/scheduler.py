@@ -40,6 +40,7 @@ import torch
 
 from looptool.engine import StepEngine
 from looptool.engine.budgets import RowBudgets
+from looptool.engine.interface import with_length
 from looptool.engine.sampling import GREEDY, SamplingParams, TokenPicker
 from looptool.serve.logprobs import top_logprobs
 from looptool.serve.metrics import Metrics
@@ -343,10 +344,7 @@ class Scheduler:
     def _resize(self, length: int) -> None:
         """Give the cache and the mask ``length`` positions (the first ones kept)."""
         self.cache.resize(length)
-        mask = self.mask.new_zeros(self.mask.shape[0], length)
-        keep = min(length, self.mask.shape[1])
-        mask[:, :keep] = self.mask[:, :keep]
-        self.mask = mask
+        self.mask = with_length(self.mask, length, dim=1)
         log.debug("slot cache resized to %d positions", length)
 
     def _take(self, row: _Row, logits: torch.Tensor) -> None:
