@@ -204,6 +204,14 @@ def test_generate_cli(looped_with_tokenizer):
     for row in seqs[:, enc["input_ids"].shape[1] :]:
         assert tok.decode(row, skip_special_tokens=True) in res.stdout
     assert "KV/tok" in res.output and "tok/s" in res.output
+    # --draft-budget with its default --draft-tokens: budget 2's own continuations, drafted at 0
+    drafted = _run(
+        "generate", looped_with_tokenizer, "--budget", "2", "-p", "The Constitution", "-p", "We",
+        "--max-new-tokens", "5", "--draft-budget", "0",
+    )  # fmt: skip
+    assert drafted.exit_code == 0, drafted.output
+    assert drafted.stdout == res.stdout  # the continuations, and nothing else, go to stdout
+    assert "drafted at 0" in drafted.output and "drafts kept" in drafted.output
     streamed = _run(
         "generate",
         looped_with_tokenizer,
@@ -233,6 +241,9 @@ def test_generate_cli(looped_with_tokenizer):
         (["-p", "x", "--max-new-tokens", "-1"], "non-negative"),
         (["-p", "x", "--kv", "sometimes"], "unknown KV cache policy"),
         (["-p", "x", "-p", "y", "--stream"], "single --prompt"),
+        (["-p", "x", "--budget", "1", "--draft-budget", "2"], "must be shallower"),
+        (["-p", "x", "--draft-budget", "0", "--draft-tokens", "0"], "draft_tokens must be an integer >= 1"),
+        (["-p", "x", "--draft-budget", "0", "--kv", "last-loop"], "needs kv='per-loop'"),
     ],
 )
 def test_generate_cli_bad_input(looped_with_tokenizer, extra, message):

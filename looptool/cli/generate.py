@@ -35,6 +35,13 @@ RowBudgets = Annotated[
     str | None,
     typer.Option("--budget", help="Budget to run, or one per --prompt, e.g. 0,6,12 (default: the deepest)."),
 ]
+DraftBudget = Annotated[
+    int | None,
+    typer.Option(
+        help="Decode speculatively: this shallower budget drafts, --budget verifies (same output as --budget alone)."
+    ),
+]
+DraftTokens = Annotated[int, typer.Option(help="Tokens drafted per verify step with --draft-budget.")]
 
 
 def parse_row_budgets(text: str | None, prompts: int) -> int | list[int] | None:
@@ -69,13 +76,18 @@ def generate(
     stream: Stream = False,
     tokenizer: Tokenizer = None,
     device: Device = "auto",
+    draft_budget: DraftBudget = None,
+    draft_tokens: DraftTokens = 4,
 ) -> None:
     """Generate text with a KV cache at one budget, or one budget per prompt (--budget 0,6,12: the
-    rows run together, each at its own budget); report tokens/s, KV bytes and each row's cost."""
+    rows run together, each at its own budget); report tokens/s, KV bytes and each row's cost.
+    --draft-budget J decodes speculatively: budget J drafts --draft-tokens tokens, --budget keeps
+    what it agrees with (its own output, token for token when greedy)."""
     from looptool.engine.sampling import SamplingParams
+    from looptool.engine.speculation import Speculation
     from looptool.runtime import text
     from looptool.runtime.convert import load
-    from looptool.runtime.decode_graphs import cached_paths, rowwise_path
+    from looptool.runtime.decode_graphs import cached_paths, rowwise_path, verify_paths
     from looptool.runtime.generation import check_max_new_tokens, row_budgets
     from looptool.runtime.generation import generate as run_generate
 
@@ -90,11 +102,18 @@ def generate(
             model = load(model_dir, device=device)
         tok = text.model_tokenizer(model, tokenizer)
         rows = row_budgets(model, budgets, len(prompt))  # resolved once; generate takes it as it is
+        if draft_budget is not None:  # checked before the paths are built
+            if not rows.uniform:
+                raise LooptoolError("--draft-budget takes one --budget for every prompt.")
+            Speculation(draft_budget, draft_tokens).check(rows.rows[0], model.budgets, kv)
         with steps.stage(f"building cached budget paths ({kv})"):
             if not rows.uniform:  # the rows run together through the row-wise path
                 rowwise_path(model, kv)
-            else:  # the one budget asked for: its path alone is built
+            elif draft_budget is None:  # the one budget asked for: its path alone is built
                 cached_paths(model, kv, rows.rows[:1])
+            else:  # the draft's path, the budget's, and its verify path (logits at every position)
+                cached_paths(model, kv, [draft_budget, rows.rows[0]])
+                verify_paths(model, kv, rows.rows[:1])
     enc = text.encode_prompts(tok, prompt)
     result = _stream_generation(
         tok,
@@ -111,9 +130,14 @@ def generate(
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
             on_step=on_step,
+            draft_budget=draft_budget,
+            draft_tokens=draft_tokens,
         ),
     )
     shown = f"budget {rows.rows[0]}" if rows.uniform else f"budgets {','.join(map(str, rows.rows))}"
+    if result.speculation is not None:
+        stats = result.speculation
+        shown += f" · drafted at {draft_budget} ({stats.accepted}/{stats.proposed} drafts kept)"
     _print_generation(tok, prompt, enc, result, stream, f"{shown} · kv {kv} · batch {len(prompt)}")
 
 

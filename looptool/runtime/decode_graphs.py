@@ -59,9 +59,11 @@ class CachedPath:
 class DecodeKey:
     """Which decode graph: ``kind`` ``"cached"`` (a path per budget, from the ``kv_cache`` and
     ``last_position`` passes) or ``"rowwise"`` (those, then ``rowwise_budget``: one path, key
-    :data:`~looptool.core.graph.ROWWISE`, every row at its own budget), under KV policy ``kv``."""
+    :data:`~looptool.core.graph.ROWWISE`, every row at its own budget) or ``"verify"`` (a path per
+    budget from ``kv_cache`` alone: logits at every position, for speculative decoding's verify
+    step), under KV policy ``kv``."""
 
-    kind: Literal["cached", "rowwise"]
+    kind: Literal["cached", "rowwise", "verify"]
     kv: str
 
 
@@ -127,15 +129,19 @@ def cached_layer_graph(model: LoopedModel, kv: str = "per-loop", budgets: Iterab
     ``budgets`` (default: every budget) limits the paths ``kv_cache`` and ``last_position``
     rewrite to those asked for: a call that decodes at one budget (``looptool generate
     --budget 0``) rewrites one path, not the whole menu; paths asked for later are added."""
-    kv = check_policy(model, kv)
+    return _layer_graph(model, DecodeKey("cached", check_policy(model, kv)), budgets)
+
+
+def _layer_graph(model: LoopedModel, key: DecodeKey, budgets: Iterable[int] | None) -> LayerGraph:
+    """The budget paths of ``key`` (kind ``cached`` or ``verify``) for ``budgets``, the missing
+    ones rewritten from the captured decode step and kept."""
     wanted = _wanted(model, budgets)
-    key = DecodeKey("cached", kv)
     kept = decode_graphs(model)
     done = kept.graphs.get(key)
     missing = [b for b in wanted if done is None or b not in done.paths]
     if missing:
         decode = _decode_step(model)
-        steps = [("kv_cache", {"policy": kv}), ("last_position", {})]
+        steps = [("kv_cache", {"policy": key.kv})] + ([("last_position", {})] if key.kind == "cached" else [])
         built = PassManager(steps)(decode.replace(paths={b: decode.paths[b] for b in missing}))
         if done is not None:
             built = done.replace(paths=dict(sorted({**done.paths, **built.paths}.items())))
@@ -153,12 +159,26 @@ def cached_paths(
     ``grouped_attention`` pass), bound to the model's own tensors (built once per model, policy
     and budget; ``budgets``, default every budget, limits which are built and returned). Each
     returns ``logits [batch, 1, vocab]``."""
-    kv = check_policy(model, kv)
+    return _bound_paths(model, DecodeKey("cached", check_policy(model, kv)), budgets)
+
+
+def verify_paths(
+    model: LoopedModel, kv: str = "per-loop", budgets: Iterable[int] | None = None
+) -> dict[int, CachedPath]:
+    """:func:`cached_paths` whose head reads every position: each returns ``logits [batch, T,
+    vocab]`` for the ``T`` tokens of the step (speculative decoding scores ``n`` drafted tokens
+    and the one after them in one step). Same cache inputs, in the same order, as the cached
+    path of the same budget."""
+    return _bound_paths(model, DecodeKey("verify", check_policy(model, kv)), budgets)
+
+
+def _bound_paths(model: LoopedModel, key: DecodeKey, budgets: Iterable[int] | None) -> dict[int, CachedPath]:
+    """The paths of :func:`_layer_graph` for ``key``, grouped-attention rewritten and bound (kept)."""
     wanted = _wanted(model, budgets)
-    bound = decode_graphs(model).paths.setdefault(DecodeKey("cached", kv), {})
+    bound = decode_graphs(model).paths.setdefault(key, {})
     missing = [b for b in wanted if b not in bound]
     if missing:
-        lg = PassManager([("grouped_attention", {})])(cached_layer_graph(model, kv, missing))
+        lg = PassManager([("grouped_attention", {})])(_layer_graph(model, key, missing))
         for b, g in lg.paths.items():
             bound[b] = _bind(model, g, lg.module)
     return {b: bound[b] for b in wanted}

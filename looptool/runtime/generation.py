@@ -10,16 +10,16 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from looptool.core.errors import LooptoolError
-from looptool.core.plan import BudgetCost
 from looptool.engine.budgets import RowBudgets
 from looptool.engine.sampling import GREEDY, SamplingParams, TokenPicker
+from looptool.engine.speculation import Speculation
 from looptool.runtime.decode_graphs import allocate_cache, cached_paths, rowwise_path
+from looptool.runtime.outputs import GenerationOutput, position_ids
 
 if TYPE_CHECKING:
     from looptool.runtime.model import LoopedModel
@@ -27,37 +27,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class GenerationOutput:
-    """What :func:`generate` returns: the sequences plus what the run cost."""
-
-    sequences: torch.Tensor  # [batch, prompt + new], prompt left-padded as given
-    new_tokens: int  # decoding steps run (tokens per row, including any after EOS)
-    prefill_seconds: float
-    decode_seconds: float
-    kv_bytes: int  # bytes of the cache tensors allocated for this call
-    kv_bytes_per_token: float  # kv_bytes / (batch x cache length)
-    logits: tuple[torch.Tensor, ...] = ()  # per step [batch, vocab], with output_logits=True
-    budgets: tuple[int, ...] = ()  # each row's budget
-    row_costs: tuple[BudgetCost, ...] = ()  # each row's per-token cost (its budget's cost-table row)
-
-    @property
-    def tokens_per_second(self) -> float:
-        """Generated tokens per second over prefill and decode (all rows)."""
-        total = self.prefill_seconds + self.decode_seconds
-        return self.sequences.shape[0] * self.new_tokens / total if total > 0 else float("inf")
-
-
 def row_budgets(model: LoopedModel, budget, batch: int) -> RowBudgets:
     """Each row's budget from ``budget`` (see :meth:`looptool.engine.budgets.RowBudgets.resolve`;
     None: the model's default budget), checked against the model's menu once."""
     return RowBudgets.resolve(budget, model.budgets, batch, default=model.default_budget)
-
-
-def position_ids(mask: torch.Tensor) -> torch.Tensor:
-    """Positions of left-padded rows, as transformers' generate computes them."""
-    pos = mask.long().cumsum(-1) - 1
-    return pos.masked_fill(mask == 0, 1)
 
 
 def check_generation_args(input_ids, max_new_tokens) -> None:
@@ -158,6 +131,8 @@ def generate(
     pad_token_id: int | None = None,
     on_step: Callable[[torch.Tensor], bool | None] | None = None,
     output_logits: bool = False,
+    draft_budget: int | None = None,
+    draft_tokens: int = 4,
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens per row at ``budget`` with a KV cache.
 
@@ -173,10 +148,38 @@ def generate(
     have stopped. ``on_step(tokens)`` is called with each step's ``[batch]`` new tokens and
     ends the generation early by returning True;
     ``output_logits=True`` keeps each step's next-token logits.
+
+    ``draft_budget=j`` decodes speculatively (:mod:`looptool.runtime.speculative`): budget ``j``
+    (shallower than ``budget``, one budget for every row) drafts ``draft_tokens`` tokens, the
+    budget asked for scores them in one step and keeps what it agrees with, so the output is
+    budget ``budget``'s own (token for token when greedy, in distribution when sampling);
+    ``speculation`` in the result counts the drafts kept.
     """
     check_generation_args(input_ids, max_new_tokens)
     batch, prompt = input_ids.shape
     rows = row_budgets(model, budget, batch)
+    if draft_budget is not None:
+        if not rows.uniform:
+            raise LooptoolError("speculative decoding takes one budget for every row.", parameter="draft_budget")
+        spec = Speculation(draft_budget, draft_tokens).check(rows.rows[0], model.budgets, kv)
+        if max_new_tokens > 1:
+            from looptool.runtime.speculative import speculative_generate
+
+            out = speculative_generate(
+                model,
+                input_ids,
+                attention_mask=attention_mask,
+                budget=rows.rows[0],
+                speculation=spec,
+                max_new_tokens=max_new_tokens,
+                kv=kv,
+                sampling=sampling,
+                eos_token_id=eos_token_id,
+                pad_token_id=pad_token_id,
+                on_step=on_step,
+                output_logits=output_logits,
+            )
+            return _with_costs(model, out, rows)
     path = cached_paths(model, kv, rows.rows[:1])[rows.rows[0]] if rows.uniform else rowwise_path(model, kv)
     param = next(model.parameters())
     capacity = prompt + max_new_tokens
@@ -200,5 +203,10 @@ def generate(
         output_logits=output_logits,
         kv_bytes=sum(c.numel() * c.element_size() for c in caches),
     )
+    return _with_costs(model, out, rows)
+
+
+def _with_costs(model: LoopedModel, out: GenerationOutput, rows: RowBudgets) -> GenerationOutput:
+    """``out`` with each row's budget and its cost-table row."""
     costs = {c.budget: c for c in model.cost_table()}
     return dataclasses.replace(out, budgets=rows.rows, row_costs=tuple(costs[k] for k in rows.rows))
