@@ -50,7 +50,12 @@ def _batch():
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_greedy_speculation_is_budget_k_token_for_token(name):
+def test_greedy_speculation_is_budget_k_token_for_token(name, monkeypatch):
+    import looptool.runtime.speculative as speculative
+
+    grown = []
+    real = speculative.with_length
+    monkeypatch.setattr(speculative, "with_length", lambda a, n, dim: grown.append(n) or real(a, n, dim))
     model = _model(name)
     prompt, mask = _batch()
     kept = proposed = 0
@@ -76,6 +81,7 @@ def test_greedy_speculation_is_budget_k_token_for_token(name):
                 kept += out.speculation.accepted
                 proposed += out.speculation.proposed
     assert 0 < kept < proposed  # both branches of the rule ran
+    assert grown  # rows kept different numbers of drafts until the shared clock outgrew the caches
 
 
 def test_speculation_stops_rows_at_eos_and_streams_columns():

@@ -41,6 +41,9 @@ if TYPE_CHECKING:
     from looptool.runtime.model import LoopedModel
 
 
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 @torch.no_grad()
 def speculative_generate(
     model: LoopedModel,
@@ -57,32 +60,87 @@ def speculative_generate(
     on_step: Callable[[torch.Tensor], bool | None] | None = None,
     output_logits: bool = False,
 ) -> GenerationOutput:
-    """Generate at ``budget`` with drafts from ``speculation.budget`` (see the module docstring);
-    arguments and result as :func:`looptool.runtime.generation.generate`'s, plus the
-    result's ``speculation`` counts. Rows that stop early (EOS) are padded as there."""
-    k, j, n = budget, speculation.budget, speculation.tokens
+    """Generate at ``budget`` with drafts from ``speculation.budget`` on ``model``'s PyTorch
+    paths (see the module docstring); arguments and result as
+    :func:`looptool.runtime.generation.generate`'s, plus the result's ``speculation`` counts."""
+    k, j = budget, speculation.budget
     param = next(model.parameters())
-    device = param.device
-    ids = input_ids.to(device)
-    batch, prompt = ids.shape
     prefill = cached_paths(model, kv, [k])[k]
     verify = verify_paths(model, kv, [k])[k]
     draft = cached_paths(model, kv, [j])[j]
     names = [s.name for s in prefill.slots]
     if [s.name for s in verify.slots] != names or any(s.name not in names for s in draft.slots):
         raise LooptoolError(f"budget {j}'s cache slots are not a subset of budget {k}'s; it cannot draft for it.")
+    ids = input_ids.to(param.device)
+    capacity = ids.shape[1] + max_new_tokens + speculation.tokens + 1
+    caches = allocate_cache(prefill, ids.shape[0], capacity, dtype=param.dtype, device=param.device)
+    picks = [names.index(s.name) for s in draft.slots]
+
+    def resize(length: int) -> None:
+        caches[:] = [with_length(c, length, dim=2) for c in caches]
+
+    return speculative_loop(
+        lambda *a: prefill.module(*a, *caches)[:, -1],
+        lambda *a: draft.module(*a, *(caches[i] for i in picks))[:, -1],
+        lambda *a: verify.module(*a, *caches),
+        resize,
+        ids,
+        attention_mask,
+        capacity=capacity,
+        speculation=speculation,
+        max_new_tokens=max_new_tokens,
+        mask_dtype=model.mask_dtype,
+        sampling=sampling,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        on_step=on_step,
+        output_logits=output_logits,
+        kv_bytes=lambda: sum(c.numel() * c.element_size() for c in caches),
+    )
+
+
+def speculative_loop(
+    prefill: Step,
+    draft: Step,
+    verify: Step,
+    resize: Callable[[int], None],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    capacity: int,
+    speculation: Speculation,
+    max_new_tokens: int,
+    mask_dtype: torch.dtype,
+    sampling: SamplingParams = GREEDY,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    on_step: Callable[[torch.Tensor], bool | None] | None = None,
+    output_logits: bool = False,
+    kv_bytes: Callable[[], int] = lambda: 0,
+) -> GenerationOutput:
+    """The draft-verify loop shared by every runtime, as
+    :func:`~looptool.runtime.generation.decode_loop` is for plain decoding.
+
+    Each step is ``step(ids, attention_mask, position_ids, cache_position)`` over one set of
+    caches of ``capacity`` positions: ``prefill`` (budget ``k``, the prompt) and ``draft``
+    (budget ``j``, one token) return next-token logits ``[batch, vocab]``, ``verify`` (budget
+    ``k``, ``n + 1`` tokens) returns ``[batch, n + 1, vocab]``. The loop owns the ``[batch,
+    capacity]`` mask; when a round would pass the end of the caches it grows the mask and calls
+    ``resize(length)``, which must give every cache ``length`` positions, keeping the first ones.
+    """
+    device = input_ids.device
+    n = speculation.tokens
+    ids = input_ids
+    batch, prompt = ids.shape
     pick = TokenPicker(sampling, device)
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
-
-    capacity = prompt + max_new_tokens + n + 1
-    caches = allocate_cache(prefill, batch, capacity, dtype=param.dtype, device=device)
-    mask = torch.zeros(batch, capacity, dtype=model.mask_dtype, device=device)
-    mask[:, :prompt] = 1 if attention_mask is None else attention_mask.to(device=device, dtype=model.mask_dtype)
+    mask = torch.zeros(batch, capacity, dtype=mask_dtype, device=device)
+    mask[:, :prompt] = 1 if attention_mask is None else attention_mask.to(device=device, dtype=mask_dtype)
     position = position_ids(mask[:, :prompt])
 
     t0 = time.perf_counter()
-    logits = prefill.module(ids, mask, position, torch.arange(prompt, device=device), *caches)[:, -1]
+    logits = prefill(ids, mask, position, torch.arange(prompt, device=device))
     prefill_seconds = time.perf_counter() - t0
     t1 = time.perf_counter()
     first = pick(logits, ids)
@@ -93,21 +151,19 @@ def speculative_generate(
     while not rows.finished():
         if clock + n + 1 > mask.shape[1]:  # the rows' shared clock has passed rejected positions: grow
             size = max(2 * mask.shape[1], clock + n + 1)
-            caches = [with_length(c, size, dim=2) for c in caches]
             mask = with_length(mask, size, dim=1)
-        draft_caches = [caches[names.index(s.name)] for s in draft.slots]
+            resize(size)
         tokens, dists = [last], []
         for i in range(n):
             mask[:, clock + i] = 1
-            step = torch.tensor([clock + i], device=device)
-            out = draft.module(tokens[-1][:, None], mask, (pos + i)[:, None], step, *draft_caches)[:, -1]
+            out = draft(tokens[-1][:, None], mask, (pos + i)[:, None], torch.tensor([clock + i], device=device))
             q = draft_probs(pick, out)
             tokens.append(out.argmax(-1) if q is None else torch.multinomial(q, 1, generator=pick.generator)[:, 0])
             dists.append(q)
         mask[:, clock + n] = 1
         seq = torch.stack(tokens, dim=1)  # [B, n+1]: the last accepted token, then the drafts
         span = torch.arange(n + 1, device=device)
-        scores = verify.module(seq, mask, pos[:, None] + span, clock + span, *caches)  # [B, n+1, V]
+        scores = verify(seq, mask, pos[:, None] + span, clock + span)  # [B, n+1, V]
         kept, nxt = accept_drafts(pick, scores, seq[:, 1:], None if dists[0] is None else torch.stack(dists, 1))
         live = rows.live()
         stats.rounds += 1
@@ -125,14 +181,14 @@ def speculative_generate(
         last, pos, clock = nxt, pos + kept + 1, clock + int(kept.max()) + 1
     decode = time.perf_counter() - t1
     sequences = torch.cat([ids, rows.tensor(device, ids.dtype)], dim=1)
-    kv_bytes = sum(c.numel() * c.element_size() for c in caches)
+    total = kv_bytes()
     return GenerationOutput(
         sequences,
         rows.columns,
         prefill_seconds,
         decode,
-        kv_bytes,
-        kv_bytes / (batch * mask.shape[1]),
+        total,
+        total / (batch * mask.shape[1]),
         rows.logits(),
         speculation=stats,
     )
