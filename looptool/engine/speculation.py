@@ -64,11 +64,14 @@ class Speculation:
 
 @dataclass
 class SpeculationStats:
-    """What speculation did over one generation: verify steps, drafts proposed and kept."""
+    """What speculation did over one generation: verify steps, drafts proposed and kept, and
+    the seconds spent in draft steps and in verify steps."""
 
     rounds: int = 0
     proposed: int = 0
     accepted: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
     @property
     def acceptance(self) -> float:
@@ -82,6 +85,8 @@ class SpeculationStats:
             "proposed": self.proposed,
             "accepted": self.accepted,
             "acceptance": round(self.acceptance, 4),
+            "draft_seconds": round(self.draft_seconds, 6),
+            "verify_seconds": round(self.verify_seconds, 6),
         }
 
 

@@ -154,6 +154,7 @@ def speculative_loop(
             mask = with_length(mask, size, dim=1)
             resize(size)
         tokens, dists = [last], []
+        t_draft = time.perf_counter()
         for i in range(n):
             mask[:, clock + i] = 1
             out = draft(tokens[-1][:, None], mask, (pos + i)[:, None], torch.tensor([clock + i], device=device))
@@ -163,7 +164,10 @@ def speculative_loop(
         mask[:, clock + n] = 1
         seq = torch.stack(tokens, dim=1)  # [B, n+1]: the last accepted token, then the drafts
         span = torch.arange(n + 1, device=device)
+        t_verify = time.perf_counter()
         scores = verify(seq, mask, pos[:, None] + span, clock + span)  # [B, n+1, V]
+        stats.draft_seconds += t_verify - t_draft
+        stats.verify_seconds += time.perf_counter() - t_verify
         kept, nxt = accept_drafts(pick, scores, seq[:, 1:], None if dists[0] is None else torch.stack(dists, 1))
         live = rows.live()
         stats.rounds += 1
