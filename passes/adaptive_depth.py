@@ -129,7 +129,7 @@ def adaptive_graph(lg: LayerGraph, deepest: fx.Graph, rule: str = "state") -> fx
         inputs.append(anchor)
     menu = tuple(sorted(lg.paths))
     depths = tuple(range(min(menu), max(menu) + 1))  # every integer depth between the menu's ends
-    active = _Active(graph, *inputs, _lens(graph) if rule == "kl" else None)
+    active = _Active(graph, *inputs, _Lens(graph) if rule == "kl" else None)
     if isinstance(lg.plan, PrefixLoop):
         _adapt_second_passes(graph, active)
     else:
@@ -170,13 +170,13 @@ class _Active:
     def _criterion(self, new: fx.Node, old: fx.Node) -> fx.Node:
         """float32 ``[batch]`` at each row's last position: ``||new - old|| / ||new||``, or with
         the KL rule ``KL(p_new || p_old)`` through the final norm and LM head."""
-        new, old = (self.op(_aten.select.int, x, 1, -1) for x in (new, old))
         if self.lens is not None:
             lp_new, lp_old = (self.lens.log_probs(self, x) for x in (new, old))
             kl = self.op(
                 _aten.mul.Tensor, self.op(_aten.exp.default, lp_new), self.op(_aten.sub.Tensor, lp_new, lp_old)
             )
             return self.op(_aten.sum.dim_IntList, kl, [-1])
+        new, old = (self.op(_aten.select.int, x, 1, -1) for x in (new, old))
         new, old = (self.op(_aten._to_copy.default, x, dtype=torch.float32) for x in (new, old))
         change = self.op(_aten.linalg_vector_norm.default, self.op(_aten.sub.Tensor, new, old), 2, [-1])
         size = self.op(_aten.clamp_min.default, self.op(_aten.linalg_vector_norm.default, new, 2, [-1]), _TINY)
@@ -293,21 +293,18 @@ class _Lens:
             for n in graph.nodes
             if n.op == "call_function" and annotation(n).get("role") in (ROLE_FINAL_NORM, ROLE_HEAD)
         ]
-        members = set(self.nodes)
-        self.input = _block_input(members, "the final norm")
-        if not self.nodes or not any(annotation(n).get("role") == ROLE_HEAD for n in self.nodes):
+        if not any(annotation(n).get("role") == ROLE_HEAD for n in self.nodes):
             raise PassError("adaptive_depth: exit_rule 'kl' needs the path's final norm and LM head.")
+        self.input = _block_input(set(self.nodes), "the final norm")
 
     def log_probs(self, active: _Active, state: fx.Node) -> fx.Node:
-        """float32 log-probabilities ``[batch, vocab]`` of ``state`` (``[batch, hidden]``)."""
-        env = {self.input: active.op(_aten.unsqueeze.default, state, 1)}
+        """float32 log-probabilities ``[batch, vocab]`` at the last position of ``state``
+        (``[batch, T, hidden]``: all positions, since the final norm's shape arithmetic reads
+        ``T``; the path's own last-position cut keeps the LM head to one position)."""
+        env = {self.input: state}
         for node in self.nodes:
             env[node] = active.graph.node_copy(node, lambda a: env.get(a, a))
             annotate(env[node], ROLE_STATE, None, part=_PART)
         logits = active.op(_aten.select.int, env[self.nodes[-1]], 1, -1)
         logits = active.op(_aten._to_copy.default, logits, dtype=torch.float32)
         return active.op(_aten._log_softmax.default, logits, -1, False)
-
-
-def _lens(graph: fx.Graph) -> _Lens:
-    return _Lens(graph)

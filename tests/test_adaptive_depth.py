@@ -179,6 +179,15 @@ def test_kl_rule(name):
     assert _same(_run(model, prompt, mask, budget=lo, kv="last-loop"), auto) and bool((auto.depths == lo).all())
 
 
+def test_kl_rule_where_the_final_norm_reads_the_length():
+    """GPT-2's captured final norm reshapes to the step's length: the logit lens runs it on
+    every position of the state (the path's last-position cut keeps the head to one)."""
+    model = looptool.convert(tiny_model("gpt2"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 2)))
+    prompt, mask = _batch(2)
+    auto = _run(model, prompt, mask, budget="auto", exit_rule="kl", exit_threshold=0.0)
+    assert _same(_run(model, prompt, mask, budget=2, kv="last-loop"), auto)
+
+
 def test_pass_builds_one_path_with_depth_inputs_and_output():
     model = _model("prefix-llama")
     graph = adaptive_path(model).module.graph
