@@ -215,6 +215,7 @@ def test_bad_adaptive_arguments():
         ({"max_budget": 5}, "max_budget 5 is not in this model's budget menu"),
         ({"min_budget": 1.0}, "min_budget must be one integer budget"),
         ({"exit_rule": "entropy"}, "unknown exit_rule"),
+        ({"draft_budget": 0}, "speculative decoding needs a fixed budget"),
     ]:
         with pytest.raises(LooptoolError, match=message):
             generate(model, prompt, budget="auto", max_new_tokens=1, **kwargs)
