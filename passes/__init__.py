@@ -9,6 +9,7 @@ by the manager against its steps and the passes already applied (``LayerGraph.ap
 """
 
 from looptool.passes import ablate as _ablate  # noqa: F401  (registers)
+from looptool.passes import adaptive_depth as _adaptive_depth  # noqa: F401  (registers)
 from looptool.passes import checkpoint as _checkpoint  # noqa: F401  (registers)
 from looptool.passes import decode_interface as _decode_interface  # noqa: F401  (registers)
 from looptool.passes import fuse as _fuse  # noqa: F401  (registers)

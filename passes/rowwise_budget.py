@@ -146,25 +146,35 @@ def _rank(node: fx.Node) -> int:
 
 def _mask_second_passes(graph: fx.Graph, lg: LayerGraph, menu: tuple[int, ...], masks: _Masks) -> None:
     """Second pass of window layer ``l``: its output becomes ``where(k runs l twice, out, in)``."""
-    layers = sorted({annotation(n)["layer"] for n in graph.nodes if annotation(n).get("repeat") == 2})
-    for layer in layers:
-        members = {n for n in graph.nodes if annotation(n).get("repeat") == 2 and annotation(n).get("layer") == layer}
-        outs = [n for n in members if any(u not in members for u in n.users) and n.op == "call_function"]
-        outs = [n for n in outs if "kv" not in annotation(n)]  # cache writes are not the layer output
-        ins = {
-            i
-            for n in members
-            for i in n.all_input_nodes
-            if i not in members
-            and i.op == "call_function"
-            and annotation(i).get("layer") == layer
-            and "kv" not in annotation(i)
-        }
-        if len(outs) != 1 or len(ins) != 1:
-            raise PassError(f"rowwise_budget: cannot tell the second pass of layer {layer} apart (its output/input).")
-        (out,), (inp,) = outs, ins
+    for layer in repeated_layers(graph):
+        out, inp = second_pass_ends(graph, layer)
         mask = masks.at_least(threshold(lg, menu, layer, 2), _rank(out))
         _select(graph, mask, out, inp, users_of=out)
+
+
+def repeated_layers(graph: fx.Graph) -> list[int]:
+    """The layers whose second pass (Accordion Eq. 1) ``graph`` runs, in order."""
+    return sorted({annotation(n)["layer"] for n in graph.nodes if annotation(n).get("repeat") == 2})
+
+
+def second_pass_ends(graph: fx.Graph, layer: int) -> tuple[fx.Node, fx.Node]:
+    """``(output, input)`` of the second pass of ``layer``: its input is the first pass's output."""
+    members = {n for n in graph.nodes if annotation(n).get("repeat") == 2 and annotation(n).get("layer") == layer}
+    outs = [n for n in members if any(u not in members for u in n.users) and n.op == "call_function"]
+    outs = [n for n in outs if "kv" not in annotation(n)]  # cache writes are not the layer output
+    ins = {
+        i
+        for n in members
+        for i in n.all_input_nodes
+        if i not in members
+        and i.op == "call_function"
+        and annotation(i).get("layer") == layer
+        and "kv" not in annotation(i)
+    }
+    if len(outs) != 1 or len(ins) != 1:
+        raise PassError(f"cannot tell the second pass of layer {layer} apart (its output/input).")
+    (out,), (inp,) = outs, ins
+    return out, inp
 
 
 def _mask_states(graph: fx.Graph, menu: tuple[int, ...], masks: _Masks) -> None:

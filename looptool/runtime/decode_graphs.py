@@ -26,6 +26,7 @@ from looptool.capture import capture_config
 from looptool.core.errors import LooptoolError
 from looptool.core.graph import ROWWISE, LayerGraph, annotation, dtype_from_str, own_bodies, shared_graph_module
 from looptool.passes import PassManager
+from looptool.passes.adaptive_depth import ADAPTIVE
 from looptool.passes.kv_cache import KV_POLICIES
 
 if TYPE_CHECKING:
@@ -58,12 +59,14 @@ class CachedPath:
 @dataclass(frozen=True)
 class DecodeKey:
     """Which decode graph: ``kind`` ``"cached"`` (a path per budget, from the ``kv_cache`` and
-    ``last_position`` passes) or ``"rowwise"`` (those, then ``rowwise_budget``: one path, key
-    :data:`~looptool.core.graph.ROWWISE`, every row at its own budget) or ``"verify"`` (a path per
+    ``last_position`` passes), ``"rowwise"`` (those, then ``rowwise_budget``: one path, key
+    :data:`~looptool.core.graph.ROWWISE`, every row at its own budget), ``"verify"`` (a path per
     budget from ``kv_cache`` alone: logits at every position, for speculative decoding's verify
-    step), under KV policy ``kv``."""
+    step) or ``"adaptive"`` / ``"adaptive-kl"`` (``cached``'s, then ``adaptive_depth`` with exit
+    rule ``"state"`` / ``"kl"``: one path, key :data:`~looptool.passes.adaptive_depth.ADAPTIVE`,
+    every row's depth decided per token), under KV policy ``kv``."""
 
-    kind: Literal["cached", "rowwise", "verify"]
+    kind: Literal["cached", "rowwise", "verify", "adaptive", "adaptive-kl"]
     kv: str
 
 
@@ -211,6 +214,30 @@ def rowwise_path(model: LoopedModel, kv: str = "per-loop") -> CachedPath:
         lg = PassManager([("grouped_attention", {})])(rowwise_layer_graph(model, kv))
         bound[ROWWISE] = _bind(model, lg.paths[ROWWISE], lg.module)
     return bound[ROWWISE]
+
+
+def adaptive_layer_graph(model: LoopedModel, kv: str = "last-loop", exit_rule: str = "state") -> LayerGraph:
+    """:func:`cached_layer_graph` with the ``adaptive_depth`` pass run (through the PassManager):
+    its one path, key :data:`~looptool.passes.adaptive_depth.ADAPTIVE`, takes ``min_budget``,
+    ``max_budget`` (int64 ``[batch]``) and ``exit_threshold`` (float32 ``[batch]``) after
+    ``cache_position`` (built once per model, policy and exit rule)."""
+    key = DecodeKey("adaptive" if exit_rule == "state" else "adaptive-kl", kv)
+    graphs = decode_graphs(model).graphs
+    if key not in graphs:
+        graphs[key] = PassManager([("adaptive_depth", {"exit_rule": exit_rule})])(cached_layer_graph(model, kv))
+    return graphs[key]
+
+
+def adaptive_path(model: LoopedModel, kv: str = "last-loop", exit_rule: str = "state") -> CachedPath:
+    """The adaptive-depth cached path: ``module(input_ids, attention_mask, position_ids,
+    cache_position, min_budget, max_budget, exit_threshold, *caches) -> (logits [batch, 1,
+    vocab], depth [batch])``, over the deepest budget's cache slots."""
+    key = DecodeKey("adaptive" if exit_rule == "state" else "adaptive-kl", kv)
+    bound = decode_graphs(model).paths.setdefault(key, {})
+    if ADAPTIVE not in bound:
+        lg = PassManager([("grouped_attention", {})])(adaptive_layer_graph(model, kv, exit_rule))
+        bound[ADAPTIVE] = _bind(model, lg.paths[ADAPTIVE], lg.module)
+    return bound[ADAPTIVE]
 
 
 def _bind(model: LoopedModel, graph: fx.Graph, captured: torch.nn.Module) -> CachedPath:

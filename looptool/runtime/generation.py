@@ -18,6 +18,7 @@ from looptool.core.errors import LooptoolError
 from looptool.engine.budgets import RowBudgets
 from looptool.engine.sampling import GREEDY, SamplingParams, TokenPicker
 from looptool.engine.speculation import Speculation
+from looptool.runtime.adaptive import AutoDepth, AutoStep, wants_auto
 from looptool.runtime.decode_graphs import allocate_cache, cached_paths, rowwise_path
 from looptool.runtime.outputs import GenerationOutput, position_ids
 
@@ -123,9 +124,9 @@ def generate(
     input_ids: torch.Tensor,
     *,
     attention_mask: torch.Tensor | None = None,
-    budget: int | Sequence[int] | torch.Tensor | None = None,
+    budget: int | Sequence[int] | torch.Tensor | str | None = None,
     max_new_tokens: int = 32,
-    kv: str = "per-loop",
+    kv: str | None = None,
     sampling: SamplingParams = GREEDY,
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
@@ -133,6 +134,10 @@ def generate(
     output_logits: bool = False,
     draft_budget: int | None = None,
     draft_tokens: int = 4,
+    min_budget: int | None = None,
+    max_budget: int | None = None,
+    exit_threshold: float | None = None,
+    exit_rule: str | None = None,
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens per row at ``budget`` with a KV cache.
 
@@ -147,16 +152,45 @@ def generate(
     stop at ``eos_token_id`` (then emit ``pad_token_id``); the call stops when all rows
     have stopped. ``on_step(tokens)`` is called with each step's ``[batch]`` new tokens and
     ends the generation early by returning True;
-    ``output_logits=True`` keeps each step's next-token logits.
+    ``output_logits=True`` keeps each step's next-token logits. ``kv`` is the KV cache policy
+    (None: ``"per-loop"``, or ``"last-loop"`` for ``budget="auto"``).
 
     ``draft_budget=j`` decodes speculatively (:mod:`looptool.runtime.speculative`): budget ``j``
     (shallower than ``budget``, one budget for every row) drafts ``draft_tokens`` tokens, the
     budget asked for scores them in one step and keeps what it agrees with, so the output is
     budget ``budget``'s own (token for token when greedy, in distribution when sampling);
     ``speculation`` in the result counts the drafts kept.
+
+    ``budget="auto"`` decides each row's depth per token (:mod:`looptool.runtime.adaptive`):
+    between ``min_budget`` and ``max_budget`` (default: the menu's ends) a row goes on while its
+    relative state change reaches ``exit_threshold`` (``exit_rule="kl"``: the KL divergence of
+    successive next-token distributions instead); ``depths`` reports each token's depth.
     """
     check_generation_args(input_ids, max_new_tokens)
     batch, prompt = input_ids.shape
+    if wants_auto(budget, min_budget, max_budget, exit_threshold, exit_rule):
+        if draft_budget is not None:
+            raise LooptoolError(
+                "speculative decoding needs a fixed budget, not budget='auto'.", parameter="draft_budget"
+            )
+        settings = AutoDepth.resolve(model, min_budget, max_budget, exit_threshold, exit_rule)
+        auto = AutoStep(model, batch, prompt + max_new_tokens, settings, kv)
+        out = decode_loop(
+            auto,
+            input_ids.to(auto.device),
+            attention_mask,
+            capacity=prompt + max_new_tokens,
+            max_new_tokens=max_new_tokens,
+            mask_dtype=model.mask_dtype,
+            sampling=sampling,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            on_step=on_step,
+            output_logits=output_logits,
+            kv_bytes=auto.kv_bytes,
+        )
+        return dataclasses.replace(out, depths=auto.depths(out.new_tokens))
+    kv = "per-loop" if kv is None else kv
     rows = row_budgets(model, budget, batch)
     if draft_budget is not None:
         if not rows.uniform:

@@ -298,13 +298,15 @@ class LoopedModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         *,
-        budget: int | list[int] | torch.Tensor | None = None,
+        budget: int | list[int] | torch.Tensor | str | None = None,
         max_new_tokens: int = 32,
-        kv: str = "per-loop",
+        kv: str | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        """Generate at ``budget`` (one for all rows, or a list / tensor with one per row) with a
-        KV cache (``kv="per-loop"`` or ``"last-loop"``); returns ``[batch, prompt + new]`` ids.
+        """Generate at ``budget`` (one for all rows, a list / tensor with one per row, or
+        ``"auto"``: each token's depth decided as it runs, with ``min_budget``, ``max_budget``,
+        ``exit_threshold``) with a KV cache (``kv="per-loop"`` or ``"last-loop"``; None: per-loop,
+        last-loop for ``"auto"``); returns ``[batch, prompt + new]`` ids.
 
         Greedy by default; ``sampling`` (a :class:`~looptool.engine.sampling.SamplingParams`),
         ``attention_mask`` (left padding), ``eos_token_id`` (default: the config's) and

@@ -26,6 +26,7 @@ class GenerationOutput:
     budgets: tuple[int, ...] = ()  # each row's budget
     row_costs: tuple[BudgetCost, ...] = ()  # each row's per-token cost (its budget's cost-table row)
     speculation: SpeculationStats | None = None  # drafts proposed and kept, with draft_budget
+    depths: torch.Tensor | None = None  # budget="auto": [batch, new_tokens], the depth that produced each token
 
     @property
     def tokens_per_second(self) -> float:

@@ -1,0 +1,150 @@
+"""Per-token adaptive depth for :func:`looptool.runtime.generation.generate` (``budget="auto"``).
+
+Every row decides, token by token, how deep to go between ``min_budget`` and ``max_budget``:
+after each loop (ELR) or each repeated window layer (fixed-prefix looping) it continues while the
+relative change of its state, ``||s_i - s_{i-1}|| / ||s_i||``, stays at or above
+``exit_threshold`` (the ``adaptive_depth`` pass, which builds the one cached path every step
+runs: :func:`looptool.runtime.decode_graphs.adaptive_path`). Threshold 0 computes exactly what
+``max_budget`` computes; an infinite threshold exactly what ``min_budget`` computes (for an ELR
+model with loop conditioning, every loop is conditioned as ``max_budget``: only threshold 0 then
+matches a fixed budget).
+
+It needs the last-loop KV policy (ELR Sec. 3.4): each layer keeps one cache slot per token that
+holds its last executed pass, so a token that stopped early leaves a consistent cache behind.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from looptool.core.errors import LooptoolError
+from looptool.passes.adaptive_depth import EXIT_RULES
+from looptool.runtime.decode_graphs import adaptive_path, allocate_cache, check_policy
+
+if TYPE_CHECKING:
+    from looptool.runtime.model import LoopedModel
+
+AUTO = "auto"
+DEFAULT_EXIT_THRESHOLD = 0.05  # relative state change below which a row stops (not calibrated per model)
+
+
+def wants_auto(budget, min_budget=None, max_budget=None, exit_threshold=None, exit_rule=None) -> bool:
+    """Whether ``budget`` asks for adaptive depth (``"auto"``); one sentence for a string that
+    is not ``"auto"``, a per-row list holding ``"auto"``, or the adaptive-depth arguments given
+    with a fixed budget."""
+    if isinstance(budget, str):
+        if budget != AUTO:
+            raise LooptoolError(
+                f"budget {budget!r} is not a budget; give an integer, a list or 'auto'.", parameter="budget"
+            )
+        return True
+    if isinstance(budget, Sequence) and any(isinstance(b, str) for b in budget):
+        raise LooptoolError(
+            "budget='auto' decides every row's depth per token and cannot be mixed into a per-row list; "
+            "give budget='auto' (with min_budget / max_budget) or a list of integers.",
+            parameter="budget",
+        )
+    given = [n for n, v in (("min_budget", min_budget), ("max_budget", max_budget)) if v is not None]
+    given += [n for n, v in (("exit_threshold", exit_threshold), ("exit_rule", exit_rule)) if v is not None]
+    if given:
+        raise LooptoolError(
+            f"{given[0]} applies to budget='auto' only; pass budget='auto' or drop it.", parameter=given[0]
+        )
+    return False
+
+
+@dataclass(frozen=True)
+class AutoDepth:
+    """Checked adaptive-depth settings: the depth range, the exit threshold and rule."""
+
+    min_budget: int
+    max_budget: int
+    exit_threshold: float
+    exit_rule: str
+
+    @classmethod
+    def resolve(
+        cls,
+        model: LoopedModel,
+        min_budget: int | None = None,
+        max_budget: int | None = None,
+        exit_threshold: float | None = None,
+        exit_rule: str | None = None,
+    ) -> AutoDepth:
+        """Defaults filled in (the menu's smallest and deepest budgets, the default threshold,
+        rule ``"state"``) and each value checked, one sentence per mistake."""
+        lo = min(model.budgets) if min_budget is None else _menu_budget(model, min_budget, "min_budget")
+        hi = max(model.budgets) if max_budget is None else _menu_budget(model, max_budget, "max_budget")
+        if lo > hi:
+            raise LooptoolError(
+                f"min_budget {lo} is above max_budget {hi}; give min_budget <= max_budget.", parameter="min_budget"
+            )
+        thr = DEFAULT_EXIT_THRESHOLD if exit_threshold is None else exit_threshold
+        if isinstance(thr, bool) or not isinstance(thr, (int, float)) or math.isnan(thr) or thr < 0:
+            raise LooptoolError(
+                f"exit_threshold must be a number >= 0 (0: always max_budget), got {thr!r}.", parameter="exit_threshold"
+            )
+        rule = "state" if exit_rule is None else exit_rule
+        if rule not in EXIT_RULES:
+            raise LooptoolError(f"unknown exit_rule {rule!r}; use one of {list(EXIT_RULES)}.", parameter="exit_rule")
+        return cls(lo, hi, float(thr), rule)
+
+
+def _menu_budget(model: LoopedModel, value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LooptoolError(f"{name} must be one integer budget of the menu, got {value!r}.", parameter=name)
+    if value not in model.budgets:
+        raise LooptoolError(
+            f"{name} {value} is not in this model's budget menu {list(model.budgets)}; pick one of those.",
+            parameter=name,
+        )
+    return value
+
+
+def check_auto_policy(model: LoopedModel, kv: str | None) -> str:
+    """The KV policy for ``budget="auto"`` (None: ``"last-loop"``); per-loop is refused."""
+    if kv == "per-loop":
+        raise LooptoolError(
+            "budget='auto' needs kv='last-loop': under per-loop KV a token that stops early writes no keys and "
+            "values for the loops it skips, which later tokens running those loops would read.",
+            parameter="kv",
+        )
+    return check_policy(model, "last-loop" if kv is None else kv)
+
+
+class AutoStep:
+    """One generation's adaptive-depth step: ``step(ids, mask, position_ids, cache_position)``
+    runs the adaptive path over this call's cache and returns the next-token logits ``[batch,
+    vocab]``, keeping each row's realised depth (:meth:`depths`)."""
+
+    def __init__(self, model: LoopedModel, batch: int, capacity: int, settings: AutoDepth, kv: str | None):
+        self.path = adaptive_path(model, check_auto_policy(model, kv), settings.exit_rule)
+        param = next(model.parameters())
+        self.device = param.device
+        self.caches = allocate_cache(self.path, batch, capacity, dtype=param.dtype, device=param.device)
+        self.kv_bytes = sum(c.numel() * c.element_size() for c in self.caches)
+        self.inputs = (
+            torch.full((batch,), settings.min_budget, dtype=torch.int64, device=param.device),
+            torch.full((batch,), settings.max_budget, dtype=torch.int64, device=param.device),
+            torch.full((batch,), settings.exit_threshold, dtype=torch.float32, device=param.device),
+        )
+        self._depths: list[torch.Tensor] = []
+
+    def __call__(
+        self, ids: torch.Tensor, mask: torch.Tensor, position: torch.Tensor, cache_position: torch.Tensor
+    ) -> torch.Tensor:
+        logits, depth = self.path.module(ids, mask, position, cache_position, *self.inputs, *self.caches)
+        self._depths.append(depth)
+        return logits[:, -1]
+
+    def depths(self, new_tokens: int) -> torch.Tensor:
+        """``[batch, new_tokens]``: the depth that produced each new token (step ``t``'s logits
+        pick token ``t``)."""
+        if new_tokens == 0 or not self._depths:
+            return torch.zeros(self.inputs[0].shape[0], 0, dtype=torch.int64, device=self.device)
+        return torch.stack(self._depths[:new_tokens], dim=1)
