@@ -212,6 +212,28 @@ def test_generate_cli(looped_with_tokenizer):
     assert drafted.exit_code == 0, drafted.output
     assert drafted.stdout == res.stdout  # the continuations, and nothing else, go to stdout
     assert "drafted at 0" in drafted.output and "drafts kept" in drafted.output
+
+
+def test_generate_cli_budget_auto(looped_with_tokenizer):
+    """--budget auto with its defaults (last-loop KV, the menu's ends, threshold 0.05): a fresh
+    conversion's second passes write nothing, so every token stops at the shallowest budget;
+    --exit-threshold 0 runs every token at the deepest."""
+    args = ["generate", looped_with_tokenizer, "-p", "The Constitution", "-p", "We", "--max-new-tokens", "5"]
+    auto = _run(*args, "--budget", "auto")
+    assert auto.exit_code == 0, auto.output
+    assert "budget auto 0..2" in auto.output and "realised depth per token" in auto.output
+    assert auto.stdout == _run(*args, "--budget", "0", "--kv", "last-loop").stdout
+    deepest = _run(*args, "--budget", "auto", "--exit-threshold", "0", "--min-budget", "1")
+    assert deepest.exit_code == 0, deepest.output
+    assert deepest.stdout == _run(*args, "--budget", "2", "--kv", "last-loop").stdout
+    for extra, message in [
+        (["--budget", "auto", "--kv", "per-loop"], "needs kv='last-loop'"),
+        (["--budget", "auto", "--draft-budget", "0"], "needs a fixed --budget"),
+        (["--budget", "1", "--exit-threshold", "0.1"], "applies to budget='auto' only"),
+        (["--budget", "auto", "--max-budget", "5"], "max_budget 5 is not in"),
+    ]:
+        res = _run(*args, *extra)
+        assert res.exit_code != 0 and message in res.output, res.output
     streamed = _run(
         "generate",
         looped_with_tokenizer,

@@ -33,7 +33,19 @@ from looptool.core.errors import LooptoolError
 
 RowBudgets = Annotated[
     str | None,
-    typer.Option("--budget", help="Budget to run, or one per --prompt, e.g. 0,6,12 (default: the deepest)."),
+    typer.Option(
+        "--budget",
+        help="Budget to run, one per --prompt (e.g. 0,6,12), or auto: depth per token (default: the deepest).",
+    ),
+]
+MinBudget = Annotated[int | None, typer.Option(help="With --budget auto: the shallowest depth (default: the menu's).")]
+MaxBudget = Annotated[int | None, typer.Option(help="With --budget auto: the deepest depth (default: the menu's).")]
+ExitThreshold = Annotated[
+    float | None,
+    typer.Option(help="With --budget auto: a token stops looping when its change falls under this (0: --max-budget)."),
+]
+ExitRule = Annotated[
+    str | None, typer.Option(help="With --budget auto: state (relative state change) or kl (next-token KL).")
 ]
 DraftBudget = Annotated[
     int | None,
@@ -41,13 +53,19 @@ DraftBudget = Annotated[
         help="Decode speculatively: this shallower budget drafts, --budget verifies (same output as --budget alone)."
     ),
 ]
+GenerateKv = Annotated[
+    str | None,
+    typer.Option(help="KV cache policy: per-loop or last-loop (default: per-loop; last-loop with --budget auto)."),
+]
 DraftTokens = Annotated[int, typer.Option(help="Tokens drafted per verify step with --draft-budget.")]
 
 
-def parse_row_budgets(text: str | None, prompts: int) -> int | list[int] | None:
-    """``--budget``: one budget (an int), one per prompt (``0,6,12``: a list), or None."""
+def parse_row_budgets(text: str | None, prompts: int) -> int | list[int] | str | None:
+    """``--budget``: one budget (an int), one per prompt (``0,6,12``: a list), ``"auto"``, or None."""
     if text is None:
         return None
+    if text.strip() == "auto":
+        return "auto"
     parts = [p.strip() for p in text.split(",")]
     for part in parts:
         if not part.lstrip("-").isdigit():
@@ -68,7 +86,7 @@ def generate(
     prompt: Prompt,
     budget: RowBudgets = None,
     max_new_tokens: MaxNewTokens = 64,
-    kv: Kv = "per-loop",
+    kv: GenerateKv = None,
     temperature: Temperature = 0.0,
     top_k: TopK = None,
     top_p: TopP = None,
@@ -78,29 +96,49 @@ def generate(
     device: Device = "auto",
     draft_budget: DraftBudget = None,
     draft_tokens: DraftTokens = 4,
+    min_budget: MinBudget = None,
+    max_budget: MaxBudget = None,
+    exit_threshold: ExitThreshold = None,
+    exit_rule: ExitRule = None,
 ) -> None:
     """Generate text with a KV cache at one budget, or one budget per prompt (--budget 0,6,12: the
     rows run together, each at its own budget); report tokens/s, KV bytes and each row's cost.
     --draft-budget J decodes speculatively: budget J drafts --draft-tokens tokens, --budget keeps
-    what it agrees with (its own output, token for token when greedy)."""
+    what it agrees with (its own output, token for token when greedy). --budget auto picks the
+    depth of every token (it stops looping once its state stops changing; needs --kv last-loop)."""
     from looptool.engine.sampling import SamplingParams
     from looptool.engine.speculation import Speculation
     from looptool.runtime import text
+    from looptool.runtime.adaptive import AutoDepth, check_auto_policy, wants_auto
     from looptool.runtime.convert import load
-    from looptool.runtime.decode_graphs import cached_paths, rowwise_path, verify_paths
+    from looptool.runtime.decode_graphs import adaptive_path, cached_paths, rowwise_path, verify_paths
     from looptool.runtime.generation import check_max_new_tokens, row_budgets
     from looptool.runtime.generation import generate as run_generate
 
     check_prompts(prompt, stream)
     budgets = parse_row_budgets(budget, len(prompt))
-    check_kv_names(kv)
+    if kv is not None:
+        check_kv_names(kv)
     check_max_new_tokens(max_new_tokens)  # all before the slow load
     sampling = SamplingParams(temperature, top_k, top_p, seed)
     device = str(parse_device(device))
+    auto = dict(min_budget=min_budget, max_budget=max_budget, exit_threshold=exit_threshold, exit_rule=exit_rule)
+    if budgets == "auto" and draft_budget is not None:
+        raise LooptoolError("--draft-budget needs a fixed --budget, not --budget auto.")
     with progress() as steps:
         with steps.stage(f"loading {model_dir}"):
             model = load(model_dir, device=device)
         tok = text.model_tokenizer(model, tokenizer)
+        if wants_auto(budgets, **auto):  # depth per token: the adaptive path, checked and built
+            settings = AutoDepth.resolve(model, **auto)
+            kv = check_auto_policy(model, kv)
+            with steps.stage(f"building the adaptive-depth path ({kv})"):
+                adaptive_path(model, kv, settings.exit_rule)
+    if budgets == "auto":
+        _generate_auto(model, tok, prompt, stream, device, kv, max_new_tokens, sampling, auto, settings)
+        return
+    kv = kv or "per-loop"
+    with progress() as steps:
         rows = row_budgets(model, budgets, len(prompt))  # resolved once; generate takes it as it is
         if draft_budget is not None:  # checked before the paths are built
             if not rows.uniform:
@@ -139,6 +177,44 @@ def generate(
         stats = result.speculation
         shown += f" · drafted at {draft_budget} ({stats.accepted}/{stats.proposed} drafts kept)"
     _print_generation(tok, prompt, enc, result, stream, f"{shown} · kv {kv} · batch {len(prompt)}")
+
+
+def _generate_auto(model, tok, prompt, stream, device, policy, max_new_tokens, sampling, auto, settings) -> None:
+    """``looptool generate --budget auto`` once its path is built: every token at its own depth,
+    then the continuations, the cost table and each row's realised depths."""
+    from looptool.runtime import text
+    from looptool.runtime.generation import generate as run_generate
+
+    enc = text.encode_prompts(tok, prompt)
+    result = _stream_generation(
+        tok,
+        prompt,
+        stream,
+        lambda on_step: run_generate(
+            model,
+            enc["input_ids"].to(device),
+            attention_mask=enc["attention_mask"].to(device),
+            budget="auto",
+            max_new_tokens=max_new_tokens,
+            kv=policy,
+            sampling=sampling,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            on_step=on_step,
+            **auto,
+        ),
+    )
+    title = (
+        f"budget auto {settings.min_budget}..{settings.max_budget} · {settings.exit_rule} < "
+        f"{settings.exit_threshold:g} · kv {policy} · batch {len(prompt)}"
+    )
+    _print_generation(tok, prompt, enc, result, stream, title)
+    table = Table(title="realised depth per token", title_justify="left")
+    for col in ("row", "mean", "min", "max"):
+        table.add_column(col, justify="right")
+    for row, depths in enumerate(result.depths.float()):
+        table.add_row(str(row), f"{depths.mean():.2f}", f"{depths.min():.0f}", f"{depths.max():.0f}")
+    console.print(table)
 
 
 @app.command(name="run")
