@@ -133,8 +133,9 @@ def speculative_loop(
     ids = input_ids
     batch, prompt = ids.shape
     pick = TokenPicker(sampling, device)
-    eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
-    pad = pad_token_id if pad_token_id is not None else (min(eos) if eos else 0)
+    eos_list = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    eos = set(eos_list)
+    pad = pad_token_id if pad_token_id is not None else (eos_list[0] if eos_list else 0)  # as decode_loop pads
     mask = torch.zeros(batch, capacity, dtype=mask_dtype, device=device)
     mask[:, :prompt] = 1 if attention_mask is None else attention_mask.to(device=device, dtype=mask_dtype)
     position = position_ids(mask[:, :prompt])
