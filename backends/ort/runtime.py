@@ -401,13 +401,13 @@ class Runtime:
 
         kv = self._check_policy(kv)
         ids, mask, capacity = check_request(self.manifest, input_ids, attention_mask, max_new_tokens, capacity)
+        if draft_budget is not None and len(set(np.asarray(getattr(budget, "rows", budget)).ravel().tolist())) > 1:
+            raise EngineError("speculative decoding takes one budget for every row.", parameter="draft_budget")
         graph, rows = self.resolve_budget(budget, ids.shape[0], kv)
         if draft_budget is not None:
             from looptool.backends.ort.speculative import speculative_generate
             from looptool.engine.speculation import Speculation
 
-            if not rows.uniform:
-                raise EngineError("speculative decoding takes one budget for every row.", parameter="draft_budget")
             spec = Speculation(draft_budget, draft_tokens).check(rows.rows[0], self.budgets, kv)
             return speculative_generate(
                 self,
