@@ -47,6 +47,7 @@ def export_options(
     compose: bool = True,
     ort_fusions: bool = False,
     rowwise: bool = True,
+    speculative: bool = False,
     precision: str = "fp16",
     build_on_target: bool = False,
     max_batch: int = 8,
@@ -58,7 +59,8 @@ def export_options(
     loaded: the TensorRT settings (``max_*``, ``build_on_target``) apply to ``tensorrt`` only,
     ``ort_fusions`` to ``onnx`` only; building engines (``tensorrt`` without
     ``build_on_target``) needs TensorRT installed. ``rowwise`` adds the row-wise-budget graph
-    per policy (both backends). ``precision``: for ``tensorrt`` the engines' dtype (fp16, bf16
+    per policy (both backends); ``speculative`` the verify graphs of speculative decoding
+    (``onnx`` only: onnxruntime runs them). ``precision``: for ``tensorrt`` the engines' dtype (fp16, bf16
     or fp32); for ``onnx``, ``int8`` or ``int4`` quantizes the linears' weights
     (:mod:`looptool.backends.onnx.quantize`) and a float name keeps the model's own dtype, as
     before (the default, fp16, is TensorRT's)."""
@@ -68,7 +70,15 @@ def export_options(
     check_exporter()
     if backend == "onnx":
         quantize = precision if precision in QUANTIZED else None
-        return dict(kv=kv, compose=compose, ort_fusions=ort_fusions, rowwise=rowwise, quantize=quantize)
+        return dict(
+            kv=kv, compose=compose, ort_fusions=ort_fusions, rowwise=rowwise, speculative=speculative, quantize=quantize
+        )
+    if speculative:
+        raise ExportError(
+            "speculative verify graphs run on onnxruntime; export them with backend='onnx', or drop speculative for "
+            "backend='tensorrt'.",
+            parameter="speculative",
+        )
     if precision in QUANTIZED:
         raise ExportError(
             f"precision {precision!r} is weight-only quantization for onnxruntime (MatMulNBits), which TensorRT "

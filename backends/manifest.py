@@ -3,9 +3,10 @@
 An engine directory (:func:`looptool.backends.onnx.export.export_onnx`, extended by
 :func:`looptool.backends.tensorrt.export.export_tensorrt`) holds ``weights.bin``, its graphs
 and ``manifest.json``: the format and its version, the graphs per budget and KV policy (file,
-sha256, cache layout, ...), the row-wise graphs per policy, the weight table (every tensor's
-offset, length, dtype and shape in ``weights.bin``), the cost table, the source config and,
-for TensorRT, the variants, profiles and built engines.
+sha256, cache layout, ...), the row-wise graphs per policy, speculative decoding's verify
+graphs where they were exported, the weight table (every tensor's offset, length, dtype and
+shape in ``weights.bin``), the cost table, the source config and, for TensorRT, the variants,
+profiles and built engines.
 
 :class:`Manifest` is that JSON as dataclasses. Budgets are ints and the row-wise graphs sit
 under :data:`~looptool.core.graph.ROWWISE` beside them; JSON's string keys exist only inside
@@ -158,6 +159,8 @@ class Manifest:
     tokenizer: bool = False  # a tokenizer was saved beside the graphs
     # weight-only quantization of the linears (looptool.backends.onnx.quantize), None: float weights
     quantization: dict[str, Any] | None = None
+    # speculative decoding's verify graphs (logits at every position), ``verify_graphs[budget][policy]``
+    verify_graphs: dict[int, dict[str, GraphEntry]] = field(default_factory=dict)
     looptool_version: str = __version__
     tensorrt: TensorRTSection | None = None
 
@@ -170,6 +173,10 @@ class Manifest:
     def graph(self, budget: Budget, kv: str) -> GraphEntry | None:
         """The graph of ``budget`` (or :data:`~looptool.core.graph.ROWWISE`) under policy ``kv``."""
         return self.graphs.get(budget, {}).get(kv)
+
+    def verify_graph(self, budget: int, kv: str) -> GraphEntry | None:
+        """The verify graph of ``budget`` under policy ``kv`` (None where none was exported)."""
+        return self.verify_graphs.get(budget, {}).get(kv)
 
     @property
     def menu(self) -> tuple[int, ...]:
@@ -246,6 +253,7 @@ class Manifest:
             "costs": [c.as_dict() for c in self.costs],
             "budgets": {str(b): {p: _graph_json(e) for p, e in self.graphs[b].items()} for b in self.budgets},
             ROWWISE: {p: _graph_json(e) for p, e in self.graphs.get(ROWWISE, {}).items()},
+            **({"verify": _by_budget(self.verify_graphs, _graph_json)} if self.verify_graphs else {}),
             "weights": {
                 "file": self.weights.file,
                 "sha256": self.weights.sha256,
@@ -366,8 +374,13 @@ def _parse(data: dict, directory: Path, path: Path) -> Manifest:
     rowwise = data.get(ROWWISE) or {}
     if isinstance(rowwise, dict) and (entries := {kv: e for kv, e in rowwise.items() if isinstance(e, dict)}):
         graphs[ROWWISE] = {kv: _graph(e, ROWWISE, kv) for kv, e in entries.items()}
-    section = "weights"
+    section = "verify"
     try:
+        verify = {
+            int(b): {kv: _graph(e, int(b), kv) for kv, e in policies.items()}
+            for b, policies in (data.get("verify") or {}).items()
+        }
+        section = "weights"
         w = data["weights"]
         weights = WeightsEntry(
             str(w["file"]),
@@ -404,6 +417,7 @@ def _parse(data: dict, directory: Path, path: Path) -> Manifest:
         parameter_bytes=data.get("parameter_bytes"),
         tokenizer=bool(data.get("tokenizer")),
         quantization=data.get("quantization"),
+        verify_graphs=verify,
         looptool_version=str(data.get("looptool_version", "")),
         tensorrt=tensorrt,
     )

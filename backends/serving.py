@@ -11,7 +11,8 @@ inputs
     such input, transformers' static-cache exports do), and per cache pair ``j``
     ``past_key_values.{j}.key`` / ``.value`` ``[batch, kv_heads, capacity, head_dim]``;
 outputs
-    ``logits [batch, 1, vocab]`` (the last position only, like ``logits_to_keep=1``), then
+    ``logits [batch, 1, vocab]`` (the last position only, like ``logits_to_keep=1``; a verify
+    graph, :func:`verify_serving_graph`, returns every position's), then
     ``present.{j}.key`` / ``.value``: the caches with this step's keys and values written at
     ``cache_position``, same shape as the past ones.
 
@@ -46,7 +47,7 @@ head_dim]``: torch tensors or numpy arrays; ``copy_row(src, dst)``, ``shift_left
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -168,6 +169,7 @@ class ServingGraph:
     fused: dict[str, int]
     vocab_size: int
     menu: tuple[int, ...] = ()  # row-wise graphs: the budgets a row may take (else empty)
+    every_position: bool = False  # verify graphs: logits [batch, step, vocab] (else the last position's)
 
     @property
     def rowwise(self) -> bool:
@@ -185,6 +187,20 @@ def serving_graph(
 
     budget = model.check_budget(budget)
     return lower(model, cached_layer_graph(model, kv, (budget,)), fuse=fuse, unflatten=unflatten)
+
+
+def verify_serving_graph(
+    model, budget: int, kv: str = "per-loop", *, fuse: bool = True, unflatten: bool = False
+) -> ServingGraph:
+    """The verify graph of ``model`` at ``budget`` (speculative decoding's verify step): the
+    decode interface of :func:`serving_graph`, same inputs and cache pairs, but ``logits [batch,
+    step, vocab]`` at every position of the step; lowered (:func:`lower`) from the verify path
+    (:func:`looptool.runtime.decode_graphs.verify_layer_graph`, no ``last_position`` pass)."""
+    from looptool.runtime.decode_graphs import verify_layer_graph
+
+    budget = model.check_budget(budget)
+    sg = lower(model, verify_layer_graph(model, kv, (budget,)), fuse=fuse, unflatten=unflatten)
+    return replace(sg, every_position=True)
 
 
 def rowwise_serving_graph(model, kv: str = "per-loop", *, fuse: bool = True, unflatten: bool = False) -> ServingGraph:

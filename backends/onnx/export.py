@@ -44,7 +44,6 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -56,8 +55,10 @@ from looptool.backends.onnx.fuse_ort import FUSE_PREFIX, fuse_for_ort, rule_coun
 from looptool.backends.onnx.optimize import simplify, strip_metadata
 from looptool.backends.onnx.outline import outline_looptool_functions
 from looptool.backends.onnx.quantize import Quantizer, check_quantize
+from looptool.backends.onnx.report import BudgetExport, ExportReport
+from looptool.backends.onnx.speculative import export_verify_graphs, verify_targets
 from looptool.backends.onnx.store import WeightStore, externalize, to_numpy
-from looptool.backends.onnx.validate import validate_engine
+from looptool.backends.onnx.validate import VERIFY, validate_engine
 from looptool.backends.serving import example_budgets
 from looptool.core.compat import decompose_only_what_onnx_lacks, reused_torchlib_registry, without_torchvision_notice
 from looptool.core.errors import require_extra
@@ -67,64 +68,6 @@ from looptool.core.tracing import fast_tracing
 log = logging.getLogger(__name__)
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16)
-
-
-# ---------------------------------------------------------------------------- reports
-@dataclass
-class BudgetExport:
-    """What exporting one budget's graph under one KV policy produced (``budget``
-    :data:`ROWWISE` for the row-wise-budget graph)."""
-
-    budget: int | str
-    kv: str
-    file: str
-    bytes: int
-    seconds: float
-    fused: dict[str, int]
-    composed: bool = False  # built from layer functions (else traced flat)
-    ort_ops: dict[str, int] = field(default_factory=dict)  # onnxruntime fused ops in the graph, by rule
-    layer_calls: dict[str, int] = field(default_factory=dict)
-    max_abs_diff: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class ExportReport:
-    """Summary of an engine export (sizes in bytes; ``graph_bytes`` is every file but
-    weights.bin: graphs, manifest and tokenizer)."""
-
-    directory: str
-    budgets: list[BudgetExport]
-    weights_bytes: int
-    graph_bytes: int
-    parameter_bytes: int
-    seconds: float
-    layer_functions: int = 0  # distinct layer bodies exported
-    layer_seconds: float = 0.0  # time spent exporting them
-    validation_seconds: float = 0.0
-    fusions: dict[str, dict[str, int]] = field(default_factory=dict)  # onnxruntime fusions per body
-    rowwise: list[BudgetExport] = field(default_factory=list)  # the row-wise graphs, one per policy
-
-    @property
-    def total_bytes(self) -> int:
-        """Everything on disk: weights.bin, the graphs and the manifest."""
-        return self.weights_bytes + self.graph_bytes
-
-    @property
-    def disk_ratio(self) -> float:
-        """Disk bytes ÷ the model's parameter bytes (≤ 1.02 is the target)."""
-        return self.total_bytes / self.parameter_bytes
-
-    @property
-    def max_abs_diff(self) -> float:
-        """Worst ORT-vs-PyTorch difference over every graph and input."""
-        graphs = [*self.budgets, *self.rowwise]
-        return max((d for b in graphs for d in b.max_abs_diff.values()), default=float("nan"))
-
-    def as_dict(self) -> dict:
-        """JSON-ready summary."""
-        out = asdict(self)
-        out.update(total_bytes=self.total_bytes, disk_ratio=self.disk_ratio, max_abs_diff=self.max_abs_diff)
-        return out
 
 
 # ---------------------------------------------------------------------------- export
@@ -172,6 +115,7 @@ def export_onnx(
     ort_fusions: bool = False,
     fuse_ort: bool = True,
     rowwise: bool = True,
+    speculative: bool = False,
     quantize: str | None = None,
     overwrite: bool = False,
     validate: bool = True,
@@ -187,6 +131,9 @@ def export_onnx(
     (input ``budgets [batch]``: every row runs its own budget of the whole menu, over the
     deepest budget's caches), beside the per-budget graphs: a batch whose rows share one budget
     keeps running that budget's own, cheaper graph.
+
+    ``speculative=True`` also writes, per budget but the shallowest (per-loop KV), the verify
+    graph speculative decoding scores drafts with (:mod:`looptool.backends.onnx.speculative`).
 
     ``compose=True`` builds the graphs from layer functions, each distinct layer body
     exported once (falls back to a flat export per graph where that fails).
@@ -216,6 +163,7 @@ def export_onnx(
     policies = resolve_policies(model, kv)
     if not chosen and not rowwise:
         raise ExportError("no graph to export: pick budgets, or keep rowwise=True.", parameter="budgets")
+    targets = verify_targets(chosen, policies) if speculative else []
     _check_exportable(model, _SUPPORTED_DTYPES + ((torch.bfloat16,) if _allow_bf16 else ()))
     quantizer = Quantizer(check_quantize(quantize)) if quantize is not None else None
     final, temp = prepare_output_dir(output, overwrite)
@@ -241,12 +189,27 @@ def export_onnx(
                     )
                     (rowwise_results if budget == ROWWISE else results).append(result)
                     graphs[budget, policy] = entry
+            verify_results, verify = export_verify_graphs(
+                model,
+                targets,
+                functools.partial(
+                    _export_graph,
+                    directory=temp,
+                    store=store,
+                    known=known,
+                    library=library,
+                    quantizer=quantizer,
+                    fuse_ort=fuse_ort,
+                ),
+                compose=compose,
+                say=say,
+            )
         finally:
             store.close()
         if model.tokenizer is not None:  # so `looptool run` can encode prompts from the engine alone
             model.tokenizer.save_pretrained(temp)
         functions = library.fusions() if library else {}
-        manifest = export_manifest(model, temp, store, graphs, functions, ort_fusions)
+        manifest = export_manifest(model, temp, store, graphs, functions, ort_fusions, verify)
         manifest.quantization = quantizer.describe() if quantizer is not None else None
         manifest.write(temp)
         t_validate = time.perf_counter()
@@ -256,6 +219,8 @@ def export_onnx(
             for r in [*results, *rowwise_results]:
                 r.max_abs_diff = diffs[r.budget, r.kv]
                 graphs[r.budget, r.kv].max_abs_diff = r.max_abs_diff
+            for r in verify_results:
+                r.max_abs_diff = verify[r.budget, r.kv].max_abs_diff = diffs[r.budget, r.kv, VERIFY]
             manifest.write(temp)
         t_validate = time.perf_counter() - t_validate
         graph_bytes = sum(p.stat().st_size for p in temp.iterdir() if p.name != WEIGHTS)
@@ -272,12 +237,13 @@ def export_onnx(
             validation_seconds=t_validate,
             fusions=functions,
             rowwise=rowwise_results,
+            verify=verify_results,
         )
         commit_output_dir(final, temp)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
-    n = len(results) + len(rowwise_results)
+    n = len(results) + len(rowwise_results) + len(verify_results)
     log.info("exported %d graphs to %s (%.3f x parameter bytes)", n, final, report.disk_ratio)
     return report
 
@@ -390,10 +356,11 @@ def _export_graph(
     library,
     quantizer: Quantizer | None = None,
     fuse_ort: bool = False,
+    file: str | None = None,
 ):
     """Export one serving graph (composed from layer functions when ``library`` is given),
     quantize its linears' weights (``quantizer``), externalise its weights and save it;
-    returns its report and manifest entry."""
+    returns its report and manifest entry (``file``: its file name, default the budget's)."""
     import onnx_ir as ir
 
     t0 = time.perf_counter()
@@ -426,7 +393,7 @@ def _export_graph(
         known = {**known, **quantizer.tensors}  # its tensors are model tensors too (stored however small)
     names = externalize(onnx_model, directory, store, known, budget)
     strip_metadata(onnx_model)
-    path = directory / budget_file(budget, policy)
+    path = directory / (file or budget_file(budget, policy))
     ir.save(onnx_model, path)
     result = BudgetExport(
         budget=budget,

@@ -20,6 +20,11 @@ def budget_file(budget: int | str, kv: str = "per-loop") -> str:
     return f"{ROWWISE}.{kv}.onnx" if budget == ROWWISE else f"budget_{budget}.{kv}.onnx"
 
 
+def verify_file(budget: int, kv: str = "per-loop") -> str:
+    """File name of budget ``budget``'s verify graph (speculative decoding) under KV policy ``kv``."""
+    return f"verify_{budget}.{kv}.onnx"
+
+
 def export_manifest(
     model,
     directory: Path,
@@ -27,10 +32,11 @@ def export_manifest(
     graphs: dict[tuple[int | str, str], GraphEntry],
     functions: dict[str, dict[str, int]],
     ort_fusions: bool,
+    verify: dict[tuple[int, str], GraphEntry] | None = None,
 ) -> Manifest:
     """The manifest of an export into ``directory``: ``graphs`` maps ``(budget, policy)`` to each
     graph's entry (the row-wise graphs under :data:`ROWWISE`), each given its file's sha256 and
-    size here; ``store`` holds the weights."""
+    size here; ``store`` holds the weights; ``verify``: the verify graphs, keyed alike."""
     from looptool.backends.onnx.functions import DOMAIN, DOMAIN_VERSION, OPSET
 
     by_budget: dict[int | str, dict[str, GraphEntry]] = {}
@@ -39,6 +45,11 @@ def export_manifest(
         path = directory / entry.file
         entry.sha256, entry.bytes = sha256_file(path), path.stat().st_size
         by_budget.setdefault(budget, {})[policy] = entry
+    verify_graphs: dict[int, dict[str, GraphEntry]] = {}
+    for (budget, policy), entry in sorted((verify or {}).items()):
+        path = directory / entry.file
+        entry.sha256, entry.bytes = sha256_file(path), path.stat().st_size
+        verify_graphs.setdefault(budget, {})[policy] = entry
     return Manifest(
         graphs=by_budget,
         kv_policies=tuple(sorted({policy for _, policy in graphs})),
@@ -58,4 +69,5 @@ def export_manifest(
         fused_per_body=functions,
         parameter_bytes=model.dims().param_bytes,
         tokenizer=model.tokenizer is not None,
+        verify_graphs=verify_graphs,
     )

@@ -301,7 +301,7 @@ def _interface_types(sg: ServingGraph) -> dict[str, tuple]:
         "position_ids": (ir.DataType.INT64, ["batch", "step"]),
         "cache_position": (ir.DataType.INT64, ["step"]),
         BUDGETS: (ir.DataType.INT64, ["batch"]),
-        LOGITS: (float_type, ["batch", 1, sg.vocab_size]),
+        LOGITS: (float_type, ["batch", "step" if sg.every_position else 1, sg.vocab_size]),
     }
     past, present = sg.layout.names()
     for j, pair in enumerate(sg.layout.pairs):

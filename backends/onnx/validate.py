@@ -154,11 +154,16 @@ def check_quantized(ref, run, ids, mask, bound: float, what: str, label: str) ->
     return {"rel": rel, "kl": kl}
 
 
-def _run(rt, budget, policy: str, ids, mask, new_tokens: int):
-    """Greedy generation with the engine's graph for ``budget`` (one, or one per row)."""
+def _run(rt, budget, policy: str, ids, mask, new_tokens: int, **speculation):
+    """Greedy generation with the engine's graph for ``budget`` (one, or one per row);
+    ``speculation``: ``draft_budget`` and ``draft_tokens`` (the verify graph's logits)."""
     return rt.generate(
-        ids, attention_mask=mask, budget=budget, kv=policy, max_new_tokens=new_tokens, output_logits=True
+        ids, attention_mask=mask, budget=budget, kv=policy, max_new_tokens=new_tokens, output_logits=True, **speculation
     )
+
+
+VERIFY = "verify"  # third element of a verify graph's key in validate_engine's result
+VERIFY_DRAFTS = 3  # tokens drafted per verify step when validating a verify graph
 
 
 def validate_engine(
@@ -177,13 +182,18 @@ def validate_engine(
 
     ``quantized`` (``"int8"``/``"int4"``): the graphs hold weight-only quantized linears, so each
     prompt's entry is the worst relative logit error (:func:`check_quantized`, bounded by
-    :data:`QUANTIZED_BOUNDS`), and ``<label>.kl`` the worst per-step mean KL in nats."""
+    :data:`QUANTIZED_BOUNDS`), and ``<label>.kl`` the worst per-step mean KL in nats.
+
+    A verify graph (speculative decoding, key ``(budget, policy, VERIFY)``) is checked the same
+    way against budget ``budget``'s PyTorch generation: onnxruntime decodes speculatively, the
+    shallowest exported budget drafting :data:`VERIFY_DRAFTS` tokens, so every logit after the
+    prefill comes from the verify graph."""
     from looptool.backends.ort.runtime import Runtime
     from looptool.runtime.generation import generate
 
     atol = default_atol(model) if atol is None else atol
     rt = Runtime(directory)
-    diffs: dict[tuple[int, str], dict[str, float]] = {}
+    diffs: dict[tuple, dict[str, float]] = {}
     for policy in rt.kv_policies:
         for budget in rt.budgets:
             diffs[budget, policy] = {}
@@ -197,13 +207,18 @@ def validate_engine(
                     max_new_tokens=new_tokens,
                     output_logits=True,
                 )
-                run = functools.partial(_run, rt, budget, policy)
-                what = f"budget {budget} ({policy})"
-                if quantized:
-                    got = check_quantized(ref, run, ids, mask, QUANTIZED_BOUNDS[quantized], what, label)
-                    diffs[budget, policy].update({label: got["rel"], f"{label}.kl": got["kl"]})
-                    continue
-                diffs[budget, policy][label] = _check(ref, run, ids, mask, atol, what, label)
+                runs = {(budget, policy): (functools.partial(_run, rt, budget, policy), f"budget {budget} ({policy})")}
+                if rt.has_verify(budget, policy):
+                    draft = dict(draft_budget=rt.budgets[0], draft_tokens=VERIFY_DRAFTS)
+                    what = f"the verify graph of budget {budget} ({policy})"
+                    runs[budget, policy, VERIFY] = (functools.partial(_run, rt, budget, policy, **draft), what)
+                for key, (run, what) in runs.items():
+                    out = diffs.setdefault(key, {})
+                    if quantized:
+                        got = check_quantized(ref, run, ids, mask, QUANTIZED_BOUNDS[quantized], what, label)
+                        out.update({label: got["rel"], f"{label}.kl": got["kl"]})
+                    else:
+                        out[label] = _check(ref, run, ids, mask, atol, what, label)
             log.info("budget %d (%s) validated: %s", budget, policy, diffs[budget, policy])
         if rt.has_rowwise(policy):
             diffs[ROWWISE, policy] = _validate_rowwise(model, rt, policy, atol, new_tokens, quantized)

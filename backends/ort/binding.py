@@ -1,7 +1,8 @@
 """Running one onnxruntime serving graph with bound caches: :class:`CacheBinding` binds one
 graph's caches once, as both ``past`` input and ``present`` output, so every step writes its
 keys and values in place; a row-wise graph (:data:`~looptool.core.graph.ROWWISE`) also gets
-each row's budget.
+each row's budget. Several bindings may share one set of cache buffers (``caches``: speculative
+decoding's draft, verify and prefill graphs over one cache, :mod:`looptool.backends.ort.speculative`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ from looptool.engine.budgets import RowBudgets
 class CacheBinding:
     """One generate call's IOBinding: caches allocated once and bound as both past and
     present, the mask and the logits bound once; each step rebinds only the step inputs.
-    ``budgets`` (each row's budget) is bound once for a row-wise graph."""
+    ``budgets`` (each row's budget) is bound once for a row-wise graph. ``caches`` (default:
+    zeroed ones of ``capacity`` positions) are the buffers to bind, in the layout's order, e.g.
+    another binding's; ``steps``: the positions the graph returns logits for (1, or a verify
+    graph's step length, fixed for the binding)."""
 
     def __init__(
         self,
@@ -27,6 +31,8 @@ class CacheBinding:
         capacity: int,
         vocab_size: int | None = None,
         budgets: RowBudgets | None = None,
+        caches: list[np.ndarray] | None = None,
+        steps: int = 1,
     ):
         import onnxruntime as ort
 
@@ -36,9 +42,12 @@ class CacheBinding:
             raise EngineError(
                 f"the engine's cache dtype {layout.dtype} cannot be allocated by this runtime; export in float32 or float16."
             )
-        self.caches = [
-            np.zeros((batch, p.kv_heads, capacity, p.head_dim), dtype=dtype) for p in layout.pairs for _ in "kv"
-        ]
+        shapes = [(batch, p.kv_heads, capacity, p.head_dim) for p in layout.pairs for _ in "kv"]
+        if caches is None:
+            caches = [np.zeros(shape, dtype=dtype) for shape in shapes]
+        if [(c.shape, c.dtype) for c in caches] != [(shape, np.dtype(dtype)) for shape in shapes]:
+            raise EngineError("the cache buffers given do not match the graph's cache layout in the manifest.")
+        self.caches = list(caches)
         self.kv_bytes = sum(c.nbytes for c in self.caches)
         past, present = layout.names()
         graph_inputs = {i.name for i in session.get_inputs()}
@@ -50,7 +59,7 @@ class CacheBinding:
             )
         vocab = session.get_outputs()[0].shape[-1]
         vocab = vocab if isinstance(vocab, int) else vocab_size  # flat exports name the axis
-        self.logits = np.zeros((batch, 1, vocab or 0), dtype=dtype)
+        self.logits = np.zeros((batch, steps, vocab or 0), dtype=dtype)
         self.io = session.io_binding()
         self._values = [ort.OrtValue.ortvalue_from_numpy(c) for c in self.caches]
         for name_in, name_out, value in zip(past, present, self._values):
@@ -68,9 +77,15 @@ class CacheBinding:
         self._mask = None
 
     def step(self, ids, mask, position, cache_position):
-        """One cached step; returns the next-token logits ``[batch, vocab]`` as a torch tensor."""
+        """One cached step; returns the next-token logits ``[batch, vocab]`` as a torch tensor
+        (over the bound logits buffer: the next step overwrites it)."""
         import torch
 
+        return torch.from_numpy(self.run(ids, mask, position, cache_position)[:, -1])
+
+    def run(self, ids, mask, position, cache_position) -> np.ndarray:
+        """One cached step (torch tensors in); returns the graph's logits ``[batch, steps, vocab]``
+        (the bound buffer where the vocabulary is known)."""
         if self._mask is not mask:  # bound once over the tensor's memory: the loop updates it in place
             import onnxruntime as ort
 
@@ -81,6 +96,4 @@ class CacheBinding:
         self.io.bind_cpu_input("position_ids", position.numpy())
         self.io.bind_cpu_input("cache_position", cache_position.numpy())
         self.session.run_with_iobinding(self.io)
-        if self.logits.shape[-1]:
-            return torch.from_numpy(self.logits[:, -1])
-        return torch.from_numpy(self.io.copy_outputs_to_cpu()[0][:, -1])
+        return self.logits if self.logits.shape[-1] else self.io.copy_outputs_to_cpu()[0]

@@ -165,10 +165,10 @@ class Runtime:
             raise EngineError(
                 f"{weights} has {weights.stat().st_size} bytes, the manifest says {self.manifest.weights.bytes}; export the engine again."
             )
-        self._graph_inits: dict[tuple[int, str], list[str]] = {}  # per graph, checked when its session is made
+        self._graph_inits: dict[tuple, list[str]] = {}  # per graph, checked when its session is made
         self._mmap = np.memmap(weights, dtype=np.uint8, mode="r") if weights.stat().st_size else np.zeros(0, np.uint8)
         self._values: dict[str, object] = {}
-        self._sessions: dict[tuple[int, str], object] = {}
+        self._sessions: dict[tuple, object] = {}
         self._lock = threading.Lock()
         self.mask_dtype = np.dtype(self.manifest.mask_dtype)
         self.vocab_size = self.manifest.vocab_size
@@ -196,6 +196,26 @@ class Runtime:
     def has_rowwise(self, kv: str = "per-loop") -> bool:
         """Whether the engine holds the row-wise graph for policy ``kv``."""
         return (ROWWISE, kv) in self._layouts
+
+    def has_verify(self, budget: int, kv: str = "per-loop") -> bool:
+        """Whether the engine holds budget ``budget``'s verify graph for policy ``kv`` (speculative decoding)."""
+        return self.manifest.verify_graph(budget, kv) is not None
+
+    def verify_layout(self, budget: int, kv: str = "per-loop") -> CacheLayout:
+        """The cache layout of budget ``budget``'s verify graph (refused where there is none)."""
+        return self._verify_entry(budget, kv).cache
+
+    def _verify_entry(self, budget: int, kv: str) -> GraphEntry:
+        budget, kv = self._check_budget(budget), self._check_policy(kv)
+        entry = self.manifest.verify_graph(budget, kv)
+        if entry is None:
+            raise EngineError(
+                f"'{self.directory}' has no verify graph for budget {budget} ({kv}), which speculative decoding "
+                f"scores drafts with; export the engine again with speculative=True (it then writes one per budget "
+                f"but the shallowest, per-loop KV).",
+                parameter="speculative",
+            )
+        return entry
 
     def rowwise_menu(self, kv: str = "per-loop") -> tuple[int, ...]:
         """The budgets a row of the row-wise graph may take (refused where it was not exported)."""
@@ -233,20 +253,21 @@ class Runtime:
             return ROWWISE, kv
         return self._check_budget(budget), kv
 
-    def _checked_graph(self, budget: int, kv: str) -> Path:
-        """The graph file of one budget and policy: present, matching its sha256 (``verify``)
-        and reading its weights only from this engine's ``weights.bin``."""
-        entry = self._entry(budget, kv)
+    def _checked_graph(self, key: tuple, entry: GraphEntry) -> Path:
+        """The graph file of ``entry`` (the graph of ``key``: budget, policy, maybe ``"verify"``):
+        present, matching its sha256 (``verify``) and reading its weights only from this
+        engine's ``weights.bin``."""
         path = _inside(self.directory, entry.file)
         if not path.exists():
+            what = "the verify graph of " if len(key) > 2 else ""
             raise EngineError(
-                f"'{self.directory}' has no {entry.file} for budget {budget} ({kv}); export the engine again."
+                f"'{self.directory}' has no {entry.file} for {what}budget {key[0]} ({key[1]}); export the engine again."
             )
         if self.verify and self.manifest.verify(self.directory, entry) == "modified":
             raise EngineError(
                 f"{path} does not match the sha256 in {MANIFEST} (the file was modified or corrupted); export the engine again."
             )
-        self._graph_inits[budget, kv] = check_external_data(self.directory, path)
+        self._graph_inits[key] = check_external_data(self.directory, path)
         return path
 
     # ------------------------------------------------------------------ sessions
@@ -273,9 +294,19 @@ class Runtime:
 
     def session(self, budget: int | None = None, kv: str = "per-loop"):
         """The InferenceSession of one budget and KV policy (created on first use)."""
+        key = self._key(budget, kv)
+        return self._session(key, lambda: self._entry(*key))
+
+    def verify_session(self, budget: int, kv: str = "per-loop"):
+        """The InferenceSession of budget ``budget``'s verify graph (speculative decoding; created
+        on first use, refused in one sentence where the engine has none)."""
+        entry = self._verify_entry(budget, kv)
+        return self._session((int(budget), kv, "verify"), lambda: entry)
+
+    def _session(self, key: tuple, entry):
+        """The session of the graph ``entry()`` describes, kept under ``key``."""
         import onnxruntime as ort
 
-        key = self._key(budget, kv)
         with self._lock:
             sess = self._sessions.get(key)
             if sess is None:
@@ -291,7 +322,7 @@ class Runtime:
                     options.add_session_config_entry("session.use_env_allocators", "1")
                 if self.threads:
                     options.intra_op_num_threads = self.threads
-                path = self._checked_graph(*key)
+                path = self._checked_graph(key, entry())
                 for name in self._graph_inits[key]:
                     options.add_initializer(name, self._ort_value(name))
                 sess = ort.InferenceSession(str(path), options, providers=self.providers)
@@ -346,6 +377,8 @@ class Runtime:
         pad_token_id: int | None = None,
         on_step=None,
         output_logits: bool = False,
+        draft_budget: int | None = None,
+        draft_tokens: int = 4,
     ):
         """Generate with the engine's KV cache, like :func:`looptool.runtime.generation.generate`
         (same sampling, EOS handling and :class:`~looptool.runtime.generation.GenerationOutput`).
@@ -356,12 +389,41 @@ class Runtime:
         per row (a list, tensor or array of ``batch`` budgets, or
         :class:`~looptool.engine.budgets.RowBudgets` resolved before): rows of different budgets
         run through the row-wise graph, each exactly at its own budget.
+
+        ``draft_budget=j`` decodes speculatively (:mod:`looptool.backends.ort.speculative`):
+        budget ``j``'s graph drafts ``draft_tokens`` tokens, ``budget``'s verify graph (an engine
+        exported with ``speculative=True``) keeps what it agrees with: budget ``budget``'s own
+        output (token for token when greedy); one budget for every row, per-loop KV; the result's
+        ``speculation`` counts the drafts kept. The caches grow when the rows' rejected drafts
+        pass ``capacity``.
         """
         from looptool.runtime.generation import decode_loop
 
         kv = self._check_policy(kv)
         ids, mask, capacity = check_request(self.manifest, input_ids, attention_mask, max_new_tokens, capacity)
+        if draft_budget is not None and len(set(np.asarray(getattr(budget, "rows", budget)).ravel().tolist())) > 1:
+            raise EngineError("speculative decoding takes one budget for every row.", parameter="draft_budget")
         graph, rows = self.resolve_budget(budget, ids.shape[0], kv)
+        if draft_budget is not None:
+            from looptool.backends.ort.speculative import speculative_generate
+            from looptool.engine.speculation import Speculation
+
+            spec = Speculation(draft_budget, draft_tokens).check(rows.rows[0], self.budgets, kv)
+            return speculative_generate(
+                self,
+                ids,
+                mask,
+                budget=rows.rows[0],
+                speculation=spec,
+                capacity=capacity,
+                max_new_tokens=max_new_tokens,
+                kv=kv,
+                sampling=sampling,
+                eos_token_id=eos_token_id,
+                pad_token_id=pad_token_id,
+                on_step=on_step,
+                output_logits=output_logits,
+            )
         binding = CacheBinding(
             self.session(graph, kv),
             self._layouts[graph, kv],

@@ -55,6 +55,14 @@ def export_cmd(
             help="Also write the row-wise-budget graph per policy (rows of one batch at different budgets).",
         ),
     ] = True,
+    speculative: Annotated[
+        bool,
+        typer.Option(
+            "--speculative",
+            help="onnx: also write verify graphs (every budget but the shallowest, per-loop KV) so that "
+            "looptool run --draft-budget decodes speculatively.",
+        ),
+    ] = False,
     precision: Annotated[
         str,
         typer.Option(
@@ -103,6 +111,7 @@ def export_cmd(
         compose=compose,
         ort_fusions=ort_fusions,
         rowwise=rowwise,
+        speculative=speculative,
         precision=precision,
         build_on_target=build_on_target,
         max_batch=max_batch,
@@ -116,6 +125,10 @@ def export_cmd(
         chosen = resolve_budgets(model, budget.strip())
         policies = resolve_policies(model, kv)
         graphs = (len(chosen) + int(rowwise)) * len(policies)
+        if speculative:
+            from looptool.backends.onnx.speculative import verify_targets
+
+            graphs += len(verify_targets(chosen, policies))
         with steps.stage("exporting", total=graphs + int(validate), done="exported") as step:
             counted = iter(range(graphs + 1))
 
@@ -149,12 +162,14 @@ def export_cmd(
         "export s",
     ):
         table.add_column(col, justify="right")
-    for b in [*report.budgets, *report.rowwise]:
+    labelled = [(str(b.budget), b) for b in [*report.budgets, *report.rowwise]]
+    labelled += [(f"{b.budget} verify", b) for b in getattr(report, "verify", [])]
+    for label, b in labelled:
         fused = ", ".join(f"{k}×{v}" for k, v in b.fused.items() if v) or "-"
         calls = f"{sum(b.layer_calls.values())} of {len(b.layer_calls)}" if b.composed else "flat"
         diff = b.max_abs_diff
         table.add_row(
-            str(b.budget),
+            label,
             b.kv,
             b.file,
             human_bytes(b.bytes),

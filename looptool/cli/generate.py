@@ -241,9 +241,12 @@ def run_cmd(
     backend: Annotated[
         str, typer.Option(help="onnx (onnxruntime) or tensorrt (the built engines, on a GPU).")
     ] = "onnx",
+    draft_budget: DraftBudget = None,
+    draft_tokens: DraftTokens = 4,
 ) -> None:
     """Generate with onnxruntime or TensorRT from an exported engine, with its KV cache (like generate);
-    --budget 0,6,12 runs one budget per prompt through the engine's row-wise graph (onnx)."""
+    --budget 0,6,12 runs one budget per prompt through the engine's row-wise graph (onnx);
+    --draft-budget J decodes speculatively (onnx, an engine exported with --speculative)."""
     from looptool.backends.engines import engine_name, open_runtime
     from looptool.engine.sampling import SamplingParams
     from looptool.runtime import text
@@ -256,6 +259,12 @@ def run_cmd(
     if capacity is not None and capacity < 1:
         raise LooptoolError("--capacity must be at least 1.")
     check_backend(backend)
+    if draft_budget is not None and backend != "onnx":
+        raise LooptoolError(
+            "--draft-budget runs on --backend onnx (onnxruntime); TensorRT engines have no verify graph."
+        )
+    if draft_budget is not None and isinstance(budgets, list):
+        raise LooptoolError("--draft-budget takes one --budget for every prompt.")
     rt = open_runtime(engine_dir, backend, threads=threads, prepack=prepack or None)  # None: quantized engines pack
     source = tokenizer if tokenizer is not None else (engine_dir if rt.manifest.tokenizer else None)
     if source is None:
@@ -268,6 +277,15 @@ def run_cmd(
     if backend == "onnx":
         graph, rows = rt.resolve_budget(budget, len(prompt), kv)  # resolved once, here
         rt.session(graph, kv)  # bad budget or policy, no row-wise graph: fail before tokenising
+        if draft_budget is not None:
+            from looptool.engine.speculation import Speculation
+
+            Speculation(draft_budget, draft_tokens).check(graph, rt.budgets, kv)
+            if not rt.has_verify(graph, kv):
+                raise LooptoolError(
+                    f"{engine_dir} has no verify graph for budget {graph} ({kv}), which --draft-budget needs; "
+                    "export the engine again with looptool export --speculative."
+                )
     enc = text.encode_prompts(tok, prompt)
     result = _stream_generation(
         tok,
@@ -284,10 +302,14 @@ def run_cmd(
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
             on_step=on_step,
+            **({} if draft_budget is None else {"draft_budget": draft_budget, "draft_tokens": draft_tokens}),
         ),
     )
     engine = engine_name(rt, backend, graph, kv)
     shown = f"budgets {','.join(map(str, budget))}" if isinstance(budget, list) else f"budget {budget}"
+    if getattr(result, "speculation", None) is not None:
+        stats = result.speculation
+        shown += f" · drafted at {draft_budget} ({stats.accepted}/{stats.proposed} drafts kept)"
     _print_generation(tok, prompt, enc, result, stream, f"{shown} · kv {kv} · {engine} · batch {len(prompt)}")
 
 

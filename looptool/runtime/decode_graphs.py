@@ -135,6 +135,13 @@ def cached_layer_graph(model: LoopedModel, kv: str = "per-loop", budgets: Iterab
     return _layer_graph(model, DecodeKey("cached", check_policy(model, kv)), budgets)
 
 
+def verify_layer_graph(model: LoopedModel, kv: str = "per-loop", budgets: Iterable[int] | None = None) -> LayerGraph:
+    """:func:`cached_layer_graph` without the ``last_position`` pass: the paths of
+    :func:`verify_paths` before binding (logits at every position of the step), from which an
+    exported engine's verify graphs are lowered."""
+    return _layer_graph(model, DecodeKey("verify", check_policy(model, kv)), budgets)
+
+
 def _layer_graph(model: LoopedModel, key: DecodeKey, budgets: Iterable[int] | None) -> LayerGraph:
     """The budget paths of ``key`` (kind ``cached`` or ``verify``) for ``budgets``, the missing
     ones rewritten from the captured decode step and kept."""
