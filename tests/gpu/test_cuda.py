@@ -70,6 +70,30 @@ def test_greedy_generation_equals_hf_generate_on_cuda(arch):
         assert torch.equal(model.generate(ids, budget=k, max_new_tokens=8, eos_token_id=None), ref), k
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_speculative_and_adaptive_depth_on_cuda(scheme):
+    """Depth per token on the GPU, with new parameters moved off their init: greedy
+    self-speculation gives budget k's tokens for every (draft, target) pair, and
+    ``budget="auto"`` at threshold 0 gives the deepest budget's (last-loop KV)."""
+    from looptool.runtime.generation import generate
+
+    model = looptool.convert(tiny_model("llama").to("cuda"), SCHEMES[scheme])
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for _, p in model.new_parameters():
+            p.add_(torch.randn(p.shape, generator=g).to("cuda") * 0.01)
+    ids = _ids()
+    for k in model.budgets:
+        plain = generate(model, ids, budget=k, max_new_tokens=8).sequences
+        for j in (b for b in model.budgets if b < k):
+            out = generate(model, ids, budget=k, max_new_tokens=8, draft_budget=j, draft_tokens=3)
+            assert torch.equal(out.sequences, plain), (k, j)
+    deepest = max(model.budgets)
+    auto = generate(model, ids, budget="auto", exit_threshold=0.0, max_new_tokens=8)
+    assert torch.equal(auto.sequences, generate(model, ids, budget=deepest, kv="last-loop", max_new_tokens=8).sequences)
+    assert bool((auto.depths == deepest).all())
+
+
 def test_to_cuda_and_load_on_cuda(tmp_path):
     source = tiny_model("qwen3_moe")
     model = looptool.convert(source, SCHEMES["recurrent"])
