@@ -84,6 +84,27 @@ def tiny_model(model_type: str, num_layers: int = 4, seed: int = 0, **overrides)
     return model.eval()
 
 
+def move_off_init(model, scale: float = 0.5, seed: int = 7):
+    """``model`` (a LoopedModel) with every new parameter moved by ``scale`` times seeded
+    standard-normal noise, in place: second passes and later loops then contribute, as after
+    training (zero gates would hide a wrong graph); returns the model."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.new_parameters():
+            p.add_((torch.randn(p.shape, generator=g) * scale).to(p.device, p.dtype))
+    return model
+
+
+def left_padded_batch(rows: int, length: int = 7, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)``: ``rows`` random prompts of ``length`` tokens, row ``r``
+    left-padded by ``r % 3`` positions (pad id 0)."""
+    prompt = torch.randint(3, 250, (rows, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(prompt)
+    for r in range(rows):
+        mask[r, : r % 3] = 0
+    return prompt.masked_fill(mask == 0, 0), mask
+
+
 def save_to_hub_cache(
     model, repo_id: str, cache_dir: str | Path, *, commit: str, refs: tuple[str, ...] = ("main",), tokenizer=None
 ) -> Path:

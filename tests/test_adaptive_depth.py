@@ -18,7 +18,7 @@ from looptool.passes import PassManager
 from looptool.passes.adaptive_depth import ADAPTIVE, AUTO_INPUTS
 from looptool.runtime.decode_graphs import adaptive_path, allocate_cache, cached_layer_graph, cached_paths
 from looptool.runtime.generation import decode_loop, generate
-from looptool.testing import tiny_model
+from looptool.testing import left_padded_batch, move_off_init, tiny_model
 
 NEW = 5
 MODELS = {
@@ -34,20 +34,8 @@ def _model(name: str):
     """A converted tiny model whose new parameters are moved away from their exact init."""
     arch, plan = MODELS[name]
     model = looptool.convert(tiny_model(arch), plan)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for _, p in model.new_parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    move_off_init(model, 0.5)
     return model
-
-
-def _batch(rows: int, length: int = 7):
-    """A left-padded prompt batch (rows of different lengths and tokens)."""
-    prompt = torch.randint(3, 250, (rows, length), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(prompt)
-    for r in range(rows):
-        mask[r, : r % 3] = 0
-    return prompt.masked_fill(mask == 0, 0), mask
 
 
 def _run(model, prompt, mask, **kw):
@@ -91,7 +79,7 @@ def _varying_threshold(model, prompt, mask, rule: str = "state") -> float:
 @pytest.mark.parametrize("name", list(MODELS))
 def test_threshold_zero_is_max_budget(name):
     model = _model(name)
-    prompt, mask = _batch(2)
+    prompt, mask = left_padded_batch(2)
     for hi in sorted(model.budgets)[-2:]:  # the deepest budget, and one below it (masked deeper steps)
         auto = _run(model, prompt, mask, budget="auto", max_budget=hi, exit_threshold=0.0)
         fixed = _run(model, prompt, mask, budget=hi, kv="last-loop")
@@ -102,7 +90,7 @@ def test_threshold_zero_is_max_budget(name):
 @pytest.mark.parametrize("name", UNCONDITIONED)
 def test_infinite_threshold_is_min_budget(name):
     model = _model(name)
-    prompt, mask = _batch(2)
+    prompt, mask = left_padded_batch(2)
     for lo in sorted(model.budgets)[:2]:  # the smallest budget, and one above it (forced steps)
         auto = _run(model, prompt, mask, budget="auto", min_budget=lo, exit_threshold=float("inf"))
         fixed = _run(model, prompt, mask, budget=lo, kv="last-loop")
@@ -115,7 +103,7 @@ def test_infinite_threshold_is_min_budget(name):
 def test_intermediate_threshold_varies_depth_and_rows_match_alone(name):
     model = _model(name)
     lo, hi = min(model.budgets), max(model.budgets)
-    prompt, mask = _batch(3)
+    prompt, mask = left_padded_batch(3)
     thr = _varying_threshold(model, prompt, mask)
     batch = _run(model, prompt, mask, budget="auto", exit_threshold=thr)
     assert batch.depths.dtype == torch.int64 and bool(((batch.depths >= lo) & (batch.depths <= hi)).all())
@@ -132,7 +120,7 @@ def test_mixed_depths_equal_each_tokens_budget_over_one_last_loop_cache(name):
     """Each row alone at a threshold that mixes depths equals running, token by token, the
     fixed-budget cached path of the depth it realised over one shared last-loop cache."""
     model = _model(name)
-    prompt, mask = _batch(3)
+    prompt, mask = left_padded_batch(3)
     thr = _varying_threshold(model, prompt, mask)
     paths = cached_paths(model, "last-loop")
     deepest = paths[max(model.budgets)]
@@ -165,7 +153,7 @@ def test_mixed_depths_equal_each_tokens_budget_over_one_last_loop_cache(name):
 def test_kl_rule(name):
     model = _model(name)
     lo, hi = min(model.budgets), max(model.budgets)
-    prompt, mask = _batch(3)
+    prompt, mask = left_padded_batch(3)
     thr = _varying_threshold(model, prompt, mask, "kl")
     batch = _run(model, prompt, mask, budget="auto", exit_rule="kl", exit_threshold=thr)
     assert batch.depths[:, 0].unique().numel() > 1, (thr, batch.depths)
@@ -183,7 +171,7 @@ def test_kl_rule_where_the_final_norm_reads_the_length():
     """GPT-2's captured final norm reshapes to the step's length: the logit lens runs it on
     every position of the state (the path's last-position cut keeps the head to one)."""
     model = looptool.convert(tiny_model("gpt2"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 2)))
-    prompt, mask = _batch(2)
+    prompt, mask = left_padded_batch(2)
     auto = _run(model, prompt, mask, budget="auto", exit_rule="kl", exit_threshold=0.0)
     assert _same(_run(model, prompt, mask, budget=2, kv="last-loop"), auto)
 
@@ -206,7 +194,7 @@ def test_pass_builds_one_path_with_depth_inputs_and_output():
 
 def test_bad_adaptive_arguments():
     model = _model("prefix-llama")
-    prompt, _ = _batch(2)
+    prompt, _ = left_padded_batch(2)
     for kwargs, message in [
         ({"kv": "per-loop"}, "needs kv='last-loop'"),
         ({"exit_threshold": -0.1}, "exit_threshold must be a number >= 0"),
@@ -229,7 +217,7 @@ def test_bad_adaptive_arguments():
 
 def test_looped_model_generate_takes_auto():
     model = _model("elr-llama")
-    prompt, mask = _batch(2)
+    prompt, mask = left_padded_batch(2)
     ids = model.generate(
         prompt, attention_mask=mask, budget="auto", exit_threshold=0.0, max_new_tokens=3, eos_token_id=None
     )

@@ -21,7 +21,7 @@ from looptool.backends.manifest import MANIFEST
 from looptool.backends.onnx.export import export_onnx
 from looptool.backends.ort.runtime import Runtime
 from looptool.cli import app
-from looptool.testing import byte_tokenizer, tiny_model
+from looptool.testing import byte_tokenizer, left_padded_batch, move_off_init, tiny_model
 
 # as tests/test_speculative.py: far enough from the exact init that budgets disagree on some
 # tokens and agree on others, so drafts are both kept and rejected
@@ -35,10 +35,7 @@ PROMPT = "Hello"
 def _model(name: str) -> looptool.LoopedModel:
     plan, scale = MODELS[name]
     model = looptool.convert(tiny_model("llama"), plan)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for _, p in model.new_parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
+    move_off_init(model, scale)
     return model
 
 
@@ -72,14 +69,6 @@ def engines(tmp_path_factory):
     return _Engines(tmp_path_factory.mktemp("speculative"))
 
 
-def _batch():
-    prompt = torch.randint(3, 250, (3, 7), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(prompt)
-    mask[1, :2] = 0
-    mask[2, :4] = 0
-    return prompt.masked_fill(mask == 0, 0), mask
-
-
 @pytest.mark.parametrize("name", list(MODELS))
 def test_greedy_speculation_is_the_engines_budget_k_token_for_token(engines, name, monkeypatch):
     import looptool.backends.ort.speculative as speculative
@@ -88,7 +77,7 @@ def test_greedy_speculation_is_the_engines_budget_k_token_for_token(engines, nam
     real = speculative.with_length
     monkeypatch.setattr(speculative, "with_length", lambda a, n, dim: grown.append(n) or real(a, n, dim))
     model, rt, _ = engines[name]
-    prompt, mask = _batch()
+    prompt, mask = left_padded_batch(3)
     kept = proposed = 0
     for k in rt.budgets[1:]:
         plain = rt.generate(prompt, attention_mask=mask, budget=k, max_new_tokens=10, output_logits=True)
@@ -142,7 +131,7 @@ def test_verify_graphs_share_the_weights_and_the_fused_lowering(engines, name):
 
 def test_errors(engines, tmp_path):
     model, rt, _ = engines["prefix"]
-    prompt, mask = _batch()
+    prompt, mask = left_padded_batch(3)
     with pytest.raises(looptool.LooptoolError, match="must be shallower"):
         rt.generate(prompt, budget=1, draft_budget=2)
     with pytest.raises(EngineError, match="one budget for every row"):

@@ -18,7 +18,7 @@ from looptool.passes.rowwise_budget import BUDGETS, ROWWISE
 from looptool.runtime.decode_graphs import cached_layer_graph, rowwise_path
 from looptool.runtime.generation import generate
 from looptool.runtime.step_engine import TorchStepEngine
-from looptool.testing import tiny_model
+from looptool.testing import left_padded_batch, move_off_init, tiny_model
 
 NEW = 4
 MODELS = {
@@ -36,20 +36,8 @@ def _model(name: str):
     """A converted tiny model whose new parameters are moved away from their exact init."""
     arch, plan = MODELS[name]
     model = looptool.convert(tiny_model(arch), plan)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for _, p in model.new_parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    move_off_init(model, 0.5)
     return model
-
-
-def _batch(rows: int, length: int = 7):
-    """A left-padded prompt batch (rows of different lengths)."""
-    prompt = torch.randint(3, 250, (rows, length), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(prompt)
-    for r in range(rows):
-        mask[r, : r % 3] = 0
-    return prompt.masked_fill(mask == 0, 0), mask
 
 
 def _worst_row_error(model, prompt, mask, budgets, kv) -> tuple[float, bool]:
@@ -77,7 +65,7 @@ def _worst_row_error(model, prompt, mask, budgets, kv) -> tuple[float, bool]:
 def test_every_row_runs_its_own_budget(name, kv):
     model = _model(name)
     menu = list(model.budgets)
-    prompt, mask = _batch(len(menu))
+    prompt, mask = left_padded_batch(len(menu))
     worst, same = _worst_row_error(model, prompt, mask, menu, kv)
     assert same and worst < 1e-5, (worst, same)
     wrong, _ = _worst_row_error(model, prompt, mask, menu[::-1], kv)  # rows 0 and -1 swap budgets
@@ -86,7 +74,7 @@ def test_every_row_runs_its_own_budget(name, kv):
 
 def test_generate_reports_row_budgets_and_costs():
     model = _model("prefix-llama")
-    prompt, mask = _batch(3)
+    prompt, mask = left_padded_batch(3)
     out = generate(model, prompt, attention_mask=mask, budget=torch.tensor([2, 0, 1]), max_new_tokens=2)
     costs = {c.budget: c for c in model.cost_table()}
     assert out.budgets == (2, 0, 1)
@@ -100,7 +88,7 @@ def test_generate_reports_row_budgets_and_costs():
 
 def test_bad_row_budgets():
     model = _model("prefix-llama")
-    prompt, _ = _batch(2)
+    prompt, _ = left_padded_batch(2)
     with pytest.raises(LooptoolError, match="budget 7 is not in"):
         generate(model, prompt, budget=[0, 7])
     with pytest.raises(LooptoolError, match="3 budgets for a batch of 2"):
@@ -138,7 +126,7 @@ def test_step_engine_over_a_slice_of_a_bigger_cache(kv):
     model = _model("elr-llama-conditioning")
     engine = TorchStepEngine(model, kv) if kv != "per-loop" else TorchStepEngine(model)  # the default
     menu = list(engine.budgets)
-    prompt, mask = _batch(len(menu), length=6)
+    prompt, mask = left_padded_batch(len(menu), length=6)
     cache = engine.allocate(slots=len(menu) + 2, length=12)
     rows = slice(1, 1 + len(menu))
     full_mask = torch.zeros(len(menu), 12, dtype=engine.mask_dtype)
@@ -224,7 +212,7 @@ def test_generate_cli_one_budget_per_prompt(model_dir):
 
 def test_looped_model_generate_takes_row_budgets():
     model = _model("prefix-llama")
-    prompt, mask = _batch(3)
+    prompt, mask = left_padded_batch(3)
     ids = model.generate(prompt, attention_mask=mask, budget=[2, 0, 1], max_new_tokens=2, eos_token_id=None)
     ref = generate(model, prompt, attention_mask=mask, budget=[2, 0, 1], max_new_tokens=2).sequences
     assert torch.equal(ids, ref)

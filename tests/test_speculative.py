@@ -16,7 +16,7 @@ from looptool.core.errors import LooptoolError
 from looptool.engine import speculation
 from looptool.engine.sampling import SamplingParams, TokenPicker
 from looptool.runtime.generation import generate
-from looptool.testing import tiny_model
+from looptool.testing import left_padded_batch, move_off_init, tiny_model
 
 # each plan, and how far its new parameters move from their exact init: far enough that budgets
 # disagree on some tokens and agree on others, so drafts are both kept and rejected (a tiny
@@ -34,19 +34,8 @@ def _model(name: str, scale: float | None = None):
     plan, default = MODELS[name]
     scale = default if scale is None else scale
     model = looptool.convert(tiny_model("llama"), plan)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for _, p in model.new_parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
+    move_off_init(model, scale)
     return model
-
-
-def _batch():
-    prompt = torch.randint(3, 250, (3, 7), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(prompt)
-    mask[1, :2] = 0
-    mask[2, :4] = 0
-    return prompt.masked_fill(mask == 0, 0), mask
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -57,7 +46,7 @@ def test_greedy_speculation_is_budget_k_token_for_token(name, monkeypatch):
     real = speculative.with_length
     monkeypatch.setattr(speculative, "with_length", lambda a, n, dim: grown.append(n) or real(a, n, dim))
     model = _model(name)
-    prompt, mask = _batch()
+    prompt, mask = left_padded_batch(3)
     kept = proposed = 0
     for k in model.budgets:
         plain = generate(model, prompt, attention_mask=mask, budget=k, max_new_tokens=10, output_logits=True)
@@ -87,7 +76,7 @@ def test_greedy_speculation_is_budget_k_token_for_token(name, monkeypatch):
 
 def test_speculation_stops_rows_at_eos_and_streams_columns():
     model = _model("prefix")
-    prompt, mask = _batch()
+    prompt, mask = left_padded_batch(3)
     plain = generate(model, prompt, attention_mask=mask, budget=2, max_new_tokens=12)
     eos = int(plain.sequences[0, 7 + 3])  # row 0's fourth new token
     ref = generate(model, prompt, attention_mask=mask, budget=2, max_new_tokens=12, eos_token_id=eos, pad_token_id=0)
@@ -186,7 +175,7 @@ def test_sampled_speculation_matches_budget_k(broken, monkeypatch):
 
 def test_speculation_errors():
     model = _model("prefix")
-    prompt, _ = _batch()
+    prompt, _ = left_padded_batch(3)
     cases = [
         (dict(budget=2, draft_budget=2), "shallower"),
         (dict(budget=2, draft_budget=5), "menu"),
