@@ -145,10 +145,11 @@ def test_auto_and_fixed_rows_share_one_batch_and_each_gets_what_it_gets_alone(mo
     assert metric(snapshot, "looptool_realised_depth_count") == auto_tokens
 
 
-def test_the_engine_runs_fixed_rows_of_an_adaptive_step_exactly_at_their_budget(model):
-    """One step through the engine: the fixed rows' depths are their budgets, and a row with
-    ``min_budget = max_budget = k`` is budget ``k``."""
-    engine = TorchStepEngine(model, kv="last-loop")
+@pytest.mark.parametrize("rule", ["state", "kl"])
+def test_the_engine_runs_fixed_rows_of_an_adaptive_step_exactly_at_their_budget(model, rule):
+    """One step through the engine: the fixed rows' depths are their budgets, they run exactly
+    those budgets, and an adaptive row at threshold 0 runs its ``max_budget``, whatever the rule."""
+    engine = TorchStepEngine(model, kv="last-loop", exit_rule=rule)
     ids = torch.tensor([_ids(model, PROMPTS[0])] * 3)
     n = ids.shape[1]
     args = (ids, torch.ones(3, n, dtype=engine.mask_dtype), torch.arange(n)[None].expand(3, n), torch.arange(n))
@@ -159,6 +160,18 @@ def test_the_engine_runs_fixed_rows_of_an_adaptive_step_exactly_at_their_budget(
     assert fixed.depths.tolist() == [2, 1, 0]
     assert torch.allclose(out.logits, fixed.logits, atol=1e-5, rtol=0)
     assert RowBudgets((2,), (None,)).auto is None and not RowBudgets((2,)).adaptive  # fixed budgets as before
+
+
+def test_an_unknown_exit_rule_is_one_sentence_before_the_load(model_dir, monkeypatch):
+    from looptool.serve import server
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(server, "open_model", no_load)
+    with pytest.raises(looptool.LooptoolError, match="unknown exit_rule 'entropy'") as err:
+        server.prepare(model_dir, exit_rule="entropy")
+    assert err.value.parameter == "exit_rule"
 
 
 # ------------------------------------------------------------------ a real server
@@ -285,6 +298,19 @@ def test_bad_auto_fields_are_one_sentence_naming_the_field(server, body, param, 
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"], error
     assert error["message"].count(". ") == 0 and error["message"].endswith("."), error["message"]
+
+
+def test_the_resolver_fills_in_the_auto_defaults_and_keeps_fixed_budgets_as_they_were():
+    r = BudgetResolver.create(NAME, (0, 3, 6))
+    assert r.choose(NAME, "auto") == AutoRow(0, 6, 0.05)
+    assert r.choose(NAME, "auto", min_budget=3, exit_threshold=0) == AutoRow(3, 6, 0.0)
+    assert r.choose(NAME, "auto", exit_threshold=10**400).exit_threshold == float("inf")  # never a crash
+    assert r.choose(f"{NAME}@3") == 3 and r.choose(NAME, "low") == r.resolve(NAME, "low")
+    with pytest.raises(looptool.LooptoolError, match="number >= 0") as err:
+        r.choose(NAME, "auto", exit_threshold=float("nan"))
+    assert err.value.parameter == "exit_threshold"
+    with pytest.raises(looptool.LooptoolError, match="does not exist"):
+        r.choose("other", "auto")
 
 
 # ------------------------------------------------------------------ servers that cannot

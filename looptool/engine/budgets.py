@@ -37,7 +37,7 @@ class AutoRow:
     exit_threshold: float = DEFAULT_EXIT_THRESHOLD
 
     def check(self, menu: Collection[int], error: type[LooptoolError] = LooptoolError) -> AutoRow:
-        """These settings, one sentence (an ``error`` naming the field) for a depth off the menu,
+        """These settings (the threshold as a float), one sentence (an ``error`` naming the field) for a depth off the menu,
         a range upside down or a threshold that is not a number >= 0."""
         for name in ("min_budget", "max_budget"):
             value = getattr(self, name)
@@ -53,11 +53,13 @@ class AutoRow:
                 parameter="min_budget",
             )
         thr = self.exit_threshold
+        if isinstance(thr, int) and not isinstance(thr, bool) and thr > 2**53:
+            thr = math.inf  # above any relative change (and beyond a float's exact range)
         if isinstance(thr, bool) or not isinstance(thr, (int, float)) or math.isnan(thr) or thr < 0:
             raise error(
                 f"exit_threshold must be a number >= 0 (0: always max_budget), got {thr!r}.", parameter="exit_threshold"
             )
-        return self
+        return AutoRow(self.min_budget, self.max_budget, float(thr))
 
 
 @dataclass(frozen=True)

@@ -187,8 +187,7 @@ class BudgetResolver:
             self.budgets[-1] if max_budget is None else max_budget,  # type: ignore[arg-type]
             thr,  # type: ignore[arg-type]
         )
-        row.check(self.budgets, BudgetChoiceError)
-        return AutoRow(row.min_budget, row.max_budget, float(row.exit_threshold))
+        return row.check(self.budgets, BudgetChoiceError)
 
     def _budget_field(self, budget: object) -> int:
         """The budget the ``budget`` body field names: a JSON integer of the menu, or an effort
