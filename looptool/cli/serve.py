@@ -53,6 +53,13 @@ def serve(
     ] = "auto",
     device: Device = "auto",
     kv: Kv = "per-loop",
+    exit_rule: Annotated[
+        str,
+        typer.Option(
+            help='How the tokens of budget "auto" requests stop: state (relative state change) or kl '
+            "(next-token KL); budget auto needs --kv last-loop and the PyTorch runtime."
+        ),
+    ] = "state",
     tokenizer: Tokenizer = None,
     threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads (engine directories).")] = None,
     prepack: Annotated[
@@ -105,6 +112,7 @@ def serve(
                 kv=kv,
                 tokenizer=tokenizer,
                 threads=threads,
+                exit_rule=exit_rule,
                 prepack=prepack or None,  # None: quantized engines pack, float ones do not
                 spin=spin,
             )

@@ -3,10 +3,17 @@ command line's ``--budget``, an HTTP request's budget) into one value that every
 takes as it is: :class:`RowBudgets`. It also says which graph runs the rows: a budget's own
 path when every row shares that budget and the runtime has it, else the row-wise-budget path
 (:data:`~looptool.core.graph.ROWWISE`), in which every row runs exactly its own budget
-(Accordion Eq. 1, ELR Eq. 2)."""
+(Accordion Eq. 1, ELR Eq. 2).
+
+A row may instead decide its depth per token (adaptive depth, ``budget="auto"``): its
+:class:`AutoRow` (``min_budget``, ``max_budget``, ``exit_threshold``) rides in
+:attr:`RowBudgets.auto`. An engine that runs such rows runs the adaptive-depth path for the
+whole batch, a fixed row ``k`` as ``min_budget = max_budget = k`` (exactly budget ``k`` under
+last-loop KV)."""
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -16,13 +23,83 @@ import torch
 from looptool.core.errors import LooptoolError
 from looptool.core.graph import ROWWISE
 
+DEFAULT_EXIT_THRESHOLD = 0.05  # relative state change below which an adaptive row stops (not calibrated per model)
+
+
+@dataclass(frozen=True)
+class AutoRow:
+    """One row's adaptive-depth settings: it runs between ``min_budget`` and ``max_budget``
+    (budgets of the menu, ``min_budget <= max_budget``) and stops once its change falls under
+    ``exit_threshold`` (>= 0; 0: always ``max_budget``). Checked where it is made (:meth:`check`)."""
+
+    min_budget: int
+    max_budget: int
+    exit_threshold: float = DEFAULT_EXIT_THRESHOLD
+
+    def check(self, menu: Collection[int], error: type[LooptoolError] = LooptoolError) -> AutoRow:
+        """These settings (the threshold as a float), one sentence (an ``error`` naming the field) for a depth off the menu,
+        a range upside down or a threshold that is not a number >= 0."""
+        for name in ("min_budget", "max_budget"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise error(f"{name} must be an integer budget of the menu, got {value!r}.", parameter=name)
+            if value not in menu:
+                raise error(
+                    f"{name} {value} is not in the budget menu {sorted(menu)}; pick one of those.", parameter=name
+                )
+        if self.min_budget > self.max_budget:
+            raise error(
+                f"min_budget {self.min_budget} is above max_budget {self.max_budget}; give min_budget <= max_budget.",
+                parameter="min_budget",
+            )
+        thr = self.exit_threshold
+        if isinstance(thr, int) and not isinstance(thr, bool) and thr > 2**53:
+            thr = math.inf  # above any relative change (and beyond a float's exact range)
+        if isinstance(thr, bool) or not isinstance(thr, (int, float)) or math.isnan(thr) or thr < 0:
+            raise error(
+                f"exit_threshold must be a number >= 0 (0: always max_budget), got {thr!r}.", parameter="exit_threshold"
+            )
+        return AutoRow(self.min_budget, self.max_budget, float(thr))
+
 
 @dataclass(frozen=True)
 class RowBudgets:
     """The budget of every row of a batch, each one of the menu (checked by :meth:`resolve`;
-    made directly only from budgets already checked)."""
+    made directly only from budgets already checked).
+
+    ``auto`` (None: every row fixed) gives each row's :class:`AutoRow`, or None for a fixed
+    row; an adaptive row's entry in ``rows`` is its ``max_budget`` (the deepest it may run).
+    An ``auto`` without an adaptive row is stored as None."""
 
     rows: tuple[int, ...]
+    auto: tuple[AutoRow | None, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.auto is not None:
+            if len(self.auto) != len(self.rows):
+                raise LooptoolError(f"{len(self.auto)} adaptive-depth entries for {len(self.rows)} rows.")
+            if all(a is None for a in self.auto):
+                object.__setattr__(self, "auto", None)
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether some row decides its depth per token (then only the adaptive-depth path runs
+        these rows; :meth:`graph` speaks of fixed budgets only)."""
+        return self.auto is not None
+
+    def depth_inputs(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The adaptive-depth path's ``min_budget``, ``max_budget`` (int64 ``[batch]``) and
+        ``exit_threshold`` (float32 ``[batch]``): an adaptive row's settings, a fixed row ``k``
+        as ``k, k, 0``."""
+        auto = self.auto or (None,) * len(self.rows)
+        lo = [a.min_budget if a else k for k, a in zip(self.rows, auto)]
+        hi = [a.max_budget if a else k for k, a in zip(self.rows, auto)]
+        thr = [a.exit_threshold if a else 0.0 for a in auto]
+        return (
+            torch.tensor(lo, dtype=torch.long, device=device),
+            torch.tensor(hi, dtype=torch.long, device=device),
+            torch.tensor(thr, dtype=torch.float32, device=device),
+        )
 
     @property
     def uniform(self) -> bool:

@@ -8,6 +8,10 @@ cheaper path. The cache is ``[slots, kv_heads, length, head_dim]`` per buffer, r
 slot ``r`` (a request) and dimension 2 its token positions; torch tensors
 (:class:`TensorSlotCache`) or numpy arrays (:class:`ArraySlotCache`, bound in place by
 onnxruntime). :class:`OpenedEngine` is a step engine with what a server needs beside it.
+
+Rows of adaptive depth (:attr:`RowBudgets.auto`, ``budget="auto"``) run through
+:meth:`StepEngine.step_with_depth`, which also reports the depth every row realised
+(:class:`StepResult`); an engine that cannot run them says so in :meth:`StepEngine.check_adaptive`.
 """
 
 from __future__ import annotations
@@ -123,6 +127,15 @@ class ArraySlotCache(SlotCache):
             b[:, :, n:] = b[:, :, : self.length - n]
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What one step gives: float32 next-token logits ``[R, vocab]`` (CPU) and the depth each
+    row realised, int64 ``[R]`` (CPU): a fixed row's budget, an adaptive row's depth this step."""
+
+    logits: torch.Tensor
+    depths: torch.Tensor
+
+
 class StepEngine(ABC):
     """Cached steps over slices of one slot cache, every row at its own budget.
 
@@ -158,6 +171,34 @@ class StepEngine(ABC):
         neither read nor written, so an engine that can attends over the first ``W`` positions
         only (a decode step then costs what the rows hold, not what the cache could hold); one
         that binds whole buffers pads the mask with zeros (:func:`full_width`)."""
+
+    def check_adaptive(self) -> None:
+        """Nothing when :meth:`step_with_depth` runs rows of adaptive depth; else one sentence
+        (a :class:`LooptoolError` whose ``parameter`` names what stands in the way: ``runtime``
+        or ``kv``). This default: the engine runs fixed budgets only."""
+        raise LooptoolError(
+            f"{type(self).__name__} runs fixed budgets only; adaptive depth (budget 'auto') runs on the PyTorch "
+            "step engine of a looped model under last-loop KV.",
+            parameter="runtime",
+        )
+
+    def step_with_depth(
+        self,
+        cache: SlotCache,
+        rows: slice,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache_position: torch.Tensor,
+        budgets: RowBudgets,
+    ) -> StepResult:
+        """:meth:`step`, with each row's realised depth. This default runs fixed budgets (the
+        depths are the budgets) and refuses adaptive rows (:meth:`check_adaptive`); an engine
+        that runs them overrides both."""
+        if budgets.adaptive:
+            self.check_adaptive()
+        logits = self.step(cache, rows, input_ids, attention_mask, position_ids, cache_position, budgets)
+        return StepResult(logits, budgets.tensor())
 
     def prompt_logprobs(self, input_ids: torch.Tensor, budget: int) -> torch.Tensor:
         """float32 log-softmax over the vocabulary at every position of ``input_ids [1, T]``:

@@ -74,6 +74,7 @@ def open_engine(
     """The step engine for ``path`` on ``runtime`` (``auto``: TensorRT where the directory holds
     built engines and a CUDA GPU is present, else onnxruntime for an engine directory, PyTorch
     for a looped model directory). ``device`` applies to PyTorch, ``threads`` (intra-op) and
-    ``session`` (``prepack``, ``spin``) to onnxruntime; ``tokenizer`` replaces the directory's own."""
+    ``session`` (``prepack``, ``spin``) to onnxruntime, ``session``'s ``exit_rule`` (how rows of
+    adaptive depth stop) to PyTorch; ``tokenizer`` replaces the directory's own."""
     path = Path(path)
     return _choose(path, runtime).open_dir(path, device=device, kv=kv, tokenizer=tokenizer, threads=threads, **session)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from looptool.core.errors import LooptoolError
+from looptool.engine.budgets import DEFAULT_EXIT_THRESHOLD
 from looptool.passes.adaptive_depth import EXIT_RULES
 from looptool.runtime.decode_graphs import adaptive_path, allocate_cache, check_policy
 
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
     from looptool.runtime.model import LoopedModel
 
 AUTO = "auto"
-DEFAULT_EXIT_THRESHOLD = 0.05  # relative state change below which a row stops (not calibrated per model)
 
 
 def wants_auto(budget, min_budget=None, max_budget=None, exit_threshold=None, exit_rule=None) -> bool:

@@ -6,6 +6,12 @@ budget's slots). Mixed budgets run the row-wise path
 (:func:`looptool.runtime.decode_graphs.rowwise_path`: every row exactly at its own budget,
 Accordion Eq. 1 / ELR Eq. 2); rows that all share one budget run that budget's own cached
 path on the matching cache buffers, so a uniform batch costs what that budget costs.
+
+Under last-loop KV, a step with a row of adaptive depth (:attr:`RowBudgets.auto`) runs the
+adaptive-depth path (:func:`looptool.runtime.decode_graphs.adaptive_path`, exit rule fixed per
+engine) for the whole slice, every fixed row ``k`` as ``min_budget = max_budget = k`` (exactly
+budget ``k``), on the slot-cache buffers its cache inputs name (the deepest budget's slots, like
+the row-wise path's).
 """
 
 from __future__ import annotations
@@ -16,10 +22,27 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from looptool.core.errors import LooptoolError
 from looptool.core.graph import ROWWISE
 from looptool.engine.budgets import RowBudgets
-from looptool.engine.interface import EngineFacts, OpenedEngine, StepEngine, TensorSlotCache, costs_by_budget, eos_ids
-from looptool.runtime.decode_graphs import allocate_cache, cached_paths, check_policy, rowwise_path
+from looptool.engine.interface import (
+    EngineFacts,
+    OpenedEngine,
+    StepEngine,
+    StepResult,
+    TensorSlotCache,
+    costs_by_budget,
+    eos_ids,
+)
+from looptool.passes.adaptive_depth import EXIT_RULES
+from looptool.runtime.decode_graphs import (
+    CachedPath,
+    adaptive_path,
+    allocate_cache,
+    cached_paths,
+    check_policy,
+    rowwise_path,
+)
 
 if TYPE_CHECKING:
     from looptool.runtime.model import LoopedModel
@@ -29,11 +52,18 @@ WANTS = "give a looped model directory (written by looptool convert or save_pret
 
 class TorchStepEngine(StepEngine):
     """Cached steps of a :class:`~looptool.runtime.model.LoopedModel` over slot-cache rows,
-    each row at its own budget."""
+    each row at its own budget; rows of adaptive depth (under last-loop KV) decide theirs per
+    token by ``exit_rule`` (``state`` or ``kl``)."""
 
-    def __init__(self, model: LoopedModel, kv: str = "per-loop"):
+    def __init__(self, model: LoopedModel, kv: str = "per-loop", exit_rule: str = "state"):
         self.model = model
         self.kv = check_policy(model, kv)
+        if exit_rule not in EXIT_RULES:
+            raise LooptoolError(
+                f"unknown exit_rule {exit_rule!r}; use one of {list(EXIT_RULES)}.", parameter="exit_rule"
+            )
+        self.exit_rule = exit_rule
+        self._adaptive: tuple[CachedPath, list[int]] | None = None  # built on the first adaptive step
         self.budgets: tuple[int, ...] = tuple(model.budgets)
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.vocab_size = int(text.vocab_size)
@@ -50,7 +80,34 @@ class TorchStepEngine(StepEngine):
         buffers = allocate_cache(self.rowwise, slots, length, dtype=param.dtype, device=param.device)
         return TensorSlotCache(buffers, tuple(s.name for s in self.rowwise.slots))
 
-    @torch.no_grad()
+    def check_adaptive(self) -> None:
+        """Nothing under last-loop KV; per-loop KV is one sentence (``parameter`` ``kv``)."""
+        if self.kv != "last-loop":
+            raise LooptoolError(
+                "adaptive depth needs the last-loop KV policy: under per-loop KV a token that stops early writes no "
+                "keys and values for the loops it skips, which later tokens running those loops would read.",
+                parameter="kv",
+            )
+
+    def adaptive(self) -> tuple[CachedPath, list[int]]:
+        """The adaptive-depth path and, per cache input of it, the slot-cache buffer it reads
+        (matched by name, and checked to be the same layer, kind and execution); built once."""
+        if self._adaptive is None:
+            self.check_adaptive()
+            path = adaptive_path(self.model, self.kv, self.exit_rule)
+            by_name = {s.name: i for i, s in enumerate(self.rowwise.slots)}
+            index = []
+            for slot in path.slots:
+                i = by_name.get(slot.name)
+                if i is None or self.rowwise.slots[i] != slot:
+                    raise LooptoolError(
+                        f"the adaptive-depth path's cache input {slot.name!r} (layer {slot.layer}, {slot.kind}) is not "
+                        "a buffer of the slot cache."
+                    )
+                index.append(i)
+            self._adaptive = (path, index)
+        return self._adaptive
+
     def step(
         self,
         cache: TensorSlotCache,
@@ -65,16 +122,37 @@ class TorchStepEngine(StepEngine):
         next-token logits ``[R, vocab]`` at the last position, each row at its own budget
         (``budgets``, resolved by the caller). Attention reads only the first
         ``attention_mask.shape[1]`` positions: the views end there."""
+        return self.step_with_depth(
+            cache, rows, input_ids, attention_mask, position_ids, cache_position, budgets
+        ).logits
+
+    @torch.no_grad()
+    def step_with_depth(
+        self,
+        cache: TensorSlotCache,
+        rows: slice,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache_position: torch.Tensor,
+        budgets: RowBudgets,
+    ) -> StepResult:
+        """:meth:`step` with each row's realised depth: a fixed row's budget, or, when some row
+        is adaptive, what the adaptive-depth path ran for every row of the slice."""
         width = attention_mask.shape[1]
         views = [b[rows, :, :width] for b in cache.buffers]
+        step = (input_ids, attention_mask, position_ids, cache_position)
+        if budgets.adaptive:
+            path, index = self.adaptive()
+            depth_inputs = budgets.depth_inputs(input_ids.device)
+            logits, depths = path.module(*step, *depth_inputs, *(views[i] for i in index))
+            return StepResult(logits[:, -1].float(), depths.cpu())
         if budgets.graph(self.paths) != ROWWISE:  # one budget: its own path on its own cache pairs
             k = budgets.rows[0]
-            caches = [views[i] for i in self.pairs[k]]
-            logits = self.paths[k].module(input_ids, attention_mask, position_ids, cache_position, *caches)
+            logits = self.paths[k].module(*step, *(views[i] for i in self.pairs[k]))
         else:
-            row_budgets = budgets.tensor(input_ids.device)
-            logits = self.rowwise.module(input_ids, attention_mask, position_ids, cache_position, row_budgets, *views)
-        return logits[:, -1].float()
+            logits = self.rowwise.module(*step, budgets.tensor(input_ids.device), *views)
+        return StepResult(logits[:, -1].float(), budgets.tensor())
 
     @torch.no_grad()
     def prompt_logprobs(self, input_ids: torch.Tensor, budget: int) -> torch.Tensor:
@@ -104,9 +182,16 @@ def describe(path: Path) -> EngineFacts:
 
 
 def open_dir(
-    path: Path, *, device: str = "auto", kv: str = "per-loop", tokenizer: str | os.PathLike | None = None, **_
+    path: Path,
+    *,
+    device: str = "auto",
+    kv: str = "per-loop",
+    tokenizer: str | os.PathLike | None = None,
+    exit_rule: str = "state",
+    **_,
 ) -> OpenedEngine:
-    """Load the looped model at ``path`` on ``device`` and its step engine for ``kv``."""
+    """Load the looped model at ``path`` on ``device`` and its step engine for ``kv`` (rows of
+    adaptive depth stop by ``exit_rule``)."""
     from looptool.runtime import text
     from looptool.runtime.convert import load
     from looptool.runtime.devices import resolve_device
@@ -114,7 +199,7 @@ def open_dir(
     dev = resolve_device(device)
     model = load(path, device=str(dev))
     tok = text.model_tokenizer(model, tokenizer)
-    engine = TorchStepEngine(model, kv=kv)
+    engine = TorchStepEngine(model, kv=kv, exit_rule=exit_rule)
     costs = costs_by_budget([c.as_dict() for c in model.cost_table()], engine.budgets, kv)
     eos = eos_ids(tok, getattr(model.config, "eos_token_id", None))
     return OpenedEngine(engine, tok, costs, eos, str(dev), "pytorch")

@@ -8,6 +8,9 @@ ending in ``data: [DONE]``), ``GET /v1/models`` (``NAME`` and ``NAME@k`` per bud
 drains (after SIGTERM) it still listens: ``/v1`` requests get 503 and ``/health`` answers 503
 ``{"status": "draining"}``, so a load balancer's readiness probe takes the replica out.
 
+``budget: "auto"`` (adaptive depth per token) is served where the engine runs it (PyTorch under
+last-loop KV); elsewhere it is one 400. Its response's ``cost`` gives the mean realised depth.
+
 A client that goes away frees its slot: a stream's generator is closed by the framework, and a
 non-streamed request has one watcher task that checks its connection every
 :data:`DISCONNECT_POLL` seconds while it waits for tokens.
@@ -28,9 +31,11 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from looptool.core.errors import LooptoolError
+from looptool.engine.budgets import AutoRow
 from looptool.engine.sampling import SamplingParams
 from looptool.serve.budgets import BudgetChoiceError, BudgetResolver
 from looptool.serve.choices import Choice
+from looptool.serve.cost import request_cost
 from looptool.serve.metrics import CONTENT_TYPE
 from looptool.serve.models import ServedModel
 from looptool.serve.prompts import chat_prompt, check_room, completion_prompts
@@ -90,7 +95,7 @@ def create_app(served: ServedModel, scheduler: Scheduler, resolver: BudgetResolv
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await _parse(request, CompletionRequest)
-        budget, sampling = _common(req, resolver)
+        budget, sampling = _common(req, resolver, scheduler, served.runtime)
         prompts, echoes = completion_prompts(req.prompt, served.tokenizer, served.engine.vocab_size)
         if req.max_tokens is not None and req.max_tokens < 1:
             raise APIError(f"max_tokens must be at least 1, got {req.max_tokens}.", param="max_tokens")
@@ -99,8 +104,10 @@ def create_app(served: ServedModel, scheduler: Scheduler, resolver: BudgetResolv
         for prompt in prompts:
             check_room(len(prompt), req.max_tokens, scheduler.capacity)
         scoring = req.logprobs if req.echo and req.logprobs is not None else None
+        if scoring is not None and isinstance(budget, AutoRow):
+            raise APIError('echo with logprobs scores the prompt at a fixed budget, not budget "auto".', param="echo")
         jobs = [
-            Job(
+            _job(
                 p,
                 budget,
                 req.max_tokens or scheduler.capacity - len(p),
@@ -132,12 +139,13 @@ def create_app(served: ServedModel, scheduler: Scheduler, resolver: BudgetResolv
             for c in choices
         ]
         use = usage(sum(len(p) for p in prompts), sum(len(c.tokens) for c in choices))
-        return response(rid, "text_completion", req.model, out, use, served.costs[budget])
+        cost = request_cost(served.costs, budget, [d for c in choices for d in c.depths])
+        return response(rid, "text_completion", req.model, out, use, cost)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await _parse(request, ChatCompletionRequest)
-        budget, sampling = _common(req, resolver)
+        budget, sampling = _common(req, resolver, scheduler, served.runtime)
         if req.logprobs:
             raise APIError("logprobs are served on /v1/completions only.", param="logprobs")
         prompt = chat_prompt(req.messages, served.tokenizer)
@@ -145,7 +153,7 @@ def create_app(served: ServedModel, scheduler: Scheduler, resolver: BudgetResolv
         if limit is not None and limit < 1:
             raise APIError(f"max_tokens must be at least 1, got {limit}.", param="max_tokens")
         check_room(len(prompt), limit, scheduler.capacity)
-        job = Job(prompt, budget, limit or scheduler.capacity - len(prompt), sampling, ignore_eos=req.ignore_eos)
+        job = _job(prompt, budget, limit or scheduler.capacity - len(prompt), sampling, ignore_eos=req.ignore_eos)
         rid = request_id("chatcmpl")
         queue = _submit(scheduler, job)
         if req.stream:
@@ -154,9 +162,8 @@ def create_app(served: ServedModel, scheduler: Scheduler, resolver: BudgetResolv
         await _collect(scheduler, [job], [queue], [choice], request)
         message = {"role": "assistant", "content": choice.text.text}
         out = [{"index": 0, "message": message, "logprobs": None, "finish_reason": choice.reason}]
-        return response(
-            rid, "chat.completion", req.model, out, usage(len(prompt), len(choice.tokens)), served.costs[budget]
-        )
+        cost = request_cost(served.costs, budget, choice.depths)
+        return response(rid, "chat.completion", req.model, out, usage(len(prompt), len(choice.tokens)), cost)
 
     async def _stream_completion(rid, req, job, queue, stops, budget) -> AsyncIterator[dict]:
         choice = Choice(0, served.tokenizer, stops)
@@ -168,7 +175,15 @@ def create_app(served: ServedModel, scheduler: Scheduler, resolver: BudgetResolv
                 [{"index": 0, "text": piece, "logprobs": None, "finish_reason": None}],
             )
         last = [{"index": 0, "text": "", "logprobs": None, "finish_reason": choice.reason}]
-        async for item in _ending(rid, "text_completion", req, last, len(job.prompt), choice, served.costs[budget]):
+        async for item in _ending(
+            rid,
+            "text_completion",
+            req,
+            last,
+            len(job.prompt),
+            choice,
+            request_cost(served.costs, budget, choice.depths),
+        ):
             yield item
 
     async def _stream_chat(rid, req, job, queue, budget) -> AsyncIterator[dict]:
@@ -180,7 +195,9 @@ def create_app(served: ServedModel, scheduler: Scheduler, resolver: BudgetResolv
         async for piece in _pieces(scheduler, job, queue, choice):
             yield chunk(rid, kind, req.model, [{"index": 0, "delta": {"content": piece}, "finish_reason": None}])
         last = [{"index": 0, "delta": {}, "finish_reason": choice.reason}]
-        async for item in _ending(rid, kind, req, last, len(job.prompt), choice, served.costs[budget]):
+        async for item in _ending(
+            rid, kind, req, last, len(job.prompt), choice, request_cost(served.costs, budget, choice.depths)
+        ):
             yield item
 
     return app
@@ -237,19 +254,41 @@ async def _parse(request: Request, model: type[BaseModel]):
         raise APIError(f"{field}: {err['msg']}.", param=field or None) from None
 
 
-def _common(req, resolver: BudgetResolver) -> tuple[int, SamplingParams]:
-    """The request's budget and sampling settings, checked."""
+def _common(req, resolver: BudgetResolver, scheduler: Scheduler, runtime: str) -> tuple[int | AutoRow, SamplingParams]:
+    """The request's budget (or adaptive-depth settings, where the engine runs them) and
+    sampling settings, checked."""
     if req.n != 1:
         raise APIError(f"n={req.n}: this server returns one choice per prompt; send n=1.", param="n")
     try:
-        budget = resolver.resolve(req.model, req.budget, req.reasoning_effort)
+        budget = resolver.choose(
+            req.model, req.budget, req.reasoning_effort, req.min_budget, req.max_budget, req.exit_threshold
+        )
     except BudgetChoiceError as exc:
         raise APIError(str(exc), status=exc.status, param=exc.parameter, code=exc.code) from None
+    if isinstance(budget, AutoRow) and (refusal := scheduler.adaptive_refusal()) is not None:
+        if getattr(refusal, "parameter", None) == "kv":
+            message = (
+                'budget "auto" needs last-loop KV and this server keeps per-loop KV; start it with --kv last-loop.'
+            )
+        else:
+            message = (
+                f'budget "auto" is not served by the {runtime} engine (it runs fixed budgets only); serve the looped '
+                "model directory on PyTorch with --kv last-loop."
+            )
+        raise APIError(message, param="budget")
     try:
         sampling = SamplingParams(req.temperature, req.checked_top_k(), req.top_p if req.top_p < 1 else None, req.seed)
     except LooptoolError as exc:
         raise APIError(str(exc), param=exc.parameter) from None
     return budget, sampling
+
+
+def _job(prompt: list[int], budget: int | AutoRow, max_tokens: int, *args, **kwargs) -> Job:
+    """The scheduler job of one prompt at a fixed ``budget`` or adaptive depth (run up to its
+    ``max_budget``)."""
+    if isinstance(budget, AutoRow):
+        return Job(prompt, budget.max_budget, max_tokens, *args, auto=budget, **kwargs)
+    return Job(prompt, budget, max_tokens, *args, **kwargs)
 
 
 def _submit(scheduler: Scheduler, job: Job) -> asyncio.Queue:

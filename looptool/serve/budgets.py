@@ -9,6 +9,12 @@ shallowest budget, ``xhigh`` the deepest, ``low``/``medium``/``high`` the quarte
 menu or an effort level; strings of digits, floats and booleans are refused. An ``--effort low=0,high=12`` override maps only the
 levels it names; every other level takes the budget of the nearest mapped level on the
 ladder (the cheaper one on a tie).
+
+``budget: "auto"`` asks for adaptive depth (each token decides its own, :class:`AutoRow`) with
+the optional body fields ``min_budget``, ``max_budget`` (default: the menu's shallowest and
+deepest) and ``exit_threshold`` (default :data:`DEFAULT_EXIT_THRESHOLD`); those fields without
+it, and ``auto`` beside a fixed choice (``NAME@k``, ``reasoning_effort``), are refused
+(:meth:`BudgetResolver.choose`).
 """
 
 from __future__ import annotations
@@ -18,7 +24,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from looptool.core.errors import LooptoolError
+from looptool.engine.budgets import DEFAULT_EXIT_THRESHOLD, AutoRow
 
+AUTO = "auto"  # the budget field's value for adaptive depth
+AUTO_FIELDS = ("min_budget", "max_budget", "exit_threshold")  # body fields that go with budget "auto"
 LEVELS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # the official client's values, in order
 _LADDER = ("minimal", "low", "medium", "high", "xhigh")  # the levels the default ladder spreads over the menu
 
@@ -143,6 +152,43 @@ class BudgetResolver:
             )
         return chosen[0][1] if chosen else self.default
 
+    def choose(
+        self,
+        model: str,
+        budget: object = None,
+        effort: str | None = None,
+        min_budget: object = None,
+        max_budget: object = None,
+        exit_threshold: object = None,
+    ) -> int | AutoRow:
+        """A request's fixed budget (:meth:`resolve`) or, for ``budget`` ``"auto"``, its
+        adaptive-depth settings checked against the menu (defaults filled in). The fields of
+        :data:`AUTO_FIELDS` without ``"auto"``, and ``"auto"`` with ``NAME@k`` or
+        ``reasoning_effort``, are one sentence each."""
+        fields = dict(zip(AUTO_FIELDS, (min_budget, max_budget, exit_threshold)))
+        if budget != AUTO:
+            given = [name for name, value in fields.items() if value is not None]
+            if given:
+                raise BudgetChoiceError(
+                    f'{given[0]} applies to budget "auto" only; send budget "auto" or drop {given[0]}.',
+                    parameter=given[0],
+                )
+            return self.resolve(model, budget, effort)
+        self.resolve(model.partition("@")[0])  # the model must exist (404 otherwise)
+        if "@" in model or effort is not None:
+            field = "model" if "@" in model else "reasoning_effort"
+            raise BudgetChoiceError(
+                f'budget "auto" decides the depth per token, but {field} asks for a fixed budget; send one of them.',
+                parameter=field,
+            )
+        thr = DEFAULT_EXIT_THRESHOLD if exit_threshold is None else exit_threshold
+        row = AutoRow(
+            self.budgets[0] if min_budget is None else min_budget,  # type: ignore[arg-type]
+            self.budgets[-1] if max_budget is None else max_budget,  # type: ignore[arg-type]
+            thr,  # type: ignore[arg-type]
+        )
+        return row.check(self.budgets, BudgetChoiceError)
+
     def _budget_field(self, budget: object) -> int:
         """The budget the ``budget`` body field names: a JSON integer of the menu, or an effort
         level mapped by the ladder."""
@@ -150,8 +196,8 @@ class BudgetResolver:
             return self.ladder[budget]
         if isinstance(budget, bool) or not isinstance(budget, int):
             raise BudgetChoiceError(
-                f"budget must be an integer of the menu {list(self.budgets)} or an effort level "
-                f"({', '.join(LEVELS)}), got {json.dumps(budget)}.",
+                f"budget must be an integer of the menu {list(self.budgets)}, an effort level "
+                f'({", ".join(LEVELS)}) or "auto", got {json.dumps(budget)}.',
                 parameter="budget",
             )
         if budget not in self.budgets:

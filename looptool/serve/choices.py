@@ -1,5 +1,5 @@
 """One choice of a response as engine events arrive: its text (decoded, cut at stop strings),
-its finish reason, its token count and, for ``/v1/completions`` with ``logprobs``, the legacy
+its finish reason, its token count, the depth each token ran at and, for ``/v1/completions`` with ``logprobs``, the legacy
 ``logprobs`` object (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``) with the
 prompt tokens first when ``echo`` is set (what lm-evaluation-harness's ``local-completions``
 reads: ``token_logprobs[ctxlen:-1]``)."""
@@ -18,6 +18,7 @@ class Choice:
         self.tok = tok
         self.text = TextStream(tok, stops)
         self.tokens: list[int] = []
+        self.depths: list[int] = []  # the depth that produced each token
         self.reason: str | None = None
         self.failed = ""
         self.want_logprobs = logprobs is not None
@@ -51,6 +52,8 @@ class Choice:
             self.reason = event.reason
             return piece
         self.tokens.append(event.token)
+        if event.depth is not None:
+            self.depths.append(event.depth)
         if self.want_logprobs:
             self.lp_tokens.append(event.token)
             self.lp_values.append(event.logprob)

@@ -1,9 +1,13 @@
 """Prometheus metrics of one server (``GET /metrics``), in a registry of its own: requests
 running (holding a slot) and waiting, prompt and generated tokens, finished requests by
 reason, and time-to-first-token, time-per-output-token and end-to-end latency histograms,
-each labelled by budget."""
+each labelled by budget (``auto`` for requests of adaptive depth); and the realised depth of
+every token an adaptive request generated (a histogram whose buckets are the depths from the
+menu's shallowest to its deepest budget)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -12,9 +16,10 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class Metrics:
-    """The server's metrics; the engine thread updates them (prometheus-client is thread-safe)."""
+    """The server's metrics for the budget menu ``budgets``; the engine thread updates them
+    (prometheus-client is thread-safe)."""
 
-    def __init__(self) -> None:
+    def __init__(self, budgets: Sequence[int] = (0,)) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.running = Gauge("looptool_requests_running", "Requests holding a cache slot.", registry=r)
@@ -45,6 +50,14 @@ class Metrics:
             "Arrival to the request leaving the engine.",
             ["budget"],
             buckets=_LATENCY,
+            registry=r,
+        )
+
+        lo, hi = min(budgets), max(budgets)
+        self.depth = Histogram(
+            "looptool_realised_depth",
+            'Depth each token of a budget "auto" request ran (loops or repeated layers).',
+            buckets=tuple(float(d) for d in range(lo, hi + 1)),
             registry=r,
         )
 

@@ -2,9 +2,11 @@
 is one 400 naming the field), OpenAI-shaped errors, and the response and stream-chunk dicts.
 
 Extensions travel as extra body fields, as vLLM takes them (clients send them with
-``extra_body``): ``budget`` (an integer of the menu, or an effort level), ``top_k`` and ``ignore_eos``. Responses carry ``cost``
-beside ``usage``: the budget that ran and its cost-table entry (layer executions and KV
-bytes per token, Accordion Eq. 6).
+``extra_body``): ``budget`` (an integer of the menu, an effort level, or ``"auto"``: adaptive
+depth per token, with ``min_budget``, ``max_budget`` and ``exit_threshold``), ``top_k`` and
+``ignore_eos``. Responses carry ``cost`` beside ``usage``: the budget that ran and its cost-table
+entry (layer executions and KV bytes per token, Accordion Eq. 6), or for ``"auto"`` the mean
+depth the generated tokens realised (:func:`looptool.serve.cost.request_cost`).
 """
 
 from __future__ import annotations
@@ -59,7 +61,10 @@ class _Sampling(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    budget: Any = None  # extension: a JSON integer of the menu or an effort level; checked by BudgetResolver
+    budget: Any = None  # extension: a JSON integer of the menu, an effort level or "auto"; checked by BudgetResolver
+    min_budget: Any = None  # extension, with budget "auto" only (as the next two); checked by BudgetResolver.choose
+    max_budget: Any = None
+    exit_threshold: Any = None
     ignore_eos: bool = False  # extension (vLLM's): generate max_tokens tokens whatever comes
     reasoning_effort: str | None = None
 

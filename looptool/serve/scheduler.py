@@ -19,6 +19,11 @@ to twice the clock. Each step
 passes the mask up to the clock, so an engine attends over the positions the rows hold
 (``capacity`` is a limit, not a cost).
 
+A job of adaptive depth (``Job.auto``, ``budget: "auto"``) rides in the same batch: its step's
+:class:`RowBudgets` carry its settings and the engine runs the adaptive-depth path for the
+whole slice (fixed rows exactly at their budgets); every token's event carries the depth that
+produced it, and the metrics count adaptive tokens by depth.
+
 The HTTP side only submits :class:`Job` objects and receives :class:`Event` s through each
 job's ``emit`` callback (called on the scheduler thread; it must be thread-safe).
 
@@ -29,6 +34,7 @@ so that bound is exactly how many requests the server holds at once.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -38,8 +44,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from looptool.engine import StepEngine
-from looptool.engine.budgets import RowBudgets
+from looptool.engine import StepEngine, StepResult
+from looptool.engine.budgets import AutoRow, RowBudgets
 from looptool.engine.interface import with_length
 from looptool.engine.sampling import GREEDY, SamplingParams, TokenPicker
 from looptool.serve.logprobs import top_logprobs
@@ -50,11 +56,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Event:
-    """What the scheduler tells a request: a ``token``, its ``prompt`` log-probabilities, that it
-    ``finished`` (``reason`` ``stop`` or ``length``), or that it ``failed`` (``message``)."""
+    """What the scheduler tells a request: a ``token`` (with the ``depth`` that produced it), its
+    ``prompt`` log-probabilities, that it ``finished`` (``reason`` ``stop`` or ``length``), or
+    that it ``failed`` (``message``)."""
 
     kind: str
     token: int = -1
+    depth: int | None = None
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
     reason: str = ""
@@ -64,7 +72,8 @@ class Event:
 
 @dataclass(eq=False)
 class Job:
-    """One generation request as the scheduler sees it."""
+    """One generation request as the scheduler sees it: a fixed ``budget``, or adaptive depth
+    (``auto``; ``budget`` is then its ``max_budget``)."""
 
     prompt: list[int]
     budget: int
@@ -77,6 +86,12 @@ class Job:
     cancelled: bool = False
     cancel_reason: str = "cancelled"  # the finish reason counted in the metrics: "cancelled" or "stop"
     arrived: float = field(default_factory=time.perf_counter)
+    auto: AutoRow | None = None
+
+    @property
+    def label(self) -> str:
+        """The metrics' ``budget`` label: the budget, or ``auto``."""
+        return "auto" if self.auto is not None else str(self.budget)
 
 
 FIRST_LENGTH = 64  # cache positions at start; the cache grows by doubling
@@ -123,7 +138,7 @@ class Scheduler:
         self.capacity = capacity
         self.max_queue = max_queue
         self.eos = frozenset(eos)
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or Metrics(engine.budgets)
         self.device = torch.device(device)
         self.cache = engine.allocate(max_batch, min(FIRST_LENGTH, capacity))
         self.mask = torch.zeros(max_batch, self.cache.length, dtype=engine.mask_dtype, device=self.device)
@@ -135,6 +150,8 @@ class Scheduler:
         self._draining = False
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="looptool-scheduler", daemon=True)
+        # each step with the depth every row ran (an engine with step() alone: its budgets)
+        self._step = getattr(engine, "step_with_depth", None) or functools.partial(StepEngine.step_with_depth, engine)
         self.steps = 0  # decode steps run (all rows at once)
 
     # ------------------------------------------------------------------ HTTP side
@@ -167,7 +184,7 @@ class Scheduler:
                 self.waiting.remove(job)
                 self._held.discard(job)
                 self.metrics.waiting.set(len(self.waiting))
-                self.metrics.finished.labels(budget=str(job.budget), reason=reason).inc()
+                self.metrics.finished.labels(budget=job.label, reason=reason).inc()
             self._cond.notify()
 
     @property
@@ -190,18 +207,35 @@ class Scheduler:
             self._thread.join(timeout)
 
     def warm_up(self, budgets) -> None:
-        """Run a one-token prompt and one decode step at every budget before serving (first
-        calls build and compile what they need), outside the metrics."""
-        metrics, self.metrics = self.metrics, Metrics()
+        """Run a one-token prompt and one decode step at every budget, and of adaptive depth
+        where the engine runs it, before serving (first calls build and compile what they
+        need), outside the metrics."""
+        metrics, self.metrics = self.metrics, Metrics(self.engine.budgets)
+        jobs = [Job([0], int(budget), 2) for budget in budgets]
+        if self.adaptive_refusal() is None:
+            deepest = max(budgets)
+            jobs.append(Job([0], deepest, 2, auto=AutoRow(min(budgets), deepest)))
         try:
-            for budget in budgets:
-                self._prefill(Job([0], int(budget), 2))
+            for job in jobs:
+                self._prefill(job)
                 self._decode()
                 self._retire()
         finally:
             self.metrics = metrics
             self.rows.clear()
             self.mask.zero_()
+
+    def adaptive_refusal(self) -> Exception | None:
+        """None when the engine runs jobs of adaptive depth, else its reason (an exception
+        whose ``parameter`` says what stands in the way: ``runtime`` or ``kv``)."""
+        check = getattr(self.engine, "check_adaptive", None)
+        if check is None:
+            return NotImplementedError("the engine runs fixed budgets only")
+        try:
+            check()
+        except Exception as exc:
+            return exc
+        return None
 
     @property
     def running(self) -> int:
@@ -234,7 +268,7 @@ class Scheduler:
             try:
                 for job in admitted:
                     if job.cancelled:  # cancelled between leaving the queue and its prefill
-                        self.metrics.finished.labels(budget=str(job.budget), reason=job.cancel_reason).inc()
+                        self.metrics.finished.labels(budget=job.label, reason=job.cancel_reason).inc()
                         self._release(job)
                     else:
                         self._admit(job)
@@ -274,19 +308,19 @@ class Scheduler:
         r = len(self.rows)
         self.mask[r].zero_()
         self.mask[r, self.clock - n : self.clock] = 1
-        logits = self.engine.step(
+        out: StepResult = self._step(
             self.cache,
             slice(r, r + 1),
             ids,
             self.mask[r : r + 1, : self.clock],
             torch.arange(n, device=self.device)[None],
             torch.arange(self.clock - n, self.clock, device=self.device),
-            RowBudgets((job.budget,)),
+            RowBudgets((job.budget,), (job.auto,)),
         )
         row = _Row(job, list(job.prompt), TokenPicker(job.sampling, self.device), position=n)
         self.rows.append(row)
-        self.metrics.prompt_tokens.labels(budget=str(job.budget)).inc(n)
-        self._take(row, logits[0:1])
+        self.metrics.prompt_tokens.labels(budget=job.label).inc(n)
+        self._take(row, out.logits[0:1], int(out.depths[0]))
 
     def _decode(self) -> None:
         """One step for all running rows: each feeds its last token at slot ``clock``."""
@@ -294,20 +328,21 @@ class Scheduler:
         self._fit(before=0)
         self.mask[:n, self.clock] = 1
         dev = self.device
-        logits = self.engine.step(
+        out: StepResult = self._step(
             self.cache,
             slice(0, n),
             torch.tensor([[row.ids[-1]] for row in self.rows], dtype=torch.long, device=dev),
             self.mask[:n, : self.clock + 1],
             torch.tensor([[row.position] for row in self.rows], dtype=torch.long, device=dev),
             torch.tensor([self.clock], dtype=torch.long, device=dev),
-            RowBudgets(tuple(row.job.budget for row in self.rows)),  # resolved at the HTTP edge
-        )
+            RowBudgets(tuple(row.job.budget for row in self.rows), tuple(row.job.auto for row in self.rows)),
+        )  # budgets resolved at the HTTP edge
         self.clock += 1
         self.steps += 1
+        depths = out.depths.tolist()
         for i, row in enumerate(self.rows):
             row.position += 1
-            self._take(row, logits[i : i + 1])
+            self._take(row, out.logits[i : i + 1], int(depths[i]))
 
     def _fit(self, before: int) -> None:
         """Arrange the cache for the next step: at least ``before`` positions before the clock
@@ -347,9 +382,9 @@ class Scheduler:
         self.mask = with_length(self.mask, length, dim=1)
         log.debug("slot cache resized to %d positions", length)
 
-    def _take(self, row: _Row, logits: torch.Tensor) -> None:
-        """Pick ``row``'s next token from ``logits [1, vocab]``, send it, and mark the row done
-        at EOS or ``max_tokens``."""
+    def _take(self, row: _Row, logits: torch.Tensor, depth: int) -> None:
+        """Pick ``row``'s next token from ``logits [1, vocab]`` (run at ``depth``), send it, and
+        mark the row done at EOS or ``max_tokens``."""
         job = row.job
         if job.cancelled:
             row.done = job.cancel_reason
@@ -362,14 +397,16 @@ class Scheduler:
         row.ids.append(token)
         row.generated += 1
         now = time.perf_counter()
-        budget = str(job.budget)
+        budget = job.label
+        if job.auto is not None:
+            self.metrics.depth.observe(depth)
         if row.generated == 1:
             self.metrics.ttft.labels(budget=budget).observe(now - job.arrived)
         else:
             self.metrics.tpot.labels(budget=budget).observe(now - row.last_time)
         row.last_time = now
         self.metrics.generation_tokens.labels(budget=budget).inc()
-        job.emit(Event("token", token=token, logprob=logprob, top=top))
+        job.emit(Event("token", token=token, depth=depth, logprob=logprob, top=top))
         if token in self.eos and not job.ignore_eos:
             row.done = "stop"
         elif row.generated >= job.max_tokens:
@@ -391,8 +428,8 @@ class Scheduler:
             self.rows.pop()
             job = row.job
             self._release(job)
-            self.metrics.finished.labels(budget=str(job.budget), reason=row.done).inc()
-            self.metrics.e2e.labels(budget=str(job.budget)).observe(time.perf_counter() - job.arrived)
+            self.metrics.finished.labels(budget=job.label, reason=row.done).inc()
+            self.metrics.e2e.labels(budget=job.label).observe(time.perf_counter() - job.arrived)
             if not job.cancelled:
                 job.emit(Event("finished", reason=row.done))
 

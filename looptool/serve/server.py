@@ -22,6 +22,7 @@ from pathlib import Path
 
 from looptool.core.errors import LooptoolError
 from looptool.engine import EngineFacts
+from looptool.passes.adaptive_depth import EXIT_RULES
 from looptool.serve.budgets import BudgetResolver
 from looptool.serve.metrics import Metrics
 from looptool.serve.models import ServedModel, open_model, read_facts
@@ -151,7 +152,7 @@ class Server:
             capacity=options.capacity,
             max_queue=options.max_queue,
             eos=served.eos,
-            metrics=Metrics(),
+            metrics=Metrics(served.budgets),
             device=served.device,
         )
         self.scheduler.warm_up(served.budgets)
@@ -209,20 +210,32 @@ def prepare(
     kv: str = "per-loop",
     tokenizer: str | os.PathLike | None = None,
     threads: int | None = None,
+    exit_rule: str = "state",
     **session,
 ) -> Server:
     """Load ``model_dir`` (a looped model or an exported engine directory) on ``runtime``
     (``auto``, ``pytorch``, ``onnxruntime`` or ``tensorrt``) and prepare a server
-    (``session``: onnxruntime's ``prepack`` and ``spin``, see :func:`looptool.engine.open_engine`).
-    Every option is checked and the port bound before the model loads."""
+    (``session``: onnxruntime's ``prepack`` and ``spin``, see :func:`looptool.engine.open_engine`;
+    ``exit_rule``: how the tokens of ``budget: "auto"`` requests stop, ``state`` or ``kl``, on
+    PyTorch under last-loop KV). Every option is checked and the port bound before the model loads."""
     options = options or ServeOptions()
     options.check()  # before the directory is read: a bad option is reported first
+    if exit_rule not in EXIT_RULES:
+        raise LooptoolError(f"unknown exit_rule {exit_rule!r}; use one of {list(EXIT_RULES)}.", parameter="exit_rule")
     name = name or Path(model_dir).resolve().name
     resolved = options.for_model(read_facts(model_dir, runtime), name)
     sock = bind(resolved.host, resolved.port)
     try:
         served = open_model(
-            model_dir, name=name, runtime=runtime, device=device, kv=kv, tokenizer=tokenizer, threads=threads, **session
+            model_dir,
+            name=name,
+            runtime=runtime,
+            device=device,
+            kv=kv,
+            tokenizer=tokenizer,
+            threads=threads,
+            exit_rule=exit_rule,
+            **session,
         )
         return Server(served, resolved, sock)
     except BaseException:
