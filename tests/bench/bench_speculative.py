@@ -16,6 +16,12 @@ tokens at batch 1 from the first ``--prompt`` tokens of the SOTU validation text
 token to the last) per new token after the first; interleaved rounds
 (``looptool.eval.timing.interleaved``), min / median / max.
 
+With ``--onnx`` each model is also exported (``export_onnx(..., speculative=True)``: every
+budget's graph and the verify graphs, fused onnxruntime lowering, one ``weights.bin``; kept
+under ``--work``) and the same arms run on onnxruntime (``Runtime.generate``, ``--threads``
+intra-op threads, default session settings) as ``onnx_plain_k``, ``onnx_plain_j`` and
+``onnx_spec_n{n}``.
+
 Prediction (per token, in units of the target's own step ``c_k``): with ``a`` the mean tokens
 a verify step yields (kept drafts + 1, measured), ``c_j`` the draft budget's decode step and
 ``c_v`` the verify step (measured inside the speculative run: its verify seconds per round),
@@ -23,12 +29,13 @@ a verify step yields (kept drafts + 1, measured), ``c_j`` the draft budget's dec
 speculative arm's tokens are checked against plain_k's (greedy: they must be equal).
 
 Run: python tests/bench/bench_speculative.py [--rounds 3] [--new 64] [--train-steps 30]
-[--draft-tokens 2,4] [--threads 2] [--work DIR] [--out FILE]
+[--draft-tokens 2,4] [--threads 2] [--onnx] [--work DIR] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -78,13 +85,48 @@ def _trained(name: str, work: Path, steps: int, src) -> looptool.LoopedModel:
     return looptool.load(out)
 
 
-def _decode(model, ids, budget, new, **kw):
-    """(decode seconds per token after the first, the output) of one greedy run."""
+def _decode(run, ids, budget, new, **kw):
+    """(decode seconds per token after the first, the output) of one greedy run of
+    ``run(ids, budget=, max_new_tokens=, on_step=, ...)``."""
     stamps = []
-    out = generate(
-        model, ids, budget=budget, max_new_tokens=new, on_step=lambda t: stamps.append(time.perf_counter()), **kw
-    )
+    out = run(ids, budget=budget, max_new_tokens=new, on_step=lambda t: stamps.append(time.perf_counter()), **kw)
     return (stamps[-1] - stamps[0]) / (len(stamps) - 1), out
+
+
+def _engine(model, directory: Path, threads: int):
+    """``model``'s onnxruntime engine with verify graphs (exported once into ``directory``)."""
+    from looptool.backends.onnx.export import export_onnx
+    from looptool.backends.ort.runtime import Runtime
+
+    if not (directory / "manifest.json").exists():
+        export_onnx(model, directory, "all", rowwise=False, speculative=True, validate=False, overwrite=True)
+    return Runtime(directory, threads=threads)
+
+
+def _report(prefix: str, timings, stats, outs, ns) -> dict:
+    """Each speculative arm's acceptance, predicted and measured speed-up (``prefix``: the
+    arms' name prefix, "" for PyTorch, "onnx_" for onnxruntime)."""
+    c_k, c_j = timings[f"{prefix}plain_k"].median, timings[f"{prefix}plain_j"].median
+    rows = {}
+    for n in ns:
+        key = f"{prefix}spec_n{n}"
+        s = stats[key][-1]
+        per_round = (s.accepted + s.rounds) / s.rounds  # tokens a verify step yields, kept drafts + 1
+        c_v = statistics.median(x.verify_seconds / x.rounds for x in stats[key][1:])  # timed rounds only
+        predicted = per_round * c_k / (n * c_j + c_v)
+        measured = ratio(timings[f"{prefix}plain_k"], timings[key])
+        rows[key] = {
+            "draft_tokens": n,
+            "acceptance": s.acceptance,
+            "tokens_per_verify": per_round,
+            "verify_ms": c_v * 1e3,
+            "predicted_speedup": predicted,
+            "measured_speedup": measured.median,
+            "measured_speedup_min_max": [measured.min, measured.max],
+            "measured_over_predicted": measured.median / predicted,
+            "tokens_equal_plain_k": bool(torch.equal(outs[key].sequences, outs[f"{prefix}plain_k"].sequences)),
+        }
+    return rows
 
 
 def main() -> None:
@@ -96,6 +138,9 @@ def main() -> None:
     ap.add_argument("--draft-tokens", default="2,4")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--models", default="prefix,elr")
+    ap.add_argument(
+        "--onnx", action="store_true", help="also time the onnxruntime engine (exported with verify graphs)"
+    )
     ap.add_argument("--work", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -112,39 +157,30 @@ def main() -> None:
         _, k, j = PLANS[name]
         outs, stats = {}, {}
 
-        def arm(key, budget, model=model, outs=outs, stats=stats, **kw):
-            def run():
-                dt, out = _decode(model, ids, budget, args.new, **kw)
+        def arm(key, run, budget, outs=outs, stats=stats, **kw):
+            def timed():
+                dt, out = _decode(run, ids, budget, args.new, **kw)
                 outs[key] = out
                 if out.speculation is not None:
                     stats.setdefault(key, []).append(out.speculation)
                 return dt
 
-            return run
+            return timed
 
-        fns = {"plain_k": arm("plain_k", k), "plain_j": arm("plain_j", j)}
-        fns.update({f"spec_n{n}": arm(f"spec_n{n}", k, draft_budget=j, draft_tokens=n) for n in ns})
+        runs = {"": functools.partial(generate, model)}
+        if args.onnx:
+            runs["onnx_"] = _engine(model, work / f"{name}-{args.train_steps}-onnx", args.threads).generate
+        fns = {}
+        for prefix, run in runs.items():
+            fns[f"{prefix}plain_k"] = arm(f"{prefix}plain_k", run, k)
+            fns[f"{prefix}plain_j"] = arm(f"{prefix}plain_j", run, j)
+            for n in ns:
+                fns[f"{prefix}spec_n{n}"] = arm(f"{prefix}spec_n{n}", run, k, draft_budget=j, draft_tokens=n)
         timings = interleaved(fns, repeats=args.rounds, warmup=1, measured=True)
-        c_k, c_j = timings["plain_k"].median, timings["plain_j"].median
         rows = {}
-        for n in ns:
-            key = f"spec_n{n}"
-            s = stats[key][-1]
-            per_round = (s.accepted + s.rounds) / s.rounds  # tokens a verify step yields, kept drafts + 1
-            c_v = statistics.median(x.verify_seconds / x.rounds for x in stats[key][1:])  # timed rounds only
-            predicted = per_round * c_k / (n * c_j + c_v)
-            measured = ratio(timings["plain_k"], timings[key])
-            rows[key] = {
-                "draft_tokens": n,
-                "acceptance": s.acceptance,
-                "tokens_per_verify": per_round,
-                "verify_ms": c_v * 1e3,
-                "predicted_speedup": predicted,
-                "measured_speedup": measured.median,
-                "measured_speedup_min_max": [measured.min, measured.max],
-                "measured_over_predicted": measured.median / predicted,
-                "tokens_equal_plain_k": bool(torch.equal(outs[key].sequences, outs["plain_k"].sequences)),
-            }
+        for prefix in runs:
+            rows.update(_report(prefix, timings, stats, outs, ns))
+        c_k, c_j = timings["plain_k"].median, timings["plain_j"].median
         results[name] = {
             "target": k,
             "draft": j,
