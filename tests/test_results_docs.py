@@ -42,6 +42,7 @@ Covered (results file → tests/bench/README.md, unless README.md is named):
   README.md's three onnxruntime-genai rows.
 - bench_serve_pytorch.json, bench_serve_onnx.json → the "Serving many streams" table;
   README.md's serving row.
+- bench_speculative.json → the "Self-speculative decoding" table.
 
 Not checked, because no results file is kept for them (the docs say so):
 
@@ -1105,6 +1106,36 @@ def _peer():
     )
 
 
+def _speculative():
+    d = result("bench_speculative")
+    names = {"prefix": "fixed-prefix", "elr": "ELR"}
+    cols = tuple(range(1, 12))  # not the label, whose budgets and n are settings
+    for model, r in d["models"].items():
+        ms = r["ms_per_token"]
+        for runtime, prefix in (("PyTorch", ""), ("onnxruntime", "onnx_")):
+            for key, s in r["speculation"].items():
+                if not key.startswith(f"{prefix}spec_n"):
+                    continue
+                n = s["draft_tokens"]
+                yield row(
+                    BENCH,
+                    "| pair, drafts, runtime |",
+                    f"{names[model]} {r['target']} ← {r['draft']}, n = {n}, {runtime}",
+                    s["acceptance"],
+                    s["tokens_per_verify"],
+                    ms[f"{prefix}plain_k"]["median_ms"],
+                    ms[f"{prefix}plain_j"]["median_ms"],
+                    s["verify_ms"],
+                    ms[key]["median_ms"],
+                    s["predicted_speedup"],
+                    s["measured_speedup"],
+                    *s["measured_speedup_min_max"],
+                    s["measured_over_predicted"],
+                    source="bench_speculative",
+                    cols=cols,
+                )
+
+
 def _serve():
     for label, name in (
         ("PyTorch (looped model directory)", "bench_serve_pytorch"),
@@ -1260,6 +1291,7 @@ CHECKS = [
     *_load(),
     *_peer(),
     *_serve(),
+    *_speculative(),
     *_gpu(),
 ]
 
