@@ -43,6 +43,7 @@ Covered (results file → tests/bench/README.md, unless README.md is named):
 - bench_serve_pytorch.json, bench_serve_onnx.json → the "Serving many streams" table;
   README.md's serving row.
 - bench_speculative.json → the "Self-speculative decoding" table.
+- bench_auto.json → the "Per-token depth" table.
 
 Not checked, because no results file is kept for them (the docs say so):
 
@@ -1136,6 +1137,18 @@ def _speculative():
                 )
 
 
+def _auto():
+    d = result("bench_auto")
+    names = {"prefix": "fixed-prefix", "elr": "ELR"}
+    R = functools.partial(row, BENCH, "| arm | mean depth | held-out NLL |", source="bench_auto", cols=(1, 2))
+    for model, r in d["models"].items():
+        for f in r["fixed"]:
+            yield R(f"{names[model]}, budget {f['budget']}", f["budget"], f["loss"])
+        for a in r["auto"]:
+            t = "∞" if a["threshold"] == float("inf") else f"{a['threshold']:g}"
+            yield R(f"{names[model]}, auto, threshold {t}", a["mean_depth"], a["loss"])
+
+
 def _serve():
     for label, name in (
         ("PyTorch (looped model directory)", "bench_serve_pytorch"),
@@ -1292,6 +1305,7 @@ CHECKS = [
     *_peer(),
     *_serve(),
     *_speculative(),
+    *_auto(),
     *_gpu(),
 ]
 
