@@ -105,6 +105,28 @@ def test_greedy_speculation_is_the_engines_budget_k_token_for_token(engines, nam
 
 
 @pytest.mark.parametrize("name", list(MODELS))
+def test_seeded_sampled_speculation_matches_pytorch(engines, name):
+    """Sampling: the same seed gives the same tokens through onnxruntime as through PyTorch (one
+    loop, one acceptance rule, one generator; the logits agree to float rounding), so the
+    distribution checks of tests/test_speculative.py carry over to the engine."""
+    from looptool.engine.sampling import SamplingParams
+    from looptool.runtime.generation import generate
+
+    model, rt, _ = engines[name]
+    prompt, mask = left_padded_batch(3)
+    k, j = rt.budgets[-1], rt.budgets[0]
+    kept = 0
+    for seed in range(3):
+        sampling = SamplingParams(temperature=1.0, top_k=8, seed=seed)
+        kw = dict(attention_mask=mask, budget=k, max_new_tokens=10, sampling=sampling, draft_budget=j, draft_tokens=3)
+        ours, torch_out = rt.generate(prompt, **kw), generate(model, prompt, **kw)
+        assert torch.equal(ours.sequences, torch_out.sequences), seed
+        assert ours.speculation.accepted == torch_out.speculation.accepted
+        kept += ours.speculation.accepted
+    assert kept > 0
+
+
+@pytest.mark.parametrize("name", list(MODELS))
 def test_verify_graphs_share_the_weights_and_the_fused_lowering(engines, name):
     model, rt, report = engines[name]
     manifest = rt.manifest
