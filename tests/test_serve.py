@@ -184,11 +184,17 @@ def test_stop_strings_cut_the_text_and_count_as_stop(client, server, model):
         model=f"{NAME}@0", prompt=prompt, max_tokens=20, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
     )
     assert r.choices[0].text == text[: text.index(stop)] and r.choices[0].finish_reason == "stop"
-    after = {
-        r: metric(server.metrics(), "looptool_requests_finished_total", budget="0", reason=r)
-        for r in ("stop", "cancelled")
-    }
-    assert after == {"stop": before["stop"] + 1, "cancelled": before["cancelled"]}
+    want = {"stop": before["stop"] + 1, "cancelled": before["cancelled"]}
+    deadline = time.monotonic() + 10  # the scheduler retires the stopped job after the reply went out
+    while True:
+        after = {
+            r: metric(server.metrics(), "looptool_requests_finished_total", budget="0", reason=r)
+            for r in ("stop", "cancelled")
+        }
+        if after == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert after == want
 
 
 def test_echo_logprobs_of_token_prompts_are_the_models_log_likelihoods(server, model):
