@@ -168,64 +168,59 @@ def generate(
     """
     check_generation_args(input_ids, max_new_tokens)
     batch, prompt = input_ids.shape
+    capacity = prompt + max_new_tokens
     if wants_auto(budget, min_budget, max_budget, exit_threshold, exit_rule):
         if draft_budget is not None:
             raise LooptoolError(
                 "speculative decoding needs a fixed budget, not budget='auto'.", parameter="draft_budget"
             )
         settings = AutoDepth.resolve(model, min_budget, max_budget, exit_threshold, exit_rule)
-        auto = AutoStep(model, batch, prompt + max_new_tokens, settings, kv)
-        out = decode_loop(
-            auto,
-            input_ids.to(auto.device),
-            attention_mask,
-            capacity=prompt + max_new_tokens,
-            max_new_tokens=max_new_tokens,
-            mask_dtype=model.mask_dtype,
-            sampling=sampling,
-            eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id,
-            on_step=on_step,
-            output_logits=output_logits,
-            kv_bytes=auto.kv_bytes,
-        )
-        return dataclasses.replace(out, depths=auto.depths(out.new_tokens))
-    kv = "per-loop" if kv is None else kv
-    rows = row_budgets(model, budget, batch)
-    if draft_budget is not None:
-        if not rows.uniform:
-            raise LooptoolError("speculative decoding takes one budget for every row.", parameter="draft_budget")
-        spec = Speculation(draft_budget, draft_tokens).check(rows.rows[0], model.budgets, kv)
-        if max_new_tokens > 1:
-            from looptool.runtime.speculative import speculative_generate
+        auto = AutoStep(model, batch, capacity, settings, kv)
+        step, device, kv_bytes = auto, auto.device, auto.kv_bytes
 
-            out = speculative_generate(
-                model,
-                input_ids,
-                attention_mask=attention_mask,
-                budget=rows.rows[0],
-                speculation=spec,
-                max_new_tokens=max_new_tokens,
-                kv=kv,
-                sampling=sampling,
-                eos_token_id=eos_token_id,
-                pad_token_id=pad_token_id,
-                on_step=on_step,
-                output_logits=output_logits,
-            )
+        def finish(out: GenerationOutput) -> GenerationOutput:
+            return dataclasses.replace(out, depths=auto.depths(out.new_tokens))
+
+    else:
+        kv = "per-loop" if kv is None else kv
+        rows = row_budgets(model, budget, batch)
+        if draft_budget is not None:
+            if not rows.uniform:
+                raise LooptoolError("speculative decoding takes one budget for every row.", parameter="draft_budget")
+            spec = Speculation(draft_budget, draft_tokens).check(rows.rows[0], model.budgets, kv)
+            if max_new_tokens > 1:
+                from looptool.runtime.speculative import speculative_generate
+
+                out = speculative_generate(
+                    model,
+                    input_ids,
+                    attention_mask=attention_mask,
+                    budget=rows.rows[0],
+                    speculation=spec,
+                    max_new_tokens=max_new_tokens,
+                    kv=kv,
+                    sampling=sampling,
+                    eos_token_id=eos_token_id,
+                    pad_token_id=pad_token_id,
+                    on_step=on_step,
+                    output_logits=output_logits,
+                )
+                return _with_costs(model, out, rows)
+        path = cached_paths(model, kv, rows.rows[:1])[rows.rows[0]] if rows.uniform else rowwise_path(model, kv)
+        param = next(model.parameters())
+        caches = allocate_cache(path, batch, capacity, dtype=param.dtype, device=param.device)
+        extra = () if rows.uniform else (rows.tensor(param.device),)
+        device, kv_bytes = param.device, sum(c.numel() * c.element_size() for c in caches)
+
+        def step(ids, mask, position, cache_position):
+            return path.module(ids, mask, position, cache_position, *extra, *caches)[:, -1]
+
+        def finish(out: GenerationOutput) -> GenerationOutput:
             return _with_costs(model, out, rows)
-    path = cached_paths(model, kv, rows.rows[:1])[rows.rows[0]] if rows.uniform else rowwise_path(model, kv)
-    param = next(model.parameters())
-    capacity = prompt + max_new_tokens
-    caches = allocate_cache(path, batch, capacity, dtype=param.dtype, device=param.device)
-    extra = () if rows.uniform else (rows.tensor(param.device),)
-
-    def step(ids, mask, position, cache_position):
-        return path.module(ids, mask, position, cache_position, *extra, *caches)[:, -1]
 
     out = decode_loop(
         step,
-        input_ids.to(param.device),
+        input_ids.to(device),
         attention_mask,
         capacity=capacity,
         max_new_tokens=max_new_tokens,
@@ -235,9 +230,9 @@ def generate(
         pad_token_id=pad_token_id,
         on_step=on_step,
         output_logits=output_logits,
-        kv_bytes=sum(c.numel() * c.element_size() for c in caches),
+        kv_bytes=kv_bytes,
     )
-    return _with_costs(model, out, rows)
+    return finish(out)
 
 
 def _with_costs(model: LoopedModel, out: GenerationOutput, rows: RowBudgets) -> GenerationOutput:
