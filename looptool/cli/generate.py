@@ -134,24 +134,28 @@ def generate(
             kv = check_auto_policy(model, kv)
             with steps.stage(f"building the adaptive-depth path ({kv})"):
                 adaptive_path(model, kv, settings.exit_rule)
-    if budgets == "auto":
-        _generate_auto(model, tok, prompt, stream, device, kv, max_new_tokens, sampling, auto, settings)
-        return
-    kv = kv or "per-loop"
-    with progress() as steps:
-        rows = row_budgets(model, budgets, len(prompt))  # resolved once; generate takes it as it is
-        if draft_budget is not None:  # checked before the paths are built
-            if not rows.uniform:
-                raise LooptoolError("--draft-budget takes one --budget for every prompt.")
-            Speculation(draft_budget, draft_tokens).check(rows.rows[0], model.budgets, kv)
-        with steps.stage(f"building cached budget paths ({kv})"):
-            if not rows.uniform:  # the rows run together through the row-wise path
-                rowwise_path(model, kv)
-            elif draft_budget is None:  # the one budget asked for: its path alone is built
-                cached_paths(model, kv, rows.rows[:1])
-            else:  # the draft's path, the budget's, and its verify path (logits at every position)
-                cached_paths(model, kv, [draft_budget, rows.rows[0]])
-                verify_paths(model, kv, rows.rows[:1])
+            choice = dict(budget="auto", **auto)
+            shown = (
+                f"budget auto {settings.min_budget}..{settings.max_budget} · {settings.exit_rule} < "
+                f"{settings.exit_threshold:g}"
+            )
+        else:
+            kv = kv or "per-loop"
+            rows = row_budgets(model, budgets, len(prompt))  # resolved once; generate takes it as it is
+            if draft_budget is not None:  # checked before the paths are built
+                if not rows.uniform:
+                    raise LooptoolError("--draft-budget takes one --budget for every prompt.")
+                Speculation(draft_budget, draft_tokens).check(rows.rows[0], model.budgets, kv)
+            with steps.stage(f"building cached budget paths ({kv})"):
+                if not rows.uniform:  # the rows run together through the row-wise path
+                    rowwise_path(model, kv)
+                elif draft_budget is None:  # the one budget asked for: its path alone is built
+                    cached_paths(model, kv, rows.rows[:1])
+                else:  # the draft's path, the budget's, and its verify path (logits at every position)
+                    cached_paths(model, kv, [draft_budget, rows.rows[0]])
+                    verify_paths(model, kv, rows.rows[:1])
+            choice = dict(budget=rows, draft_budget=draft_budget, draft_tokens=draft_tokens)
+            shown = f"budget {rows.rows[0]}" if rows.uniform else f"budgets {','.join(map(str, rows.rows))}"
     enc = text.encode_prompts(tok, prompt)
     result = _stream_generation(
         tok,
@@ -161,59 +165,30 @@ def generate(
             model,
             enc["input_ids"].to(device),
             attention_mask=enc["attention_mask"].to(device),
-            budget=rows,
             max_new_tokens=max_new_tokens,
             kv=kv,
             sampling=sampling,
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
             on_step=on_step,
-            draft_budget=draft_budget,
-            draft_tokens=draft_tokens,
+            **choice,
         ),
     )
-    shown = f"budget {rows.rows[0]}" if rows.uniform else f"budgets {','.join(map(str, rows.rows))}"
     if result.speculation is not None:
         stats = result.speculation
         shown += f" · drafted at {draft_budget} ({stats.accepted}/{stats.proposed} drafts kept)"
     _print_generation(tok, prompt, enc, result, stream, f"{shown} · kv {kv} · batch {len(prompt)}")
+    if result.depths is not None:
+        _print_depths(result.depths)
 
 
-def _generate_auto(model, tok, prompt, stream, device, policy, max_new_tokens, sampling, auto, settings) -> None:
-    """``looptool generate --budget auto`` once its path is built: every token at its own depth,
-    then the continuations, the cost table and each row's realised depths."""
-    from looptool.runtime import text
-    from looptool.runtime.generation import generate as run_generate
-
-    enc = text.encode_prompts(tok, prompt)
-    result = _stream_generation(
-        tok,
-        prompt,
-        stream,
-        lambda on_step: run_generate(
-            model,
-            enc["input_ids"].to(device),
-            attention_mask=enc["attention_mask"].to(device),
-            budget="auto",
-            max_new_tokens=max_new_tokens,
-            kv=policy,
-            sampling=sampling,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            on_step=on_step,
-            **auto,
-        ),
-    )
-    title = (
-        f"budget auto {settings.min_budget}..{settings.max_budget} · {settings.exit_rule} < "
-        f"{settings.exit_threshold:g} · kv {policy} · batch {len(prompt)}"
-    )
-    _print_generation(tok, prompt, enc, result, stream, title)
+def _print_depths(depths) -> None:
+    """Each row's realised depth per token (``budget="auto"``): mean, min and max."""
     table = Table(title="realised depth per token", title_justify="left")
     for col in ("row", "mean", "min", "max"):
         table.add_column(col, justify="right")
-    for row, depths in enumerate(result.depths.float()):
-        table.add_row(str(row), f"{depths.mean():.2f}", f"{depths.min():.0f}", f"{depths.max():.0f}")
+    for row, per_token in enumerate(depths.float()):
+        table.add_row(str(row), f"{per_token.mean():.2f}", f"{per_token.min():.0f}", f"{per_token.max():.0f}")
     console.print(table)
 
 
