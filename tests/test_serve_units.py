@@ -208,6 +208,30 @@ def test_a_request_ended_by_the_http_side_counts_under_its_reason():
         batch.stop(10)
 
 
+def test_a_request_the_engine_finished_counts_under_the_reason_its_client_got():
+    """The HTTP side may find a stop string only after the engine ran the job to its length:
+    such a job is counted once, as ``stop``, when its consumer names the reason; a job nobody
+    consumes that way is counted by the engine as before."""
+    engine = _GatedEngine()
+    engine.gate.set()
+    batch = Scheduler(engine, max_batch=2, capacity=64, max_queue=0)
+    batch.start()
+    try:
+        finished = threading.Event()
+        job = Job([1, 2], 0, 3, emit=lambda event: event.kind == "finished" and finished.set(), consumer_counts=True)
+        batch.submit(job)
+        assert finished.wait(10)
+        assert _finished(batch, "length") == 0 and _finished(batch, "stop") == 0  # held for the consumer
+        batch.cancel(job, "stop")
+        batch.cancel(job, "stop")  # counted once
+        assert _finished(batch, "stop") == 1 and _finished(batch, "length") == 0
+        plain = Job([1, 2], 0, 3)
+        batch.submit(plain)
+        _wait_for(lambda: _finished(batch, "length") == 1)
+    finally:
+        batch.stop(10)
+
+
 class _SummingEngine:
     """A step engine whose cache holds the tokens fed (one position each) and whose next token
     is the sum of every token its row attends to, modulo the vocabulary: any position a row
@@ -411,7 +435,7 @@ def test_a_finished_request_stops_its_watcher():
     client, scheduler, choice, tasks = asyncio.run(scenario())
     assert choice.reason == "length" and choice.tokens == [ord("a")]
     assert client.checks == 0 and len(tasks) == 1  # only the scenario itself runs
-    assert [r for _, r in scheduler.cancelled] == ["cancelled"]  # a no-op for a job that left the scheduler
+    assert [r for _, r in scheduler.cancelled] == ["length"]  # the reason its client got, counted if held back
 
 
 # ------------------------------------------------------------------ options resolved once

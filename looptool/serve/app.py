@@ -285,7 +285,8 @@ def _common(req, resolver: BudgetResolver, scheduler: Scheduler, runtime: str) -
 
 def _job(prompt: list[int], budget: int | AutoRow, max_tokens: int, *args, **kwargs) -> Job:
     """The scheduler job of one prompt at a fixed ``budget`` or adaptive depth (run up to its
-    ``max_budget``)."""
+    ``max_budget``). The HTTP side counts its finish (see :func:`_pieces`)."""
+    kwargs["consumer_counts"] = True
     if isinstance(budget, AutoRow):
         return Job(prompt, budget.max_budget, max_tokens, *args, auto=budget, **kwargs)
     return Job(prompt, budget, max_tokens, *args, **kwargs)
@@ -313,7 +314,8 @@ async def _pieces(scheduler: Scheduler, job: Job, queue: asyncio.Queue, choice: 
     The job leaves the engine early (its slot freed at the next step) when a stop string ends
     it (counted as ``stop``), when the consumer stops early (a stream whose client went away),
     or when ``queue`` yields ``None`` (a non-streamed request's client disconnected, see
-    :func:`_collect`; counted as ``cancelled``); a no-op once the job finished.
+    :func:`_collect`; counted as ``cancelled``). A job the engine finished is counted with the
+    reason its client got: ``stop`` when a stop string ended the text first.
     """
     reason = "cancelled"
     try:
@@ -324,8 +326,7 @@ async def _pieces(scheduler: Scheduler, job: Job, queue: asyncio.Queue, choice: 
             piece = choice.push(event)
             if event.kind == "token" or piece:
                 yield piece  # one chunk per token (empty while text is held back), so clients can time tokens
-        if choice.reason == "stop":
-            reason = "stop"  # a stop string (the engine's own EOS stop has already retired the job)
+        reason = choice.reason or reason  # stop (EOS or a stop string) or length
         if choice.failed:
             raise APIError(f"generation failed: {choice.failed}", status=500)
     finally:

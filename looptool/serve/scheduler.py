@@ -87,6 +87,10 @@ class Job:
     cancel_reason: str = "cancelled"  # the finish reason counted in the metrics: "cancelled" or "stop"
     arrived: float = field(default_factory=time.perf_counter)
     auto: AutoRow | None = None
+    # The consumer names the finish reason the metrics count (HTTP: a stop string it finds in the
+    # text may end a job the engine already finished at its length); see Scheduler.cancel.
+    consumer_counts: bool = False
+    held_reason: str = ""  # the engine's finish reason, held back until the consumer names its own
 
     @property
     def label(self) -> str:
@@ -177,6 +181,10 @@ class Scheduler:
         on a stop string (``stop``, the reason the metrics count). Its slot is freed at the next
         iteration; a job that already left the scheduler is left alone."""
         with self._cond:
+            if job.held_reason:  # it finished in the engine; count what the consumer saw
+                self.metrics.finished.labels(budget=job.label, reason=reason).inc()
+                job.held_reason = ""
+                return
             if job.cancelled or job not in self._held:
                 return
             job.cancelled, job.cancel_reason = True, reason
@@ -427,8 +435,14 @@ class Scheduler:
                 self.rows[r] = self.rows[last]
             self.rows.pop()
             job = row.job
-            self._release(job)
-            self.metrics.finished.labels(budget=job.label, reason=row.done).inc()
+            with self._cond:  # decided under the lock cancel() takes, so a finish is counted once
+                if job.cancelled:
+                    self.metrics.finished.labels(budget=job.label, reason=job.cancel_reason).inc()
+                elif job.consumer_counts:
+                    job.held_reason = row.done
+                else:
+                    self.metrics.finished.labels(budget=job.label, reason=row.done).inc()
+                self._held.discard(job)
             self.metrics.e2e.labels(budget=job.label).observe(time.perf_counter() - job.arrived)
             if not job.cancelled:
                 job.emit(Event("finished", reason=row.done))
