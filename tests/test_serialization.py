@@ -123,6 +123,19 @@ def test_refuses_plain_directory(tmp_path):
         looptool.load(tmp_path / "absent")
 
 
+def test_load_inside_inference_mode_returns_ordinary_trainable_weights(saved, input_ids):
+    """A user's ``with torch.inference_mode(): looptool.load(...)`` loads (it was refused as a
+    corrupt file) and gives ordinary tensors equal to a plain load's."""
+    plain = looptool.load(saved)
+    with torch.inference_mode():
+        model = looptool.load(saved)
+    assert not any(p.is_inference() for p in model.parameters())
+    for (name, a), (_, b) in zip(plain.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), name
+    with torch.inference_mode():
+        assert torch.equal(model(input_ids, budget=1).logits, plain(input_ids, budget=1).logits)
+
+
 def test_meta_load_reads_structure_only(saved):
     model = looptool.load(saved, device="meta")
     assert all(p.device.type == "meta" for p in model.parameters())

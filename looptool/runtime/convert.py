@@ -102,6 +102,9 @@ def load(directory: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtyp
     """Rebuild a saved looped model on ``device`` (bit-identical to the one saved); the
     weights are read straight onto the device (``"auto"``: cuda when available).
 
+    Called inside ``torch.inference_mode()`` it still returns ordinary tensors (a model that
+    can be trained later; the weights are read on a worker thread, outside that mode).
+
     ``dtype`` (default: the saved dtype) rebuilds the graphs in another floating-point dtype
     and casts each weight to it as it is read, e.g. an fp16 copy of an fp32 model for
     deployment (captured graphs are dtype-specialised, so this is a rebuild, not ``.to``).
@@ -109,6 +112,12 @@ def load(directory: str | os.PathLike, *, device: str = "cpu", dtype: torch.dtyp
     ``device="meta"`` rebuilds the structure only (plan, graphs, shapes) without reading
     weights, which is what ``looptool inspect`` needs.
     """
+    with torch.inference_mode(False):
+        return _load(directory, device, dtype)
+
+
+def _load(directory: str | os.PathLike, device: str, dtype: torch.dtype | str | None) -> LoopedModel:
+    """:func:`load`'s work, outside inference mode."""
     import transformers
 
     device = str(resolve_device(device))
