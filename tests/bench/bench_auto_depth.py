@@ -1,0 +1,176 @@
+"""Per-question adaptive depth (``budget="auto"``) on pointer chasing, where depth pays: the
+accuracy–mean-loops frontier of ``auto`` over exit thresholds against the fixed budgets'.
+
+Model: the depth benchmark's ELR arm trained 10k steps (``bench_depth.py --arms elr-long``; a
+3-layer d=64 Llama, recurrent block 1:2, paper init, re-injection, trained on k = 1..3, evaluated
+also at k = 4). ``bench_depth.py`` keeps each trained arm in a temporary directory
+``depth-<arm>-*/trained``; give it with ``--model`` (default: the newest
+``$TMPDIR/depth-elr-long-*/trained``).
+
+Test set: the depth benchmark's own (``--test-per-tier`` questions per hop count 1–6, same
+seeds). Each question is one prompt of 19 tokens; its answer is the greedy token at the last
+position, so one prefill decides it. Fixed budget ``k``: the cached path at ``k``. ``auto``: the
+``adaptive_depth`` path (last-loop KV, rule ``--rule``) over the whole menu at each of
+``--thresholds``; a row's depth is the loop count it ran (its criterion is read at the last
+position, see ``passes/adaptive_depth.py``). Reports accuracy and mean loops over all questions
+and over the hard tiers (3–6 hops), the fixed frontier, whether every ``auto`` point lies on or
+above it (linear interpolation between fixed budgets, within 2 standard errors), and the least
+mean depth at which ``auto`` reaches the best fixed budget's accuracy (the issue's target:
+≤ 75% of that budget's loops).
+
+Run: python tests/bench/bench_auto_depth.py [--model DIR] [--rule state|kl]
+[--out tests/bench/results/bench_auto_depth.json] [--png tests/bench/results/bench_auto_depth.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import random
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from bench_depth import HARD, TIERS, encode, example, tokenizer  # noqa: E402
+
+import looptool  # noqa: E402
+from looptool.runtime.adaptive import AutoDepth, AutoStep  # noqa: E402
+from looptool.runtime.decode_graphs import allocate_cache, cached_paths  # noqa: E402
+
+KV = "last-loop"
+THRESHOLDS = {
+    "state": "0,0.003,0.01,0.02,0.03,0.05,0.07,0.1,0.15,0.2,0.3,0.5,1,inf",
+    "kl": "0,1e-4,3e-4,1e-3,3e-3,0.01,0.03,0.1,0.3,1,3,inf",
+}
+
+
+def newest_model() -> Path:
+    """The newest ``depth-elr-long-*/trained`` directory ``bench_depth.py`` left behind."""
+    found = sorted(glob.glob(os.path.join(tempfile.gettempdir(), "depth-elr-long-*", "trained")), key=os.path.getmtime)
+    if not found:
+        raise SystemExit("no trained ELR arm found: run bench_depth.py --arms elr-long first, or give --model")
+    return Path(found[-1])
+
+
+def summary(hits: torch.Tensor, depths: torch.Tensor, tiers: torch.Tensor, subset: tuple[int, ...]) -> dict:
+    """Accuracy (mean over the tiers in ``subset``, equal weight), its standard error and the mean depth."""
+    accs, ses, ds = [], [], []
+    for t in subset:
+        h = hits[tiers == t].float()
+        p = float(h.mean())
+        accs.append(p)
+        ses.append(math.sqrt(max(p * (1 - p), 1e-12) / len(h)))
+        ds.append(float(depths[tiers == t].float().mean()))
+    return {
+        "acc": sum(accs) / len(accs),
+        "se": math.sqrt(sum(s * s for s in ses)) / len(ses),
+        "mean_depth": sum(ds) / len(ds),
+        "per_tier": {str(t): round(a, 4) for t, a in zip(subset, accs)},
+    }
+
+
+def interpolate(fixed: list[dict], depth: float) -> float:
+    """The fixed frontier's accuracy at ``depth`` (linear between budgets, flat past the ends)."""
+    pts = sorted((f["mean_depth"], f["acc"]) for f in fixed)
+    best = []
+    for d, a in pts:  # the frontier: the best accuracy reachable at that depth or less
+        best.append((d, max(a, best[-1][1]) if best else a))
+    if depth <= best[0][0]:
+        return best[0][1]
+    for (d0, a0), (d1, a1) in zip(best, best[1:]):
+        if depth <= d1:
+            return a0 + (a1 - a0) * (depth - d0) / (d1 - d0)
+    return best[-1][1]
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--rule", default="state", choices=sorted(THRESHOLDS))
+    ap.add_argument("--thresholds", default=None)
+    ap.add_argument("--test-per-tier", type=int, default=500)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--png", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = Path(args.model) if args.model else newest_model()
+    model = looptool.load(path).eval()
+    rows = [
+        (t, *example(random.Random(f"test:{args.seed}:{t}:{i}"), t)) for t in TIERS for i in range(args.test_per_tier)
+    ]
+    tiers, ids, answers = encode(tokenizer(), rows)
+    n, length = ids.shape
+    mask = torch.ones(n, length, dtype=torch.long)
+    position = torch.arange(length)[None].expand(n, -1)
+    cache_position = torch.arange(length)
+    report: dict[str, dict] = {"all": {"fixed": [], "auto": []}, "hard": {"fixed": [], "auto": []}}
+    for k in model.budgets:
+        path_k = cached_paths(model, KV, [k])[k]
+        caches = allocate_cache(path_k, n, length, dtype=torch.float32, device="cpu")
+        logits = path_k.module(ids, mask, position, cache_position, *caches)[:, -1]
+        hits, depths = logits.argmax(-1) == answers, torch.full((n,), k)
+        for name, subset in (("all", TIERS), ("hard", HARD)):
+            report[name]["fixed"].append({"budget": k, **summary(hits, depths, tiers, subset)})
+        print("fixed", k, report["all"]["fixed"][-1]["acc"], report["hard"]["fixed"][-1]["acc"], flush=True)
+    for thr in [float(x) for x in (args.thresholds or THRESHOLDS[args.rule]).split(",")]:
+        step = AutoStep(model, n, length, AutoDepth.resolve(model, exit_threshold=thr, exit_rule=args.rule), KV)
+        hits = step(ids, mask, position, cache_position).argmax(-1) == answers
+        depths = step.depths(1)[:, 0]
+        for name, subset in (("all", TIERS), ("hard", HARD)):
+            report[name]["auto"].append({"threshold": thr, **summary(hits, depths, tiers, subset)})
+        a = report["all"]["auto"][-1]
+        print("auto", thr, a["mean_depth"], a["acc"], report["hard"]["auto"][-1]["acc"], flush=True)
+    verdict = {}
+    for name, r in report.items():
+        best = max(r["fixed"], key=lambda f: f["acc"])
+        margins = [a["acc"] - interpolate(r["fixed"], a["mean_depth"]) for a in r["auto"]]
+        reaching = [a["mean_depth"] for a in r["auto"] if a["acc"] >= best["acc"]]
+        verdict[name] = {
+            "best_fixed_budget": best["budget"],
+            "best_fixed_acc": best["acc"],
+            "on_or_above_frontier": all(m >= -2 * a["se"] for m, a in zip(margins, r["auto"])),
+            "worst_margin": min(margins),
+            "least_depth_reaching_best": min(reaching) if reaching else None,
+            "depth_ratio": (min(reaching) / best["mean_depth"]) if reaching else None,
+        }
+        verdict[name]["target_met"] = verdict[name]["on_or_above_frontier"] and (
+            verdict[name]["depth_ratio"] is not None and verdict[name]["depth_ratio"] <= 0.75
+        )
+    doc = {"bench": "auto_depth", "model": str(path), "plan": str(model.plan), "settings": vars(args)}
+    doc.update(report=report, verdict=verdict)
+    print(json.dumps(verdict))
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    if args.png:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for ax, (name, r) in zip(axes, report.items()):
+            fx = sorted(r["fixed"], key=lambda f: f["mean_depth"])
+            ax.errorbar(
+                [f["mean_depth"] for f in fx],
+                [f["acc"] for f in fx],
+                [2 * f["se"] for f in fx],
+                fmt="o-",
+                label="fixed",
+            )
+            au = sorted(r["auto"], key=lambda a: a["mean_depth"])
+            ax.plot([a["mean_depth"] for a in au], [a["acc"] for a in au], "s--", label=f"auto ({args.rule} rule)")
+            ax.set_xlabel("mean loops per question")
+            ax.set_ylabel("accuracy" + (" (tiers 3-6)" if name == "hard" else " (tiers 1-6)"))
+            ax.set_title(f"pointer chasing, ELR 10k steps: {name} questions")
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
