@@ -60,6 +60,20 @@ def serve(
             "(next-token KL); budget auto needs --kv last-loop and the PyTorch runtime."
         ),
     ] = "state",
+    speculative: Annotated[
+        bool,
+        typer.Option(
+            "--speculative",
+            help="Requests at a fixed budget deeper than the menu's shallowest decode speculatively by default: the "
+            "shallowest budget drafts --draft-tokens tokens, the request's budget keeps what it agrees with (greedy "
+            "output unchanged, sampled output distributed as the budget's own). A request's draft_budget overrides "
+            "it; draft_budget null (or the request's own budget) turns it off. Needs --kv per-loop and the PyTorch "
+            "runtime.",
+        ),
+    ] = False,
+    draft_tokens: Annotated[
+        int, typer.Option(help="Tokens drafted per verify step by default (requests may send draft_tokens).")
+    ] = 4,
     tokenizer: Tokenizer = None,
     threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads (engine directories).")] = None,
     prepack: Annotated[
@@ -96,7 +110,19 @@ def serve(
     check_sizes(max_batch=max_batch, capacity=capacity)
     if engine not in ("as-is", "onnx"):
         raise typer.BadParameter(f"unknown engine {engine!r}; use as-is or onnx.", param_hint="--engine")
-    options = ServeOptions(host, port, max_batch, capacity, max_queue, default_budget, effort, api_key, log_level)
+    options = ServeOptions(
+        host,
+        port,
+        max_batch,
+        capacity,
+        max_queue,
+        default_budget,
+        effort,
+        api_key,
+        log_level,
+        speculative,
+        draft_tokens,
+    )
     options.check()
     if engine == "onnx":
         served_model_name = served_model_name or model_dir.resolve().name
