@@ -14,11 +14,10 @@ and engines without a verify step in one sentence each.
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import pytest
 import torch
-from serve_process import tiny_looped
+from serve_process import metric, prompt_ids, run_jobs, tiny_looped
 from test_speculative import MODELS, _model
 
 import looptool
@@ -42,37 +41,14 @@ NAME = "tiny"
 SCALES = {"prefix": 0.1}  # a little further off init than test_speculative's: these short requests reject drafts too
 
 
-def _prompt(i: int, length: int = 6) -> list[int]:
-    return torch.randint(3, 250, (length + i % 3,), generator=torch.Generator().manual_seed(i)).tolist()
-
-
 def _alone(model, prompt: list[int], budget: int, tokens: int) -> list[int]:
     out = generate(model, torch.tensor([prompt]), budget=budget, max_new_tokens=tokens)
     return out.sequences[0, len(prompt) :].tolist()
 
 
-class _Collector:
-    """Each job's events, and a semaphore released when a job ends."""
-
-    def __init__(self) -> None:
-        self.events: dict[int, list[Event]] = {}
-        self.ended = threading.Semaphore(0)
-        self.first_token = threading.Event()
-
-    def emit(self, i: int):
-        self.events[i] = []
-
-        def put(event: Event) -> None:
-            self.events[i].append(event)
-            if event.kind == "token":
-                self.first_token.set()
-            if event.kind in ("finished", "failed"):
-                self.ended.release()
-
-        return put
-
-    def tokens(self, i: int) -> list[int]:
-        return [e.token for e in self.events[i] if e.kind == "token"]
+def _tokens(events: list[Event]) -> list[int]:
+    assert events[-1].kind == "finished", events[-1]
+    return [e.token for e in events if e.kind == "token"]
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -81,7 +57,7 @@ def test_greedy_speculating_and_plain_requests_share_batches_and_each_gets_its_b
     menu = sorted(model.budgets)
     lo, mid, hi = menu[0], menu[1], menu[-1]
     # (budget, speculation, max_tokens): the first four start together, the rest arrive while they run
-    jobs = [
+    asked = [
         (hi, Speculation(lo, 3), 10),
         (mid, None, 5),
         (mid, Speculation(lo, 1), 6),
@@ -90,38 +66,25 @@ def test_greedy_speculating_and_plain_requests_share_batches_and_each_gets_its_b
         (lo, None, 4),
         (hi, Speculation(lo, 4), 9),
     ]
-    scheduler = Scheduler(TorchStepEngine(model), max_batch=4, capacity=64, max_queue=8)
+    jobs = [Job(prompt_ids(i), k, n, ignore_eos=True, speculation=sp) for i, (k, sp, n) in enumerate(asked)]
     shifts: list[int] = []
-    real_shift = scheduler._shift
-    scheduler._shift = lambda n: shifts.append(n) or real_shift(n)
-    got = _Collector()
-    submitted = []
-    for i, (budget, spec, tokens) in enumerate(jobs):
-        job = Job(_prompt(i), budget, tokens, ignore_eos=True, emit=got.emit(i), speculation=spec)
-        submitted.append(job)
-        scheduler.submit(job)
-        if i == 3:
-            scheduler.start()
-            assert got.first_token.wait(60)
-    try:
-        for _ in jobs:
-            assert got.ended.acquire(timeout=120)
-    finally:
-        scheduler.stop(10)
-    for i, (budget, spec, tokens) in enumerate(jobs):
-        assert got.events[i][-1].kind == "finished", got.events[i][-1]
-        assert got.tokens(i) == _alone(model, _prompt(i), budget, tokens), (i, budget, spec)
-        stats = submitted[i].speculated
+    scheduler = run_jobs(TorchStepEngine(model), jobs, max_batch=4, start_after=4, shifts=shifts)
+    for i, (budget, spec, tokens) in enumerate(asked):
+        assert _tokens(scheduler.events[i]) == _alone(model, prompt_ids(i), budget, tokens), (i, budget, spec)
+        stats = jobs[i].speculated
         if spec is None:
             assert stats.rounds == 0
         else:
             assert stats.proposed == spec.tokens * stats.rounds and stats.rounds <= tokens
-    drafted = sum(job.speculated.proposed for job in submitted)
-    accepted = sum(job.speculated.accepted for job in submitted)
+    drafted = sum(job.speculated.proposed for job in jobs)
+    accepted = sum(job.speculated.accepted for job in jobs)
     assert 0 < accepted < drafted  # drafts were both kept and rejected
     assert shifts  # the rows moved in the cache while speculating
     text = scheduler.metrics.render().decode()
-    assert f'looptool_draft_tokens_total{{budget="{hi}",kind="drafted"}}' in text
+    for kind, field in (("drafted", "proposed"), ("accepted", "accepted")):
+        for k in menu:
+            want = sum(getattr(job.speculated, field) for job in jobs if job.budget == k)
+            assert metric(text, "looptool_draft_tokens_total", budget=str(k), kind=kind) == want, (kind, k)
 
 
 def test_a_seeded_sampled_request_speculates_reproducibly():
@@ -129,18 +92,10 @@ def test_a_seeded_sampled_request_speculates_reproducibly():
     sampling = SamplingParams(temperature=0.8, top_k=20, seed=5)
 
     def run() -> tuple[list[int], Job]:
-        scheduler = Scheduler(TorchStepEngine(model), max_batch=2, capacity=64, max_queue=2)
-        got = _Collector()
-        job = Job(_prompt(1), 2, 10, sampling, ignore_eos=True, emit=got.emit(0), speculation=Speculation(0, 3))
-        plain = Job(_prompt(2), 1, 10, sampling, ignore_eos=True, emit=got.emit(1))
-        scheduler.submit(job)
-        scheduler.submit(plain)
-        scheduler.start()
-        try:
-            assert got.ended.acquire(timeout=60) and got.ended.acquire(timeout=60)
-        finally:
-            scheduler.stop(10)
-        return got.tokens(0), job
+        job = Job(prompt_ids(1), 2, 10, sampling, ignore_eos=True, speculation=Speculation(0, 3))
+        plain = Job(prompt_ids(2), 1, 10, sampling, ignore_eos=True)
+        scheduler = run_jobs(TorchStepEngine(model), [job, plain], max_batch=2, start_after=2)
+        return _tokens(scheduler.events[0]), job
 
     first, job = run()
     assert len(first) == 10 and job.speculated.proposed > 0
@@ -179,14 +134,14 @@ def client(speculative):
 
 
 def _complete(client, **body) -> dict:
-    r = client.post("/v1/completions", json={"model": NAME, "prompt": _prompt(4), "temperature": 0, **body})
+    r = client.post("/v1/completions", json={"model": NAME, "prompt": prompt_ids(4), "temperature": 0, **body})
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def test_a_speculative_server_drafts_at_the_shallowest_budget_by_default(client, model_dir):
     model = looptool.load(model_dir)
-    plain = model.tokenizer.decode(_alone(model, _prompt(4), 2, 12), skip_special_tokens=True)
+    plain = model.tokenizer.decode(_alone(model, prompt_ids(4), 2, 12), skip_special_tokens=True)
     out = _complete(client, max_tokens=12, budget=2, ignore_eos=True)
     assert out["choices"][0]["text"] == plain
     spec = out["cost"]["speculation"]

@@ -101,8 +101,8 @@ def choose_speculation(
             message = "speculative decoding needs per-loop KV and this server keeps last-loop KV; start it with --kv per-loop."
         else:
             message = (
-                f"speculative decoding is not served by the {runtime} engine (it has no verify step); serve the "
-                "looped model directory on PyTorch."
+                f"speculative decoding is not served by this {runtime} engine (it has no verify step); serve the "
+                "looped model directory on PyTorch, or an onnxruntime engine exported with --speculative."
             )
         raise APIError(message, param="draft_budget")
     if tokens is None:
