@@ -67,8 +67,8 @@ def serve(
             help="Requests at a fixed budget deeper than the menu's shallowest decode speculatively by default: the "
             "shallowest budget drafts --draft-tokens tokens, the request's budget keeps what it agrees with (greedy "
             "output unchanged, sampled output distributed as the budget's own). A request's draft_budget overrides "
-            "it; draft_budget null (or the request's own budget) turns it off. Needs --kv per-loop and the PyTorch "
-            "runtime.",
+            "it; draft_budget null (or the request's own budget) turns it off. Needs --kv per-loop, and the PyTorch "
+            "runtime or an onnxruntime engine exported with --speculative.",
         ),
     ] = False,
     draft_tokens: Annotated[

@@ -208,7 +208,8 @@ class StepEngine(ABC):
         engine has no verify step."""
         raise LooptoolError(
             f"{type(self).__name__} has no verify step (logits at every position of a step); self-speculative "
-            "decoding runs on the PyTorch step engine of a looped model under per-loop KV.",
+            "decoding runs on the PyTorch step engine of a looped model, or on an onnxruntime engine exported with "
+            "verify graphs, under per-loop KV.",
             parameter="runtime",
         )
 

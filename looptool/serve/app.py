@@ -11,7 +11,8 @@ drains (after SIGTERM) it still listens: ``/v1`` requests get 503 and ``/health`
 ``budget: "auto"`` (adaptive depth per token) is served where the engine runs it (PyTorch under
 last-loop KV); elsewhere it is one 400. Its response's ``cost`` gives the mean realised depth.
 ``draft_budget`` and ``draft_tokens`` (self-speculative decoding, the server's default with
-``--speculative``) are served by the PyTorch engine under per-loop KV; the ``cost`` of a request
+``--speculative``) are served under per-loop KV by the PyTorch engine and by onnxruntime engines
+exported with verify graphs; the ``cost`` of a request
 that drafted counts its drafted and accepted tokens.
 
 A client that goes away frees its slot: a stream's generator is closed by the framework, and a
