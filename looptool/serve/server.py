@@ -66,6 +66,16 @@ class ServeOptions:
         if not 0 <= self.port < 65536:
             raise LooptoolError(f"port {self.port} is not a TCP port (0-65535).", parameter="port")
 
+    def check_kv(self, kv: str) -> None:
+        """One sentence when these options do not go with the KV policy ``kv`` (speculative
+        serving needs per-loop KV)."""
+        if self.speculative and kv == "last-loop":
+            raise LooptoolError(
+                "speculative serving needs kv 'per-loop': under last-loop caching a step over several tokens does not "
+                "compute what one-token steps compute.",
+                parameter="kv",
+            )
+
     def for_model(self, facts: EngineFacts, name: str) -> ResolvedOptions:
         """These options checked (:meth:`check`) and resolved against the model served as
         ``name``: ``default_budget`` and ``effort`` against its budget menu (the budget resolver
@@ -250,12 +260,7 @@ def prepare(
     PyTorch under last-loop KV). Every option is checked and the port bound before the model loads."""
     options = options or ServeOptions()
     options.check()  # before the directory is read: a bad option is reported first
-    if options.speculative and kv == "last-loop":
-        raise LooptoolError(
-            "speculative serving needs kv 'per-loop': under last-loop caching a step over several tokens does not "
-            "compute what one-token steps compute.",
-            parameter="kv",
-        )
+    options.check_kv(kv)
     if exit_rule not in EXIT_RULES:
         raise LooptoolError(f"unknown exit_rule {exit_rule!r}; use one of {list(EXIT_RULES)}.", parameter="exit_rule")
     name = name or Path(model_dir).resolve().name
