@@ -158,6 +158,9 @@ def test_a_speculative_server_drafts_at_the_shallowest_budget_by_default(client,
         json={"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "budget": 1},
     )
     assert chat.status_code == 200 and chat.json()["cost"]["speculation"]["draft_budget"] == 0, chat.text
+    sampled = [_complete(client, max_tokens=6, budget=2, ignore_eos=True, temperature=0.9, seed=11) for _ in range(2)]
+    assert sampled[0]["choices"][0]["text"] == sampled[1]["choices"][0]["text"]  # seeded: reproducible
+    assert sampled[0]["cost"]["speculation"]["drafted"] > 0
     metrics = client.get("/metrics").text
     assert 'looptool_draft_tokens_total{budget="2",kind="accepted"}' in metrics
 
