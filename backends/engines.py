@@ -182,16 +182,17 @@ def exported_engine(
     *,
     kv: str | Iterable[str] = "per-loop",
     validate: bool = True,
+    speculative: bool = False,
     on_progress: Callable[[str], None] | None = None,
 ) -> Path:
     """The onnxruntime engine directory of the looped model directory ``model_dir``, kept at
-    ``engine_dir``: exported there (every budget and the row-wise graph, validated) unless it
-    already holds the engine of the same model files (their sha256, recorded beside the
-    manifest), so a second call costs two file hashes. A directory at ``engine_dir`` that this
-    function did not write is never overwritten."""
+    ``engine_dir``: exported there (every budget and the row-wise graph, validated; with
+    ``speculative``, the verify graphs too) unless it already holds such an engine of the same
+    model files (their sha256, recorded beside the manifest), so a second call costs two file
+    hashes. A directory at ``engine_dir`` that this function did not write is never overwritten."""
     import json
 
-    from looptool.backends.manifest import MANIFEST
+    from looptool.backends.manifest import MANIFEST, Manifest
 
     model_dir, engine_dir = Path(model_dir), Path(engine_dir)
     source = _source_of(model_dir)
@@ -204,11 +205,12 @@ def exported_engine(
                 parameter="engine_dir",
             )
         if json.loads(stamp.read_text()) == source and (engine_dir / MANIFEST).is_file():
-            return engine_dir
+            if not speculative or Manifest.read(engine_dir).verify_graphs:
+                return engine_dir
     from looptool.runtime.convert import load
 
     model = load(model_dir)
-    options = export_options("onnx", kv=kv)
+    options = export_options("onnx", kv=kv, speculative=speculative)
     export_engines(
         model, engine_dir, "onnx", "all", options=options, overwrite=True, validate=validate, on_progress=on_progress
     )

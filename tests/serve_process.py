@@ -235,3 +235,48 @@ def served_on(runtime: str, model_dir: Path, model, workdir: Path) -> Served:
         return alone_on(opened, ids, budget, max_tokens, sampling)
 
     return Served(runtime, directory, args, launcher, alone)
+
+
+def prompt_ids(i: int, length: int = 6) -> list[int]:
+    """A seeded prompt of token ids (``length`` to ``length + 2`` tokens, by ``i``)."""
+    return torch.randint(3, 250, (length + i % 3,), generator=torch.Generator().manual_seed(i)).tolist()
+
+
+def run_jobs(engine, jobs: list, *, max_batch: int, start_after: int, shifts: list[int] | None = None):
+    """Run scheduler ``jobs`` (:class:`looptool.serve.scheduler.Job` s, their ``emit`` set here)
+    in process over ``engine``: the first ``start_after`` queued before the scheduler starts (one
+    batch), the rest once a token came out (they arrive while the others run). Returns each
+    job's events; ``shifts`` collects the cache shifts."""
+    import threading
+
+    from looptool.serve.scheduler import Scheduler
+
+    scheduler = Scheduler(engine, max_batch=max_batch, capacity=64, max_queue=len(jobs))
+    if shifts is not None:
+        real = scheduler._shift
+        scheduler._shift = lambda n: shifts.append(n) or real(n)
+    events: list[list] = [[] for _ in jobs]
+    ended, first = threading.Semaphore(0), threading.Event()
+
+    def emit(i: int):
+        def put(event) -> None:
+            events[i].append(event)
+            first.set() if event.kind == "token" else None
+            if event.kind in ("finished", "failed"):
+                ended.release()
+
+        return put
+
+    for i, job in enumerate(jobs):
+        job.emit = emit(i)
+        scheduler.submit(job)
+        if i + 1 == start_after:
+            scheduler.start()
+            assert first.wait(60)
+    try:
+        for _ in jobs:
+            assert ended.acquire(timeout=120)
+    finally:
+        scheduler.stop(10)
+    scheduler.events = events
+    return scheduler

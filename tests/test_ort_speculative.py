@@ -42,7 +42,8 @@ def _model(name: str) -> looptool.LoopedModel:
 class _Engines(dict):
     """Each model exported with its verify graphs when a test first asks for it: the fixed-prefix
     one through ``looptool export --speculative`` (validated, with a tokenizer for ``looptool
-    run``), the ELR one through ``export_onnx`` (its report kept)."""
+    run``), the ELR one through ``export_onnx`` (its report kept; with the row-wise graph, so
+    its step engine serves speculating requests in mixed batches)."""
 
     def __init__(self, root) -> None:
         super().__init__()
@@ -59,7 +60,7 @@ class _Engines(dict):
             assert "1 verify" in res.output and "verify_2.per-loop.onnx" in res.output
             report = None
         else:
-            report = export_onnx(model, engine, "all", rowwise=False, speculative=True, validate=False)
+            report = export_onnx(model, engine, "all", speculative=True, validate=False)  # its step engine serves
         self[name] = (model, Runtime(engine), report)
         return self[name]
 
@@ -188,3 +189,37 @@ def test_cli_run_draft_budget(engines):
     stats = rt.generate(ids, budget=2, max_new_tokens=8, draft_budget=1, eos_token_id=eos).speculation
     assert f"drafted at 1 ({stats.accepted}/{stats.proposed} drafts kept)" in res.output
     assert stats.proposed % 4 == 0  # four drafts a round: the default
+
+
+def test_the_step_engine_serves_speculating_and_plain_requests_in_one_batch(engines, monkeypatch):
+    """``OrtStepEngine.verify`` in the server's scheduler: speculating requests beside plain ones
+    (some arriving while others run) get what the same engine gives them without drafting; an
+    engine without a budget's verify graph refuses in one sentence."""
+    from serve_process import prompt_ids, run_jobs
+
+    from looptool.backends.ort.engine import OrtStepEngine
+    from looptool.engine.speculation import Speculation
+    from looptool.serve.scheduler import Job
+
+    _, rt, _ = engines["elr-conditioning"]
+    engine = OrtStepEngine(rt)
+    engine.check_verify()
+    lo, mid, hi = rt.budgets
+    asked = [(hi, Speculation(lo, 3), 8), (mid, None, 5), (hi, Speculation(mid, 2), 7), (mid, Speculation(lo, 1), 6)]
+
+    def tokens(speculate: bool) -> tuple[list[list[int]], list[Job]]:
+        jobs = [
+            Job(prompt_ids(i), k, n, ignore_eos=True, speculation=sp if speculate else None)
+            for i, (k, sp, n) in enumerate(asked)
+        ]
+        events = run_jobs(engine, jobs, max_batch=3, start_after=3).events
+        return [[e.token for e in ev if e.kind == "token"] for ev in events], jobs
+
+    drafted, jobs = tokens(True)
+    assert drafted == tokens(False)[0]
+    assert all(len(t) == n for t, (_, _, n) in zip(drafted, asked))
+    assert 0 < sum(job.speculated.accepted for job in jobs) < sum(job.speculated.proposed for job in jobs)
+    monkeypatch.setattr(rt, "has_verify", lambda budget, kv="per-loop": budget != hi)
+    with pytest.raises(looptool.LooptoolError, match=f"no verify graph for budget {hi}") as err:
+        engine.check_verify()
+    assert err.value.parameter == "runtime"

@@ -522,6 +522,10 @@ def test_the_onnx_engine_of_a_looped_model_is_exported_once_and_kept_with_its_so
     (out / engines.SOURCE_STAMP).write_text(json.dumps({**stamp, "model.safetensors": "0" * 64}))
     engines.exported_engine(saved, out)
     assert exports == [out]  # another model's engine: exported again
+    (out / engines.SOURCE_STAMP).write_text(json.dumps(stamp))
+    monkeypatch.setattr(engines, "export_engines", lambda *a, **k: exports.append(k["options"]["speculative"]))
+    engines.exported_engine(saved, out, speculative=True)
+    assert exports == [out, True]  # no verify graphs (serve --speculative): exported again with them
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     with pytest.raises(ExportError, match="was not written by exported_engine"):

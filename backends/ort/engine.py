@@ -8,7 +8,9 @@ the rows it serves (``buffer[a:b]``, contiguous, no copy) as both ``past`` input
 ``present`` output, so the graph writes this step's keys and values in place. Rows of
 different budgets run the row-wise graph; rows that all share a budget run that budget's own,
 cheaper graph on the matching cache pairs (same ``(layer, execution)``), which hold exactly
-what the row-wise graph would have written for those rows.
+what the row-wise graph would have written for those rows. An engine exported with
+``speculative=True`` also runs self-speculative decoding's verify step
+(:meth:`OrtStepEngine.verify`): budget ``k``'s verify graph on budget ``k``'s cache pairs.
 """
 
 from __future__ import annotations
@@ -94,7 +96,59 @@ class OrtStepEngine(StepEngine):
         resolved by the caller); returns float32 next-token logits ``[R, vocab]`` (last position)."""
         start, stop = row_span(rows, len(cache.buffers[0]), budgets)
         key = budgets.graph(self._pairs)
-        io, logits = self._binding(cache, key, start, stop)
+        step = (input_ids, attention_mask, position_ids, cache_position)
+        logits = self._run(cache, key, start, stop, step, budgets, steps=0)
+        return torch.from_numpy(logits[:, -1].astype(np.float32))
+
+    def check_verify(self) -> None:
+        """Nothing when the engine holds a verify graph for every budget but the shallowest
+        under per-loop KV (exported with ``speculative=True``); else one sentence."""
+        if self.kv != "per-loop":
+            raise EngineError(
+                "a verify step needs the per-loop KV policy: under last-loop caching a step over several tokens does "
+                "not compute what one-token steps compute.",
+                parameter="kv",
+            )
+        missing = [k for k in self.budgets[1:] if not self.runtime.has_verify(k, self.kv) or k not in self._pairs]
+        if missing:
+            raise EngineError(
+                f"the engine directory has no verify graph for budget {missing[0]} (logits at every position, which "
+                "speculative decoding scores drafts with); export it again with speculative=True.",
+                parameter="runtime",
+            )
+
+    def verify(
+        self,
+        cache: ArraySlotCache,
+        rows: slice,
+        input_ids,
+        attention_mask,
+        position_ids,
+        cache_position,
+        budgets: RowBudgets,
+    ) -> torch.Tensor:
+        """float32 logits at every position of the step, ``[R, T, vocab]``: each run of rows
+        sharing a budget runs that budget's verify graph on the cache pairs of its own graph
+        (the same layout, checked when it is bound)."""
+        self.check_verify()
+        start, stop = row_span(rows, len(cache.buffers[0]), budgets)
+        steps, out, first = int(input_ids.shape[1]), [], 0
+        for last in range(1, len(budgets) + 1):
+            if last < len(budgets) and budgets.rows[last] == budgets.rows[first]:
+                continue
+            part = slice(first, last)
+            step = (input_ids[part], attention_mask[part], position_ids[part], cache_position)
+            logits = self._run(cache, budgets.rows[first], start + first, start + last, step, budgets, steps=steps)
+            out.append(torch.from_numpy(logits.astype(np.float32)))
+            first = last
+        return torch.cat(out)
+
+    def _run(self, cache: ArraySlotCache, key: int | str, start: int, stop: int, step, budgets, steps: int):
+        """Run graph ``key`` (with ``steps``: budget ``key``'s verify graph over that many
+        positions) on rows ``[start, stop)`` with ``step`` (``input_ids``, ``attention_mask``,
+        ``position_ids``, ``cache_position``); its logits buffer (reused by the next run)."""
+        input_ids, attention_mask, position_ids, cache_position = step
+        io, logits, session = self._binding(cache, key, start, stop, steps)
         io.bind_cpu_input(INPUTS[0], as_numpy(input_ids).astype(np.int64, copy=False))
         mask = full_width(as_numpy(attention_mask), cache.length)  # the graph attends over whole bound buffers
         io.bind_cpu_input(INPUTS[1], mask.astype(self.runtime.mask_dtype, copy=False))
@@ -102,21 +156,31 @@ class OrtStepEngine(StepEngine):
         io.bind_cpu_input(INPUTS[3], as_numpy(cache_position).astype(np.int64, copy=False))
         if key == ROWWISE:
             io.bind_cpu_input(BUDGETS, np.asarray(budgets.rows, dtype=np.int64))
-        self.runtime.session(key, self.kv).run_with_iobinding(io)
-        return torch.from_numpy(logits[:, -1].astype(np.float32))
+        session.run_with_iobinding(io)
+        return logits
 
-    def _binding(self, cache: ArraySlotCache, key: int | str, start: int, stop: int):
-        """The IOBinding of graph ``key`` over rows ``[start, stop)`` of ``cache``: views of the
-        buffers bound as past and present, and a logits buffer; made once per combination."""
+    def _binding(self, cache: ArraySlotCache, key: int | str, start: int, stop: int, steps: int = 0):
+        """The IOBinding of graph ``key`` (``steps`` > 0: budget ``key``'s verify graph, logits at
+        that many positions) over rows ``[start, stop)`` of ``cache``: views of the buffers bound
+        as past and present, a logits buffer and the session; made once per combination."""
         import onnxruntime as ort
 
-        ident = (key, start, stop, *map(id, cache.buffers))
+        ident = (key, start, stop, steps, *map(id, cache.buffers))
         found = self._bindings.get(ident)
         if found is not None:
-            return found[0], found[1]
+            return found[0], found[1], found[4]
         if len(self._bindings) >= _BINDINGS_KEPT or any(b[2] is not cache.buffers for b in self._bindings.values()):
             self._bindings.clear()  # also when the cache was resized: the old buffers are freed
-        io = self.runtime.session(key, self.kv).io_binding()
+        if steps:
+            if self.runtime.verify_layout(key, self.kv) != self.runtime.layout(key, self.kv):
+                raise EngineError(
+                    f"the verify graph of budget {key} ({self.kv}) has another cache layout than budget {key}'s graph; "
+                    "export the engine again."
+                )
+            session = self.runtime.verify_session(key, self.kv)
+        else:
+            session = self.runtime.session(key, self.kv)
+        io = session.io_binding()
         values = []
         for local, j in enumerate(self._pairs[key]):
             for kind, buffer in zip("kv", cache.buffers[2 * j : 2 * j + 2]):
@@ -125,11 +189,11 @@ class OrtStepEngine(StepEngine):
                 io.bind_ortvalue_input(past_name(local, kind), value)
                 io.bind_ortvalue_output(present_name(local, kind), value)
                 values.append(value)
-        logits = np.zeros((stop - start, 1, self.vocab_size), dtype=self._dtype)
+        logits = np.zeros((stop - start, max(steps, 1), self.vocab_size), dtype=self._dtype)
         values.append(ort.OrtValue.ortvalue_from_numpy(logits))
         io.bind_ortvalue_output(LOGITS, values[-1])
-        self._bindings[ident] = (io, logits, cache.buffers, values)  # keeps the buffers, views and values alive
-        return io, logits
+        self._bindings[ident] = (io, logits, cache.buffers, values, session)  # keeps buffers, views, values alive
+        return io, logits, session
 
 
 # ---------------------------------------------------------------------- the onnxruntime runtime

@@ -60,6 +60,20 @@ def serve(
             "(next-token KL); budget auto needs --kv last-loop and the PyTorch runtime."
         ),
     ] = "state",
+    speculative: Annotated[
+        bool,
+        typer.Option(
+            "--speculative",
+            help="Requests at a fixed budget deeper than the menu's shallowest decode speculatively by default: the "
+            "shallowest budget drafts --draft-tokens tokens, the request's budget keeps what it agrees with (greedy "
+            "output unchanged, sampled output distributed as the budget's own). A request's draft_budget overrides "
+            "it; draft_budget null (or the request's own budget) turns it off. Needs --kv per-loop, and the PyTorch "
+            "runtime (or --engine onnx) or an onnxruntime engine exported with --speculative.",
+        ),
+    ] = False,
+    draft_tokens: Annotated[
+        int, typer.Option(help="Tokens drafted per verify step by default (requests may send draft_tokens).")
+    ] = 4,
     tokenizer: Tokenizer = None,
     threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads (engine directories).")] = None,
     prepack: Annotated[
@@ -79,7 +93,8 @@ def serve(
         str,
         typer.Option(
             help="as-is: serve MODEL_DIR as it is; onnx: serve the onnxruntime engine of a looped model directory "
-            "(faster on a CPU), exported to --engine-dir on first use and reused while the model is unchanged."
+            "(faster on a CPU), exported to --engine-dir on first use (with its verify graphs under --speculative) "
+            "and reused while the model is unchanged."
         ),
     ] = "as-is",
     engine_dir: Annotated[
@@ -96,11 +111,24 @@ def serve(
     check_sizes(max_batch=max_batch, capacity=capacity)
     if engine not in ("as-is", "onnx"):
         raise typer.BadParameter(f"unknown engine {engine!r}; use as-is or onnx.", param_hint="--engine")
-    options = ServeOptions(host, port, max_batch, capacity, max_queue, default_budget, effort, api_key, log_level)
+    options = ServeOptions(
+        host,
+        port,
+        max_batch,
+        capacity,
+        max_queue,
+        default_budget,
+        effort,
+        api_key,
+        log_level,
+        speculative,
+        draft_tokens,
+    )
     options.check()
+    options.check_kv(kv)  # before an export
     if engine == "onnx":
         served_model_name = served_model_name or model_dir.resolve().name
-        model_dir = onnx_engine_of(model_dir, engine_dir or default_engine_dir(model_dir), kv)
+        model_dir = onnx_engine_of(model_dir, engine_dir or default_engine_dir(model_dir), kv, speculative)
     with progress() as steps:
         with steps.stage(f"loading {model_dir}"):
             server = prepare(
@@ -130,9 +158,10 @@ def default_engine_dir(model_dir: Path) -> Path:
     return model_dir.parent / f"{model_dir.name}-onnx"
 
 
-def onnx_engine_of(model_dir: Path, engine_dir: Path, kv: str) -> Path:
+def onnx_engine_of(model_dir: Path, engine_dir: Path, kv: str, speculative: bool = False) -> Path:
     """The onnxruntime engine of the looped model directory ``model_dir`` at ``engine_dir``,
-    exported there first unless it holds the engine of the same model files."""
+    exported there first unless it holds the engine of the same model files (with its verify
+    graphs when ``speculative``)."""
     from looptool.backends.engines import exported_engine
     from looptool.runtime.step_engine import detect
 
@@ -143,7 +172,9 @@ def onnx_engine_of(model_dir: Path, engine_dir: Path, kv: str) -> Path:
             param_hint="--engine",
         )
     with progress() as steps, steps.stage(f"onnxruntime engine of {model_dir} in {engine_dir}") as step:
-        return exported_engine(model_dir, engine_dir, kv=kv, on_progress=lambda text: step.update(text=text))
+        return exported_engine(
+            model_dir, engine_dir, kv=kv, speculative=speculative, on_progress=lambda text: step.update(text=text)
+        )
 
 
 def faster_engine_hint(model_dir: Path, runtime: str, device: str) -> str:

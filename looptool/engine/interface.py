@@ -12,6 +12,8 @@ onnxruntime). :class:`OpenedEngine` is a step engine with what a server needs be
 Rows of adaptive depth (:attr:`RowBudgets.auto`, ``budget="auto"``) run through
 :meth:`StepEngine.step_with_depth`, which also reports the depth every row realised
 (:class:`StepResult`); an engine that cannot run them says so in :meth:`StepEngine.check_adaptive`.
+Self-speculative decoding's verify step (logits at every position of a multi-token step) is
+:meth:`StepEngine.verify`, refused likewise by :meth:`StepEngine.check_verify`.
 """
 
 from __future__ import annotations
@@ -199,6 +201,34 @@ class StepEngine(ABC):
             self.check_adaptive()
         logits = self.step(cache, rows, input_ids, attention_mask, position_ids, cache_position, budgets)
         return StepResult(logits, budgets.tensor())
+
+    def check_verify(self) -> None:
+        """Nothing when :meth:`verify` runs; else one sentence (a :class:`LooptoolError` whose
+        ``parameter`` names what stands in the way: ``runtime`` or ``kv``). This default: the
+        engine has no verify step."""
+        raise LooptoolError(
+            f"{type(self).__name__} has no verify step (logits at every position of a step); self-speculative "
+            "decoding runs on the PyTorch step engine of a looped model, or on an onnxruntime engine exported with "
+            "verify graphs, under per-loop KV.",
+            parameter="runtime",
+        )
+
+    def verify(
+        self,
+        cache: SlotCache,
+        rows: slice,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache_position: torch.Tensor,
+        budgets: RowBudgets,
+    ) -> torch.Tensor:
+        """A cached step like :meth:`step` (fixed budgets only) whose float32 logits cover every
+        position of it, ``[R, T, vocab]``: self-speculative decoding's verify step scores the
+        last accepted token and the drafts after it at once. This default refuses
+        (:meth:`check_verify`); an engine that runs it overrides both."""
+        self.check_verify()
+        raise NotImplementedError(f"{type(self).__name__}.verify")
 
     def prompt_logprobs(self, input_ids: torch.Tensor, budget: int) -> torch.Tensor:
         """float32 log-softmax over the vocabulary at every position of ``input_ids [1, T]``:

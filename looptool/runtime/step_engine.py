@@ -12,6 +12,10 @@ adaptive-depth path (:func:`looptool.runtime.decode_graphs.adaptive_path`, exit 
 engine) for the whole slice, every fixed row ``k`` as ``min_budget = max_budget = k`` (exactly
 budget ``k``), on the slot-cache buffers its cache inputs name (the deepest budget's slots, like
 the row-wise path's).
+
+Under per-loop KV it also runs self-speculative decoding's verify step
+(:meth:`TorchStepEngine.verify`): each budget's verify path, logits at every position, on the
+buffers of that budget's own path (the same cache inputs, in the same order).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from looptool.runtime.decode_graphs import (
     cached_paths,
     check_policy,
     rowwise_path,
+    verify_paths,
 )
 
 if TYPE_CHECKING:
@@ -153,6 +158,48 @@ class TorchStepEngine(StepEngine):
         else:
             logits = self.rowwise.module(*step, budgets.tensor(input_ids.device), *views)
         return StepResult(logits[:, -1].float(), budgets.tensor())
+
+    def check_verify(self) -> None:
+        """Nothing under per-loop KV; last-loop KV is one sentence (``parameter`` ``kv``, see
+        :meth:`~looptool.engine.speculation.Speculation.check`)."""
+        if self.kv == "last-loop":
+            raise LooptoolError(
+                "a verify step needs the per-loop KV policy: under last-loop caching a step over several tokens does "
+                "not compute what one-token steps compute.",
+                parameter="kv",
+            )
+
+    @torch.no_grad()
+    def verify(
+        self,
+        cache: TensorSlotCache,
+        rows: slice,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache_position: torch.Tensor,
+        budgets: RowBudgets,
+    ) -> torch.Tensor:
+        """float32 logits at every position of the step, ``[R, T, vocab]``: each run of rows
+        sharing a budget runs that budget's verify path
+        (:func:`~looptool.runtime.decode_graphs.verify_paths`, built on first use) on its own
+        cache buffers, as :meth:`step_with_depth` runs a uniform batch."""
+        self.check_verify()
+        if budgets.adaptive:
+            raise LooptoolError("a verify step runs fixed budgets only, not budget 'auto'.", parameter="budgets")
+        start = rows.indices(cache.slots)[0]
+        width = attention_mask.shape[1]
+        paths = verify_paths(self.model, self.kv, sorted(set(budgets.rows)))
+        out, first = [], 0
+        for last in range(1, len(budgets) + 1):
+            if last < len(budgets) and budgets.rows[last] == budgets.rows[first]:
+                continue
+            k, part = budgets.rows[first], slice(first, last)
+            views = [b[start + first : start + last, :, :width] for b in cache.buffers]
+            step = (input_ids[part], attention_mask[part], position_ids[part], cache_position)
+            out.append(paths[k].module(*step, *(views[i] for i in self.pairs[k])).float())
+            first = last
+        return torch.cat(out)
 
     @torch.no_grad()
     def prompt_logprobs(self, input_ids: torch.Tensor, budget: int) -> torch.Tensor:

@@ -10,6 +10,10 @@ drains (after SIGTERM) it still listens: ``/v1`` requests get 503 and ``/health`
 
 ``budget: "auto"`` (adaptive depth per token) is served where the engine runs it (PyTorch under
 last-loop KV); elsewhere it is one 400. Its response's ``cost`` gives the mean realised depth.
+``draft_budget`` and ``draft_tokens`` (self-speculative decoding, the server's default with
+``--speculative``) are served under per-loop KV by the PyTorch engine and by onnxruntime engines
+exported with verify graphs; the ``cost`` of a request
+that drafted counts its drafted and accepted tokens.
 
 A client that goes away frees its slot: a stream's generator is closed by the framework, and a
 non-streamed request has one watcher task that checks its connection every
@@ -33,6 +37,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from looptool.core.errors import LooptoolError
 from looptool.engine.budgets import AutoRow
 from looptool.engine.sampling import SamplingParams
+from looptool.engine.speculation import Speculation
 from looptool.serve.budgets import BudgetChoiceError, BudgetResolver
 from looptool.serve.choices import Choice
 from looptool.serve.cost import request_cost
@@ -50,12 +55,30 @@ from looptool.serve.protocol import (
     usage,
 )
 from looptool.serve.scheduler import Draining, Event, Job, QueueFull, Scheduler
+from looptool.serve.speculation import choose_speculation, speculation_cost
 
 DISCONNECT_POLL = 0.1  # seconds between checks that a non-streamed request's client is still there
 
 
-def create_app(served: ServedModel, scheduler: Scheduler, resolver: BudgetResolver, *, api_key: str | None = None):
-    """The FastAPI app serving ``served`` through ``scheduler`` (started and stopped with the app)."""
+def create_app(
+    served: ServedModel,
+    scheduler: Scheduler,
+    resolver: BudgetResolver,
+    *,
+    api_key: str | None = None,
+    draft_tokens: int | None = None,
+):
+    """The FastAPI app serving ``served`` through ``scheduler`` (started and stopped with the app);
+    with ``draft_tokens``, requests at a fixed budget deeper than the menu's shallowest decode
+    speculatively by default, drafting that many tokens at the shallowest
+    (:func:`~looptool.serve.speculation.choose_speculation`)."""
+
+    def cost_of(budget: int | AutoRow, jobs: list[Job], depths: list[int]) -> dict:
+        """A response's ``cost``: :func:`request_cost`, and what speculation did where it ran."""
+        cost = request_cost(served.costs, budget, depths)
+        if jobs[0].speculation is not None:
+            cost = {**cost, "speculation": speculation_cost(jobs[0].speculation, [job.speculated for job in jobs])}
+        return cost
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -95,7 +118,7 @@ def create_app(served: ServedModel, scheduler: Scheduler, resolver: BudgetResolv
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await _parse(request, CompletionRequest)
-        budget, sampling = _common(req, resolver, scheduler, served.runtime)
+        budget, sampling, speculation = _common(req, resolver, scheduler, served.runtime, draft_tokens)
         prompts, echoes = completion_prompts(req.prompt, served.tokenizer, served.engine.vocab_size)
         if req.max_tokens is not None and req.max_tokens < 1:
             raise APIError(f"max_tokens must be at least 1, got {req.max_tokens}.", param="max_tokens")
@@ -115,6 +138,7 @@ def create_app(served: ServedModel, scheduler: Scheduler, resolver: BudgetResolv
                 req.logprobs,
                 scoring,
                 req.ignore_eos,
+                speculation=speculation,
             )
             for p in prompts
         ]
@@ -139,13 +163,13 @@ def create_app(served: ServedModel, scheduler: Scheduler, resolver: BudgetResolv
             for c in choices
         ]
         use = usage(sum(len(p) for p in prompts), sum(len(c.tokens) for c in choices))
-        cost = request_cost(served.costs, budget, [d for c in choices for d in c.depths])
+        cost = cost_of(budget, jobs, [d for c in choices for d in c.depths])
         return response(rid, "text_completion", req.model, out, use, cost)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await _parse(request, ChatCompletionRequest)
-        budget, sampling = _common(req, resolver, scheduler, served.runtime)
+        budget, sampling, speculation = _common(req, resolver, scheduler, served.runtime, draft_tokens)
         if req.logprobs:
             raise APIError("logprobs are served on /v1/completions only.", param="logprobs")
         prompt = chat_prompt(req.messages, served.tokenizer)
@@ -153,7 +177,14 @@ def create_app(served: ServedModel, scheduler: Scheduler, resolver: BudgetResolv
         if limit is not None and limit < 1:
             raise APIError(f"max_tokens must be at least 1, got {limit}.", param="max_tokens")
         check_room(len(prompt), limit, scheduler.capacity)
-        job = _job(prompt, budget, limit or scheduler.capacity - len(prompt), sampling, ignore_eos=req.ignore_eos)
+        job = _job(
+            prompt,
+            budget,
+            limit or scheduler.capacity - len(prompt),
+            sampling,
+            ignore_eos=req.ignore_eos,
+            speculation=speculation,
+        )
         rid = request_id("chatcmpl")
         queue = _submit(scheduler, job)
         if req.stream:
@@ -162,7 +193,7 @@ def create_app(served: ServedModel, scheduler: Scheduler, resolver: BudgetResolv
         await _collect(scheduler, [job], [queue], [choice], request)
         message = {"role": "assistant", "content": choice.text.text}
         out = [{"index": 0, "message": message, "logprobs": None, "finish_reason": choice.reason}]
-        cost = request_cost(served.costs, budget, choice.depths)
+        cost = cost_of(budget, [job], choice.depths)
         return response(rid, "chat.completion", req.model, out, usage(len(prompt), len(choice.tokens)), cost)
 
     async def _stream_completion(rid, req, job, queue, stops, budget) -> AsyncIterator[dict]:
@@ -182,7 +213,7 @@ def create_app(served: ServedModel, scheduler: Scheduler, resolver: BudgetResolv
             last,
             len(job.prompt),
             choice,
-            request_cost(served.costs, budget, choice.depths),
+            cost_of(budget, [job], choice.depths),
         ):
             yield item
 
@@ -195,9 +226,7 @@ def create_app(served: ServedModel, scheduler: Scheduler, resolver: BudgetResolv
         async for piece in _pieces(scheduler, job, queue, choice):
             yield chunk(rid, kind, req.model, [{"index": 0, "delta": {"content": piece}, "finish_reason": None}])
         last = [{"index": 0, "delta": {}, "finish_reason": choice.reason}]
-        async for item in _ending(
-            rid, kind, req, last, len(job.prompt), choice, request_cost(served.costs, budget, choice.depths)
-        ):
+        async for item in _ending(rid, kind, req, last, len(job.prompt), choice, cost_of(budget, [job], choice.depths)):
             yield item
 
     return app
@@ -254,9 +283,12 @@ async def _parse(request: Request, model: type[BaseModel]):
         raise APIError(f"{field}: {err['msg']}.", param=field or None) from None
 
 
-def _common(req, resolver: BudgetResolver, scheduler: Scheduler, runtime: str) -> tuple[int | AutoRow, SamplingParams]:
-    """The request's budget (or adaptive-depth settings, where the engine runs them) and
-    sampling settings, checked."""
+def _common(
+    req, resolver: BudgetResolver, scheduler: Scheduler, runtime: str, draft_tokens: int | None
+) -> tuple[int | AutoRow, SamplingParams, Speculation | None]:
+    """The request's budget (or adaptive-depth settings, where the engine runs them), sampling
+    settings and speculation (:func:`choose_speculation`; ``draft_tokens``: the server's
+    speculative default, None when off), checked."""
     if req.n != 1:
         raise APIError(f"n={req.n}: this server returns one choice per prompt; send n=1.", param="n")
     try:
@@ -265,6 +297,9 @@ def _common(req, resolver: BudgetResolver, scheduler: Scheduler, runtime: str) -
         )
     except BudgetChoiceError as exc:
         raise APIError(str(exc), status=exc.status, param=exc.parameter, code=exc.code) from None
+    speculation = choose_speculation(
+        req, budget, resolver.budgets, scheduler.speculation_refusal, runtime, draft_tokens
+    )
     if isinstance(budget, AutoRow) and (refusal := scheduler.adaptive_refusal()) is not None:
         if getattr(refusal, "parameter", None) == "kv":
             message = (
@@ -280,7 +315,7 @@ def _common(req, resolver: BudgetResolver, scheduler: Scheduler, runtime: str) -
         sampling = SamplingParams(req.temperature, req.checked_top_k(), req.top_p if req.top_p < 1 else None, req.seed)
     except LooptoolError as exc:
         raise APIError(str(exc), param=exc.parameter) from None
-    return budget, sampling
+    return budget, sampling, speculation
 
 
 def _job(prompt: list[int], budget: int | AutoRow, max_tokens: int, *args, **kwargs) -> Job:

@@ -3,7 +3,8 @@ running (holding a slot) and waiting, prompt and generated tokens, finished requ
 reason, and time-to-first-token, time-per-output-token and end-to-end latency histograms,
 each labelled by budget (``auto`` for requests of adaptive depth); and the realised depth of
 every token an adaptive request generated (a histogram whose buckets are the depths from the
-menu's shallowest to its deepest budget)."""
+menu's shallowest to its deepest budget); and the tokens speculating requests drafted and the
+drafts their budget accepted."""
 
 from __future__ import annotations
 
@@ -50,6 +51,13 @@ class Metrics:
             "Arrival to the request leaving the engine.",
             ["budget"],
             buckets=_LATENCY,
+            registry=r,
+        )
+        self.draft_tokens = Counter(
+            "looptool_draft_tokens",
+            "Tokens drafted by requests that decode speculatively (kind drafted) and those their budget kept "
+            "(kind accepted).",
+            ["budget", "kind"],
             registry=r,
         )
 

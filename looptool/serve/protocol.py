@@ -3,10 +3,12 @@ is one 400 naming the field), OpenAI-shaped errors, and the response and stream-
 
 Extensions travel as extra body fields, as vLLM takes them (clients send them with
 ``extra_body``): ``budget`` (an integer of the menu, an effort level, or ``"auto"``: adaptive
-depth per token, with ``min_budget``, ``max_budget`` and ``exit_threshold``), ``top_k`` and
-``ignore_eos``. Responses carry ``cost`` beside ``usage``: the budget that ran and its cost-table
+depth per token, with ``min_budget``, ``max_budget`` and ``exit_threshold``), ``draft_budget``
+and ``draft_tokens`` (self-speculative decoding, :mod:`looptool.serve.speculation`), ``top_k``
+and ``ignore_eos``. Responses carry ``cost`` beside ``usage``: the budget that ran and its cost-table
 entry (layer executions and KV bytes per token, Accordion Eq. 6), or for ``"auto"`` the mean
-depth the generated tokens realised (:func:`looptool.serve.cost.request_cost`).
+depth the generated tokens realised (:func:`looptool.serve.cost.request_cost`), and for a
+speculating request its drafted and accepted token counts.
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class _Sampling(BaseModel):
     min_budget: Any = None  # extension, with budget "auto" only (as the next two); checked by BudgetResolver.choose
     max_budget: Any = None
     exit_threshold: Any = None
+    draft_budget: Any = None  # extension: self-speculative decoding's draft budget; checked by choose_speculation
+    draft_tokens: Any = None  # extension: tokens drafted per verify step (default 4, or the server's)
     ignore_eos: bool = False  # extension (vLLM's): generate max_tokens tokens whatever comes
     reasoning_effort: str | None = None
 

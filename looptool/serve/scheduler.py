@@ -19,6 +19,11 @@ to twice the clock. Each step
 passes the mask up to the clock, so an engine attends over the positions the rows hold
 (``capacity`` is a limit, not a cost).
 
+A job that decodes speculatively (``Job.speculation``: ``draft_budget``, ``draft_tokens``) rides
+in the same batch too: while one runs, an iteration is a round of draft steps and a verify step
+(:mod:`looptool.serve.speculation`) in which the other rows take a token per draft step; the
+clock then moves past the round, and the slots a row did not fill are masked for it.
+
 A job of adaptive depth (``Job.auto``, ``budget: "auto"``) rides in the same batch: its step's
 :class:`RowBudgets` carry its settings and the engine runs the adaptive-depth path for the
 whole slice (fixed rows exactly at their budgets); every token's event carries the depth that
@@ -48,8 +53,10 @@ from looptool.engine import StepEngine, StepResult
 from looptool.engine.budgets import AutoRow, RowBudgets
 from looptool.engine.interface import with_length
 from looptool.engine.sampling import GREEDY, SamplingParams, TokenPicker
+from looptool.engine.speculation import Speculation, SpeculationStats
 from looptool.serve.logprobs import top_logprobs
 from looptool.serve.metrics import Metrics
+from looptool.serve.speculation import speculative_round
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +98,8 @@ class Job:
     # text may end a job the engine already finished at its length); see Scheduler.cancel.
     consumer_counts: bool = False
     held_reason: str = ""  # the engine's finish reason, held back until the consumer names its own
+    speculation: Speculation | None = None  # draft at speculation.budget, verify at budget (checked at the edge)
+    speculated: SpeculationStats = field(default_factory=SpeculationStats)  # what its speculation did
 
     @property
     def label(self) -> str:
@@ -117,6 +126,7 @@ class _Row:
     ids: list[int]
     picker: TokenPicker
     position: int  # position id of the next token fed
+    span: int  # cache slots from its first token to the clock (position, plus rejected drafts' masked slots)
     generated: int = 0
     last_time: float = 0.0
     done: str = ""  # finish reason once finished
@@ -214,24 +224,37 @@ class Scheduler:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    def warm_up(self, budgets) -> None:
+    def warm_up(self, budgets, draft_tokens: int | None = None) -> None:
         """Run a one-token prompt and one decode step at every budget, and of adaptive depth
         where the engine runs it, before serving (first calls build and compile what they
-        need), outside the metrics."""
+        need), outside the metrics; with ``draft_tokens``, also one speculative round at every
+        budget deeper than the shallowest, drafting that many tokens at the shallowest."""
         metrics, self.metrics = self.metrics, Metrics(self.engine.budgets)
         jobs = [Job([0], int(budget), 2) for budget in budgets]
+        if draft_tokens is not None:
+            draft = min(budgets)
+            jobs += [Job([0], int(k), 2, speculation=Speculation(draft, draft_tokens)) for k in budgets if k > draft]
         if self.adaptive_refusal() is None:
             deepest = max(budgets)
             jobs.append(Job([0], deepest, 2, auto=AutoRow(min(budgets), deepest)))
         try:
             for job in jobs:
                 self._prefill(job)
-                self._decode()
+                self._iterate()
                 self._retire()
         finally:
             self.metrics = metrics
             self.rows.clear()
             self.mask.zero_()
+
+    def speculation_refusal(self) -> Exception | None:
+        """None when the engine runs verify steps (self-speculative decoding), else its reason
+        (an exception whose ``parameter`` says what stands in the way: ``runtime`` or ``kv``)."""
+        try:
+            self.engine.check_verify()
+        except Exception as exc:
+            return exc
+        return None
 
     def adaptive_refusal(self) -> Exception | None:
         """None when the engine runs jobs of adaptive depth, else its reason (an exception
@@ -282,7 +305,7 @@ class Scheduler:
                         self._admit(job)
                 self._retire()
                 if self.rows:
-                    self._decode()
+                    self._iterate()
                     self._retire()
             except Exception as exc:  # a failing step fails the requests it served, not the server
                 log.exception("engine step failed")
@@ -325,10 +348,18 @@ class Scheduler:
             torch.arange(self.clock - n, self.clock, device=self.device),
             RowBudgets((job.budget,), (job.auto,)),
         )
-        row = _Row(job, list(job.prompt), TokenPicker(job.sampling, self.device), position=n)
+        row = _Row(job, list(job.prompt), TokenPicker(job.sampling, self.device), position=n, span=n)
         self.rows.append(row)
         self.metrics.prompt_tokens.labels(budget=job.label).inc(n)
         self._take(row, out.logits[0:1], int(out.depths[0]))
+
+    def _iterate(self) -> None:
+        """Advance every running row: a speculative round (:func:`speculative_round`) when some
+        row speculates, else one decode step."""
+        if any(row.job.speculation is not None for row in self.rows):
+            speculative_round(self)
+        else:
+            self._decode()
 
     def _decode(self) -> None:
         """One step for all running rows: each feeds its last token at slot ``clock``."""
@@ -350,24 +381,29 @@ class Scheduler:
         depths = out.depths.tolist()
         for i, row in enumerate(self.rows):
             row.position += 1
+            row.span += 1
             self._take(row, out.logits[i : i + 1], int(depths[i]))
 
-    def _fit(self, before: int) -> None:
+    def _fit(self, before: int, ahead: int = 0) -> None:
         """Arrange the cache for the next step: at least ``before`` positions before the clock
-        (a prompt's) and the clock's own slot, with no more positions than the rows need
-        (up to a factor of four); moves the rows and the mask, never a row's content."""
+        (a prompt's) and the clock's own slot plus ``ahead`` more (a speculative round's), with
+        no more positions than the rows need (up to a factor of four); moves the rows and the
+        mask, never a row's content."""
         if not self.rows:  # nothing to keep: start over at the front
             self.clock = 0
         length = self.cache.length
-        longest = max((row.position for row in self.rows), default=0)
+        longest = max((row.span for row in self.rows), default=0)
         oldest = self.clock - longest  # positions before every running request's first token
-        if oldest and (self.clock + 1 > length or oldest >= max(longest, FIRST_LENGTH // 2) or self.clock < before):
+        if oldest and (
+            self.clock + 1 + ahead > length or oldest >= max(longest, FIRST_LENGTH // 2) or self.clock < before
+        ):
             self._shift(-oldest)  # drop them: a step then reads at most about twice what the rows hold
         target = max(self.clock, before)
-        if target + 1 > length:
-            self._resize(max(target + 1, min(self.capacity, 2 * length)))
-        elif length > FIRST_LENGTH and 4 * (target + 1) <= length:
-            self._resize(max(FIRST_LENGTH, 2 * (target + 1)))
+        need = target + 1 + ahead
+        if need > length:
+            self._resize(max(need, min(self.capacity, 2 * length)))
+        elif length > FIRST_LENGTH and 4 * need <= length:
+            self._resize(max(FIRST_LENGTH, 2 * need))
         if target > self.clock:
             self._shift(target - self.clock)
 
@@ -393,12 +429,16 @@ class Scheduler:
     def _take(self, row: _Row, logits: torch.Tensor, depth: int) -> None:
         """Pick ``row``'s next token from ``logits [1, vocab]`` (run at ``depth``), send it, and
         mark the row done at EOS or ``max_tokens``."""
-        job = row.job
-        if job.cancelled:
-            row.done = job.cancel_reason
+        if row.job.cancelled:
+            row.done = row.job.cancel_reason
             return
         ids = torch.tensor([row.ids], device=self.device) if row.picker.warpers is not None else None
-        token = int(row.picker(logits.float(), ids))
+        self._emit(row, int(row.picker(logits.float(), ids)), logits, depth)
+
+    def _emit(self, row: _Row, token: int, logits: torch.Tensor, depth: int) -> None:
+        """Send ``row``'s next ``token`` (chosen from ``logits [1, vocab]``, run at ``depth``) and
+        mark the row done at EOS or ``max_tokens``."""
+        job = row.job
         logprob, top = (None, None)
         if job.logprobs is not None:
             logprob, top = top_logprobs(torch.log_softmax(logits[0].float(), -1), token, job.logprobs)

@@ -27,6 +27,7 @@ from looptool.serve.budgets import BudgetResolver
 from looptool.serve.metrics import Metrics
 from looptool.serve.models import ServedModel, open_model, read_facts
 from looptool.serve.scheduler import Scheduler
+from looptool.serve.speculation import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 
 DEFAULT_CAPACITY = 1024  # tokens per slot unless the model's context is shorter
 
@@ -46,9 +47,16 @@ class ServeOptions:
     effort: str | None = None
     api_key: str | None = None
     log_level: str = "warning"
+    speculative: bool = False  # requests deeper than the shallowest budget draft there by default
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS  # tokens drafted per verify step by default
 
     def check(self) -> None:
         """One sentence per out-of-range option."""
+        if isinstance(self.draft_tokens, bool) or not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise LooptoolError(
+                f"draft_tokens must be an integer from 1 to {MAX_DRAFT_TOKENS}, got {self.draft_tokens!r}.",
+                parameter="draft_tokens",
+            )
         for name in ("max_batch", "capacity"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -58,12 +66,28 @@ class ServeOptions:
         if not 0 <= self.port < 65536:
             raise LooptoolError(f"port {self.port} is not a TCP port (0-65535).", parameter="port")
 
+    def check_kv(self, kv: str) -> None:
+        """One sentence when these options do not go with the KV policy ``kv`` (speculative
+        serving needs per-loop KV)."""
+        if self.speculative and kv == "last-loop":
+            raise LooptoolError(
+                "speculative serving needs kv 'per-loop': under last-loop caching a step over several tokens does not "
+                "compute what one-token steps compute.",
+                parameter="kv",
+            )
+
     def for_model(self, facts: EngineFacts, name: str) -> ResolvedOptions:
         """These options checked (:meth:`check`) and resolved against the model served as
         ``name``: ``default_budget`` and ``effort`` against its budget menu (the budget resolver
         built here, once), ``capacity`` against its context, the default capacity filled in."""
         self.check()
         resolver = BudgetResolver.create(name, facts.budgets, self.default_budget, self.effort)
+        if self.speculative and len(resolver.budgets) < 2:
+            raise LooptoolError(
+                f"speculative serving drafts at the menu's shallowest budget for deeper ones, but the menu "
+                f"{list(resolver.budgets)} has one budget.",
+                parameter="speculative",
+            )
         capacity = self.capacity
         if capacity is None:
             capacity = min(DEFAULT_CAPACITY, facts.context or DEFAULT_CAPACITY)
@@ -74,7 +98,15 @@ class ServeOptions:
                 parameter="capacity",
             )
         return ResolvedOptions(
-            self.host, self.port, self.max_batch, capacity, self.max_queue, self.api_key, self.log_level, resolver
+            self.host,
+            self.port,
+            self.max_batch,
+            capacity,
+            self.max_queue,
+            self.api_key,
+            self.log_level,
+            resolver,
+            self.draft_tokens if self.speculative else None,
         )
 
 
@@ -82,7 +114,9 @@ class ServeOptions:
 class ResolvedOptions:
     """:class:`ServeOptions` checked and resolved for one model (:meth:`ServeOptions.for_model`):
     what a :class:`Server` takes. ``capacity`` is filled in, and ``resolver`` (the model's name
-    and budget menu, the default budget and the effort ladder) answers every request."""
+    and budget menu, the default budget and the effort ladder) answers every request;
+    ``draft_tokens`` is the speculative default (None: requests decode plainly unless they
+    send a ``draft_budget``)."""
 
     host: str
     port: int
@@ -92,6 +126,7 @@ class ResolvedOptions:
     api_key: str | None
     log_level: str
     resolver: BudgetResolver
+    draft_tokens: int | None = None
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -121,7 +156,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class Server:
-    """A prepared server: ``model_ids``, ``url``, and :meth:`run` (blocks until shut down).
+    """A prepared server: ``model_ids``, ``url``, ``app`` (the FastAPI app) and :meth:`run`
+    (blocks until shut down).
     ``options`` are resolved for ``served`` (:meth:`ServeOptions.for_model`, as :func:`prepare`
     does before the load); ``sock`` is the bound socket to serve on (default: one bound here)."""
 
@@ -155,8 +191,12 @@ class Server:
             metrics=Metrics(served.budgets),
             device=served.device,
         )
-        self.scheduler.warm_up(served.budgets)
-        app = create_app(served, self.scheduler, self.resolver, api_key=options.api_key)
+        if options.draft_tokens is not None and (refusal := self.scheduler.speculation_refusal()) is not None:
+            raise LooptoolError(str(refusal), parameter=getattr(refusal, "parameter", None))
+        self.scheduler.warm_up(served.budgets, options.draft_tokens)
+        self.app = app = create_app(
+            served, self.scheduler, self.resolver, api_key=options.api_key, draft_tokens=options.draft_tokens
+        )
         config = uvicorn.Config(
             app, host=options.host, port=options.port, log_level=options.log_level, access_log=False
         )
@@ -220,6 +260,7 @@ def prepare(
     PyTorch under last-loop KV). Every option is checked and the port bound before the model loads."""
     options = options or ServeOptions()
     options.check()  # before the directory is read: a bad option is reported first
+    options.check_kv(kv)
     if exit_rule not in EXIT_RULES:
         raise LooptoolError(f"unknown exit_rule {exit_rule!r}; use one of {list(EXIT_RULES)}.", parameter="exit_rule")
     name = name or Path(model_dir).resolve().name
