@@ -241,3 +241,22 @@ def assert_same_weights(a: Path, b: Path, initial: Path) -> None:
     wa, wb, w0 = (load_file(d / "model.safetensors") for d in (a, b, initial))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert any(not torch.equal(wa[k], w0[k]) for k in wa)
+
+
+def plain_steps(inner):
+    """A step engine that runs ``inner``'s plain cached steps and nothing else (no adaptive
+    depth, no verify step), as an engine that only runs fixed budgets does: for tests of the
+    refusals a server gives when its engine cannot run a request."""
+    from looptool.engine.interface import StepEngine
+
+    class PlainSteps(StepEngine):
+        def __init__(self) -> None:
+            self.budgets, self.vocab_size, self.mask_dtype = inner.budgets, inner.vocab_size, inner.mask_dtype
+
+        def allocate(self, slots: int, length: int):
+            return inner.allocate(slots, length)
+
+        def step(self, *args):
+            return inner.step(*args)
+
+    return PlainSteps()

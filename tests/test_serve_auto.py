@@ -24,10 +24,10 @@ import torch
 from serve_process import ServerProcess, metric, tiny_looped
 
 import looptool
-from looptool.engine import StepEngine
 from looptool.engine.budgets import AutoRow, RowBudgets
 from looptool.runtime.generation import generate
 from looptool.runtime.step_engine import TorchStepEngine
+from looptool.testing import plain_steps
 
 openai = pytest.importorskip("openai", reason="the server tests use the openai client (pip install 'looptool[test]')")
 pytest.importorskip("fastapi", reason="looptool serve needs the serve extra (pip install 'looptool[serve]')")
@@ -314,25 +314,11 @@ def test_the_resolver_fills_in_the_auto_defaults_and_keeps_fixed_budgets_as_they
 
 
 # ------------------------------------------------------------------ servers that cannot
-class _FixedOnly(StepEngine):
-    """A step engine that runs fixed budgets only (as onnxruntime's and TensorRT's do)."""
-
-    def __init__(self, inner: StepEngine):
-        self.inner = inner
-        self.budgets, self.vocab_size, self.mask_dtype = inner.budgets, inner.vocab_size, inner.mask_dtype
-
-    def allocate(self, slots, length):
-        return self.inner.allocate(slots, length)
-
-    def step(self, *args):
-        return self.inner.step(*args)
-
-
 @pytest.mark.parametrize("kind", ["per-loop", "fixed-only"])
 def test_a_server_that_cannot_run_auto_refuses_it_in_one_sentence(model_dir, kind):
     served = open_model(model_dir, name=NAME, runtime="pytorch", device="cpu", kv="per-loop")
     if kind == "fixed-only":
-        served = dataclasses.replace(served, engine=_FixedOnly(served.engine), runtime="onnxruntime")
+        served = dataclasses.replace(served, engine=plain_steps(served.engine), runtime="onnxruntime")
     scheduler = Scheduler(served.engine, max_batch=1, capacity=64, max_queue=0)
     app = create_app(served, scheduler, BudgetResolver.create(NAME, served.budgets))
     client = TestClient(app)  # no lifespan: refused requests never reach the scheduler

@@ -21,11 +21,11 @@ from serve_process import metric, prompt_ids, run_jobs, tiny_looped
 from test_speculative import MODELS, _model
 
 import looptool
-from looptool.engine import StepEngine
 from looptool.engine.sampling import SamplingParams
 from looptool.engine.speculation import Speculation
 from looptool.runtime.generation import generate
 from looptool.runtime.step_engine import TorchStepEngine
+from looptool.testing import plain_steps
 
 pytest.importorskip("fastapi", reason="looptool serve needs the serve extra (pip install 'looptool[serve]')")
 
@@ -185,27 +185,13 @@ def test_bad_speculation_fields_are_one_sentence_naming_the_field(client, body, 
     assert error["message"].count(". ") == 0 and error["message"].endswith("."), error["message"]
 
 
-class _NoVerify(StepEngine):
-    """A step engine without a verify step (as onnxruntime's and TensorRT's are)."""
-
-    def __init__(self, inner: StepEngine):
-        self.inner = inner
-        self.budgets, self.vocab_size, self.mask_dtype = inner.budgets, inner.vocab_size, inner.mask_dtype
-
-    def allocate(self, slots, length):
-        return self.inner.allocate(slots, length)
-
-    def step(self, *args):
-        return self.inner.step(*args)
-
-
 @pytest.mark.parametrize("kind", ["last-loop", "no-verify"])
 def test_a_server_that_cannot_verify_refuses_draft_budget_in_one_sentence(model_dir, kind):
     served = open_model(
         model_dir, name=NAME, runtime="pytorch", device="cpu", kv="last-loop" if kind == "last-loop" else "per-loop"
     )
     if kind == "no-verify":
-        served = dataclasses.replace(served, engine=_NoVerify(served.engine), runtime="onnxruntime")
+        served = dataclasses.replace(served, engine=plain_steps(served.engine), runtime="onnxruntime")
     scheduler = Scheduler(served.engine, max_batch=1, capacity=64, max_queue=0)
     client = TestClient(create_app(served, scheduler, BudgetResolver.create(NAME, served.budgets)))
     body = {"model": NAME, "prompt": "hi", "max_tokens": 2, "budget": 2, "draft_budget": 0}
