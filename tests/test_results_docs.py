@@ -44,6 +44,7 @@ Covered (results file → tests/bench/README.md, unless README.md is named):
   README.md's serving row.
 - bench_speculative.json → the "Self-speculative decoding" table.
 - bench_auto.json → the "Per-token depth" table.
+- bench_auto_depth.json → the "Per-token depth on pointer chasing" table and its target prose.
 
 Not checked, because no results file is kept for them (the docs say so):
 
@@ -1137,6 +1138,19 @@ def _speculative():
                 )
 
 
+def _speculative_headline():
+    models = result("bench_speculative")["models"]
+    yield row(
+        README,
+        "| what | measured | target | details |",
+        "self-speculative decoding ÷ plain decoding at the target budget, SmolLM2 after 30 retrofit steps (ELR 4 ← 1 "
+        "· fixed-prefix 12 ← 0)",
+        *(max(s["measured_speedup"] for s in models[m]["speculation"].values()) for m in ("elr", "prefix")),
+        source="bench_speculative",
+        cols=(1,),
+    )
+
+
 def _auto():
     d = result("bench_auto")
     names = {"prefix": "fixed-prefix", "elr": "ELR"}
@@ -1147,6 +1161,48 @@ def _auto():
         for a in r["auto"]:
             t = "∞" if a["threshold"] == float("inf") else f"{a['threshold']:g}"
             yield R(f"{names[model]}, auto, threshold {t}", a["mean_depth"], a["loss"])
+
+
+def _auto_depth():
+    d = result("bench_auto_depth")
+    every, hard = d["report"]["all"], d["report"]["hard"]
+    R = functools.partial(
+        row, BENCH, "| arm | mean loops | accuracy, tiers 1–6 |", source="bench_auto_depth", cols=(1, 2, 3)
+    )
+    for f, h in zip(every["fixed"], hard["fixed"]):
+        k = f["budget"]
+        yield R(f"fixed, {k} loop{'s' if k > 1 else ''}", k, f["acc"], h["acc"])
+    shown = {"state": (0.3, 0.35, 0.4, 0.5, 0.6, 0.7), "kl": (0.1, 0.3, 1.0)}
+    for rule, name in (("state", "state rule"), ("kl", "KL rule")):
+        for a, h in zip(every[rule], hard[rule]):
+            if a["threshold"] in shown[rule]:
+                yield R(f"auto, {name}, threshold {a['threshold']:g}", a["mean_depth"], a["acc"], h["acc"])
+    yield R(
+        "oracle (shallowest correct budget)",
+        every["oracle"]["mean_depth"],
+        every["oracle"]["acc"],
+        hard["oracle"]["acc"],
+    )
+    yield row(
+        README,
+        "| what | measured | target | details |",
+        '`budget="auto"` on pointer chasing: mean loops to reach the best fixed budget\'s accuracy ÷ its loops',
+        d["verdict"]["all"]["state"]["depth_ratio"],
+        source="bench_auto_depth",
+        cols=(1,),
+    )
+    P = functools.partial(prose, BENCH, source="bench_auto_depth")
+    state = d["verdict"]["all"]["state"]
+    yield P(
+        "reaches the best fixed budget's accuracy at {} mean loops with the state rule ({}% of that budget's 2 loops",
+        state["least_depth_reaching_best"],
+        100 * state["depth_ratio"],
+    )
+    yield P(
+        "(about ±{} on tiers 1–6; the worst point is {} under it)",
+        2 * every["fixed"][0]["se"],
+        -min(state["worst_margin"], d["verdict"]["all"]["kl"]["worst_margin"]),
+    )
 
 
 def _serve():
@@ -1306,6 +1362,8 @@ CHECKS = [
     *_serve(),
     *_speculative(),
     *_auto(),
+    *_speculative_headline(),
+    *_auto_depth(),
     *_gpu(),
 ]
 

@@ -10,7 +10,7 @@ also at k = 4). ``bench_depth.py`` keeps each trained arm in a temporary directo
 Test set: the depth benchmark's own (``--test-per-tier`` questions per hop count 1–6, same
 seeds). Each question is one prompt of 19 tokens; its answer is the greedy token at the last
 position, so one prefill decides it. Fixed budget ``k``: the cached path at ``k``. ``auto``: the
-``adaptive_depth`` path (last-loop KV, rule ``--rule``) over the whole menu at each of
+``adaptive_depth`` path (last-loop KV, each exit rule of ``--rules``) over the whole menu at each of
 ``--thresholds``; a row's depth is the loop count it ran (its criterion is read at the last
 position, see ``passes/adaptive_depth.py``). Reports accuracy and mean loops over all questions
 and over the hard tiers (3–6 hops), the fixed frontier, whether every ``auto`` point lies on or
@@ -18,8 +18,8 @@ above it (linear interpolation between fixed budgets, within 2 standard errors),
 mean depth at which ``auto`` reaches the best fixed budget's accuracy (the issue's target:
 ≤ 75% of that budget's loops).
 
-Run: python tests/bench/bench_auto_depth.py [--model DIR] [--rule state|kl]
-[--out tests/bench/results/bench_auto_depth.json] [--png tests/bench/results/bench_auto_depth.png]
+Run: python tests/bench/bench_auto_depth.py [--model DIR]
+[--rules state,kl] [--out tests/bench/results/bench_auto_depth.json] [--png tests/bench/results/bench_auto_depth.png]
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from looptool.runtime.decode_graphs import allocate_cache, cached_paths  # noqa:
 
 KV = "last-loop"
 THRESHOLDS = {
-    "state": "0,0.003,0.01,0.02,0.03,0.05,0.07,0.1,0.15,0.2,0.3,0.5,1,inf",
-    "kl": "0,1e-4,3e-4,1e-3,3e-3,0.01,0.03,0.1,0.3,1,3,inf",
+    "state": "0,0.1,0.2,0.25,0.3,0.35,0.4,0.45,0.5,0.6,0.7,0.8,0.9,1,inf",
+    "kl": "0,1e-4,1e-3,0.01,0.03,0.1,0.3,0.5,1,2,3,inf",
 }
 
 
@@ -94,8 +94,8 @@ def interpolate(fixed: list[dict], depth: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--rule", default="state", choices=sorted(THRESHOLDS))
-    ap.add_argument("--thresholds", default=None)
+    ap.add_argument("--rules", default="state,kl", help="exit rules, each over its default thresholds")
+    ap.add_argument("--thresholds", default=None, help="thresholds for every rule (default: each rule's grid)")
     ap.add_argument("--test-per-tier", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
@@ -113,40 +113,52 @@ def main() -> None:
     mask = torch.ones(n, length, dtype=torch.long)
     position = torch.arange(length)[None].expand(n, -1)
     cache_position = torch.arange(length)
-    report: dict[str, dict] = {"all": {"fixed": [], "auto": []}, "hard": {"fixed": [], "auto": []}}
+    rules = args.rules.split(",")
+    report: dict[str, dict] = {
+        name: {"fixed": [], "oracle": None, **{r: [] for r in rules}} for name in ("all", "hard")
+    }
+    hits_by_budget = {}
     for k in model.budgets:
         path_k = cached_paths(model, KV, [k])[k]
         caches = allocate_cache(path_k, n, length, dtype=torch.float32, device="cpu")
         logits = path_k.module(ids, mask, position, cache_position, *caches)[:, -1]
-        hits, depths = logits.argmax(-1) == answers, torch.full((n,), k)
+        hits_by_budget[k] = logits.argmax(-1) == answers
         for name, subset in (("all", TIERS), ("hard", HARD)):
-            report[name]["fixed"].append({"budget": k, **summary(hits, depths, tiers, subset)})
+            report[name]["fixed"].append(
+                {"budget": k, **summary(hits_by_budget[k], torch.full((n,), k), tiers, subset)}
+            )
         print("fixed", k, report["all"]["fixed"][-1]["acc"], report["hard"]["fixed"][-1]["acc"], flush=True)
-    for thr in [float(x) for x in (args.thresholds or THRESHOLDS[args.rule]).split(",")]:
-        step = AutoStep(model, n, length, AutoDepth.resolve(model, exit_threshold=thr, exit_rule=args.rule), KV)
-        hits = step(ids, mask, position, cache_position).argmax(-1) == answers
-        depths = step.depths(1)[:, 0]
-        for name, subset in (("all", TIERS), ("hard", HARD)):
-            report[name]["auto"].append({"threshold": thr, **summary(hits, depths, tiers, subset)})
-        a = report["all"]["auto"][-1]
-        print("auto", thr, a["mean_depth"], a["acc"], report["hard"]["auto"][-1]["acc"], flush=True)
+    # the oracle: each question at the shallowest budget that answers it (the shallowest if none does)
+    hits = torch.stack([hits_by_budget[k] for k in model.budgets])
+    first = torch.where(hits.any(0), hits.float().argmax(0), 0)
+    oracle_depth = torch.tensor(model.budgets)[first]
+    for name, subset in (("all", TIERS), ("hard", HARD)):
+        report[name]["oracle"] = summary(hits.any(0), oracle_depth, tiers, subset)
+    for rule in rules:
+        for thr in [float(x) for x in (args.thresholds or THRESHOLDS[rule]).split(",")]:
+            step = AutoStep(model, n, length, AutoDepth.resolve(model, exit_threshold=thr, exit_rule=rule), KV)
+            hits = step(ids, mask, position, cache_position).argmax(-1) == answers
+            depths = step.depths(1)[:, 0]
+            for name, subset in (("all", TIERS), ("hard", HARD)):
+                report[name][rule].append({"threshold": thr, **summary(hits, depths, tiers, subset)})
+            a = report["all"][rule][-1]
+            print(rule, thr, a["mean_depth"], a["acc"], report["hard"][rule][-1]["acc"], flush=True)
     verdict = {}
     for name, r in report.items():
         best = max(r["fixed"], key=lambda f: f["acc"])
-        margins = [a["acc"] - interpolate(r["fixed"], a["mean_depth"]) for a in r["auto"]]
-        reaching = [a["mean_depth"] for a in r["auto"] if a["acc"] >= best["acc"]]
-        verdict[name] = {
-            "best_fixed_budget": best["budget"],
-            "best_fixed_acc": best["acc"],
-            "on_or_above_frontier": all(m >= -2 * a["se"] for m, a in zip(margins, r["auto"])),
-            "worst_margin": min(margins),
-            "least_depth_reaching_best": min(reaching) if reaching else None,
-            "depth_ratio": (min(reaching) / best["mean_depth"]) if reaching else None,
-        }
-        verdict[name]["target_met"] = verdict[name]["on_or_above_frontier"] and (
-            verdict[name]["depth_ratio"] is not None and verdict[name]["depth_ratio"] <= 0.75
-        )
-    doc = {"bench": "auto_depth", "model": str(path), "plan": str(model.plan), "settings": vars(args)}
+        verdict[name] = {"best_fixed_budget": best["budget"], "best_fixed_acc": best["acc"]}
+        for rule in rules:
+            margins = [a["acc"] - interpolate(r["fixed"], a["mean_depth"]) for a in r[rule]]
+            reaching = [a["mean_depth"] for a in r[rule] if a["acc"] >= best["acc"]]
+            v = {
+                "on_or_above_frontier": all(m >= -2 * a["se"] for m, a in zip(margins, r[rule])),
+                "worst_margin": min(margins),
+                "least_depth_reaching_best": min(reaching) if reaching else None,
+                "depth_ratio": (min(reaching) / best["mean_depth"]) if reaching else None,
+            }
+            v["target_met"] = v["on_or_above_frontier"] and v["depth_ratio"] is not None and v["depth_ratio"] <= 0.75
+            verdict[name][rule] = v
+    doc = {"bench": "auto_depth", "model": "bench_depth.py elr-long", "plan": str(model.plan), "settings": vars(args)}
     doc.update(report=report, verdict=verdict)
     print(json.dumps(verdict))
     if args.out:
@@ -162,12 +174,14 @@ def main() -> None:
                 fmt="o-",
                 label="fixed",
             )
-            au = sorted(r["auto"], key=lambda a: a["mean_depth"])
-            ax.plot([a["mean_depth"] for a in au], [a["acc"] for a in au], "s--", label=f"auto ({args.rule} rule)")
+            for rule, style in zip(rules, ("s--", "^:")):
+                au = sorted(r[rule], key=lambda a: a["mean_depth"])
+                ax.plot([a["mean_depth"] for a in au], [a["acc"] for a in au], style, label=f"auto ({rule} rule)")
+            ax.plot([r["oracle"]["mean_depth"]], [r["oracle"]["acc"]], "k*", label="oracle (shallowest correct)")
             ax.set_xlabel("mean loops per question")
             ax.set_ylabel("accuracy" + (" (tiers 3-6)" if name == "hard" else " (tiers 1-6)"))
-            ax.set_title(f"pointer chasing, ELR 10k steps: {name} questions")
-            ax.legend()
+            ax.set_title(f"pointer chasing, ELR 10k steps: {name} questions", fontsize=9)
+            ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(args.png, dpi=120)
 
