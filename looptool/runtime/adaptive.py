@@ -120,10 +120,13 @@ def check_auto_policy(model: LoopedModel, kv: str | None) -> str:
 class AutoStep:
     """One generation's adaptive-depth step: ``step(ids, mask, position_ids, cache_position)``
     runs the adaptive path over this call's cache and returns the next-token logits ``[batch,
-    vocab]``, keeping each row's realised depth (:meth:`depths`)."""
+    vocab]``, keeping each row's realised depth (:meth:`depths`). ``skip=False`` runs the
+    masked path (every step to the batch's deepest ``max_budget``; same results, for timing)."""
 
-    def __init__(self, model: LoopedModel, batch: int, capacity: int, settings: AutoDepth, kv: str | None):
-        self.path = adaptive_path(model, check_auto_policy(model, kv), settings.exit_rule)
+    def __init__(
+        self, model: LoopedModel, batch: int, capacity: int, settings: AutoDepth, kv: str | None, *, skip: bool = True
+    ):
+        self.path = adaptive_path(model, check_auto_policy(model, kv), settings.exit_rule, skip=skip)
         param = next(model.parameters())
         self.device = param.device
         self.caches = allocate_cache(self.path, batch, capacity, dtype=param.dtype, device=param.device)
