@@ -21,6 +21,7 @@ from looptool.passes import recurrent_loop as _recurrent_loop  # noqa: F401  (re
 from looptool.passes import retarget_device as _retarget_device  # noqa: F401  (registers)
 from looptool.passes import router_outputs as _router_outputs  # noqa: F401  (registers)
 from looptool.passes import rowwise_budget as _rowwise_budget  # noqa: F401  (registers)
+from looptool.passes import skip_exited as _skip_exited  # noqa: F401  (registers)
 from looptool.passes import unflatten_crossings as _unflatten_crossings  # noqa: F401  (registers)
 from looptool.passes.manager import (
     PassManager,

@@ -31,6 +31,13 @@ one slot per token, holding its last executed pass). Per-loop KV is refused: a t
 early writes no keys and values for the loops it skips, which a later token running those loops
 would read.
 
+This graph runs every step up to the batch's deepest ``max_budget`` and masks it: it saves
+depth, not time. It marks what a follow-up pass needs to stop there instead: each activity
+``active_i`` (:data:`STEP_KEY`) and each ``where(active_i, new, old)`` merge (:data:`MERGE_KEY`).
+``skip_exited`` (:mod:`looptool.passes.skip_exited`, run on the PyTorch runtime's path after
+``grouped_attention``) lifts each masked step into a segment that runs only while some row is
+active, bit-identical to this masked graph.
+
 Prefill (``T > 1`` positions): a row's criterion is read at its last position. That position
 predicts the token the step emits, it is never padding under left padding (so a row's depth does
 not depend on how much padding the batch gave it: a row in a batch decides exactly as alone), and
@@ -90,6 +97,9 @@ ADAPTIVE = "adaptive"  # the adaptive-depth path's key beside the integer budget
 MIN_BUDGET, MAX_BUDGET, EXIT_THRESHOLD = "min_budget", "max_budget", "exit_threshold"
 AUTO_INPUTS = (*STEP_INPUTS, MIN_BUDGET, MAX_BUDGET, EXIT_THRESHOLD)  # the adaptive path's inputs before the caches
 EXIT_RULES = ("state", "kl")
+# annotation keys read by the ``skip_exited`` pass: the activity of step i (bool [batch]), and
+# each ``where(active_i, new, old)`` merge of step i (the state, a second pass, a KV write)
+STEP_KEY, MERGE_KEY = "active_step", "merge_step"
 _PART = "adaptive"
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -166,6 +176,7 @@ class _Active:
                 go = self.op(_aten.logical_and.default, go, self.steps[step - 1])
             go = self.op(_aten.logical_and.default, go, self.op(_aten.ge.Scalar, self.hi, step))
             self.steps[step] = self.op(_aten.logical_or.default, self.op(_aten.ge.Scalar, self.lo, step), go)
+        annotation(self.steps[step])[STEP_KEY] = step
 
     def _criterion(self, new: fx.Node, old: fx.Node) -> fx.Node:
         """float32 ``[batch]`` at each row's last position: ``||new - old|| / ||new||``, or with
@@ -206,7 +217,7 @@ def _adapt_states(graph: fx.Graph, active: _Active) -> None:
     for i in sorted(states):
         s = states[i]
         mask = active.view(i, _rank(s))
-        kept = s if mask is None else _select(graph, mask, s, prev, users_of=s)
+        kept = s if mask is None else _merge(graph, i, mask, s, prev)
         if i < last:
             active.decide(i + 1, s, prev, after=kept)
         prev = kept
@@ -228,9 +239,16 @@ def _adapt_second_passes(graph: fx.Graph, active: _Active) -> None:
                 and n.op == "call_function"
             }
             active.decide(1, inp, _block_input(first, f"window layer {layer}"), after=inp)
-        kept = _select(graph, active.view(j, _rank(out)), out, inp, users_of=out)
+        kept = _merge(graph, j, active.view(j, _rank(out)), out, inp)
         if j < len(layers):
             active.decide(j + 1, out, inp, after=kept)
+
+
+def _merge(graph: fx.Graph, step: int, mask: fx.Node, new: fx.Node, old: fx.Node) -> fx.Node:
+    """``where(active_step, new, old)`` read by every other user of ``new``, marked as a merge of ``step``."""
+    kept = _select(graph, mask, new, old, users_of=new)
+    annotation(kept)[MERGE_KEY] = step
+    return kept
 
 
 def _block_input(members: set[fx.Node], what: str) -> fx.Node:
@@ -259,7 +277,8 @@ def _mask_shared_cache_writes(graph: fx.Graph, lg: LayerGraph, depths: tuple[int
         execution = execution_of(node)
         if execution < 2:
             continue
-        mask = active.view(threshold(lg, depths, ann["layer"], execution), 4)
+        step = threshold(lg, depths, ann["layer"], execution)
+        mask = active.view(step, 4)
         if mask is None:
             continue
         cache, dim, index, new = node.args[:4]
@@ -269,6 +288,7 @@ def _mask_shared_cache_writes(graph: fx.Graph, lg: LayerGraph, depths: tuple[int
             sel = graph.call_function(_aten.where.self, (mask, new, old))
         for n in (old, sel):
             annotate(n, ann["role"], ann["layer"], part=_PART, **execution_keys)
+        annotation(sel)[MERGE_KEY] = step
         node.args = (cache, dim, index, sel, *node.args[4:])
 
 

@@ -1,7 +1,8 @@
 """Per-token adaptive depth (the ``adaptive_depth`` pass, ``generate(budget="auto")``), checked
 against generating at fixed budgets, with non-zero new parameters: threshold 0 is exactly
 ``max_budget``, an infinite threshold exactly ``min_budget``, depths in between really vary, and
-each row of a left-padded batch gets exactly what it gets alone."""
+each row of a left-padded batch gets exactly what it gets alone; the ``skip_exited`` path, which
+stops looping once every row has exited, is bit-identical to the masked path and skips."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import looptool
 from looptool.core.errors import LooptoolError, PassError
 from looptool.passes import PassManager
 from looptool.passes.adaptive_depth import ADAPTIVE, AUTO_INPUTS
+from looptool.passes.skip_exited import segments
 from looptool.runtime.decode_graphs import adaptive_path, allocate_cache, cached_layer_graph, cached_paths
 from looptool.runtime.generation import decode_loop, generate
 from looptool.testing import left_padded_batch, move_off_init, tiny_model
@@ -27,12 +29,13 @@ MODELS = {
     "elr-llama-conditioning": ("llama", looptool.RecurrentLoop(recurrent=(1, 3), max_loops=3, conditioning=True)),
 }
 UNCONDITIONED = ["prefix-llama", "elr-llama"]
+MOE = {"elr-moe-route-replay": ("qwen3_moe", looptool.RecurrentLoop(recurrent=(1, 3), max_loops=3, route_replay=True))}
 
 
 @functools.cache
 def _model(name: str):
     """A converted tiny model whose new parameters are moved away from their exact init."""
-    arch, plan = MODELS[name]
+    arch, plan = {**MODELS, **MOE}[name]
     model = looptool.convert(tiny_model(arch), plan)
     move_off_init(model, 0.5)
     return model
@@ -52,7 +55,7 @@ def _same(a, b, rows=slice(None)) -> bool:
 def _first_token_criteria(model, prompt, mask, rule: str = "state") -> torch.Tensor:
     """``[rows, decisions]``: the criterion of each of the adaptive path's decisions at the
     first token (the prefill), every step run (threshold 0), read by returning them too."""
-    path = adaptive_path(model, exit_rule=rule)
+    path = adaptive_path(model, exit_rule=rule, skip=False)  # the masked path: every criterion in one graph
     graph = copy.deepcopy(path.module.graph)
     criteria = [n.args[0] for n in graph.nodes if n.target is torch.ops.aten.ge.Tensor]  # c >= threshold
     output = next(n for n in graph.nodes if n.op == "output")
@@ -225,3 +228,80 @@ def test_looped_model_generate_takes_auto():
     assert torch.equal(ids, ref.sequences)
     fixed = generate(model, prompt, attention_mask=mask, budget=2, max_new_tokens=2)
     assert fixed.depths is None
+
+
+class _PathStep:
+    """A decode step over one adaptive path and its own caches, keeping every step's depths."""
+
+    def __init__(self, path, batch: int, capacity: int, lo, hi, thr):
+        self.path, self.depths, self.calls = path, [], 0
+        self.caches = allocate_cache(path, batch, capacity, dtype=torch.float32, device="cpu")
+        self.inputs = (torch.as_tensor(lo), torch.as_tensor(hi), torch.as_tensor(thr, dtype=torch.float32))
+
+    def __call__(self, ids, mask, position, cache_position):
+        self.calls += 1
+        logits, depth = self.path.module(ids, mask, position, cache_position, *self.inputs, *self.caches)
+        self.depths.append(depth)
+        return logits[:, -1]
+
+
+def _decode_both(model, prompt, mask, rule: str, lo, hi, thr):
+    """The skipping and the masked adaptive paths decoding ``prompt`` greedily; the two steps."""
+    capacity = prompt.shape[1] + NEW
+    out = []
+    for skip in (True, False):
+        step = _PathStep(adaptive_path(model, exit_rule=rule, skip=skip), prompt.shape[0], capacity, lo, hi, thr)
+        for seg in segments(step.path.module):
+            seg.runs = 0
+        result = decode_loop(
+            step, prompt, mask, capacity=capacity, max_new_tokens=NEW, mask_dtype=model.mask_dtype, output_logits=True
+        )
+        out.append((result, step))
+    return out
+
+
+@pytest.mark.parametrize("name,rule", [(name, rule) for name in MODELS for rule in ("state", "kl")] + [(*MOE, "state")])
+def test_skipping_is_bit_identical_to_masking(name, rule):
+    """Logits, depths and every cache equal exactly between the path that skips the steps no
+    row runs and the masked path, over a multi-step decode of a left-padded batch, at
+    thresholds 0, in between (per row) and infinite; in between, some steps are skipped (an
+    MoE recurrent block with route replay included: its experts' scatter buffers are local)."""
+    model = _model(name)
+    prompt, mask = left_padded_batch(3)
+    lo, hi = min(model.budgets), max(model.budgets)
+    mid = _varying_threshold(model, prompt, mask, rule)
+    skipped_some = False
+    for thr in ([0.0] * 3, [mid] * 3, [mid * 0.5, mid, mid * 2], [float("inf")] * 3):
+        (fast, skip), (slow, masked) = _decode_both(model, prompt, mask, rule, [lo] * 3, [hi] * 3, thr)
+        assert torch.equal(fast.sequences, slow.sequences), (name, thr)
+        assert all(torch.equal(a, b) for a, b in zip(fast.logits, slow.logits)), (name, thr)
+        assert all(torch.equal(a, b) for a, b in zip(skip.depths, masked.depths)), (name, thr)
+        assert all(torch.equal(a, b) for a, b in zip(skip.caches, masked.caches)), (name, thr)
+        runs = [seg.runs for seg in segments(skip.path.module)]
+        assert runs and all(r <= skip.calls for r in runs)
+        skipped_some |= thr[0] == mid and 0 < sum(runs) < len(runs) * skip.calls
+    # in between, some steps ran for some tokens and not for others (the conditioned model's
+    # first criteria are all about 1: its threshold in between runs every step or none)
+    assert skipped_some or name not in (*UNCONDITIONED, *MOE), name
+
+
+@pytest.mark.parametrize("name", UNCONDITIONED)
+def test_skipped_steps_do_not_run(name):
+    """The segment of a step runs once per decode step while some row runs it: at an
+    infinite threshold none past ``min_budget`` runs, at threshold 0 every one up to
+    ``max_budget`` runs at every decode step; each row at its own range."""
+    model = _model(name)
+    prompt, mask = left_padded_batch(2)
+    budgets = sorted(model.budgets)
+    lo, hi = budgets[0], budgets[-1]
+    for rows_lo, rows_hi, thr, ran in [
+        ([lo, lo], [hi, hi], float("inf"), lambda step: False),
+        ([lo, lo], [hi, hi], 0.0, lambda step: True),
+        ([lo, budgets[1]], [hi, hi], float("inf"), lambda step: step <= budgets[1]),
+        ([lo, lo], [budgets[1], budgets[1]], 0.0, lambda step: step <= budgets[1]),
+    ]:
+        (fast, skip), (slow, _) = _decode_both(model, prompt, mask, "state", rows_lo, rows_hi, [thr] * 2)
+        assert torch.equal(fast.sequences, slow.sequences)
+        runs = {seg.step: seg.runs for seg in segments(skip.path.module)}
+        assert len(runs) == hi - lo
+        assert runs == {step: skip.calls if ran(step) else 0 for step in runs}, (name, rows_lo, rows_hi, thr, runs)

@@ -45,6 +45,7 @@ Covered (results file → tests/bench/README.md, unless README.md is named):
 - bench_speculative.json → the "Self-speculative decoding" table.
 - bench_auto.json → the "Per-token depth" table.
 - bench_auto_depth.json → the "Per-token depth on pointer chasing" table and its target prose.
+- bench_auto_timing.json → the "Per-token depth" wall-clock table.
 
 Not checked, because no results file is kept for them (the docs say so):
 
@@ -1205,6 +1206,20 @@ def _auto_depth():
     )
 
 
+def _auto_timing():
+    d = result("bench_auto_timing")
+    names = {"prefix": "fixed-prefix", "elr": "ELR"}
+    R = functools.partial(row, BENCH, "ms per decode step min / median / max", source="bench_auto_timing", cols=(1, 2))
+    for model, arms in d["models"].items():
+        for a in arms:
+            if a["arm"] == "fixed":
+                yield R(f"{names[model]}, budget {a['budget']}", a["budget"], *mmm(a["ms_per_step"]))
+            else:
+                t = "∞" if a["threshold"] == float("inf") else f"{a['threshold']:g}"
+                label = f"{names[model]}, auto {t}, {a['path']}"
+                yield R(label, a["mean_depth"], *mmm(a["ms_per_step"]))
+
+
 def _serve():
     for label, name in (
         ("PyTorch (looped model directory)", "bench_serve_pytorch"),
@@ -1364,6 +1379,7 @@ CHECKS = [
     *_auto(),
     *_speculative_headline(),
     *_auto_depth(),
+    *_auto_timing(),
     *_gpu(),
 ]
 

@@ -4,10 +4,11 @@ Every row decides, token by token, how deep to go between ``min_budget`` and ``m
 after each loop (ELR) or each repeated window layer (fixed-prefix looping) it continues while the
 relative change of its state, ``||s_i - s_{i-1}|| / ||s_i||``, stays at or above
 ``exit_threshold`` (the ``adaptive_depth`` pass, which builds the one cached path every step
-runs: :func:`looptool.runtime.decode_graphs.adaptive_path`). Threshold 0 computes exactly what
-``max_budget`` computes; an infinite threshold exactly what ``min_budget`` computes (for an ELR
-model with loop conditioning, every loop is conditioned as ``max_budget``: only threshold 0 then
-matches a fixed budget).
+runs: :func:`looptool.runtime.decode_graphs.adaptive_path`; the ``skip_exited`` pass ends a
+step's loops once every row has exited, so a step costs its deepest row's realised depth).
+Threshold 0 computes exactly what ``max_budget`` computes; an infinite threshold exactly what
+``min_budget`` computes (for an ELR model with loop conditioning, every loop is conditioned as
+``max_budget``: only threshold 0 then matches a fixed budget).
 
 It needs the last-loop KV policy (ELR Sec. 3.4): each layer keeps one cache slot per token that
 holds its last executed pass, so a token that stopped early leaves a consistent cache behind.
@@ -120,10 +121,13 @@ def check_auto_policy(model: LoopedModel, kv: str | None) -> str:
 class AutoStep:
     """One generation's adaptive-depth step: ``step(ids, mask, position_ids, cache_position)``
     runs the adaptive path over this call's cache and returns the next-token logits ``[batch,
-    vocab]``, keeping each row's realised depth (:meth:`depths`)."""
+    vocab]``, keeping each row's realised depth (:meth:`depths`). ``skip=False`` runs the
+    masked path (every step to the batch's deepest ``max_budget``; same results, for timing)."""
 
-    def __init__(self, model: LoopedModel, batch: int, capacity: int, settings: AutoDepth, kv: str | None):
-        self.path = adaptive_path(model, check_auto_policy(model, kv), settings.exit_rule)
+    def __init__(
+        self, model: LoopedModel, batch: int, capacity: int, settings: AutoDepth, kv: str | None, *, skip: bool = True
+    ):
+        self.path = adaptive_path(model, check_auto_policy(model, kv), settings.exit_rule, skip=skip)
         param = next(model.parameters())
         self.device = param.device
         self.caches = allocate_cache(self.path, batch, capacity, dtype=param.dtype, device=param.device)

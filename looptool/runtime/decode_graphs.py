@@ -235,16 +235,23 @@ def adaptive_layer_graph(model: LoopedModel, kv: str = "last-loop", exit_rule: s
     return graphs[key]
 
 
-def adaptive_path(model: LoopedModel, kv: str = "last-loop", exit_rule: str = "state") -> CachedPath:
+def adaptive_path(
+    model: LoopedModel, kv: str = "last-loop", exit_rule: str = "state", *, skip: bool = True
+) -> CachedPath:
     """The adaptive-depth cached path: ``module(input_ids, attention_mask, position_ids,
     cache_position, min_budget, max_budget, exit_threshold, *caches) -> (logits [batch, 1,
-    vocab], depth [batch])``, over the deepest budget's cache slots."""
+    vocab], depth [batch])``, over the deepest budget's cache slots. With ``skip`` (the
+    default) the ``skip_exited`` pass lifts each masked loop or second pass into a segment the
+    step runs only while some row is still active; ``skip=False`` keeps the masked path, which
+    runs every step to the batch's deepest ``max_budget`` (bit-identical results)."""
     key = DecodeKey("adaptive" if exit_rule == "state" else "adaptive-kl", kv)
     bound = decode_graphs(model).paths.setdefault(key, {})
-    if ADAPTIVE not in bound:
-        lg = PassManager([("grouped_attention", {})])(adaptive_layer_graph(model, kv, exit_rule))
-        bound[ADAPTIVE] = _bind(model, lg.paths[ADAPTIVE], lg.module)
-    return bound[ADAPTIVE]
+    name = ADAPTIVE if skip else f"{ADAPTIVE}-masked"
+    if name not in bound:
+        steps = [("grouped_attention", {})] + ([("skip_exited", {})] if skip else [])
+        lg = PassManager(steps)(adaptive_layer_graph(model, kv, exit_rule))
+        bound[name] = _bind(model, lg.paths[ADAPTIVE], lg.module)
+    return bound[name]
 
 
 def _bind(model: LoopedModel, graph: fx.Graph, captured: torch.nn.Module) -> CachedPath:
