@@ -48,6 +48,7 @@ def export_options(
     ort_fusions: bool = False,
     rowwise: bool = True,
     speculative: bool = False,
+    adaptive: bool | str = False,
     precision: str = "fp16",
     build_on_target: bool = False,
     max_batch: int = 8,
@@ -60,7 +61,8 @@ def export_options(
     ``ort_fusions`` to ``onnx`` only; building engines (``tensorrt`` without
     ``build_on_target``) needs TensorRT installed. ``rowwise`` adds the row-wise-budget graph
     per policy (both backends); ``speculative`` the verify graphs of speculative decoding
-    (``onnx`` only: onnxruntime runs them). ``precision``: for ``tensorrt`` the engines' dtype (fp16, bf16
+    (``onnx`` only: onnxruntime runs them), ``adaptive`` the adaptive-depth graph of ``budget="auto"``
+    (``onnx`` only, last-loop KV). ``precision``: for ``tensorrt`` the engines' dtype (fp16, bf16
     or fp32); for ``onnx``, ``int8`` or ``int4`` quantizes the linears' weights
     (:mod:`looptool.backends.onnx.quantize`) and a float name keeps the model's own dtype, as
     before (the default, fp16, is TensorRT's)."""
@@ -71,14 +73,24 @@ def export_options(
     if backend == "onnx":
         quantize = precision if precision in QUANTIZED else None
         return dict(
-            kv=kv, compose=compose, ort_fusions=ort_fusions, rowwise=rowwise, speculative=speculative, quantize=quantize
+            kv=kv,
+            compose=compose,
+            ort_fusions=ort_fusions,
+            rowwise=rowwise,
+            speculative=speculative,
+            adaptive=adaptive,
+            quantize=quantize,
         )
-    if speculative:
-        raise ExportError(
-            "speculative verify graphs run on onnxruntime; export them with backend='onnx', or drop speculative for "
-            "backend='tensorrt'.",
-            parameter="speculative",
-        )
+    for name, wanted, what in (
+        ("speculative", speculative, "speculative verify"),
+        ("adaptive", adaptive, "adaptive-depth"),
+    ):
+        if wanted:
+            raise ExportError(
+                f"{what} graphs run on onnxruntime; export them with backend='onnx', or drop {name} for "
+                "backend='tensorrt'.",
+                parameter=name,
+            )
     if precision in QUANTIZED:
         raise ExportError(
             f"precision {precision!r} is weight-only quantization for onnxruntime (MatMulNBits), which TensorRT "
