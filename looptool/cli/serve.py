@@ -57,7 +57,8 @@ def serve(
         str,
         typer.Option(
             help='How the tokens of budget "auto" requests stop: state (relative state change) or kl '
-            "(next-token KL); budget auto needs --kv last-loop and the PyTorch runtime."
+            "(next-token KL); budget auto needs --kv last-loop, and PyTorch or an onnxruntime engine exported with "
+            "--adaptive."
         ),
     ] = "state",
     speculative: Annotated[
