@@ -195,11 +195,13 @@ def exported_engine(
     kv: str | Iterable[str] = "per-loop",
     validate: bool = True,
     speculative: bool = False,
+    adaptive: bool | str = False,
     on_progress: Callable[[str], None] | None = None,
 ) -> Path:
     """The onnxruntime engine directory of the looped model directory ``model_dir``, kept at
     ``engine_dir``: exported there (every budget and the row-wise graph, validated; with
-    ``speculative``, the verify graphs too) unless it already holds such an engine of the same
+    ``speculative``, the verify graphs too; with ``adaptive``, an exit rule, its adaptive-depth
+    graph) unless it already holds such an engine of the same
     model files (their sha256, recorded beside the manifest), so a second call costs two file
     hashes. A directory at ``engine_dir`` that this function did not write is never overwritten."""
     import json
@@ -217,12 +219,13 @@ def exported_engine(
                 parameter="engine_dir",
             )
         if json.loads(stamp.read_text()) == source and (engine_dir / MANIFEST).is_file():
-            if not speculative or Manifest.read(engine_dir).verify_graphs:
+            kept = Manifest.read(engine_dir)
+            if (not speculative or kept.verify_graphs) and (not adaptive or adaptive in kept.adaptive_graphs):
                 return engine_dir
     from looptool.runtime.convert import load
 
     model = load(model_dir)
-    options = export_options("onnx", kv=kv, speculative=speculative)
+    options = export_options("onnx", kv=kv, speculative=speculative, adaptive=adaptive)
     export_engines(
         model, engine_dir, "onnx", "all", options=options, overwrite=True, validate=validate, on_progress=on_progress
     )

@@ -216,3 +216,31 @@ def test_a_fixed_step_of_the_step_engine_reports_its_budgets(engines):
     fixed = engine.step_with_depth(engine.allocate(2, n), slice(0, 2), *args, RowBudgets((2, 1)))
     assert out.depths.tolist() == fixed.depths.tolist() == [2, 1]
     assert torch.allclose(out.logits, fixed.logits, atol=1e-5, rtol=0)
+
+
+def test_cli_export_adaptive_and_run_budget_auto(engines, tmp_path):
+    from typer.testing import CliRunner
+
+    from looptool.cli import app
+    from looptool.testing import byte_tokenizer
+
+    model, _, _ = engines["prefix"]
+    model.tokenizer = byte_tokenizer()
+    try:
+        model.save_pretrained(tmp_path / "looped")
+    finally:
+        model.tokenizer = None
+    out = tmp_path / "engines"
+    runner = CliRunner()
+    args = ["export", str(tmp_path / "looped"), "-o", str(out), "--budget", "none", "--kv", "last-loop", "--adaptive"]
+    res = runner.invoke(app, [*args, "--no-validate"])
+    assert res.exit_code == 0, res.output
+    assert "adaptive.state.last-loop.onnx" in res.output
+    assert sorted(p.name for p in out.glob("*.onnx")) == ["adaptive.state.last-loop.onnx", "rowwise.last-loop.onnx"]
+    run = ["run", str(out), "--prompt", "Hello", "--max-new-tokens", "4", "--budget", "auto"]
+    res = runner.invoke(app, [*run, "--exit-threshold", "0"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith("Hello") and "kv last-loop" in res.output and "realised depth per token" in res.output
+    res = runner.invoke(app, [*run, "--exit-rule", "kl"])
+    assert res.exit_code == 1 and "no adaptive-depth graph (kl rule, last-loop)" in res.output, res.output
+    assert "Traceback" not in res.output

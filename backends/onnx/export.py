@@ -4,6 +4,7 @@ An engine directory holds::
 
     weights.bin                 every tensor the graphs read, once (deduplicated by content, aligned)
     budget_<k>.<policy>.onnx    one graph per budget and KV policy; initializers live in weights.bin
+    adaptive.<rule>.<policy>.onnx   with adaptive=True: the adaptive-depth graph (budget="auto")
     manifest.json               budgets, policies, files with sha256, cache layouts, tensor table
 
 Each graph is a budget path in the decode interface of :mod:`looptool.backends.serving`:

@@ -226,9 +226,8 @@ def validate_engine(
             log.info("budget %d (%s) validated: %s", budget, policy, diffs[budget, policy])
         if rt.has_rowwise(policy):
             diffs[ROWWISE, policy] = _validate_rowwise(model, rt, policy, atol, new_tokens, quantized)
-        for rule in rt.manifest.adaptive_graphs:
-            if rt.has_adaptive(rule, policy):
-                diffs[ADAPTIVE, policy, rule] = _validate_adaptive(model, rt, policy, rule, atol, new_tokens, quantized)
+        for rule in (r for r, graphs in rt.manifest.adaptive_graphs.items() if policy in graphs):
+            diffs[ADAPTIVE, policy, rule] = _validate_adaptive(model, rt, policy, rule, atol, new_tokens, quantized)
     rt.close()
     return diffs
 

@@ -217,10 +217,6 @@ class Runtime:
             )
         return entry
 
-    def has_adaptive(self, rule: str = "state", kv: str = "last-loop") -> bool:
-        """Whether the engine holds the adaptive-depth graph (``budget="auto"``) of exit rule ``rule`` for policy ``kv``."""
-        return self.manifest.adaptive_graph(rule, kv) is not None
-
     def adaptive_session(self, rule: str = "state", kv: str = "last-loop"):
         """The InferenceSession of the adaptive-depth graph of exit rule ``rule`` under ``kv``
         (created on first use, refused in one sentence where the engine has none)."""
@@ -429,14 +425,12 @@ class Runtime:
         if wants_auto(budget, min_budget, max_budget, exit_threshold, exit_rule):
             from looptool.backends.ort.adaptive import adaptive_generate
 
+            if draft_budget is not None:
+                raise EngineError("speculative decoding needs a fixed budget, not 'auto'.", parameter="draft_budget")
             auto = dict(
                 min_budget=min_budget, max_budget=max_budget, exit_threshold=exit_threshold, exit_rule=exit_rule
             )
             loop = dict(sampling=sampling, eos_token_id=eos_token_id, pad_token_id=pad_token_id, on_step=on_step)
-            if draft_budget is not None:
-                raise EngineError(
-                    "speculative decoding needs a fixed budget, not budget='auto'.", parameter="draft_budget"
-                )
             return adaptive_generate(self, ids, mask, kv, auto, capacity, max_new_tokens, output_logits, **loop)
         kv = self._check_policy("per-loop" if kv is None else kv)
         if draft_budget is not None and len(set(np.asarray(getattr(budget, "rows", budget)).ravel().tolist())) > 1:
