@@ -6,12 +6,14 @@ A tiny fixed-prefix model (state rule) and a tiny ELR model (KL rule), new param
 their init so that depths vary, are exported under last-loop KV (validated by the export); their
 greedy tokens and per-token depths equal PyTorch's at thresholds 0, an intermediate one and
 infinity, and threshold 0 gives ``max_budget``'s own graph's tokens. On the step engine a batch
-mixing adaptive and fixed rows gives each row what it gets alone.
+mixing adaptive and fixed rows gives each row what it gets alone; ``looptool export --adaptive``,
+``looptool run --budget auto`` and ``looptool serve ENGINE --kv last-loop`` (in process) run it.
 """
 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -218,7 +220,7 @@ def test_a_fixed_step_of_the_step_engine_reports_its_budgets(engines):
     assert torch.allclose(out.logits, fixed.logits, atol=1e-5, rtol=0)
 
 
-def test_cli_export_adaptive_and_run_budget_auto(engines, tmp_path):
+def test_cli_export_adaptive_then_run_and_serve_budget_auto(engines, tmp_path):
     from typer.testing import CliRunner
 
     from looptool.cli import app
@@ -232,11 +234,12 @@ def test_cli_export_adaptive_and_run_budget_auto(engines, tmp_path):
         model.tokenizer = None
     out = tmp_path / "engines"
     runner = CliRunner()
-    args = ["export", str(tmp_path / "looped"), "-o", str(out), "--budget", "none", "--kv", "last-loop", "--adaptive"]
+    args = ["export", str(tmp_path / "looped"), "-o", str(out), "--budget", "all", "--kv", "last-loop", "--adaptive"]
     res = runner.invoke(app, [*args, "--no-validate"])
     assert res.exit_code == 0, res.output
     assert "adaptive.state.last-loop.onnx" in res.output
-    assert sorted(p.name for p in out.glob("*.onnx")) == ["adaptive.state.last-loop.onnx", "rowwise.last-loop.onnx"]
+    files = ["adaptive.state.last-loop.onnx", *(f"budget_{k}.last-loop.onnx" for k in range(3))]
+    assert sorted(p.name for p in out.glob("*.onnx")) == [*files, "rowwise.last-loop.onnx"]
     run = ["run", str(out), "--prompt", "Hello", "--max-new-tokens", "4", "--budget", "auto"]
     res = runner.invoke(app, [*run, "--exit-threshold", "0"])
     assert res.exit_code == 0, res.output
@@ -244,3 +247,34 @@ def test_cli_export_adaptive_and_run_budget_auto(engines, tmp_path):
     res = runner.invoke(app, [*run, "--exit-rule", "kl"])
     assert res.exit_code == 1 and "no adaptive-depth graph (kl rule, last-loop)" in res.output, res.output
     assert "Traceback" not in res.output
+    _serve_auto_over(out, model)
+
+
+def _serve_auto_over(engine_dir, model) -> None:
+    """``looptool serve ENGINE_DIR --kv last-loop`` (prepared in process, its uvicorn loop not run)
+    answers a ``budget: "auto"`` request as ``Runtime.generate(budget="auto")`` and a fixed one."""
+    pytest.importorskip("fastapi", reason="looptool serve needs the serve extra")
+    from fastapi.testclient import TestClient
+    from typer.testing import CliRunner
+
+    from looptool.cli import app
+    from looptool.serve.server import Server
+
+    servers: list[Server] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Server, "run", lambda self: servers.append(self))
+        res = CliRunner().invoke(app, ["serve", str(engine_dir), "--kv", "last-loop", "--port", "0", "--threads", "1"])
+    assert res.exit_code == 0, res.output
+    prompt = list(b"Hello")
+    want = Runtime(engine_dir).generate(torch.tensor([prompt]), budget="auto", exit_threshold=0.0, max_new_tokens=4)
+    with TestClient(servers[0].app) as client:
+        body = {"model": Path(engine_dir).resolve().name, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        r = client.post("/v1/completions", json={**body, "budget": "auto", "exit_threshold": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        cost = r.json()["cost"]
+        assert cost["budget"] == "auto" and cost["mean_depth"] == 2.0 and cost["tokens"] == 4
+        assert r.json()["choices"][0]["text"] == servers[0].served.tokenizer.decode(
+            want.sequences[0, len(prompt) :].tolist(), skip_special_tokens=True
+        )
+        r = client.post("/v1/completions", json={**body, "budget": 1})
+        assert r.status_code == 200 and r.json()["cost"]["budget"] == 1, r.text
