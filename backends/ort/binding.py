@@ -2,8 +2,9 @@
 graph's caches once, as both ``past`` input and ``present`` output, so every step writes its
 keys and values in place; a row-wise graph (:data:`~looptool.core.graph.ROWWISE`) also gets
 each row's budget, an adaptive-depth graph (:mod:`looptool.backends.onnx.adaptive`) each row's
-``min_budget``, ``max_budget`` and ``exit_threshold`` and returns each row's depth. Several bindings may share one set of cache buffers (``caches``: speculative
-decoding's draft, verify and prefill graphs over one cache, :mod:`looptool.backends.ort.speculative`).
+``min_budget``, ``max_budget`` and ``exit_threshold``, and returns each row's depth. Several
+bindings may share one set of cache buffers (``caches``: speculative decoding's draft, verify
+and prefill graphs over one cache, :mod:`looptool.backends.ort.speculative`).
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ class CacheBinding:
     present, the mask and the logits bound once; each step rebinds only the step inputs.
     ``budgets`` (each row's budget) is bound once for a row-wise graph; for an adaptive-depth
     graph its :meth:`~looptool.engine.budgets.RowBudgets.depth_inputs`, and each step's depths
-    are written into :attr:`depth` (int64 ``[batch]``). ``caches`` (default:
-    zeroed ones of ``capacity`` positions) are the buffers to bind, in the layout's order, e.g.
-    another binding's; ``steps``: the positions the graph returns logits for (1, or a verify
-    graph's step length, fixed for the binding)."""
+    are written into :attr:`depth` (int64 ``[batch]``). ``caches`` (default: zeroed ones of
+    ``capacity`` positions) are the buffers to bind, in the layout's order, e.g. another
+    binding's; ``steps``: the positions the graph returns logits for (1, or a verify graph's
+    step length, fixed for the binding)."""
 
     def __init__(
         self,
