@@ -244,9 +244,13 @@ def test_cli_export_adaptive_then_run_and_serve_budget_auto(engines, tmp_path):
     res = runner.invoke(app, [*run, "--exit-threshold", "0"])
     assert res.exit_code == 0, res.output
     assert res.stdout.startswith("Hello") and "kv last-loop" in res.output and "realised depth per token" in res.output
-    res = runner.invoke(app, [*run, "--exit-rule", "kl"])
-    assert res.exit_code == 1 and "no adaptive-depth graph (kl rule, last-loop)" in res.output, res.output
-    assert "Traceback" not in res.output
+    for extra, message in (
+        (["--exit-rule", "kl"], "no adaptive-depth graph (kl rule, last-loop)"),
+        (["--kv", "per-loop"], "needs kv='last-loop'"),
+    ):
+        res = runner.invoke(app, [*run, *extra])
+        assert res.exit_code == 1 and message in res.output, res.output
+        assert "Traceback" not in res.output
     _serve_auto_over(out, model)
 
 

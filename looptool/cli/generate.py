@@ -13,7 +13,6 @@ from rich.table import Table
 from looptool.cli.application import app, console, friendly
 from looptool.cli.options import (
     Device,
-    Kv,
     MaxNewTokens,
     ModelDir,
     Prompt,
@@ -199,7 +198,7 @@ def run_cmd(
     prompt: Prompt,
     budget: RowBudgets = None,
     max_new_tokens: MaxNewTokens = 64,
-    kv: Kv = "per-loop",
+    kv: GenerateKv = None,
     capacity: Annotated[
         int | None, typer.Option(help="Cache capacity in tokens (default: prompt + new tokens).")
     ] = None,
@@ -261,10 +260,12 @@ def run_cmd(
     if budgets == "auto":
         from looptool.backends.ort.adaptive import auto_policy
 
-        kv = auto_policy(None if kv == "per-loop" else kv)  # the default policy is last-loop's here
+        kv = auto_policy(kv)
         rt.adaptive_session(exit_rule or "state", kv)  # no adaptive-depth graph: fail before tokenising
         graph, rows = "adaptive", "auto"
-    elif backend == "onnx":
+    else:
+        kv = kv or "per-loop"
+    if backend == "onnx" and rows != "auto":
         graph, rows = rt.resolve_budget(budget, len(prompt), kv)  # resolved once, here
         rt.session(graph, kv)  # bad budget or policy, no row-wise graph: fail before tokenising
         if draft_budget is not None:
