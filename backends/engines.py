@@ -48,6 +48,7 @@ def export_options(
     ort_fusions: bool = False,
     rowwise: bool = True,
     speculative: bool = False,
+    adaptive: bool | str = False,
     precision: str = "fp16",
     build_on_target: bool = False,
     max_batch: int = 8,
@@ -60,7 +61,8 @@ def export_options(
     ``ort_fusions`` to ``onnx`` only; building engines (``tensorrt`` without
     ``build_on_target``) needs TensorRT installed. ``rowwise`` adds the row-wise-budget graph
     per policy (both backends); ``speculative`` the verify graphs of speculative decoding
-    (``onnx`` only: onnxruntime runs them). ``precision``: for ``tensorrt`` the engines' dtype (fp16, bf16
+    (``onnx`` only: onnxruntime runs them), ``adaptive`` the adaptive-depth graph of ``budget="auto"``
+    (``onnx`` only, last-loop KV). ``precision``: for ``tensorrt`` the engines' dtype (fp16, bf16
     or fp32); for ``onnx``, ``int8`` or ``int4`` quantizes the linears' weights
     (:mod:`looptool.backends.onnx.quantize`) and a float name keeps the model's own dtype, as
     before (the default, fp16, is TensorRT's)."""
@@ -71,14 +73,24 @@ def export_options(
     if backend == "onnx":
         quantize = precision if precision in QUANTIZED else None
         return dict(
-            kv=kv, compose=compose, ort_fusions=ort_fusions, rowwise=rowwise, speculative=speculative, quantize=quantize
+            kv=kv,
+            compose=compose,
+            ort_fusions=ort_fusions,
+            rowwise=rowwise,
+            speculative=speculative,
+            adaptive=adaptive,
+            quantize=quantize,
         )
-    if speculative:
-        raise ExportError(
-            "speculative verify graphs run on onnxruntime; export them with backend='onnx', or drop speculative for "
-            "backend='tensorrt'.",
-            parameter="speculative",
-        )
+    for name, wanted, what in (
+        ("speculative", speculative, "speculative verify"),
+        ("adaptive", adaptive, "adaptive-depth"),
+    ):
+        if wanted:
+            raise ExportError(
+                f"{what} graphs run on onnxruntime; export them with backend='onnx', or drop {name} for "
+                "backend='tensorrt'.",
+                parameter=name,
+            )
     if precision in QUANTIZED:
         raise ExportError(
             f"precision {precision!r} is weight-only quantization for onnxruntime (MatMulNBits), which TensorRT "
@@ -183,11 +195,13 @@ def exported_engine(
     kv: str | Iterable[str] = "per-loop",
     validate: bool = True,
     speculative: bool = False,
+    adaptive: bool | str = False,
     on_progress: Callable[[str], None] | None = None,
 ) -> Path:
     """The onnxruntime engine directory of the looped model directory ``model_dir``, kept at
     ``engine_dir``: exported there (every budget and the row-wise graph, validated; with
-    ``speculative``, the verify graphs too) unless it already holds such an engine of the same
+    ``speculative``, the verify graphs too; with ``adaptive``, an exit rule, its adaptive-depth
+    graph) unless it already holds such an engine of the same
     model files (their sha256, recorded beside the manifest), so a second call costs two file
     hashes. A directory at ``engine_dir`` that this function did not write is never overwritten."""
     import json
@@ -205,12 +219,13 @@ def exported_engine(
                 parameter="engine_dir",
             )
         if json.loads(stamp.read_text()) == source and (engine_dir / MANIFEST).is_file():
-            if not speculative or Manifest.read(engine_dir).verify_graphs:
+            kept = Manifest.read(engine_dir)
+            if (not speculative or kept.verify_graphs) and (not adaptive or adaptive in kept.adaptive_graphs):
                 return engine_dir
     from looptool.runtime.convert import load
 
     model = load(model_dir)
-    options = export_options("onnx", kv=kv, speculative=speculative)
+    options = export_options("onnx", kv=kv, speculative=speculative, adaptive=adaptive)
     export_engines(
         model, engine_dir, "onnx", "all", options=options, overwrite=True, validate=validate, on_progress=on_progress
     )

@@ -4,7 +4,7 @@ An engine directory (:func:`looptool.backends.onnx.export.export_onnx`, extended
 :func:`looptool.backends.tensorrt.export.export_tensorrt`) holds ``weights.bin``, its graphs
 and ``manifest.json``: the format and its version, the graphs per budget and KV policy (file,
 sha256, cache layout, ...), the row-wise graphs per policy, speculative decoding's verify
-graphs where they were exported, the weight table (every tensor's offset, length, dtype and
+graphs and the adaptive-depth graphs (``budget="auto"``) where they were exported, the weight table (every tensor's offset, length, dtype and
 shape in ``weights.bin``), the cost table, the source config and, for TensorRT, the variants,
 profiles and built engines.
 
@@ -161,6 +161,8 @@ class Manifest:
     quantization: dict[str, Any] | None = None
     # speculative decoding's verify graphs (logits at every position), ``verify_graphs[budget][policy]``
     verify_graphs: dict[int, dict[str, GraphEntry]] = field(default_factory=dict)
+    # the adaptive-depth graphs (budget="auto"), ``adaptive_graphs[exit rule][policy]``
+    adaptive_graphs: dict[str, dict[str, GraphEntry]] = field(default_factory=dict)
     looptool_version: str = __version__
     tensorrt: TensorRTSection | None = None
 
@@ -177,6 +179,10 @@ class Manifest:
     def verify_graph(self, budget: int, kv: str) -> GraphEntry | None:
         """The verify graph of ``budget`` under policy ``kv`` (None where none was exported)."""
         return self.verify_graphs.get(budget, {}).get(kv)
+
+    def adaptive_graph(self, rule: str, kv: str) -> GraphEntry | None:
+        """The adaptive-depth graph of exit rule ``rule`` under policy ``kv`` (None where none was exported)."""
+        return self.adaptive_graphs.get(rule, {}).get(kv)
 
     @property
     def menu(self) -> tuple[int, ...]:
@@ -254,6 +260,7 @@ class Manifest:
             "budgets": {str(b): {p: _graph_json(e) for p, e in self.graphs[b].items()} for b in self.budgets},
             ROWWISE: {p: _graph_json(e) for p, e in self.graphs.get(ROWWISE, {}).items()},
             **({"verify": _by_budget(self.verify_graphs, _graph_json)} if self.verify_graphs else {}),
+            **({"adaptive": _nested(self.adaptive_graphs, _graph_json)} if self.adaptive_graphs else {}),
             "weights": {
                 "file": self.weights.file,
                 "sha256": self.weights.sha256,
@@ -320,6 +327,11 @@ def _by_budget(section: dict, convert) -> dict[str, dict]:
     return {str(b): {p: convert(e) for p, e in section[b].items()} for b in keys}
 
 
+def _nested(section: dict, convert) -> dict[str, dict]:
+    """``{key: {policy: convert(entry)}}``."""
+    return {str(k): {p: convert(e) for p, e in section[k].items()} for k in section}
+
+
 def _tensorrt_json(t: TensorRTSection) -> dict[str, Any]:
     out = {
         "precision": t.precision,
@@ -380,6 +392,11 @@ def _parse(data: dict, directory: Path, path: Path) -> Manifest:
             int(b): {kv: _graph(e, int(b), kv) for kv, e in policies.items()}
             for b, policies in (data.get("verify") or {}).items()
         }
+        section = "adaptive"
+        adaptive = {
+            str(r): {kv: _graph(e, f"adaptive.{r}", kv) for kv, e in policies.items()}
+            for r, policies in (data.get("adaptive") or {}).items()
+        }
         section = "weights"
         w = data["weights"]
         weights = WeightsEntry(
@@ -418,6 +435,7 @@ def _parse(data: dict, directory: Path, path: Path) -> Manifest:
         tokenizer=bool(data.get("tokenizer")),
         quantization=data.get("quantization"),
         verify_graphs=verify,
+        adaptive_graphs=adaptive,
         looptool_version=str(data.get("looptool_version", "")),
         tensorrt=tensorrt,
     )

@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 INPUTS = STEP_INPUTS
 ROWWISE_INPUTS = ROWWISE_STEP_INPUTS
 LOGITS = "logits"
+DEPTH = "depth"  # the adaptive-depth graph's second output: int64 [batch], each row's realised depth
 
 
 class StepEngine(Protocol):
@@ -102,6 +103,21 @@ def example_budgets(menu: tuple[int, ...], batch: int) -> torch.Tensor:
     tracing and recording a row-wise graph (so a batch of two holds the deepest and the shallowest)."""
     order = [menu[-1], *menu[:-1]] if menu else [0]
     return torch.tensor([order[i % len(order)] for i in range(batch)], dtype=torch.long)
+
+
+def example_extras(sg: ServingGraph, batch: int) -> list[torch.Tensor]:
+    """Example values ``[batch]`` of the inputs a graph takes between ``cache_position`` and the
+    caches, for tracing and recording it: a row-wise graph's ``budgets``
+    (:func:`example_budgets`); an adaptive-depth graph's ``min_budget`` (the menu's smallest),
+    ``max_budget`` (cycling like ``budgets``) and ``exit_threshold`` (0 and 0.5 in turn); none
+    for a budget's own graph."""
+    if sg.rowwise:
+        return [example_budgets(sg.menu, batch)]
+    if not sg.adaptive:
+        return []
+    hi = example_budgets(sg.menu, batch)
+    lo = torch.full_like(hi, min(sg.menu))
+    return [lo, hi, torch.tensor([0.5 * (i % 2) for i in range(batch)], dtype=torch.float32)]
 
 
 @dataclass(frozen=True)
@@ -176,6 +192,12 @@ class ServingGraph:
         """Whether this is the row-wise graph (input ``budgets`` after ``cache_position``)."""
         return BUDGETS in self.input_names
 
+    @property
+    def adaptive(self) -> bool:
+        """Whether this is the adaptive-depth graph (inputs ``min_budget``, ``max_budget``,
+        ``exit_threshold`` after ``cache_position``; output ``depth`` after the logits)."""
+        return DEPTH in self.output_names
+
 
 def serving_graph(
     model, budget: int, kv: str = "per-loop", *, fuse: bool = True, unflatten: bool = False
@@ -213,6 +235,21 @@ def rowwise_serving_graph(model, kv: str = "per-loop", *, fuse: bool = True, unf
     return lower(model, rowwise_layer_graph(model, kv), fuse=fuse, unflatten=unflatten, menu=model.budgets)
 
 
+def adaptive_serving_graph(
+    model, exit_rule: str = "state", kv: str = "last-loop", *, fuse: bool = True, unflatten: bool = False
+) -> ServingGraph:
+    """The adaptive-depth graph of ``model`` (``budget="auto"``) in the decode interface: the
+    step inputs, then ``min_budget``, ``max_budget`` (int64 ``[batch]``) and ``exit_threshold``
+    (float32 ``[batch]``), then the deepest budget's cache pairs (last-loop KV); outputs the
+    logits, ``depth`` (int64 ``[batch]``, each row's realised depth) and the presents. The
+    adaptive path (:func:`looptool.runtime.decode_graphs.adaptive_layer_graph`, every loop run
+    and masked per row) lowered like every serving graph (:func:`lower`)."""
+    from looptool.runtime.decode_graphs import adaptive_layer_graph
+
+    lg = adaptive_layer_graph(model, kv, exit_rule)
+    return lower(model, lg, fuse=fuse, unflatten=unflatten, menu=model.budgets)
+
+
 def lower(model, lg, *, fuse: bool = True, unflatten: bool = False, menu: tuple[int, ...] = ()) -> ServingGraph:
     """The one path of ``lg`` (a cached decode LayerGraph of ``model``) as a serving graph: with
     ``fuse`` the ``fuse`` pass, then ``decode_interface`` (functional cache writes, inputs and
@@ -238,13 +275,16 @@ def interface_graph(
     bodies of its higher-order ops are ``captured``'s (the decode capture's own, see
     :func:`looptool.core.graph.own_bodies`)."""
     from looptool.core.graph import own_bodies, shared_graph_module
+    from looptool.passes.adaptive_depth import MIN_BUDGET
+    from looptool.passes.decode_interface import interface_inputs
 
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     caches = [(annotation(n)["kv"], n.meta["val"].shape) for n in placeholders if "kv" in annotation(n)]
     pairs = tuple(
         CachePair(kv["layer"], kv.get("execution", 1), int(shape[1]), int(shape[3])) for kv, shape in caches[::2]
     )
-    inputs = ROWWISE_INPUTS if any(n.target == BUDGETS for n in placeholders) else INPUTS
+    inputs = interface_inputs({str(n.target) for n in placeholders})
+    heads = [LOGITS, DEPTH] if MIN_BUDGET in inputs else [LOGITS]
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     layout = CacheLayout(pairs, dtype)
     past, present = layout.names()
@@ -253,7 +293,7 @@ def interface_graph(
         shared_graph_module(model, graph, bodies=own_bodies(captured, graph) if captured is not None else None),
         layout,
         [*inputs, *past],
-        [LOGITS, *present],
+        [*heads, *present],
         dict(counts),
         int(text.vocab_size),
         tuple(menu),

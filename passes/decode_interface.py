@@ -1,15 +1,18 @@
 """The ``decode_interface`` pass: cached decode paths in the decode interface of exported engines.
 
-A cached path (``kv_cache``, ``last_position``; maybe ``fuse`` or ``rowwise_budget`` too)
-writes its KV caches in place (``index_copy_`` on a cache input) and returns the logits. An
+A cached path (``kv_cache``, ``last_position``; maybe ``fuse``, ``rowwise_budget`` or
+``adaptive_depth`` too) writes its KV caches in place (``index_copy_`` on a cache input) and
+returns the logits (the adaptive-depth path: the logits, then each row's depth). An
 exported engine returns the written caches instead (``present`` beside ``past``, see
 :mod:`looptool.backends.serving`). The pass rewrites a copy of every path:
 
 * every in-place cache write becomes the functional ``index_copy``, and later readers of
   that cache read the write's result;
-* the path returns ``(logits, present...)``, present ``j`` the last write of cache pair ``j``;
+* the path returns ``(logits, present...)``, present ``j`` the last write of cache pair ``j``
+  (the adaptive-depth path: ``(logits, depth, present...)``);
 * placeholders come in interface order: the step inputs (:data:`~looptool.core.graph.STEP_INPUTS`, then
-  ``budgets`` in the row-wise path), then the cache pairs by index, key before value.
+  ``budgets`` in the row-wise path, or the adaptive-depth path's
+  :data:`~looptool.passes.adaptive_depth.AUTO_INPUTS`), then the cache pairs by index, key before value.
 
 Pair ``j`` is the ``j``-th attention execution (layer and execution, from the ``kv``
 annotation of its cache inputs) to write a cache, in graph order. The arithmetic is the
@@ -31,6 +34,7 @@ from looptool.core.graph import (
     annotation,
     copy_graph,
 )
+from looptool.passes.adaptive_depth import AUTO_INPUTS, MIN_BUDGET
 from looptool.passes.manager import register_pass
 
 _aten = torch.ops.aten
@@ -38,7 +42,10 @@ _aten = torch.ops.aten
 
 # after the passes that rewrite a cached path's inputs, outputs or ops: they expect in-place writes and bare logits
 @register_pass(
-    "decode_interface", replayable=False, requires=("kv_cache",), after=("last_position", "rowwise_budget", "fuse")
+    "decode_interface",
+    replayable=False,
+    requires=("kv_cache",),
+    after=("last_position", "rowwise_budget", "adaptive_depth", "fuse"),
 )
 def decode_interface(lg: LayerGraph, config: dict) -> LayerGraph:
     """Every cached path of ``lg`` in the decode interface (``config`` is unused)."""
@@ -67,7 +74,7 @@ def interface_path(graph: fx.Graph, what: str) -> fx.Graph:
             "please report this as a bug."
         )
     _order_inputs(new, order, what)
-    _order_outputs(new, order)
+    _order_outputs(new, order, len(new.output_node().args[0]) - len(written))
     return new
 
 
@@ -101,8 +108,8 @@ def functional_cache_writes(graph: fx.Graph, what: str) -> list[fx.Node]:
             "this graph is not a cached decode step."
         )
     output = graph.output_node()
-    (logits,) = _flatten(output.args[0])
-    output.args = ((logits, *current.values()),)
+    heads = _flatten(output.args[0])  # the logits (and the adaptive path's depths)
+    output.args = ((*heads, *current.values()),)
     return list(current)
 
 
@@ -111,7 +118,7 @@ def _order_inputs(graph: fx.Graph, order: dict[fx.Node, tuple[int, int]], what: 
     index, key before value (FX placeholder names stay Python identifiers; the interface
     names are given to the exporter)."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    inputs = ROWWISE_STEP_INPUTS if any(n.target == BUDGETS for n in placeholders) else STEP_INPUTS
+    inputs = interface_inputs({str(n.target) for n in placeholders})
     unknown = [n.target for n in placeholders if n.target not in inputs and n not in order]
     if unknown:
         raise PassError(
@@ -128,17 +135,27 @@ def _order_inputs(graph: fx.Graph, order: dict[fx.Node, tuple[int, int]], what: 
         first = node
 
 
-def _order_outputs(graph: fx.Graph, order: dict[fx.Node, tuple[int, int]]) -> None:
-    """Return ``(logits, present...)``, present in the order of the cache inputs they write."""
+def interface_inputs(names: set[str]) -> tuple[str, ...]:
+    """The step inputs of a path whose placeholders are named ``names``: the row-wise path's,
+    the adaptive-depth path's or the plain ones."""
+    if BUDGETS in names:
+        return ROWWISE_STEP_INPUTS
+    return AUTO_INPUTS if MIN_BUDGET in names else STEP_INPUTS
+
+
+def _order_outputs(graph: fx.Graph, order: dict[fx.Node, tuple[int, int]], heads: int = 1) -> None:
+    """Return ``(logits, present...)`` (``heads`` outputs before the presents: the adaptive path's
+    depths too), present in the order of the cache inputs they write."""
     output = graph.output_node()
-    logits, *writes = output.args[0]
+    outs = list(output.args[0])
+    writes = outs[heads:]
 
     def cache_of(write: fx.Node) -> fx.Node:
         while write.op != "placeholder":
             write = write.args[0]
         return write
 
-    output.args = ((logits, *sorted(writes, key=lambda w: order[cache_of(w)])),)
+    output.args = ((*outs[:heads], *sorted(writes, key=lambda w: order[cache_of(w)])),)
 
 
 def _flatten(value) -> list:

@@ -4,6 +4,7 @@ An engine directory holds::
 
     weights.bin                 every tensor the graphs read, once (deduplicated by content, aligned)
     budget_<k>.<policy>.onnx    one graph per budget and KV policy; initializers live in weights.bin
+    adaptive.<rule>.<policy>.onnx   with adaptive=True: the adaptive-depth graph (budget="auto")
     manifest.json               budgets, policies, files with sha256, cache layouts, tensor table
 
 Each graph is a budget path in the decode interface of :mod:`looptool.backends.serving`:
@@ -50,6 +51,7 @@ import torch
 
 from looptool.backends.errors import ExportError
 from looptool.backends.manifest import WEIGHTS, GraphEntry
+from looptool.backends.onnx.adaptive import adaptive_rules, adaptive_targets, export_adaptive_graphs
 from looptool.backends.onnx.format import budget_file, export_manifest
 from looptool.backends.onnx.fuse_ort import FUSE_PREFIX, fuse_for_ort, rule_counts
 from looptool.backends.onnx.optimize import simplify, strip_metadata
@@ -58,8 +60,8 @@ from looptool.backends.onnx.quantize import Quantizer, check_quantize
 from looptool.backends.onnx.report import BudgetExport, ExportReport
 from looptool.backends.onnx.speculative import export_verify_graphs, verify_targets
 from looptool.backends.onnx.store import WeightStore, externalize, to_numpy
-from looptool.backends.onnx.validate import VERIFY, validate_engine
-from looptool.backends.serving import example_budgets
+from looptool.backends.onnx.validate import ADAPTIVE, VERIFY, validate_engine
+from looptool.backends.serving import example_extras
 from looptool.core.compat import decompose_only_what_onnx_lacks, reused_torchlib_registry, without_torchvision_notice
 from looptool.core.errors import require_extra
 from looptool.core.graph import ROWWISE
@@ -116,6 +118,7 @@ def export_onnx(
     fuse_ort: bool = True,
     rowwise: bool = True,
     speculative: bool = False,
+    adaptive: bool | str = False,
     quantize: str | None = None,
     overwrite: bool = False,
     validate: bool = True,
@@ -134,6 +137,11 @@ def export_onnx(
 
     ``speculative=True`` also writes, per budget but the shallowest (per-loop KV), the verify
     graph speculative decoding scores drafts with (:mod:`looptool.backends.onnx.speculative`).
+
+    ``adaptive=True`` (or an exit rule, ``"state"`` / ``"kl"``, or both comma-separated) also
+    writes, under last-loop KV, the adaptive-depth graph ``budget="auto"`` runs
+    (:mod:`looptool.backends.onnx.adaptive`): every loop up to the batch's deepest
+    ``max_budget`` runs masked, so it saves depth, not time.
 
     ``compose=True`` builds the graphs from layer functions, each distinct layer body
     exported once (falls back to a flat export per graph where that fails).
@@ -164,6 +172,7 @@ def export_onnx(
     if not chosen and not rowwise:
         raise ExportError("no graph to export: pick budgets, or keep rowwise=True.", parameter="budgets")
     targets = verify_targets(chosen, policies) if speculative else []
+    auto_targets = adaptive_targets(adaptive_rules(adaptive), policies)
     _check_exportable(model, _SUPPORTED_DTYPES + ((torch.bfloat16,) if _allow_bf16 else ()))
     quantizer = Quantizer(check_quantize(quantize)) if quantize is not None else None
     final, temp = prepare_output_dir(output, overwrite)
@@ -189,27 +198,23 @@ def export_onnx(
                     )
                     (rowwise_results if budget == ROWWISE else results).append(result)
                     graphs[budget, policy] = entry
-            verify_results, verify = export_verify_graphs(
-                model,
-                targets,
-                functools.partial(
-                    _export_graph,
-                    directory=temp,
-                    store=store,
-                    known=known,
-                    library=library,
-                    quantizer=quantizer,
-                    fuse_ort=fuse_ort,
-                ),
-                compose=compose,
-                say=say,
+            one_graph = functools.partial(
+                _export_graph,
+                directory=temp,
+                store=store,
+                known=known,
+                library=library,
+                quantizer=quantizer,
+                fuse_ort=fuse_ort,
             )
+            verify_results, verify = export_verify_graphs(model, targets, one_graph, compose=compose, say=say)
+            auto_results, auto = export_adaptive_graphs(model, auto_targets, one_graph, compose=compose, say=say)
         finally:
             store.close()
         if model.tokenizer is not None:  # so `looptool run` can encode prompts from the engine alone
             model.tokenizer.save_pretrained(temp)
         functions = library.fusions() if library else {}
-        manifest = export_manifest(model, temp, store, graphs, functions, ort_fusions, verify)
+        manifest = export_manifest(model, temp, store, graphs, functions, ort_fusions, verify, auto)
         manifest.quantization = quantizer.describe() if quantizer is not None else None
         manifest.write(temp)
         t_validate = time.perf_counter()
@@ -221,6 +226,8 @@ def export_onnx(
                 graphs[r.budget, r.kv].max_abs_diff = r.max_abs_diff
             for r in verify_results:
                 r.max_abs_diff = verify[r.budget, r.kv].max_abs_diff = diffs[r.budget, r.kv, VERIFY]
+            for r, (rule, policy) in zip(auto_results, auto_targets):
+                r.max_abs_diff = auto[rule, policy].max_abs_diff = diffs[ADAPTIVE, policy, rule]
             manifest.write(temp)
         t_validate = time.perf_counter() - t_validate
         graph_bytes = sum(p.stat().st_size for p in temp.iterdir() if p.name != WEIGHTS)
@@ -238,12 +245,13 @@ def export_onnx(
             fusions=functions,
             rowwise=rowwise_results,
             verify=verify_results,
+            adaptive=auto_results,
         )
         commit_output_dir(final, temp)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
-    n = len(results) + len(rowwise_results) + len(verify_results)
+    n = len(results) + len(rowwise_results) + len(verify_results) + len(auto_results)
     log.info("exported %d graphs to %s (%.3f x parameter bytes)", n, final, report.disk_ratio)
     return report
 
@@ -288,10 +296,10 @@ def serving_example(sg) -> tuple[list[torch.Tensor], tuple]:
     ids = torch.zeros(batch, step, dtype=torch.long)
     steps = torch.arange(step)
     caches = [torch.zeros(batch, p.kv_heads, capacity, p.head_dim, dtype=dtype) for p in sg.layout.pairs for _ in "kv"]
-    budgets = [example_budgets(sg.menu, batch)] if sg.rowwise else []
-    args = [ids, torch.ones(batch, capacity, dtype=mask_dtype), steps.expand(batch, step), steps, *budgets, *caches]
+    extras = example_extras(sg, batch)
+    args = [ids, torch.ones(batch, capacity, dtype=mask_dtype), steps.expand(batch, step), steps, *extras, *caches]
     b, t, s = Dim("batch"), Dim("step"), Dim("capacity")
-    shapes = ({0: b, 1: t}, {0: b, 1: s}, {0: b, 1: t}, {0: t}, *[{0: b}] * len(budgets), *[{0: b, 2: s}] * len(caches))
+    shapes = ({0: b, 1: t}, {0: b, 1: s}, {0: b, 1: t}, {0: t}, *[{0: b}] * len(extras), *[{0: b, 2: s}] * len(caches))
     return args, shapes
 
 
@@ -409,7 +417,7 @@ def _export_graph(
     entry = GraphEntry(
         file=path.name,
         cache=sg.layout,
-        menu=tuple(sg.menu) if sg.rowwise else None,
+        menu=tuple(sg.menu) if sg.rowwise or sg.adaptive else None,
         initializers=names,
         fused=fused,
         composed=bool(calls),

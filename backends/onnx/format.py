@@ -25,6 +25,22 @@ def verify_file(budget: int, kv: str = "per-loop") -> str:
     return f"verify_{budget}.{kv}.onnx"
 
 
+def adaptive_file(rule: str, kv: str = "last-loop") -> str:
+    """File name of the adaptive-depth graph (``budget="auto"``) of exit rule ``rule`` under KV policy ``kv``."""
+    return f"adaptive.{rule}.{kv}.onnx"
+
+
+def _hashed(directory: Path, entries: dict[tuple, GraphEntry]) -> dict:
+    """``{key[0]: {key[1]: entry}}`` of ``entries`` (keyed ``(budget or rule, policy)``), each
+    entry given its file's sha256 and size."""
+    out: dict = {}
+    for (key, policy), entry in sorted(entries.items()):
+        path = directory / entry.file
+        entry.sha256, entry.bytes = sha256_file(path), path.stat().st_size
+        out.setdefault(key, {})[policy] = entry
+    return out
+
+
 def export_manifest(
     model,
     directory: Path,
@@ -33,10 +49,12 @@ def export_manifest(
     functions: dict[str, dict[str, int]],
     ort_fusions: bool,
     verify: dict[tuple[int, str], GraphEntry] | None = None,
+    adaptive: dict[tuple[str, str], GraphEntry] | None = None,
 ) -> Manifest:
     """The manifest of an export into ``directory``: ``graphs`` maps ``(budget, policy)`` to each
     graph's entry (the row-wise graphs under :data:`ROWWISE`), each given its file's sha256 and
-    size here; ``store`` holds the weights; ``verify``: the verify graphs, keyed alike."""
+    size here; ``store`` holds the weights; ``verify``: the verify graphs, keyed alike;
+    ``adaptive``: the adaptive-depth graphs, keyed ``(exit rule, policy)``."""
     from looptool.backends.onnx.functions import DOMAIN, DOMAIN_VERSION, OPSET
 
     by_budget: dict[int | str, dict[str, GraphEntry]] = {}
@@ -45,11 +63,6 @@ def export_manifest(
         path = directory / entry.file
         entry.sha256, entry.bytes = sha256_file(path), path.stat().st_size
         by_budget.setdefault(budget, {})[policy] = entry
-    verify_graphs: dict[int, dict[str, GraphEntry]] = {}
-    for (budget, policy), entry in sorted((verify or {}).items()):
-        path = directory / entry.file
-        entry.sha256, entry.bytes = sha256_file(path), path.stat().st_size
-        verify_graphs.setdefault(budget, {})[policy] = entry
     return Manifest(
         graphs=by_budget,
         kv_policies=tuple(sorted({policy for _, policy in graphs})),
@@ -69,5 +82,6 @@ def export_manifest(
         fused_per_body=functions,
         parameter_bytes=model.dims().param_bytes,
         tokenizer=model.tokenizer is not None,
-        verify_graphs=verify_graphs,
+        verify_graphs=_hashed(directory, verify or {}),
+        adaptive_graphs=_hashed(directory, adaptive or {}),
     )

@@ -35,9 +35,10 @@ from torch import fx
 
 from looptool.backends.onnx import body_cache as onnx_body_cache
 from looptool.backends.onnx.store import to_numpy
-from looptool.backends.serving import BUDGETS, LOGITS, ServingGraph, example_budgets
+from looptool.backends.serving import BUDGETS, DEPTH, LOGITS, ServingGraph, example_extras
 from looptool.core.dtypes import named, of_torch
 from looptool.core.errors import LooptoolError
+from looptool.passes.adaptive_depth import EXIT_THRESHOLD, MAX_BUDGET, MIN_BUDGET
 
 log = logging.getLogger(__name__)
 
@@ -273,8 +274,8 @@ class LayerLibrary:
 
 def example_inputs(comp: Composition, sg: ServingGraph) -> list[torch.Tensor]:
     """A prefill step of ``EXAMPLE_STEP`` tokens for ``EXAMPLE_BATCH`` rows into caches of
-    ``EXAMPLE_CAPACITY`` slots, in the layout's dtype (row-wise graphs: rows cycle through
-    the menu)."""
+    ``EXAMPLE_CAPACITY`` slots, in the layout's dtype (row-wise and adaptive-depth graphs: their
+    extra inputs from :func:`~looptool.backends.serving.example_extras`)."""
     layout = sg.layout
     b, t, s = EXAMPLE_BATCH, EXAMPLE_STEP, EXAMPLE_CAPACITY
     placeholders = [n for n in comp.graph.nodes if n.op == "placeholder"]
@@ -284,8 +285,7 @@ def example_inputs(comp: Composition, sg: ServingGraph) -> list[torch.Tensor]:
     dtype = getattr(torch, layout.dtype)
     caches = [torch.zeros(b, p.kv_heads, s, p.head_dim, dtype=dtype) for p in layout.pairs for _ in "kv"]
     steps = torch.arange(t)
-    budgets = [example_budgets(sg.menu, b)] if sg.rowwise else []
-    return [ids, mask, steps.expand(b, t), steps, *budgets, *caches]
+    return [ids, mask, steps.expand(b, t), steps, *example_extras(sg, b), *caches]
 
 
 def _interface_types(sg: ServingGraph) -> dict[str, tuple]:
@@ -301,6 +301,10 @@ def _interface_types(sg: ServingGraph) -> dict[str, tuple]:
         "position_ids": (ir.DataType.INT64, ["batch", "step"]),
         "cache_position": (ir.DataType.INT64, ["step"]),
         BUDGETS: (ir.DataType.INT64, ["batch"]),
+        MIN_BUDGET: (ir.DataType.INT64, ["batch"]),
+        MAX_BUDGET: (ir.DataType.INT64, ["batch"]),
+        EXIT_THRESHOLD: (ir.DataType.FLOAT, ["batch"]),
+        DEPTH: (ir.DataType.INT64, ["batch"]),
         LOGITS: (float_type, ["batch", "step" if sg.every_position else 1, sg.vocab_size]),
     }
     past, present = sg.layout.names()

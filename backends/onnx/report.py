@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass, field
 class BudgetExport:
     """What exporting one budget's graph under one KV policy produced (``budget``
     :data:`~looptool.core.graph.ROWWISE` for the row-wise-budget graph; a verify graph, in
-    :attr:`ExportReport.verify`, is under the budget it verifies)."""
+    :attr:`ExportReport.verify`, is under the budget it verifies; an adaptive-depth graph, in
+    :attr:`ExportReport.adaptive`, under ``"adaptive.<exit rule>"``)."""
 
     budget: int | str
     kv: str
@@ -41,6 +42,7 @@ class ExportReport:
     fusions: dict[str, dict[str, int]] = field(default_factory=dict)  # onnxruntime fusions per body
     rowwise: list[BudgetExport] = field(default_factory=list)  # the row-wise graphs, one per policy
     verify: list[BudgetExport] = field(default_factory=list)  # speculative decoding's verify graphs
+    adaptive: list[BudgetExport] = field(default_factory=list)  # the adaptive-depth graphs (budget="auto")
 
     @property
     def total_bytes(self) -> int:
@@ -55,7 +57,7 @@ class ExportReport:
     @property
     def max_abs_diff(self) -> float:
         """Worst ORT-vs-PyTorch difference over every graph and input."""
-        graphs = [*self.budgets, *self.rowwise, *self.verify]
+        graphs = [*self.budgets, *self.rowwise, *self.verify, *self.adaptive]
         return max((d for b in graphs for d in b.max_abs_diff.values()), default=float("nan"))
 
     def as_dict(self) -> dict:

@@ -164,6 +164,7 @@ def _run(rt, budget, policy: str, ids, mask, new_tokens: int, **speculation):
 
 VERIFY = "verify"  # third element of a verify graph's key in validate_engine's result
 VERIFY_DRAFTS = 3  # tokens drafted per verify step when validating a verify graph
+ADAPTIVE = "adaptive"  # first element of an adaptive-depth graph's key (ADAPTIVE, policy, rule)
 
 
 def validate_engine(
@@ -187,7 +188,10 @@ def validate_engine(
     A verify graph (speculative decoding, key ``(budget, policy, VERIFY)``) is checked the same
     way against budget ``budget``'s PyTorch generation: onnxruntime decodes speculatively, the
     shallowest exported budget drafting :data:`VERIFY_DRAFTS` tokens, so every logit after the
-    prefill comes from the verify graph."""
+    prefill comes from the verify graph.
+
+    An adaptive-depth graph (``budget="auto"``, key ``(ADAPTIVE, policy, exit rule)``) is checked
+    against the PyTorch adaptive path (:func:`_validate_adaptive`): logits alike, depths equal."""
     from looptool.backends.ort.runtime import Runtime
     from looptool.runtime.generation import generate
 
@@ -222,6 +226,8 @@ def validate_engine(
             log.info("budget %d (%s) validated: %s", budget, policy, diffs[budget, policy])
         if rt.has_rowwise(policy):
             diffs[ROWWISE, policy] = _validate_rowwise(model, rt, policy, atol, new_tokens, quantized)
+        for rule in (r for r, graphs in rt.manifest.adaptive_graphs.items() if policy in graphs):
+            diffs[ADAPTIVE, policy, rule] = _validate_adaptive(model, rt, policy, rule, atol, new_tokens, quantized)
     rt.close()
     return diffs
 
@@ -252,4 +258,56 @@ def _validate_rowwise(
             continue
         out[label] = _check(ref, run, ids, mask, atol, what, label)
     log.info("row-wise graph (%s) validated: %s", policy, out)
+    return out
+
+
+def _run_kept(rt, runs: list, auto: dict, ids, mask, new_tokens: int):
+    """``rt.generate(..., **auto)``, its result also appended to ``runs``."""
+    runs.append(rt.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, **auto))
+    return runs[-1]
+
+
+def adaptive_thresholds() -> dict[str, float]:
+    """The exit thresholds an adaptive-depth graph is validated at: 0 (every row at its
+    ``max_budget``), the default one (depths that vary) and infinity (every row at its ``min_budget``)."""
+    from looptool.engine.budgets import DEFAULT_EXIT_THRESHOLD
+
+    return {"0": 0.0, "default": DEFAULT_EXIT_THRESHOLD, "inf": float("inf")}
+
+
+def _validate_adaptive(
+    model, rt, policy: str, rule: str, atol: float, new_tokens: int, quantized: str | None = None
+) -> dict[str, float]:
+    """The adaptive-depth graph of exit rule ``rule`` against PyTorch's ``generate(budget="auto")``
+    over the whole menu, at each of :func:`adaptive_thresholds` on every validation prompt: the
+    logits as :func:`_check` compares them (:func:`check_quantized` for quantized weights) and,
+    while the greedy tokens agree, each token's depth equal. Keys ``<prompt>.<threshold>``, and
+    ``<prompt>``: the worst over the thresholds."""
+    from looptool.runtime.generation import generate
+
+    out: dict[str, float] = {}
+    for name, threshold in adaptive_thresholds().items():
+        auto = dict(budget="auto", exit_threshold=threshold, exit_rule=rule, kv=policy, output_logits=True)
+        for label, (ids, mask) in validation_prompts(model).items():
+            ref = generate(model, ids, attention_mask=mask, max_new_tokens=new_tokens, **auto)
+            runs: list = []
+            run = functools.partial(_run_kept, rt, runs, auto)
+
+            what = f"the adaptive-depth graph ({rule} rule, {policy}, exit_threshold {threshold})"
+            key = f"{label}.{name}"
+            if quantized:
+                got = check_quantized(ref, run, ids, mask, QUANTIZED_BOUNDS[quantized], what, label)
+                out.update({key: got["rel"], f"{key}.kl": got["kl"]})
+                continue
+            out[key] = _check(ref, run, ids, mask, atol, what, label)
+            out[label] = max(out.get(label, 0.0), out[key])  # the worst over the thresholds, as other graphs report it
+            first, prompt = runs[0], ids.shape[1]
+            agree = (ref.sequences[:, prompt:] == first.sequences[:, prompt:]).all(0).long().cumprod(0).sum()
+            agree = int(agree) + (1 if int(agree) < ref.depths.shape[1] else 0)  # a token's depth precedes its pick
+            if not torch.equal(ref.depths[:, :agree], first.depths[:, :agree]):
+                raise ExportError(
+                    f"{what}: onnxruntime's depths {first.depths.tolist()} differ from PyTorch's {ref.depths.tolist()} "
+                    f"on the {label} prompt; the export was discarded, please report this as a bug."
+                )
+    log.info("adaptive-depth graph (%s, %s) validated: %s", rule, policy, out)
     return out

@@ -1,8 +1,10 @@
 """Running one onnxruntime serving graph with bound caches: :class:`CacheBinding` binds one
 graph's caches once, as both ``past`` input and ``present`` output, so every step writes its
 keys and values in place; a row-wise graph (:data:`~looptool.core.graph.ROWWISE`) also gets
-each row's budget. Several bindings may share one set of cache buffers (``caches``: speculative
-decoding's draft, verify and prefill graphs over one cache, :mod:`looptool.backends.ort.speculative`).
+each row's budget, an adaptive-depth graph (:mod:`looptool.backends.onnx.adaptive`) each row's
+``min_budget``, ``max_budget`` and ``exit_threshold``, and returns each row's depth. Several
+bindings may share one set of cache buffers (``caches``: speculative decoding's draft, verify
+and prefill graphs over one cache, :mod:`looptool.backends.ort.speculative`).
 """
 
 from __future__ import annotations
@@ -10,18 +12,21 @@ from __future__ import annotations
 import numpy as np
 
 from looptool.backends.errors import EngineError
-from looptool.backends.serving import BUDGETS, INPUTS, LOGITS, CacheLayout
+from looptool.backends.serving import BUDGETS, DEPTH, INPUTS, LOGITS, CacheLayout
 from looptool.core.dtypes import named
 from looptool.engine.budgets import RowBudgets
+from looptool.passes.adaptive_depth import AUTO_INPUTS, MIN_BUDGET
 
 
 class CacheBinding:
     """One generate call's IOBinding: caches allocated once and bound as both past and
     present, the mask and the logits bound once; each step rebinds only the step inputs.
-    ``budgets`` (each row's budget) is bound once for a row-wise graph. ``caches`` (default:
-    zeroed ones of ``capacity`` positions) are the buffers to bind, in the layout's order, e.g.
-    another binding's; ``steps``: the positions the graph returns logits for (1, or a verify
-    graph's step length, fixed for the binding)."""
+    ``budgets`` (each row's budget) is bound once for a row-wise graph; for an adaptive-depth
+    graph its :meth:`~looptool.engine.budgets.RowBudgets.depth_inputs`, and each step's depths
+    are written into :attr:`depth` (int64 ``[batch]``). ``caches`` (default: zeroed ones of
+    ``capacity`` positions) are the buffers to bind, in the layout's order, e.g. another
+    binding's; ``steps``: the positions the graph returns logits for (1, or a verify graph's
+    step length, fixed for the binding)."""
 
     def __init__(
         self,
@@ -52,8 +57,12 @@ class CacheBinding:
         past, present = layout.names()
         graph_inputs = {i.name for i in session.get_inputs()}
         graph_outputs = [o.name for o in session.get_outputs()]
-        step_inputs = {*INPUTS, BUDGETS} if budgets is not None else set(INPUTS)
-        if graph_inputs != {*step_inputs, *past} or graph_outputs != [LOGITS, *present]:
+        adaptive = MIN_BUDGET in graph_inputs
+        step_inputs = set(AUTO_INPUTS) if adaptive else {*INPUTS, BUDGETS} if budgets is not None else set(INPUTS)
+        heads = [LOGITS, DEPTH] if adaptive else [LOGITS]
+        if adaptive and budgets is None:
+            raise EngineError("the adaptive-depth graph needs each row's depth range; pass budgets.")
+        if graph_inputs != {*step_inputs, *past} or graph_outputs != [*heads, *present]:
             raise EngineError(
                 "the graph's inputs and outputs do not match the cache layout in the manifest; export the engine again."
             )
@@ -70,10 +79,18 @@ class CacheBinding:
             self.io.bind_ortvalue_output(LOGITS, self._logits_value)
         else:
             self.io.bind_output(LOGITS)
-        if budgets is not None:  # fixed for the whole call: bound once (the array stays referenced)
-            self.budgets = np.asarray(budgets.rows, dtype=np.int64)
-            self._budgets_value = ort.OrtValue.ortvalue_from_numpy(self.budgets)
-            self.io.bind_ortvalue_input(BUDGETS, self._budgets_value)
+        self.depth = np.zeros(batch, dtype=np.int64)
+        if adaptive:
+            self._depth_value = ort.OrtValue.ortvalue_from_numpy(self.depth)
+            self.io.bind_ortvalue_output(DEPTH, self._depth_value)
+        if budgets is not None:  # fixed for the whole call: bound once (the arrays stay referenced)
+            given = (
+                zip(AUTO_INPUTS[len(INPUTS) :], budgets.depth_inputs()) if adaptive else [(BUDGETS, budgets.tensor())]
+            )
+            self._extras = {name: np.ascontiguousarray(t.numpy()) for name, t in given}
+            self._extra_values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self._extras.values()]
+            for name, value in zip(self._extras, self._extra_values):
+                self.io.bind_ortvalue_input(name, value)
         self._mask = None
 
     def step(self, ids, mask, position, cache_position):

@@ -10,7 +10,12 @@ different budgets run the row-wise graph; rows that all share a budget run that 
 cheaper graph on the matching cache pairs (same ``(layer, execution)``), which hold exactly
 what the row-wise graph would have written for those rows. An engine exported with
 ``speculative=True`` also runs self-speculative decoding's verify step
-(:meth:`OrtStepEngine.verify`): budget ``k``'s verify graph on budget ``k``'s cache pairs.
+(:meth:`OrtStepEngine.verify`): budget ``k``'s verify graph on budget ``k``'s cache pairs. One
+exported with ``adaptive=True`` (under last-loop KV) runs rows of adaptive depth
+(:meth:`OrtStepEngine.step_with_depth`, ``budget="auto"``): the adaptive-depth graph on the slot
+cache's pairs for the whole slice, a fixed row ``k`` as ``min_budget = max_budget = k``. That
+graph runs every loop up to the slice's deepest ``max_budget``, rows that stopped masked: it saves
+depth, not time.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 
 from looptool.backends.errors import EngineError
 from looptool.backends.manifest import MANIFEST, Manifest, engine_tokenizer
-from looptool.backends.serving import BUDGETS, INPUTS, LOGITS, CacheLayout, past_name, present_name
+from looptool.backends.serving import BUDGETS, DEPTH, INPUTS, LOGITS, CacheLayout, past_name, present_name
 from looptool.core.dtypes import named
 from looptool.core.graph import ROWWISE
 from looptool.engine.budgets import RowBudgets
@@ -32,14 +37,17 @@ from looptool.engine.interface import (
     EngineFacts,
     OpenedEngine,
     StepEngine,
+    StepResult,
     as_numpy,
     costs_by_budget,
     eos_ids,
     full_width,
     row_span,
 )
+from looptool.passes.adaptive_depth import AUTO_INPUTS
 
 WANTS = "give an engine directory written by looptool export"
+ADAPTIVE = "adaptive"  # the adaptive-depth graph's key among the graphs a step runs
 
 _BINDINGS_KEPT = 64  # cached IOBindings (one per graph, row slice and cache)
 
@@ -47,11 +55,13 @@ _BINDINGS_KEPT = 64  # cached IOBindings (one per graph, row slice and cache)
 class OrtStepEngine(StepEngine):
     """Cached decode steps over slices of one slot cache, every row at its own budget, with
     an onnxruntime :class:`~looptool.backends.ort.runtime.Runtime` whose engine holds the row-wise
-    graph for ``kv``."""
+    graph for ``kv`` (and rows of adaptive depth, exit rule ``exit_rule``, where it holds the
+    adaptive-depth graph: :meth:`check_adaptive`)."""
 
-    def __init__(self, runtime, kv: str = "per-loop"):
+    def __init__(self, runtime, kv: str = "per-loop", exit_rule: str = "state"):
         self.runtime = runtime
         self.kv = kv
+        self.exit_rule = exit_rule
         self.budgets: tuple[int, ...] = tuple(sorted(runtime.rowwise_menu(kv)))  # refuses a missing graph
         self.layout: CacheLayout = runtime.layout(ROWWISE, kv)
         if runtime.vocab_size is None:
@@ -67,6 +77,9 @@ class OrtStepEngine(StepEngine):
             pairs = runtime.layout(budget, kv).pairs
             if all((p.layer, p.execution) in index for p in pairs):
                 self._pairs[budget] = [index[p.layer, p.execution] for p in pairs]
+        auto = runtime.manifest.adaptive_graph(exit_rule, kv)
+        if auto is not None and all((p.layer, p.execution) in index for p in auto.cache.pairs):
+            self._pairs[ADAPTIVE] = [index[p.layer, p.execution] for p in auto.cache.pairs]
         self._bindings: dict[tuple, tuple] = {}
 
     def allocate(self, slots: int, length: int) -> ArraySlotCache:
@@ -97,8 +110,47 @@ class OrtStepEngine(StepEngine):
         start, stop = row_span(rows, len(cache.buffers[0]), budgets)
         key = budgets.graph(self._pairs)
         step = (input_ids, attention_mask, position_ids, cache_position)
-        logits = self._run(cache, key, start, stop, step, budgets, steps=0)
+        logits, _ = self._run(cache, key, start, stop, step, budgets, steps=0)
         return torch.from_numpy(logits[:, -1].astype(np.float32))
+
+    def check_adaptive(self) -> None:
+        """Nothing when the engine holds the adaptive-depth graph of its exit rule under
+        last-loop KV; else one sentence (``parameter`` ``kv`` or ``runtime``)."""
+        if self.kv != "last-loop":
+            raise EngineError(
+                "adaptive depth needs the last-loop KV policy: under per-loop KV a token that stops early writes no "
+                "keys and values for the loops it skips, which later tokens running those loops would read.",
+                parameter="kv",
+            )
+        if ADAPTIVE not in self._pairs:
+            raise EngineError(
+                f"the engine directory has no adaptive-depth graph ({self.exit_rule} rule, last-loop KV) over its "
+                "row-wise graph's caches, which budget 'auto' runs; export it again with looptool export --adaptive "
+                "--kv last-loop.",
+                parameter="runtime",
+            )
+
+    def step_with_depth(
+        self,
+        cache: ArraySlotCache,
+        rows: slice,
+        input_ids,
+        attention_mask,
+        position_ids,
+        cache_position,
+        budgets: RowBudgets,
+    ) -> StepResult:
+        """:meth:`step` with each row's realised depth: a fixed row's budget, or, when some row is
+        adaptive, what the adaptive-depth graph ran for every row of the slice (a fixed row ``k``
+        as ``min_budget = max_budget = k``, exactly budget ``k`` under last-loop KV)."""
+        if not budgets.adaptive:
+            logits = self.step(cache, rows, input_ids, attention_mask, position_ids, cache_position, budgets)
+            return StepResult(logits, budgets.tensor())
+        self.check_adaptive()
+        start, stop = row_span(rows, len(cache.buffers[0]), budgets)
+        step = (input_ids, attention_mask, position_ids, cache_position)
+        logits, depth = self._run(cache, ADAPTIVE, start, stop, step, budgets, steps=0)
+        return StepResult(torch.from_numpy(logits[:, -1].astype(np.float32)), torch.from_numpy(depth.copy()))
 
     def check_verify(self) -> None:
         """Nothing when the engine holds a verify graph for every budget but the shallowest
@@ -138,7 +190,7 @@ class OrtStepEngine(StepEngine):
                 continue
             part = slice(first, last)
             step = (input_ids[part], attention_mask[part], position_ids[part], cache_position)
-            logits = self._run(cache, budgets.rows[first], start + first, start + last, step, budgets, steps=steps)
+            logits, _ = self._run(cache, budgets.rows[first], start + first, start + last, step, budgets, steps=steps)
             out.append(torch.from_numpy(logits.astype(np.float32)))
             first = last
         return torch.cat(out)
@@ -146,9 +198,10 @@ class OrtStepEngine(StepEngine):
     def _run(self, cache: ArraySlotCache, key: int | str, start: int, stop: int, step, budgets, steps: int):
         """Run graph ``key`` (with ``steps``: budget ``key``'s verify graph over that many
         positions) on rows ``[start, stop)`` with ``step`` (``input_ids``, ``attention_mask``,
-        ``position_ids``, ``cache_position``); its logits buffer (reused by the next run)."""
+        ``position_ids``, ``cache_position``); its logits and depth buffers (reused by the next run;
+        the depths are the adaptive-depth graph's, else unused)."""
         input_ids, attention_mask, position_ids, cache_position = step
-        io, logits, session = self._binding(cache, key, start, stop, steps)
+        io, logits, session, depth = self._binding(cache, key, start, stop, steps)
         io.bind_cpu_input(INPUTS[0], as_numpy(input_ids).astype(np.int64, copy=False))
         mask = full_width(as_numpy(attention_mask), cache.length)  # the graph attends over whole bound buffers
         io.bind_cpu_input(INPUTS[1], mask.astype(self.runtime.mask_dtype, copy=False))
@@ -156,8 +209,11 @@ class OrtStepEngine(StepEngine):
         io.bind_cpu_input(INPUTS[3], as_numpy(cache_position).astype(np.int64, copy=False))
         if key == ROWWISE:
             io.bind_cpu_input(BUDGETS, np.asarray(budgets.rows, dtype=np.int64))
+        if key == ADAPTIVE:
+            for name, value in zip(AUTO_INPUTS[len(INPUTS) :], budgets.depth_inputs()):
+                io.bind_cpu_input(name, value.numpy())
         session.run_with_iobinding(io)
-        return logits
+        return logits, depth
 
     def _binding(self, cache: ArraySlotCache, key: int | str, start: int, stop: int, steps: int = 0):
         """The IOBinding of graph ``key`` (``steps`` > 0: budget ``key``'s verify graph, logits at
@@ -168,7 +224,7 @@ class OrtStepEngine(StepEngine):
         ident = (key, start, stop, steps, *map(id, cache.buffers))
         found = self._bindings.get(ident)
         if found is not None:
-            return found[0], found[1], found[4]
+            return found[0], found[1], found[4], found[5]
         if len(self._bindings) >= _BINDINGS_KEPT or any(b[2] is not cache.buffers for b in self._bindings.values()):
             self._bindings.clear()  # also when the cache was resized: the old buffers are freed
         if steps:
@@ -178,6 +234,8 @@ class OrtStepEngine(StepEngine):
                     "export the engine again."
                 )
             session = self.runtime.verify_session(key, self.kv)
+        elif key == ADAPTIVE:
+            session = self.runtime.adaptive_session(self.exit_rule, self.kv)
         else:
             session = self.runtime.session(key, self.kv)
         io = session.io_binding()
@@ -192,8 +250,19 @@ class OrtStepEngine(StepEngine):
         logits = np.zeros((stop - start, max(steps, 1), self.vocab_size), dtype=self._dtype)
         values.append(ort.OrtValue.ortvalue_from_numpy(logits))
         io.bind_ortvalue_output(LOGITS, values[-1])
-        self._bindings[ident] = (io, logits, cache.buffers, values, session)  # keeps buffers, views, values alive
-        return io, logits, session
+        depth = np.zeros(stop - start, dtype=np.int64)
+        if key == ADAPTIVE:
+            values.append(ort.OrtValue.ortvalue_from_numpy(depth))
+            io.bind_ortvalue_output(DEPTH, values[-1])
+        self._bindings[ident] = (
+            io,
+            logits,
+            cache.buffers,
+            values,
+            session,
+            depth,
+        )  # keeps buffers, views, values alive
+        return io, logits, session, depth
 
 
 # ---------------------------------------------------------------------- the onnxruntime runtime
@@ -215,16 +284,18 @@ def open_dir(
     threads: int | None = None,
     prepack: bool | None = None,
     spin: bool = False,
+    exit_rule: str = "state",
     **_,
 ) -> OpenedEngine:
     """onnxruntime sessions over the engine directory ``path`` (``threads`` intra-op threads,
     CPU; ``prepack`` and ``spin`` as :class:`~looptool.backends.ort.runtime.Runtime` takes them)
-    and their step engine for ``kv``."""
+    and their step engine for ``kv`` (rows of adaptive depth stopping by ``exit_rule``, where
+    the engine holds its adaptive-depth graph)."""
     from looptool.backends.ort.runtime import Runtime
 
     rt = Runtime(path, threads=threads, prepack=prepack, spin=spin)
     tok = engine_tokenizer(path, rt.manifest, tokenizer)
-    engine = OrtStepEngine(rt, kv=kv)
+    engine = OrtStepEngine(rt, kv=kv, exit_rule=exit_rule)
     costs = costs_by_budget([c.as_dict() for c in rt.manifest.costs], engine.budgets, kv)
     eos = eos_ids(tok, rt.manifest.eos_token_id)
     return OpenedEngine(engine, tok, costs, eos, "cpu", "onnxruntime")

@@ -217,6 +217,18 @@ class Runtime:
             )
         return entry
 
+    def adaptive_session(self, rule: str = "state", kv: str = "last-loop"):
+        """The InferenceSession of the adaptive-depth graph of exit rule ``rule`` under ``kv``
+        (created on first use, refused in one sentence where the engine has none)."""
+        entry = self.manifest.adaptive_graph(rule, kv)
+        if entry is None:
+            raise EngineError(
+                f"'{self.directory}' has no adaptive-depth graph ({rule} rule, {kv}), which budget 'auto' runs; export "
+                f"the engine again with adaptive={rule!r} and kv='last-loop' (looptool export --adaptive).",
+                parameter="budget",
+            )
+        return self._session((f"adaptive.{rule}", kv), lambda: entry)
+
     def rowwise_menu(self, kv: str = "per-loop") -> tuple[int, ...]:
         """The budgets a row of the row-wise graph may take (refused where it was not exported)."""
         menu = self._entry(ROWWISE, self._check_policy(kv)).menu
@@ -369,7 +381,7 @@ class Runtime:
         *,
         budget=None,
         max_new_tokens: int = 32,
-        kv: str = "per-loop",
+        kv: str | None = None,
         attention_mask=None,
         capacity: int | None = None,
         sampling: SamplingParams = GREEDY,
@@ -379,6 +391,10 @@ class Runtime:
         output_logits: bool = False,
         draft_budget: int | None = None,
         draft_tokens: int = 4,
+        min_budget: int | None = None,
+        max_budget: int | None = None,
+        exit_threshold: float | None = None,
+        exit_rule: str | None = None,
     ):
         """Generate with the engine's KV cache, like :func:`looptool.runtime.generation.generate`
         (same sampling, EOS handling and :class:`~looptool.runtime.generation.GenerationOutput`).
@@ -396,11 +412,27 @@ class Runtime:
         output (token for token when greedy); one budget for every row, per-loop KV; the result's
         ``speculation`` counts the drafts kept. The caches grow when the rows' rejected drafts
         pass ``capacity``.
+
+        ``budget="auto"`` decides each row's depth per token, as the PyTorch ``generate`` does
+        (same ``min_budget``, ``max_budget``, ``exit_threshold``, ``exit_rule``; ``depths`` in the
+        result), with the engine's adaptive-depth graph (:mod:`looptool.backends.ort.adaptive`;
+        ``kv`` None: ``"per-loop"``, or ``"last-loop"`` for ``"auto"``).
         """
+        from looptool.runtime.adaptive import wants_auto
         from looptool.runtime.generation import decode_loop
 
-        kv = self._check_policy(kv)
         ids, mask, capacity = check_request(self.manifest, input_ids, attention_mask, max_new_tokens, capacity)
+        if wants_auto(budget, min_budget, max_budget, exit_threshold, exit_rule):
+            from looptool.backends.ort.adaptive import adaptive_generate
+
+            if draft_budget is not None:
+                raise EngineError("speculative decoding needs a fixed budget, not 'auto'.", parameter="draft_budget")
+            auto = dict(
+                min_budget=min_budget, max_budget=max_budget, exit_threshold=exit_threshold, exit_rule=exit_rule
+            )
+            loop = dict(sampling=sampling, eos_token_id=eos_token_id, pad_token_id=pad_token_id, on_step=on_step)
+            return adaptive_generate(self, ids, mask, kv, auto, capacity, max_new_tokens, output_logits, **loop)
+        kv = self._check_policy("per-loop" if kv is None else kv)
         if draft_budget is not None and len(set(np.asarray(getattr(budget, "rows", budget)).ravel().tolist())) > 1:
             raise EngineError("speculative decoding takes one budget for every row.", parameter="draft_budget")
         graph, rows = self.resolve_budget(budget, ids.shape[0], kv)

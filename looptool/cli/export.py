@@ -63,6 +63,14 @@ def export_cmd(
             "looptool run --draft-budget decodes speculatively.",
         ),
     ] = False,
+    adaptive: Annotated[
+        bool,
+        typer.Option(
+            "--adaptive",
+            help="onnx: also write the adaptive-depth graph (state rule, last-loop KV: add --kv last-loop or all) so "
+            "that looptool run --budget auto and a served budget 'auto' decide each token's depth.",
+        ),
+    ] = False,
     precision: Annotated[
         str,
         typer.Option(
@@ -112,6 +120,7 @@ def export_cmd(
         ort_fusions=ort_fusions,
         rowwise=rowwise,
         speculative=speculative,
+        adaptive=adaptive,
         precision=precision,
         build_on_target=build_on_target,
         max_batch=max_batch,
@@ -129,6 +138,10 @@ def export_cmd(
             from looptool.backends.onnx.speculative import verify_targets
 
             graphs += len(verify_targets(chosen, policies))
+        if adaptive:
+            from looptool.backends.onnx.adaptive import adaptive_rules, adaptive_targets
+
+            graphs += len(adaptive_targets(adaptive_rules(adaptive), policies))
         with steps.stage("exporting", total=graphs + int(validate), done="exported") as step:
             counted = iter(range(graphs + 1))
 
@@ -164,6 +177,7 @@ def export_cmd(
         table.add_column(col, justify="right")
     labelled = [(str(b.budget), b) for b in [*report.budgets, *report.rowwise]]
     labelled += [(f"{b.budget} verify", b) for b in getattr(report, "verify", [])]
+    labelled += [(str(b.budget), b) for b in getattr(report, "adaptive", [])]
     for label, b in labelled:
         fused = ", ".join(f"{k}×{v}" for k, v in b.fused.items() if v) or "-"
         calls = f"{sum(b.layer_calls.values())} of {len(b.layer_calls)}" if b.composed else "flat"

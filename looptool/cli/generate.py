@@ -13,7 +13,6 @@ from rich.table import Table
 from looptool.cli.application import app, console, friendly
 from looptool.cli.options import (
     Device,
-    Kv,
     MaxNewTokens,
     ModelDir,
     Prompt,
@@ -199,7 +198,7 @@ def run_cmd(
     prompt: Prompt,
     budget: RowBudgets = None,
     max_new_tokens: MaxNewTokens = 64,
-    kv: Kv = "per-loop",
+    kv: GenerateKv = None,
     capacity: Annotated[
         int | None, typer.Option(help="Cache capacity in tokens (default: prompt + new tokens).")
     ] = None,
@@ -218,17 +217,26 @@ def run_cmd(
     ] = "onnx",
     draft_budget: DraftBudget = None,
     draft_tokens: DraftTokens = 4,
+    min_budget: MinBudget = None,
+    max_budget: MaxBudget = None,
+    exit_threshold: ExitThreshold = None,
+    exit_rule: ExitRule = None,
 ) -> None:
     """Generate with onnxruntime or TensorRT from an exported engine, with its KV cache (like generate);
     --budget 0,6,12 runs one budget per prompt through the engine's row-wise graph (onnx);
-    --draft-budget J decodes speculatively (onnx, an engine exported with --speculative)."""
+    --draft-budget J decodes speculatively (onnx, an engine exported with --speculative);
+    --budget auto picks each token's depth (onnx, an engine exported with --adaptive, --kv last-loop)."""
     from looptool.backends.engines import engine_name, open_runtime
     from looptool.engine.sampling import SamplingParams
     from looptool.runtime import text
+    from looptool.runtime.adaptive import wants_auto
 
     check_prompts(prompt, stream)
     sampling = SamplingParams(temperature, top_k, top_p, seed)
     budgets = parse_row_budgets(budget, len(prompt))
+    auto = dict(min_budget=min_budget, max_budget=max_budget, exit_threshold=exit_threshold, exit_rule=exit_rule)
+    if wants_auto(budgets, **auto) and (backend != "onnx" or draft_budget is not None):
+        raise LooptoolError("--budget auto runs on --backend onnx, without --draft-budget.")
     if isinstance(budgets, list) and backend == "tensorrt":
         raise LooptoolError("--budget with one budget per prompt runs on --backend onnx; TensorRT runs one budget.")
     if capacity is not None and capacity < 1:
@@ -249,7 +257,15 @@ def run_cmd(
     tok = text.load_tokenizer(source)
     budget = rt.budgets[-1] if budgets is None else budgets
     graph, rows = budget, budget
-    if backend == "onnx":
+    if budgets == "auto":
+        from looptool.backends.ort.adaptive import auto_policy
+
+        kv = auto_policy(kv)
+        rt.adaptive_session(exit_rule or "state", kv)  # no adaptive-depth graph: fail before tokenising
+        graph, rows = "adaptive", "auto"
+    else:
+        kv = kv or "per-loop"
+    if backend == "onnx" and rows != "auto":
         graph, rows = rt.resolve_budget(budget, len(prompt), kv)  # resolved once, here
         rt.session(graph, kv)  # bad budget or policy, no row-wise graph: fail before tokenising
         if draft_budget is not None:
@@ -278,14 +294,22 @@ def run_cmd(
             pad_token_id=tok.pad_token_id,
             on_step=on_step,
             **({} if draft_budget is None else {"draft_budget": draft_budget, "draft_tokens": draft_tokens}),
+            **({k: v for k, v in auto.items() if v is not None} if rows == "auto" else {}),
         ),
     )
-    engine = engine_name(rt, backend, graph, kv)
+    if rows == "auto":
+        engine = "onnxruntime " + rt.adaptive_session(exit_rule or "state", kv).get_providers()[0].removesuffix(
+            "ExecutionProvider"
+        )
+    else:
+        engine = engine_name(rt, backend, graph, kv)
     shown = f"budgets {','.join(map(str, budget))}" if isinstance(budget, list) else f"budget {budget}"
     if getattr(result, "speculation", None) is not None:
         stats = result.speculation
         shown += f" · drafted at {draft_budget} ({stats.accepted}/{stats.proposed} drafts kept)"
     _print_generation(tok, prompt, enc, result, stream, f"{shown} · kv {kv} · {engine} · batch {len(prompt)}")
+    if getattr(result, "depths", None) is not None:
+        _print_depths(result.depths)
 
 
 def _stream_generation(tok, prompt: list[str], stream: bool, run):

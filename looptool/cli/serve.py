@@ -57,7 +57,8 @@ def serve(
         str,
         typer.Option(
             help='How the tokens of budget "auto" requests stop: state (relative state change) or kl '
-            "(next-token KL); budget auto needs --kv last-loop and the PyTorch runtime."
+            "(next-token KL); budget auto needs --kv last-loop, and PyTorch or an onnxruntime engine exported with "
+            "--adaptive."
         ),
     ] = "state",
     speculative: Annotated[
@@ -128,7 +129,8 @@ def serve(
     options.check_kv(kv)  # before an export
     if engine == "onnx":
         served_model_name = served_model_name or model_dir.resolve().name
-        model_dir = onnx_engine_of(model_dir, engine_dir or default_engine_dir(model_dir), kv, speculative)
+        adaptive = exit_rule if kv == "last-loop" else False  # last-loop servers serve budget "auto"
+        model_dir = onnx_engine_of(model_dir, engine_dir or default_engine_dir(model_dir), kv, speculative, adaptive)
     with progress() as steps:
         with steps.stage(f"loading {model_dir}"):
             server = prepare(
@@ -158,10 +160,12 @@ def default_engine_dir(model_dir: Path) -> Path:
     return model_dir.parent / f"{model_dir.name}-onnx"
 
 
-def onnx_engine_of(model_dir: Path, engine_dir: Path, kv: str, speculative: bool = False) -> Path:
+def onnx_engine_of(
+    model_dir: Path, engine_dir: Path, kv: str, speculative: bool = False, adaptive: bool | str = False
+) -> Path:
     """The onnxruntime engine of the looped model directory ``model_dir`` at ``engine_dir``,
     exported there first unless it holds the engine of the same model files (with its verify
-    graphs when ``speculative``)."""
+    graphs when ``speculative``, its adaptive-depth graph of exit rule ``adaptive`` when given)."""
     from looptool.backends.engines import exported_engine
     from looptool.runtime.step_engine import detect
 
@@ -173,7 +177,12 @@ def onnx_engine_of(model_dir: Path, engine_dir: Path, kv: str, speculative: bool
         )
     with progress() as steps, steps.stage(f"onnxruntime engine of {model_dir} in {engine_dir}") as step:
         return exported_engine(
-            model_dir, engine_dir, kv=kv, speculative=speculative, on_progress=lambda text: step.update(text=text)
+            model_dir,
+            engine_dir,
+            kv=kv,
+            speculative=speculative,
+            adaptive=adaptive,
+            on_progress=lambda text: step.update(text=text),
         )
 
 

@@ -75,6 +75,6 @@ def open_engine(
     built engines and a CUDA GPU is present, else onnxruntime for an engine directory, PyTorch
     for a looped model directory). ``device`` applies to PyTorch, ``threads`` (intra-op) and
     ``session`` (``prepack``, ``spin``) to onnxruntime, ``session``'s ``exit_rule`` (how rows of
-    adaptive depth stop) to PyTorch; ``tokenizer`` replaces the directory's own."""
+    adaptive depth stop) to PyTorch and onnxruntime (an engine exported with its adaptive-depth graph); ``tokenizer`` replaces the directory's own."""
     path = Path(path)
     return _choose(path, runtime).open_dir(path, device=device, kv=kv, tokenizer=tokenizer, threads=threads, **session)

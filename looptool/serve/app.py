@@ -307,8 +307,9 @@ def _common(
             )
         else:
             message = (
-                f'budget "auto" is not served by the {runtime} engine (it runs fixed budgets only); serve the looped '
-                "model directory on PyTorch with --kv last-loop."
+                f'budget "auto" is not served by the {runtime} engine (it has no adaptive-depth graph); serve an '
+                "onnxruntime engine exported with it (looptool export --adaptive --kv last-loop) or the looped model "
+                "directory on PyTorch, with --kv last-loop."
             )
         raise APIError(message, param="budget")
     try:

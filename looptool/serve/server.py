@@ -257,7 +257,8 @@ def prepare(
     (``auto``, ``pytorch``, ``onnxruntime`` or ``tensorrt``) and prepare a server
     (``session``: onnxruntime's ``prepack`` and ``spin``, see :func:`looptool.engine.open_engine`;
     ``exit_rule``: how the tokens of ``budget: "auto"`` requests stop, ``state`` or ``kl``, on
-    PyTorch under last-loop KV). Every option is checked and the port bound before the model loads."""
+    PyTorch, or onnxruntime engines exported with that rule's adaptive-depth graph, under
+    last-loop KV). Every option is checked and the port bound before the model loads."""
     options = options or ServeOptions()
     options.check()  # before the directory is read: a bad option is reported first
     options.check_kv(kv)
