@@ -45,6 +45,7 @@ Covered (results file → tests/bench/README.md, unless README.md is named):
 - bench_speculative.json → the "Self-speculative decoding" table.
 - bench_auto.json → the "Per-token depth" table.
 - bench_auto_depth.json → the "Per-token depth on pointer chasing" table and its target prose.
+- bench_unused.json → the "No cost when unused" table and its mixed-batch prose.
 - bench_auto_timing.json → the "Per-token depth" wall-clock table.
 
 Not checked, because no results file is kept for them (the docs say so):
@@ -1220,6 +1221,43 @@ def _auto_timing():
                 yield R(label, a["mean_depth"], *mmm(a["ms_per_step"]))
 
 
+def _unused():
+    d = result("bench_unused")
+    R = functools.partial(row, BENCH, "| arm | before, ms min / median / max |", source="bench_unused", cols=(1, 2, 3))
+    for label, arm in (
+        ("budget 0, one row", "shallowest"),
+        ("budget 15, one row", "deepest"),
+        ("budgets 0/15/0/15, four rows", "mixed x4"),
+    ):
+        s = d["arms"][arm]
+        yield R(
+            label,
+            *(s[t][k] for t in ("baseline", "this") for k in ("min_ms", "median_ms", "max_ms")),
+            s["ratio_of_medians"],
+            s["ratio_of_mins"],
+            s["median_round_ratio"],
+        )
+    mixed = d["arms"]["mixed x4"]
+    yield prose(
+        BENCH,
+        "The mixed batch is within 3% by its minimums ({}) and by the median of the round-by-round ratios ({}), "
+        "but its medians differ by {}%",
+        mixed["ratio_of_mins"],
+        mixed["median_round_ratio"],
+        100 * (mixed["ratio_of_medians"] - 1),
+        source="bench_unused",
+    )
+    yield prose(
+        BENCH,
+        "its round-by-round ratios run from {} to {} (those of the one-row budget-15 arm from {} to {})",
+        min(mixed["round_ratios"]),
+        max(mixed["round_ratios"]),
+        min(d["arms"]["deepest"]["round_ratios"]),
+        max(d["arms"]["deepest"]["round_ratios"]),
+        source="bench_unused",
+    )
+
+
 def _serve():
     for label, name in (
         ("PyTorch (looped model directory)", "bench_serve_pytorch"),
@@ -1379,6 +1417,7 @@ CHECKS = [
     *_auto(),
     *_speculative_headline(),
     *_auto_depth(),
+    *_unused(),
     *_auto_timing(),
     *_gpu(),
 ]
