@@ -242,6 +242,16 @@ def prompt_ids(i: int, length: int = 6) -> list[int]:
     return torch.randint(3, 250, (length + i % 3,), generator=torch.Generator().manual_seed(i)).tolist()
 
 
+def budget_job(prompt: list[int], budget, max_tokens: int):
+    """A scheduler job running ``prompt`` for ``max_tokens`` tokens (EOS ignored) at a fixed
+    ``budget`` or, for an :class:`~looptool.engine.budgets.AutoRow`, at adaptive depth."""
+    from looptool.engine.budgets import AutoRow
+    from looptool.serve.scheduler import Job
+
+    auto = budget if isinstance(budget, AutoRow) else None
+    return Job(prompt, auto.max_budget if auto else budget, max_tokens, ignore_eos=True, auto=auto)
+
+
 def run_jobs(engine, jobs: list, *, max_batch: int, start_after: int, shifts: list[int] | None = None):
     """Run scheduler ``jobs`` (:class:`looptool.serve.scheduler.Job` s, their ``emit`` set here)
     in process over ``engine``: the first ``start_after`` queued before the scheduler starts (one

@@ -12,13 +12,13 @@ mixing adaptive and fixed rows gives each row what it gets alone; ``looptool exp
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 import torch
+from serve_process import budget_job, run_jobs
 
 import looptool
 from looptool.backends.errors import EngineError, ExportError
@@ -28,7 +28,6 @@ from looptool.backends.ort.engine import OrtStepEngine
 from looptool.backends.ort.runtime import Runtime, check_external_data
 from looptool.engine.budgets import AutoRow, RowBudgets
 from looptool.runtime.generation import generate
-from looptool.serve.scheduler import Event, Job, Scheduler
 from looptool.testing import move_off_init, tiny_model
 
 CASES = {  # plan, export arguments
@@ -150,29 +149,9 @@ def test_the_step_engine_serves_auto_and_fixed_rows_in_one_batch_each_as_alone(e
     budgets = [AutoRow(0, 2, 0.0), AutoRow(0, 2, thr), 0, AutoRow(1, 2, thr), 2, AutoRow(0, 1, thr)]
     ids, _ = _prompt()
     prompts = [ids[i % 2].tolist() for i in range(len(budgets))]
-    scheduler = Scheduler(engine, max_batch=len(budgets), capacity=64, max_queue=0)
-    events: list[list[Event]] = [[] for _ in budgets]
-    done = threading.Semaphore(0)
-
-    def emit(i):
-        def put(event: Event) -> None:
-            events[i].append(event)
-            if event.kind in ("finished", "failed"):
-                done.release()
-
-        return put
-
-    for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
-        auto = budget if isinstance(budget, AutoRow) else None
-        scheduler.submit(
-            Job(prompt, auto.max_budget if auto else budget, TOKENS, ignore_eos=True, emit=emit(i), auto=auto)
-        )
-    scheduler.start()  # every job is waiting: the first iteration admits them all
-    try:
-        for _ in budgets:
-            assert done.acquire(timeout=120)
-    finally:
-        scheduler.stop(10)
+    jobs = [budget_job(prompt, b, TOKENS) for prompt, b in zip(prompts, budgets)]
+    scheduler = run_jobs(engine, jobs, max_batch=len(jobs), start_after=len(jobs))  # one batch from the start
+    events = scheduler.events
     assert scheduler.steps == TOKENS - 1  # one step per token for all rows together
     mixed = False
     for i, budget in enumerate(budgets):

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import torch
-from serve_process import ServerProcess, metric, tiny_looped
+from serve_process import ServerProcess, budget_job, metric, run_jobs, tiny_looped
 
 import looptool
 from looptool.engine.budgets import AutoRow, RowBudgets
@@ -37,7 +36,7 @@ from fastapi.testclient import TestClient  # noqa: E402 (after the skip)
 from looptool.serve.app import create_app  # noqa: E402
 from looptool.serve.budgets import BudgetResolver  # noqa: E402
 from looptool.serve.models import open_model  # noqa: E402
-from looptool.serve.scheduler import Event, Job, Scheduler  # noqa: E402
+from looptool.serve.scheduler import Scheduler  # noqa: E402
 
 NAME = "tiny"
 PLAN = looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2))
@@ -108,29 +107,10 @@ def _requests(threshold: float) -> list[int | AutoRow]:
 def test_auto_and_fixed_rows_share_one_batch_and_each_gets_what_it_gets_alone(model, threshold):
     engine = TorchStepEngine(model, kv="last-loop")
     budgets = _requests(threshold)
-    scheduler = Scheduler(engine, max_batch=len(budgets), capacity=64, max_queue=0)
-    events: list[list[Event]] = [[] for _ in budgets]
-    done = threading.Semaphore(0)
-
-    def emit(i):
-        def put(event: Event) -> None:
-            events[i].append(event)
-            if event.kind in ("finished", "failed"):
-                done.release()
-
-        return put
-
     prompts = [_ids(model, PROMPTS[i % len(PROMPTS)]) for i in range(len(budgets))]
-    for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
-        auto = budget if isinstance(budget, AutoRow) else None
-        fixed = budget.max_budget if auto else budget
-        scheduler.submit(Job(prompt, fixed, TOKENS, ignore_eos=True, emit=emit(i), auto=auto))
-    scheduler.start()  # every job is waiting: the first iteration admits them all
-    try:
-        for _ in budgets:
-            assert done.acquire(timeout=60)
-    finally:
-        scheduler.stop(10)
+    jobs = [budget_job(prompt, b, TOKENS) for prompt, b in zip(prompts, budgets)]
+    scheduler = run_jobs(engine, jobs, max_batch=len(jobs), start_after=len(jobs))  # one batch from the start
+    events = scheduler.events
     assert scheduler.steps == TOKENS - 1  # one decode step per token for all rows together
     mixed = False
     for i, budget in enumerate(budgets):
