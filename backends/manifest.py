@@ -1,12 +1,11 @@
 """The manifest of an engine directory, typed, in one place.
 
 An engine directory (:func:`looptool.backends.onnx.export.export_onnx`, extended by
-:func:`looptool.backends.tensorrt.export.export_tensorrt`) holds ``weights.bin``, its graphs
-and ``manifest.json``: the format and its version, the graphs per budget and KV policy (file,
-sha256, cache layout, ...), the row-wise graphs per policy, speculative decoding's verify
-graphs and the adaptive-depth graphs (``budget="auto"``) where they were exported, the weight table (every tensor's offset, length, dtype and
-shape in ``weights.bin``), the cost table, the source config and, for TensorRT, the variants,
-profiles and built engines.
+:func:`looptool.backends.tensorrt.export.export_tensorrt`) holds ``weights.bin``, its graphs and ``manifest.json``:
+the format and its version, the graphs per budget and KV policy (file, sha256, cache layout, ...), the row-wise
+graphs per policy, speculative decoding's verify graphs and the adaptive-depth graphs (``budget="auto"``) where
+they were exported, the weight table (every tensor's offset, length, dtype and shape in ``weights.bin``), the
+cost table, the source config and, for TensorRT, the variants, profiles and built engines.
 
 :class:`Manifest` is that JSON as dataclasses. Budgets are ints and the row-wise graphs sit
 under :data:`~looptool.core.graph.ROWWISE` beside them; JSON's string keys exist only inside
@@ -207,7 +206,7 @@ class Manifest:
         return self.source_config.get("eos_token_id")
 
     def facts(self):
-        """The exported budgets and the source config's context (:class:`looptool.engine.EngineFacts`)."""
+        """The budgets a step engine serves and the source config's context (:class:`looptool.engine.EngineFacts`)."""
         import transformers
 
         from looptool.capture.facts import context_length_of
@@ -215,7 +214,9 @@ class Manifest:
 
         source = self.source_config
         config = transformers.CONFIG_MAPPING[source["model_type"]].from_dict(source) if "model_type" in source else None
-        return EngineFacts(self.budgets, context_length_of(config) if config is not None else None)
+        menus = [e.menu for e in self.graphs.get(ROWWISE, {}).values() if e.menu is not None]
+        served = tuple(sorted(menus[0])) if menus else self.budgets  # a step engine serves the row-wise menu
+        return EngineFacts(served, context_length_of(config) if config is not None else None)
 
     @classmethod
     def read(cls, directory: str | os.PathLike) -> Manifest:

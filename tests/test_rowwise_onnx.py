@@ -216,6 +216,19 @@ def test_step_engine_slices_equal_generating_each_row_alone(engines, name):
         RowBudgets.resolve([9], engine.budgets, 1, error=EngineError)
 
 
+def test_a_server_reads_the_rowwise_menu_of_an_engine_without_budget_graphs(engines):
+    """What ``looptool serve`` reads before loading (the facts) names the budgets its step
+    engine serves: the row-wise menu, also for an engine exported with no budget graph of its
+    own (``budgets="none"``, whose server failed on an empty menu) or with some of them only."""
+    from looptool.backends.ort.engine import OrtStepEngine
+    from looptool.engine import describe
+
+    for name in PLANS:
+        model, rt, _ = engines[name]
+        assert describe(rt.directory).budgets == OrtStepEngine(rt).budgets == tuple(model.budgets), name
+    assert engines["elr"][1].manifest.budgets == ()  # no graph of its own
+
+
 def test_prompt_logprobs_match_the_full_forward(engines):
     model, rt, _ = engines["elr"]
     engine = OrtStepEngine(rt)
