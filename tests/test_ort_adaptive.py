@@ -124,7 +124,7 @@ def test_refusals_are_one_sentence(engines, tmp_path):
     model, _, rt = engines["prefix"]
     with pytest.raises(EngineError, match="no adaptive-depth graph .kl rule") as err:
         _auto(rt, 0.0, "kl")
-    assert "--adaptive" in str(err.value) and err.value.parameter == "budget"
+    assert "adaptive=" in str(err.value) and err.value.parameter == "budget"
     with pytest.raises(EngineError, match="needs kv='last-loop'"):
         _auto(rt, 0.0, "state", kv="per-loop")
     with pytest.raises(looptool.LooptoolError, match="not in this model's budget menu"):
@@ -143,7 +143,7 @@ def test_the_step_engine_serves_auto_and_fixed_rows_in_one_batch_each_as_alone(e
     engine.check_adaptive()
     with pytest.raises(EngineError, match="last-loop KV policy"):
         _per_loop_check(engine)
-    with pytest.raises(EngineError, match="export it again with looptool export --adaptive"):
+    with pytest.raises(EngineError, match="export it again with adaptive=True"):
         OrtStepEngine(rt, kv="last-loop", exit_rule="kl").check_adaptive()
     thr = _mixing(model, "state")
     budgets = [AutoRow(0, 2, 0.0), AutoRow(0, 2, thr), 0, AutoRow(1, 2, thr), 2, AutoRow(0, 1, thr)]

@@ -125,8 +125,8 @@ class OrtStepEngine(StepEngine):
         if ADAPTIVE not in self._pairs:
             raise EngineError(
                 f"the engine directory has no adaptive-depth graph ({self.exit_rule} rule, last-loop KV) over its "
-                "row-wise graph's caches, which budget 'auto' runs; export it again with looptool export --adaptive "
-                "--kv last-loop.",
+                "row-wise graph's caches, which budget 'auto' runs; export it again with adaptive=True and "
+                "kv='last-loop'.",
                 parameter="runtime",
             )
 

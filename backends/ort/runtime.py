@@ -224,7 +224,7 @@ class Runtime:
         if entry is None:
             raise EngineError(
                 f"'{self.directory}' has no adaptive-depth graph ({rule} rule, {kv}), which budget 'auto' runs; export "
-                f"the engine again with adaptive={rule!r} and kv='last-loop' (looptool export --adaptive).",
+                f"the engine again with adaptive={rule!r} and kv='last-loop'.",
                 parameter="budget",
             )
         return self._session((f"adaptive.{rule}", kv), lambda: entry)
