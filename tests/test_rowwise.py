@@ -102,6 +102,17 @@ def test_bad_row_budgets():
         generate(model, prompt, budget=torch.tensor([0.0, 1.0]))
 
 
+def test_row_budgets_split_into_runs_of_one_budget():
+    """What a verify step runs one budget's path over: each run of consecutive rows, in order."""
+    assert RowBudgets((2, 2, 0, 2, 1, 1)).runs() == [
+        (2, slice(0, 2)),
+        (0, slice(2, 3)),
+        (2, slice(3, 4)),
+        (1, slice(4, 6)),
+    ]
+    assert RowBudgets((3,)).runs() == [(3, slice(0, 1))]
+
+
 def test_pass_builds_one_graph_over_the_deepest_slots():
     model = _model("prefix-llama")
     graph = rowwise_path(model).module.graph

@@ -184,15 +184,11 @@ class OrtStepEngine(StepEngine):
         (the same layout, checked when it is bound)."""
         self.check_verify()
         start, stop = row_span(rows, len(cache.buffers[0]), budgets)
-        steps, out, first = int(input_ids.shape[1]), [], 0
-        for last in range(1, len(budgets) + 1):
-            if last < len(budgets) and budgets.rows[last] == budgets.rows[first]:
-                continue
-            part = slice(first, last)
+        steps, out = int(input_ids.shape[1]), []
+        for k, part in budgets.runs():
             step = (input_ids[part], attention_mask[part], position_ids[part], cache_position)
-            logits, _ = self._run(cache, budgets.rows[first], start + first, start + last, step, budgets, steps=steps)
+            logits, _ = self._run(cache, k, start + part.start, start + part.stop, step, budgets, steps=steps)
             out.append(torch.from_numpy(logits.astype(np.float32)))
-            first = last
         return torch.cat(out)
 
     def _run(self, cache: ArraySlotCache, key: int | str, start: int, stop: int, step, budgets, steps: int):

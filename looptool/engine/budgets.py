@@ -111,6 +111,16 @@ class RowBudgets:
         path of their own) has it, else :data:`~looptool.core.graph.ROWWISE`."""
         return self.rows[0] if self.uniform and self.rows[0] in own else ROWWISE
 
+    def runs(self) -> list[tuple[int, slice]]:
+        """Each run of consecutive rows sharing a budget: ``(budget, rows)`` in row order (what
+        runs one budget's own path per run, as a verify step does)."""
+        out, first = [], 0
+        for last in range(1, len(self.rows) + 1):
+            if last == len(self.rows) or self.rows[last] != self.rows[first]:
+                out.append((self.rows[first], slice(first, last)))
+                first = last
+        return out
+
     def tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """The row-wise path's ``budgets`` input: int64 ``[batch]``."""
         return torch.tensor(self.rows, dtype=torch.long, device=device)

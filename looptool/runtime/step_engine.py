@@ -190,15 +190,11 @@ class TorchStepEngine(StepEngine):
         start = rows.indices(cache.slots)[0]
         width = attention_mask.shape[1]
         paths = verify_paths(self.model, self.kv, sorted(set(budgets.rows)))
-        out, first = [], 0
-        for last in range(1, len(budgets) + 1):
-            if last < len(budgets) and budgets.rows[last] == budgets.rows[first]:
-                continue
-            k, part = budgets.rows[first], slice(first, last)
-            views = [b[start + first : start + last, :, :width] for b in cache.buffers]
+        out = []
+        for k, part in budgets.runs():
+            views = [b[start + part.start : start + part.stop, :, :width] for b in cache.buffers]
             step = (input_ids[part], attention_mask[part], position_ids[part], cache_position)
             out.append(paths[k].module(*step, *(views[i] for i in self.pairs[k])).float())
-            first = last
         return torch.cat(out)
 
     @torch.no_grad()

@@ -107,6 +107,18 @@ class Job:
         return "auto" if self.auto is not None else str(self.budget)
 
 
+def _refusal(check: Callable[[], None] | None, missing: str) -> Exception | None:
+    """What ``check`` (an engine's ``check_*``) raises, None when it passes; an engine without
+    the check refuses with ``missing``."""
+    if check is None:
+        return NotImplementedError(missing)
+    try:
+        check()
+    except Exception as exc:
+        return exc
+    return None
+
+
 FIRST_LENGTH = 64  # cache positions at start; the cache grows by doubling
 
 
@@ -250,23 +262,12 @@ class Scheduler:
     def speculation_refusal(self) -> Exception | None:
         """None when the engine runs verify steps (self-speculative decoding), else its reason
         (an exception whose ``parameter`` says what stands in the way: ``runtime`` or ``kv``)."""
-        try:
-            self.engine.check_verify()
-        except Exception as exc:
-            return exc
-        return None
+        return _refusal(getattr(self.engine, "check_verify", None), "the engine has no verify step")
 
     def adaptive_refusal(self) -> Exception | None:
         """None when the engine runs jobs of adaptive depth, else its reason (an exception
         whose ``parameter`` says what stands in the way: ``runtime`` or ``kv``)."""
-        check = getattr(self.engine, "check_adaptive", None)
-        if check is None:
-            return NotImplementedError("the engine runs fixed budgets only")
-        try:
-            check()
-        except Exception as exc:
-            return exc
-        return None
+        return _refusal(getattr(self.engine, "check_adaptive", None), "the engine runs fixed budgets only")
 
     @property
     def running(self) -> int:
