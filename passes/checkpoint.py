@@ -26,7 +26,7 @@ import torch.fx as fx
 import torch.utils.checkpoint
 
 from looptool.core.errors import PassError
-from looptool.core.graph import META_KEY, ROLE_LAYER, LayerGraph, annotation, shared_graph_module
+from looptool.core.graph import META_KEY, ROLE_LAYER, LayerGraph, annotation, shared_graph_module, subgraph
 from looptool.passes.kv_cache import execution_of
 from looptool.passes.manager import LOOPING_PASSES, register_pass
 
@@ -190,7 +190,7 @@ def checkpoint_regions(graph: fx.Graph, *, checkpoint: bool = True, layers_path:
             outputs = [n for n in region if any(u not in members for u in n.users)]
             ann = annotation(region[0])
             fn = Region(
-                _body(params + region, inputs, outputs),
+                subgraph(params + region, inputs, outputs),
                 f"layer{key[0]}_x{key[1]}",
                 *key,
                 checkpoint=checkpoint,
@@ -226,16 +226,3 @@ def bind_regions(gm: fx.GraphModule, owner: torch.nn.Module) -> fx.GraphModule:
     if changed:
         gm.recompile()
     return gm
-
-
-def _body(region: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.Graph:
-    """The region's nodes as a graph of its inputs returning a tuple of its outputs."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for i, node in enumerate(inputs):
-        env[node] = graph.placeholder(f"in{i}")
-        env[node].meta = dict(node.meta)
-    for node in region:
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    graph.output(tuple(env[n] for n in outputs))
-    return graph

@@ -38,7 +38,16 @@ import torch
 from torch import fx
 
 from looptool.core.errors import PassError
-from looptool.core.graph import ROLE_INPUT, ROLE_OUTPUT, ROLE_STATE, LayerGraph, annotate, annotation, copy_graph
+from looptool.core.graph import (
+    ROLE_INPUT,
+    ROLE_OUTPUT,
+    ROLE_STATE,
+    LayerGraph,
+    annotate,
+    annotation,
+    copy_graph,
+    subgraph,
+)
 from looptool.passes.adaptive_depth import MERGE_KEY, STEP_KEY
 from looptool.passes.manager import register_pass
 
@@ -226,14 +235,9 @@ def _move_after(graph: fx.Graph, span: list[fx.Node], members: set, results: set
 
 def _segment_module(inside: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.GraphModule:
     """``inside`` as a GraphModule of ``inputs`` returning ``outputs`` (a tuple)."""
-    sub = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in inputs:
-        env[node] = sub.placeholder(node.name)
-        annotate(env[node], ROLE_INPUT, None)
-    for node in inside:
-        env[node] = sub.node_copy(node, env.__getitem__)
-    out = sub.output(tuple(env[n] for n in outputs))
-    annotate(out, ROLE_OUTPUT, None)
+    sub = subgraph(inside, inputs, outputs)
+    for node in sub.nodes:
+        if node.op in ("placeholder", "output"):
+            annotate(node, ROLE_INPUT if node.op == "placeholder" else ROLE_OUTPUT, None)
     sub.lint()
     return fx.GraphModule(torch.nn.Module(), sub)

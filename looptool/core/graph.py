@@ -253,6 +253,20 @@ def float_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return value
 
 
+def subgraph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.Graph:
+    """``nodes`` (in graph order) copied into a graph of ``inputs`` (placeholders ``in0``, ...,
+    each with its node's meta) that returns the tuple of ``outputs``' copies."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, node in enumerate(inputs):
+        env[node] = graph.placeholder(f"in{i}")
+        env[node].meta = dict(node.meta)
+    for node in nodes:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(tuple(env[n] for n in outputs))
+    return graph
+
+
 def copy_graph(graph: fx.Graph, transform=None) -> fx.Graph:
     """A new graph with the same nodes (meta shallow-copied, annotations preserved).
 
