@@ -20,7 +20,7 @@ import torch
 from looptool.backends.errors import EngineError
 from looptool.backends.onnx.adaptive import ADAPTIVE_KV
 from looptool.backends.ort.binding import CacheBinding
-from looptool.engine.budgets import AutoRow, RowBudgets
+from looptool.engine.budgets import PER_LOOP_AUTO, AutoRow, RowBudgets
 
 
 def auto_policy(kv: str | None) -> str:
@@ -28,8 +28,7 @@ def auto_policy(kv: str | None) -> str:
     kv = ADAPTIVE_KV[0] if kv is None else kv
     if kv not in ADAPTIVE_KV:
         raise EngineError(
-            f"budget='auto' needs kv='last-loop', not {kv!r}: under per-loop KV a token that stops early writes no "
-            "keys and values for the loops it skips, which later tokens running those loops would read.",
+            f"budget='auto' needs kv='last-loop', not {kv!r}: {PER_LOOP_AUTO}",
             parameter="kv",
         )
     return kv

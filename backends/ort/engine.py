@@ -31,7 +31,7 @@ from looptool.backends.manifest import MANIFEST, Manifest, engine_tokenizer
 from looptool.backends.serving import BUDGETS, DEPTH, INPUTS, LOGITS, CacheLayout, past_name, present_name
 from looptool.core.dtypes import named
 from looptool.core.graph import ROWWISE
-from looptool.engine.budgets import RowBudgets
+from looptool.engine.budgets import PER_LOOP_AUTO, RowBudgets
 from looptool.engine.interface import (
     ArraySlotCache,
     EngineFacts,
@@ -118,8 +118,7 @@ class OrtStepEngine(StepEngine):
         last-loop KV; else one sentence (``parameter`` ``kv`` or ``runtime``)."""
         if self.kv != "last-loop":
             raise EngineError(
-                "adaptive depth needs the last-loop KV policy: under per-loop KV a token that stops early writes no "
-                "keys and values for the loops it skips, which later tokens running those loops would read.",
+                f"adaptive depth needs the last-loop KV policy: {PER_LOOP_AUTO}",
                 parameter="kv",
             )
         if ADAPTIVE not in self._pairs:

@@ -26,6 +26,13 @@ from looptool.core.graph import ROWWISE
 DEFAULT_EXIT_THRESHOLD = 0.05  # relative state change below which an adaptive row stops (not calibrated per model)
 
 
+# Why adaptive depth refuses per-loop KV, said by every runtime that refuses it.
+PER_LOOP_AUTO = (
+    "under per-loop KV a token that stops early writes no keys and values for the loops it skips, which later "
+    "tokens running those loops would read."
+)
+
+
 @dataclass(frozen=True)
 class AutoRow:
     """One row's adaptive-depth settings: it runs between ``min_budget`` and ``max_budget``

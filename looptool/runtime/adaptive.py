@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from looptool.core.errors import LooptoolError
-from looptool.engine.budgets import DEFAULT_EXIT_THRESHOLD
+from looptool.engine.budgets import DEFAULT_EXIT_THRESHOLD, PER_LOOP_AUTO
 from looptool.passes.adaptive_depth import EXIT_RULES
 from looptool.runtime.decode_graphs import adaptive_path, allocate_cache, check_policy
 
@@ -111,8 +111,7 @@ def check_auto_policy(model: LoopedModel, kv: str | None) -> str:
     """The KV policy for ``budget="auto"`` (None: ``"last-loop"``); per-loop is refused."""
     if kv == "per-loop":
         raise LooptoolError(
-            "budget='auto' needs kv='last-loop': under per-loop KV a token that stops early writes no keys and "
-            "values for the loops it skips, which later tokens running those loops would read.",
+            f"budget='auto' needs kv='last-loop': {PER_LOOP_AUTO}",
             parameter="kv",
         )
     return check_policy(model, "last-loop" if kv is None else kv)

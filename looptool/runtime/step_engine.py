@@ -28,7 +28,7 @@ import torch
 
 from looptool.core.errors import LooptoolError
 from looptool.core.graph import ROWWISE
-from looptool.engine.budgets import RowBudgets
+from looptool.engine.budgets import PER_LOOP_AUTO, RowBudgets
 from looptool.engine.interface import (
     EngineFacts,
     OpenedEngine,
@@ -89,8 +89,7 @@ class TorchStepEngine(StepEngine):
         """Nothing under last-loop KV; per-loop KV is one sentence (``parameter`` ``kv``)."""
         if self.kv != "last-loop":
             raise LooptoolError(
-                "adaptive depth needs the last-loop KV policy: under per-loop KV a token that stops early writes no "
-                "keys and values for the loops it skips, which later tokens running those loops would read.",
+                f"adaptive depth needs the last-loop KV policy: {PER_LOOP_AUTO}",
                 parameter="kv",
             )
 
