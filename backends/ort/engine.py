@@ -44,6 +44,7 @@ from looptool.engine.interface import (
     full_width,
     row_span,
 )
+from looptool.engine.speculation import LAST_LOOP_VERIFY
 from looptool.passes.adaptive_depth import AUTO_INPUTS
 
 WANTS = "give an engine directory written by looptool export"
@@ -156,8 +157,7 @@ class OrtStepEngine(StepEngine):
         under per-loop KV (exported with ``speculative=True``); else one sentence."""
         if self.kv != "per-loop":
             raise EngineError(
-                "a verify step needs the per-loop KV policy: under last-loop caching a step over several tokens does "
-                "not compute what one-token steps compute.",
+                f"a verify step needs the per-loop KV policy: {LAST_LOOP_VERIFY}",
                 parameter="kv",
             )
         missing = [k for k in self.budgets[1:] if not self.runtime.has_verify(k, self.kv) or k not in self._pairs]

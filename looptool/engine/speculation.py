@@ -27,6 +27,9 @@ import torch
 from looptool.core.errors import LooptoolError
 from looptool.engine.sampling import TokenPicker
 
+# Why speculation refuses last-loop KV, said by every runtime that refuses it.
+LAST_LOOP_VERIFY = "under last-loop caching a step over several tokens does not compute what one-token steps compute."
+
 
 @dataclass(frozen=True)
 class Speculation:
@@ -43,8 +46,7 @@ class Speculation:
         compute what budget ``k`` decodes one token at a time."""
         if kv == "last-loop":
             raise LooptoolError(
-                "speculative decoding needs kv='per-loop': under last-loop caching a step over several "
-                "tokens does not compute what one-token steps compute.",
+                f"speculative decoding needs kv='per-loop': {LAST_LOOP_VERIFY}",
                 parameter="kv",
             )
         if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:

@@ -38,6 +38,7 @@ from looptool.engine.interface import (
     costs_by_budget,
     eos_ids,
 )
+from looptool.engine.speculation import LAST_LOOP_VERIFY
 from looptool.passes.adaptive_depth import EXIT_RULES
 from looptool.runtime.decode_graphs import (
     CachedPath,
@@ -163,8 +164,7 @@ class TorchStepEngine(StepEngine):
         :meth:`~looptool.engine.speculation.Speculation.check`)."""
         if self.kv == "last-loop":
             raise LooptoolError(
-                "a verify step needs the per-loop KV policy: under last-loop caching a step over several tokens does "
-                "not compute what one-token steps compute.",
+                f"a verify step needs the per-loop KV policy: {LAST_LOOP_VERIFY}",
                 parameter="kv",
             )
 

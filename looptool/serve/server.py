@@ -22,6 +22,7 @@ from pathlib import Path
 
 from looptool.core.errors import LooptoolError
 from looptool.engine import EngineFacts
+from looptool.engine.speculation import LAST_LOOP_VERIFY
 from looptool.passes.adaptive_depth import EXIT_RULES
 from looptool.serve.budgets import BudgetResolver
 from looptool.serve.metrics import Metrics
@@ -71,8 +72,7 @@ class ServeOptions:
         serving needs per-loop KV)."""
         if self.speculative and kv == "last-loop":
             raise LooptoolError(
-                "speculative serving needs kv 'per-loop': under last-loop caching a step over several tokens does not "
-                "compute what one-token steps compute.",
+                f"speculative serving needs kv 'per-loop': {LAST_LOOP_VERIFY}",
                 parameter="kv",
             )
 
