@@ -169,11 +169,12 @@ def open_runtime(
     return Runtime(engine_dir, threads=threads, prepack=prepack)
 
 
-def engine_name(runtime, backend: str, budget: int, kv: str) -> str:
-    """What runs the engine, for a report: ``onnxruntime CPU`` (its first execution provider) or ``TensorRT``."""
+def engine_name(backend: str, session=None) -> str:
+    """What runs the engine, for a report: ``onnxruntime CPU`` (the first execution provider of
+    ``session``, the onnxruntime session that ran) or ``TensorRT``."""
     if backend == "tensorrt":
         return "TensorRT"
-    return "onnxruntime " + runtime.session(budget, kv).get_providers()[0].removesuffix("ExecutionProvider")
+    return "onnxruntime " + session.get_providers()[0].removesuffix("ExecutionProvider")
 
 
 SOURCE_STAMP = "source.json"  # in an engine directory made by exported_engine: the model files it came from

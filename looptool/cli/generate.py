@@ -297,12 +297,10 @@ def run_cmd(
             **({k: v for k, v in auto.items() if v is not None} if rows == "auto" else {}),
         ),
     )
-    if rows == "auto":
-        engine = "onnxruntime " + rt.adaptive_session(exit_rule or "state", kv).get_providers()[0].removesuffix(
-            "ExecutionProvider"
-        )
-    else:
-        engine = engine_name(rt, backend, graph, kv)
+    session = None  # TensorRT's engines are named without one
+    if backend == "onnx":
+        session = rt.adaptive_session(exit_rule or "state", kv) if rows == "auto" else rt.session(graph, kv)
+    engine = engine_name(backend, session)
     shown = f"budgets {','.join(map(str, budget))}" if isinstance(budget, list) else f"budget {budget}"
     if getattr(result, "speculation", None) is not None:
         stats = result.speculation
