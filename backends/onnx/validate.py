@@ -154,6 +154,17 @@ def check_quantized(ref, run, ids, mask, bound: float, what: str, label: str) ->
     return {"rel": rel, "kl": kl}
 
 
+def _compare(out: dict, key: str, ref, run, ids, mask, atol: float, quantized: str | None, what: str, label: str):
+    """Check ``run`` against ``ref`` on one prompt (:func:`check_quantized` for quantized
+    weights, else :func:`_check`) and record it in ``out`` under ``key`` (quantized: the relative
+    error, and the KL under ``<key>.kl``)."""
+    if quantized:
+        got = check_quantized(ref, run, ids, mask, QUANTIZED_BOUNDS[quantized], what, label)
+        out.update({key: got["rel"], f"{key}.kl": got["kl"]})
+    else:
+        out[key] = _check(ref, run, ids, mask, atol, what, label)
+
+
 def _run(rt, budget, policy: str, ids, mask, new_tokens: int, **speculation):
     """Greedy generation with the engine's graph for ``budget`` (one, or one per row);
     ``speculation``: ``draft_budget`` and ``draft_tokens`` (the verify graph's logits)."""
@@ -217,12 +228,7 @@ def validate_engine(
                     what = f"the verify graph of budget {budget} ({policy})"
                     runs[budget, policy, VERIFY] = (functools.partial(_run, rt, budget, policy, **draft), what)
                 for key, (run, what) in runs.items():
-                    out = diffs.setdefault(key, {})
-                    if quantized:
-                        got = check_quantized(ref, run, ids, mask, QUANTIZED_BOUNDS[quantized], what, label)
-                        out.update({label: got["rel"], f"{label}.kl": got["kl"]})
-                    else:
-                        out[label] = _check(ref, run, ids, mask, atol, what, label)
+                    _compare(diffs.setdefault(key, {}), label, ref, run, ids, mask, atol, quantized, what, label)
             log.info("budget %d (%s) validated: %s", budget, policy, diffs[budget, policy])
         if rt.has_rowwise(policy):
             diffs[ROWWISE, policy] = _validate_rowwise(model, rt, policy, atol, new_tokens, quantized)
@@ -252,11 +258,7 @@ def _validate_rowwise(
         )
         run = functools.partial(_run, rt, rows, policy)
         what = f"the row-wise graph ({policy}, rows at budgets {rows})"
-        if quantized:
-            got = check_quantized(ref, run, ids, mask, QUANTIZED_BOUNDS[quantized], what, label)
-            out.update({label: got["rel"], f"{label}.kl": got["kl"]})
-            continue
-        out[label] = _check(ref, run, ids, mask, atol, what, label)
+        _compare(out, label, ref, run, ids, mask, atol, quantized, what, label)
     log.info("row-wise graph (%s) validated: %s", policy, out)
     return out
 
@@ -295,11 +297,9 @@ def _validate_adaptive(
 
             what = f"the adaptive-depth graph ({rule} rule, {policy}, exit_threshold {threshold})"
             key = f"{label}.{name}"
+            _compare(out, key, ref, run, ids, mask, atol, quantized, what, label)
             if quantized:
-                got = check_quantized(ref, run, ids, mask, QUANTIZED_BOUNDS[quantized], what, label)
-                out.update({key: got["rel"], f"{key}.kl": got["kl"]})
                 continue
-            out[key] = _check(ref, run, ids, mask, atol, what, label)
             out[label] = max(out.get(label, 0.0), out[key])  # the worst over the thresholds, as other graphs report it
             first, prompt = runs[0], ids.shape[1]
             agree = (ref.sequences[:, prompt:] == first.sequences[:, prompt:]).all(0).long().cumprod(0).sum()
