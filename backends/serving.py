@@ -59,6 +59,7 @@ from looptool.core.graph import BUDGETS, ROWWISE_STEP_INPUTS, STEP_INPUTS, annot
 
 if TYPE_CHECKING:
     from looptool.backends.manifest import Manifest
+    from looptool.engine.budgets import RowBudgets
 
 INPUTS = STEP_INPUTS
 ROWWISE_INPUTS = ROWWISE_STEP_INPUTS
@@ -103,6 +104,20 @@ def example_budgets(menu: tuple[int, ...], batch: int) -> torch.Tensor:
     tracing and recording a row-wise graph (so a batch of two holds the deepest and the shallowest)."""
     order = [menu[-1], *menu[:-1]] if menu else [0]
     return torch.tensor([order[i % len(order)] for i in range(batch)], dtype=torch.long)
+
+
+def row_inputs(budgets: RowBudgets, adaptive: bool) -> dict[str, np.ndarray]:
+    """The per-row inputs a graph binds between ``cache_position`` and the caches, from each
+    row's ``budgets``: the adaptive-depth graph's ``min_budget``, ``max_budget`` and
+    ``exit_threshold`` (:meth:`~looptool.engine.budgets.RowBudgets.depth_inputs`), else the
+    row-wise graph's ``budgets``."""
+    from looptool.passes.adaptive_depth import AUTO_INPUTS
+
+    if adaptive:
+        names, values = AUTO_INPUTS[len(INPUTS) :], budgets.depth_inputs()
+    else:
+        names, values = (BUDGETS,), (budgets.tensor(),)
+    return {name: np.ascontiguousarray(value.numpy()) for name, value in zip(names, values)}
 
 
 def example_extras(sg: ServingGraph, batch: int) -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from looptool.backends.errors import EngineError
-from looptool.backends.serving import BUDGETS, DEPTH, INPUTS, LOGITS, CacheLayout
+from looptool.backends.serving import BUDGETS, DEPTH, INPUTS, LOGITS, CacheLayout, row_inputs
 from looptool.core.dtypes import named
 from looptool.engine.budgets import RowBudgets
 from looptool.passes.adaptive_depth import AUTO_INPUTS, MIN_BUDGET
@@ -84,10 +84,7 @@ class CacheBinding:
             self._depth_value = ort.OrtValue.ortvalue_from_numpy(self.depth)
             self.io.bind_ortvalue_output(DEPTH, self._depth_value)
         if budgets is not None:  # fixed for the whole call: bound once (the arrays stay referenced)
-            given = (
-                zip(AUTO_INPUTS[len(INPUTS) :], budgets.depth_inputs()) if adaptive else [(BUDGETS, budgets.tensor())]
-            )
-            self._extras = {name: np.ascontiguousarray(t.numpy()) for name, t in given}
+            self._extras = row_inputs(budgets, adaptive)
             self._extra_values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self._extras.values()]
             for name, value in zip(self._extras, self._extra_values):
                 self.io.bind_ortvalue_input(name, value)

@@ -28,7 +28,7 @@ import torch
 
 from looptool.backends.errors import EngineError
 from looptool.backends.manifest import MANIFEST, Manifest, engine_tokenizer
-from looptool.backends.serving import BUDGETS, DEPTH, INPUTS, LOGITS, CacheLayout, past_name, present_name
+from looptool.backends.serving import DEPTH, INPUTS, LOGITS, CacheLayout, past_name, present_name, row_inputs
 from looptool.core.dtypes import named
 from looptool.core.graph import ROWWISE
 from looptool.engine.budgets import PER_LOOP_AUTO, RowBudgets
@@ -45,7 +45,6 @@ from looptool.engine.interface import (
     row_span,
 )
 from looptool.engine.speculation import LAST_LOOP_VERIFY
-from looptool.passes.adaptive_depth import AUTO_INPUTS
 
 WANTS = "give an engine directory written by looptool export"
 ADAPTIVE = "adaptive"  # the adaptive-depth graph's key among the graphs a step runs
@@ -202,11 +201,9 @@ class OrtStepEngine(StepEngine):
         io.bind_cpu_input(INPUTS[1], mask.astype(self.runtime.mask_dtype, copy=False))
         io.bind_cpu_input(INPUTS[2], as_numpy(position_ids).astype(np.int64, copy=False))
         io.bind_cpu_input(INPUTS[3], as_numpy(cache_position).astype(np.int64, copy=False))
-        if key == ROWWISE:
-            io.bind_cpu_input(BUDGETS, np.asarray(budgets.rows, dtype=np.int64))
-        if key == ADAPTIVE:
-            for name, value in zip(AUTO_INPUTS[len(INPUTS) :], budgets.depth_inputs()):
-                io.bind_cpu_input(name, value.numpy())
+        if key in (ROWWISE, ADAPTIVE):
+            for name, value in row_inputs(budgets, key == ADAPTIVE).items():
+                io.bind_cpu_input(name, value)
         session.run_with_iobinding(io)
         return logits, depth
 
