@@ -208,6 +208,7 @@ def exported_engine(
     import json
 
     from looptool.backends.manifest import MANIFEST, Manifest
+    from looptool.backends.onnx.adaptive import adaptive_rules
 
     model_dir, engine_dir = Path(model_dir), Path(engine_dir)
     source = _source_of(model_dir)
@@ -221,7 +222,8 @@ def exported_engine(
             )
         if json.loads(stamp.read_text()) == source and (engine_dir / MANIFEST).is_file():
             kept = Manifest.read(engine_dir)
-            if (not speculative or kept.verify_graphs) and (not adaptive or adaptive in kept.adaptive_graphs):
+            rules = adaptive_rules(adaptive)  # True: the state rule, as the export reads it
+            if (not speculative or kept.verify_graphs) and all(r in kept.adaptive_graphs for r in rules):
                 return engine_dir
     from looptool.runtime.convert import load
 

@@ -526,6 +526,14 @@ def test_the_onnx_engine_of_a_looped_model_is_exported_once_and_kept_with_its_so
     monkeypatch.setattr(engines, "export_engines", lambda *a, **k: exports.append(k["options"]["speculative"]))
     engines.exported_engine(saved, out, speculative=True)
     assert exports == [out, True]  # no verify graphs (serve --speculative): exported again with them
+    monkeypatch.setattr(engines, "export_engines", lambda *a, **k: exports.append(k["options"]["adaptive"]))
+    engines.exported_engine(saved, out, adaptive=True)
+    assert exports == [out, True, True]  # no adaptive-depth graph: exported again with it
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["adaptive"] = {"state": {"per-loop": manifest["rowwise"]["per-loop"]}}  # as if exported with it
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    engines.exported_engine(saved, out, adaptive=True)
+    assert exports == [out, True, True]  # adaptive=True asks for the state rule's graph, which it holds: reused
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     with pytest.raises(ExportError, match="was not written by exported_engine"):
