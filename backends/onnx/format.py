@@ -30,11 +30,12 @@ def adaptive_file(rule: str, kv: str = "last-loop") -> str:
     return f"adaptive.{rule}.{kv}.onnx"
 
 
-def _hashed(directory: Path, entries: dict[tuple, GraphEntry]) -> dict:
-    """``{key[0]: {key[1]: entry}}`` of ``entries`` (keyed ``(budget or rule, policy)``), each
-    entry given its file's sha256 and size."""
+def _hashed(directory: Path, entries: dict[tuple, GraphEntry], order=None) -> dict:
+    """``{key[0]: {key[1]: entry}}`` of ``entries`` (keyed ``(budget or rule, policy)``, in the
+    sort order ``order`` gives a key, default the keys' own), each entry given its file's
+    sha256 and size."""
     out: dict = {}
-    for (key, policy), entry in sorted(entries.items()):
+    for (key, policy), entry in sorted(entries.items(), key=lambda item: order(item[0]) if order else item[0]):
         path = directory / entry.file
         entry.sha256, entry.bytes = sha256_file(path), path.stat().st_size
         out.setdefault(key, {})[policy] = entry
@@ -57,14 +58,8 @@ def export_manifest(
     ``adaptive``: the adaptive-depth graphs, keyed ``(exit rule, policy)``."""
     from looptool.backends.onnx.functions import DOMAIN, DOMAIN_VERSION, OPSET
 
-    by_budget: dict[int | str, dict[str, GraphEntry]] = {}
-    order = {key: (key[0] == ROWWISE, 0 if key[0] == ROWWISE else key[0], key[1]) for key in graphs}
-    for (budget, policy), entry in sorted(graphs.items(), key=lambda item: order[item[0]]):
-        path = directory / entry.file
-        entry.sha256, entry.bytes = sha256_file(path), path.stat().st_size
-        by_budget.setdefault(budget, {})[policy] = entry
     return Manifest(
-        graphs=by_budget,
+        graphs=_hashed(directory, graphs, lambda key: (key[0] == ROWWISE, 0 if key[0] == ROWWISE else key[0], key[1])),
         kv_policies=tuple(sorted({policy for _, policy in graphs})),
         weights=WeightsEntry(
             WEIGHTS,
