@@ -252,6 +252,26 @@ def budget_job(prompt: list[int], budget, max_tokens: int):
     return Job(prompt, auto.max_budget if auto else budget, max_tokens, ignore_eos=True, auto=auto)
 
 
+def alone_answer(run, prompt: list[int], budget, max_tokens: int) -> tuple[list[int], list[int]]:
+    """Tokens and per-token depths of ``prompt`` generated alone by ``run`` (``generate`` bound
+    to a model, or a runtime's ``generate``; EOS not stopping it where the caller's run says so):
+    adaptive for an :class:`~looptool.engine.budgets.AutoRow` (its range and threshold), else
+    fixed at ``budget`` under last-loop KV."""
+    import torch
+
+    from looptool.engine.budgets import AutoRow
+
+    ids = torch.tensor([prompt])
+    if isinstance(budget, AutoRow):
+        auto = dict(min_budget=budget.min_budget, max_budget=budget.max_budget, exit_threshold=budget.exit_threshold)
+        out = run(ids, budget="auto", **auto, max_new_tokens=max_tokens)
+        depths = out.depths[0].tolist()
+    else:
+        out = run(ids, budget=budget, kv="last-loop", max_new_tokens=max_tokens)
+        depths = [budget] * max_tokens
+    return out.sequences[0, ids.shape[1] :].tolist(), depths
+
+
 def run_jobs(engine, jobs: list, *, max_batch: int, start_after: int, shifts: list[int] | None = None):
     """Run scheduler ``jobs`` (:class:`looptool.serve.scheduler.Job` s, their ``emit`` set here)
     in process over ``engine``: the first ``start_after`` queued before the scheduler starts (one

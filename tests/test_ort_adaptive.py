@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from serve_process import budget_job, run_jobs
+from serve_process import alone_answer, budget_job, run_jobs
 
 import looptool
 from looptool.backends.errors import EngineError, ExportError
@@ -158,23 +158,8 @@ def test_the_step_engine_serves_auto_and_fixed_rows_in_one_batch_each_as_alone(e
         assert events[i][-1].kind == "finished", events[i][-1]
         tokens = [e.token for e in events[i] if e.kind == "token"]
         depths = [e.depth for e in events[i] if e.kind == "token"]
-        one = torch.tensor([prompts[i]])
-        if isinstance(budget, AutoRow):
-            a = budget
-            out = rt.generate(
-                one,
-                budget="auto",
-                min_budget=a.min_budget,
-                max_budget=a.max_budget,
-                exit_threshold=a.exit_threshold,
-                max_new_tokens=TOKENS,
-            )
-            want = out.depths[0].tolist()
-            mixed |= len(set(depths)) > 1
-        else:
-            out = rt.generate(one, budget=budget, kv="last-loop", max_new_tokens=TOKENS)
-            want = [budget] * TOKENS
-        assert (tokens, depths) == (out.sequences[0, one.shape[1] :].tolist(), want), (i, budget)
+        assert (tokens, depths) == alone_answer(rt.generate, prompts[i], budget, TOKENS), (i, budget)
+        mixed |= isinstance(budget, AutoRow) and len(set(depths)) > 1
     assert mixed  # some adaptive row changed depth from token to token
 
 

@@ -14,13 +14,14 @@ refuses bad fields; a per-loop server and a fixed-budget engine refuse ``"auto"`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import torch
-from serve_process import ServerProcess, budget_job, metric, run_jobs, tiny_looped
+from serve_process import ServerProcess, alone_answer, budget_job, metric, run_jobs, tiny_looped
 
 import looptool
 from looptool.engine.budgets import AutoRow, RowBudgets
@@ -69,23 +70,7 @@ def alone(model, prompt: list[int], budget: int | AutoRow) -> tuple[list[int], l
     ``generate(budget="auto", ...)``, fixed with ``generate(budget=k, kv="last-loop")``."""
     key = (tuple(prompt), budget)
     if key not in _ALONE:
-        ids = torch.tensor([prompt])
-        if isinstance(budget, AutoRow):
-            a = budget
-            out = generate(
-                model,
-                ids,
-                budget="auto",
-                min_budget=a.min_budget,
-                max_budget=a.max_budget,
-                exit_threshold=a.exit_threshold,
-                max_new_tokens=TOKENS,
-            )
-            depths = out.depths[0].tolist()
-        else:
-            out = generate(model, ids, budget=budget, kv="last-loop", max_new_tokens=TOKENS)
-            depths = [budget] * TOKENS
-        _ALONE[key] = (out.sequences[0, ids.shape[1] :].tolist(), depths)
+        _ALONE[key] = alone_answer(functools.partial(generate, model), prompt, budget, TOKENS)
     return _ALONE[key]
 
 
