@@ -112,7 +112,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def speculative(model_dir):
-    """``looptool serve --speculative --draft-tokens 3`` prepared in process (its uvicorn loop
+    """``looptool serve --speculative`` (its default --draft-tokens, 4) prepared in process (its uvicorn loop
     not run): the server object."""
     from looptool.cli import app
     from looptool.serve.server import Server
@@ -120,9 +120,7 @@ def speculative(model_dir):
     servers: list[Server] = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Server, "run", lambda self: servers.append(self))
-        res = CliRunner().invoke(
-            app, ["serve", str(model_dir), "--speculative", "--draft-tokens", "3", "--port", "0", "--device", "cpu"]
-        )
+        res = CliRunner().invoke(app, ["serve", str(model_dir), "--speculative", "--port", "0", "--device", "cpu"])
     assert res.exit_code == 0, res.output
     return servers[0]
 
@@ -145,7 +143,7 @@ def test_a_speculative_server_drafts_at_the_shallowest_budget_by_default(client,
     out = _complete(client, max_tokens=12, budget=2, ignore_eos=True)
     assert out["choices"][0]["text"] == plain
     spec = out["cost"]["speculation"]
-    assert (spec["draft_budget"], spec["draft_tokens"]) == (0, 3) and spec["drafted"] == 3 * spec["rounds"] > 0
+    assert (spec["draft_budget"], spec["draft_tokens"]) == (0, 4) and spec["drafted"] == 4 * spec["rounds"] > 0
     assert out["cost"]["budget"] == 2
     own = _complete(client, max_tokens=12, budget=2, ignore_eos=True, draft_budget=1, draft_tokens=2)
     assert own["choices"][0]["text"] == plain
