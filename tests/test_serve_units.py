@@ -362,6 +362,38 @@ def test_a_port_in_use_is_one_sentence_before_the_load(saved, monkeypatch):
     assert "Errno" not in res.output and "Traceback" not in res.output
 
 
+def test_a_port_a_loading_server_holds_is_refused_before_the_load(saved, monkeypatch):
+    """A second server on the port of one that has bound it but is still loading (so uvicorn
+    does not listen yet) is refused in one sentence, exit 1, before its own load; and it is
+    refused again while the first waits on its ``--engine onnx`` export."""
+    from typer.testing import CliRunner
+
+    from looptool.cli import app
+    from looptool.serve.server import bind
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    def no_export(*args, **kwargs):
+        raise AssertionError("the engine was exported before the port was checked")
+
+    monkeypatch.setattr("looptool.serve.server.open_model", no_load)
+    monkeypatch.setattr("looptool.cli.serve.onnx_engine_of", no_export)
+    first = bind("127.0.0.1", 0)  # what a loading `looptool serve` holds
+    try:
+        port = first.getsockname()[1]
+        for engine in ("as-is", "onnx"):
+            res = CliRunner().invoke(app, ["serve", str(saved), "--port", str(port), "--engine", engine])
+            assert res.exit_code == 1, res.output
+            assert f"port {port} on 127.0.0.1 is already in use" in res.output and "serving" not in res.output
+            assert "Errno" not in res.output and "Traceback" not in res.output
+        with pytest.raises(LooptoolError, match="already in use"):
+            bind("127.0.0.1", port).close()
+    finally:
+        first.close()
+    bind("127.0.0.1", port).close()  # free again once the first server is gone
+
+
 # ------------------------------------------------------------------ the disconnect watcher
 class _Client:
     """A request whose client goes away when ``gone`` is set; counts the connection checks."""

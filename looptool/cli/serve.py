@@ -107,6 +107,7 @@ def serve(
     checked and the port bound before the model loads; SIGTERM drains (new requests get 503)
     and exits 0 once the admitted requests finish."""
     from looptool.serve import ServeOptions, prepare
+    from looptool.serve.server import bind
 
     check_kv_names(kv)
     check_sizes(max_batch=max_batch, capacity=capacity)
@@ -127,10 +128,17 @@ def serve(
     )
     options.check()
     options.check_kv(kv)  # before an export
-    if engine == "onnx":
-        served_model_name = served_model_name or model_dir.resolve().name
-        adaptive = exit_rule if kv == "last-loop" else False  # last-loop servers serve budget "auto"
-        model_dir = onnx_engine_of(model_dir, engine_dir or default_engine_dir(model_dir), kv, speculative, adaptive)
+    sock = bind(host, port)  # a port in use is one sentence before any export or load
+    try:
+        if engine == "onnx":
+            served_model_name = served_model_name or model_dir.resolve().name
+            adaptive = exit_rule if kv == "last-loop" else False  # last-loop servers serve budget "auto"
+            model_dir = onnx_engine_of(
+                model_dir, engine_dir or default_engine_dir(model_dir), kv, speculative, adaptive
+            )
+    except BaseException:
+        sock.close()
+        raise
     with progress() as steps:
         with steps.stage(f"loading {model_dir}"):
             server = prepare(
@@ -143,6 +151,7 @@ def serve(
                 tokenizer=tokenizer,
                 threads=threads,
                 exit_rule=exit_rule,
+                sock=sock,
                 prepack=prepack or None,  # None: quantized engines pack, float ones do not
                 spin=spin,
             )

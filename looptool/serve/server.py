@@ -31,6 +31,7 @@ from looptool.serve.scheduler import Scheduler
 from looptool.serve.speculation import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 
 DEFAULT_CAPACITY = 1024  # tokens per slot unless the model's context is shorter
+BACKLOG = 2048  # pending connections the listening socket holds (uvicorn's default backlog)
 
 log = logging.getLogger(__name__)
 
@@ -130,9 +131,14 @@ class ResolvedOptions:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port`` (not listening yet: clients are refused until the server
-    starts), as uvicorn binds one; a port in use or an address this machine does not have is
-    one sentence."""
+    """A socket bound to ``host:port`` and listening, as uvicorn binds one; a port in use or an
+    address this machine does not have is one sentence.
+
+    It listens at once, before the model loads: with ``SO_REUSEADDR`` (kept so a restarted server
+    can take a port whose old connections linger in TIME_WAIT) Linux lets a second socket bind
+    a port that is bound but not listening, so a second server started while the first is still
+    loading would pass this check and fail only after its own load. Connections made while the
+    model loads wait in the backlog and are answered once the server is up."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
@@ -143,6 +149,7 @@ def bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
+        sock.listen(BACKLOG)
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
@@ -251,6 +258,7 @@ def prepare(
     tokenizer: str | os.PathLike | None = None,
     threads: int | None = None,
     exit_rule: str = "state",
+    sock: socket.socket | None = None,
     **session,
 ) -> Server:
     """Load ``model_dir`` (a looped model or an exported engine directory) on ``runtime``
@@ -258,16 +266,20 @@ def prepare(
     (``session``: onnxruntime's ``prepack`` and ``spin``, see :func:`looptool.engine.open_engine`;
     ``exit_rule``: how the tokens of ``budget: "auto"`` requests stop, ``state`` or ``kl``, on
     PyTorch, or onnxruntime engines exported with that rule's adaptive-depth graph, under
-    last-loop KV). Every option is checked and the port bound before the model loads."""
+    last-loop KV). Every option is checked and the port bound before the model loads (``sock``: a
+    socket :func:`bind` already bound to the options' host and port, which the server then owns, and
+    which is closed here if the server cannot be prepared)."""
     options = options or ServeOptions()
-    options.check()  # before the directory is read: a bad option is reported first
-    options.check_kv(kv)
-    if exit_rule not in EXIT_RULES:
-        raise LooptoolError(f"unknown exit_rule {exit_rule!r}; use one of {list(EXIT_RULES)}.", parameter="exit_rule")
-    name = name or Path(model_dir).resolve().name
-    resolved = options.for_model(read_facts(model_dir, runtime), name)
-    sock = bind(resolved.host, resolved.port)
     try:
+        options.check()  # before the directory is read: a bad option is reported first
+        options.check_kv(kv)
+        if exit_rule not in EXIT_RULES:
+            raise LooptoolError(
+                f"unknown exit_rule {exit_rule!r}; use one of {list(EXIT_RULES)}.", parameter="exit_rule"
+            )
+        name = name or Path(model_dir).resolve().name
+        resolved = options.for_model(read_facts(model_dir, runtime), name)
+        sock = sock or bind(resolved.host, resolved.port)
         served = open_model(
             model_dir,
             name=name,
@@ -281,5 +293,6 @@ def prepare(
         )
         return Server(served, resolved, sock)
     except BaseException:
-        sock.close()
+        if sock is not None:
+            sock.close()
         raise
