@@ -29,6 +29,7 @@ from looptool.testing import byte_tokenizer, tiny_model
 
 RUNTIMES = ("pytorch", "onnxruntime", "tensorrt")
 FAKE_TRT_PROCESS = str(Path(__file__).with_name("fake_trt_process.py"))
+HELD_PROCESS = str(Path(__file__).with_name("held_process.py"))
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}|{% endfor %}"
@@ -135,9 +136,13 @@ class Served:
     launcher: list[str] | None
     alone: Alone
 
-    def start(self, *args: str, log: Path) -> ServerProcess:
-        """A server of this directory on this runtime with ``args`` (checked to run there)."""
-        proc = ServerProcess(self.directory, *self.args, *args, log=log, launcher=self.launcher)
+    def start(self, *args: str, log: Path, hold: Path | None = None) -> ServerProcess:
+        """A server of this directory on this runtime with ``args`` (checked to run there); with
+        ``hold``, its running rows do not advance while that file exists (``held_process.py``)."""
+        launcher = self.launcher
+        if hold is not None:
+            launcher = [HELD_PROCESS, str(hold), *(launcher or [])]
+        proc = ServerProcess(self.directory, *self.args, *args, log=log, launcher=launcher)
         try:
             _wait_for_text(proc, f"runtime {self.runtime},")
         except BaseException:
@@ -217,9 +222,9 @@ def served_on(runtime: str, model_dir: Path, model, workdir: Path) -> Served:
     if runtime == "onnxruntime":  # exported as looptool serve MODEL_DIR --engine onnx does, which then reuses it
         from looptool.backends.engines import exported_engine
 
-        exported_engine(model_dir, output, validate=False)
+        engines, output = output, exported_engine(model_dir, output, validate=False).path  # output/per-loop
         directory = Path(model_dir)
-        args = ("--runtime", runtime, "--threads", "1", "--engine", "onnx", "--engine-dir", str(output), "--prepack")
+        args = ("--runtime", runtime, "--threads", "1", "--engine", "onnx", "--engine-dir", str(engines), "--prepack")
         launcher = None
     else:
         import fake_tensorrt
