@@ -7,6 +7,8 @@ ending in ``data: [DONE]``), ``GET /v1/models`` (``NAME`` and ``NAME@k`` per bud
 ``Authorization: Bearer KEY``. Every refusal is an OpenAI-shaped JSON error. While the server
 drains (after SIGTERM) it still listens: ``/v1`` requests get 503 and ``/health`` answers 503
 ``{"status": "draining"}``, so a load balancer's readiness probe takes the replica out.
+A request field the server does not know is ignored, and logged as a warning the first time a
+request sends it (once per field name per app, as vLLM warns).
 
 ``budget: "auto"`` (adaptive depth per token) is served where the engine runs it (PyTorch under
 last-loop KV); elsewhere it is one 400. Its response's ``cost`` gives the mean realised depth.
@@ -24,13 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -46,16 +49,20 @@ from looptool.serve.models import ServedModel
 from looptool.serve.prompts import chat_prompt, check_room, completion_prompts
 from looptool.serve.protocol import (
     APIError,
+    Body,
     ChatCompletionRequest,
     CompletionRequest,
     chunk,
     error_body,
+    invalid_field,
     request_id,
     response,
     usage,
 )
 from looptool.serve.scheduler import Draining, Event, Job, QueueFull, Scheduler
 from looptool.serve.speculation import choose_speculation, speculation_cost
+
+log = logging.getLogger(__name__)
 
 DISCONNECT_POLL = 0.1  # seconds between checks that a non-streamed request's client is still there
 
@@ -88,6 +95,7 @@ def create_app(
 
     app = FastAPI(title="looptool serve", lifespan=lifespan)
     app.state.served, app.state.scheduler, app.state.resolver = served, scheduler, resolver
+    app.state.ignored_fields = set()  # the unknown request fields already logged (see _parse)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -267,8 +275,10 @@ class _Gate:
         return None
 
 
-async def _parse(request: Request, model: type[BaseModel]):
-    """The body as ``model``; malformed JSON or a wrong field is one 400 naming the field."""
+async def _parse(request: Request, model: type[Body]):
+    """The body as ``model``; malformed JSON or a wrong field is one 400 naming the field
+    (:func:`invalid_field`). Fields ``model`` does not declare are ignored and logged, each name
+    once per app (``app.state.ignored_fields``)."""
     try:
         data = json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -276,11 +286,14 @@ async def _parse(request: Request, model: type[BaseModel]):
     if not isinstance(data, dict):
         raise APIError("the request body must be a JSON object.")
     try:
-        return model.model_validate(data)
+        req = model.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        raise APIError(f"{field}: {err['msg']}.", param=field or None) from None
+        raise invalid_field(exc.errors()[0]) from None
+    warned: set[str] = request.app.state.ignored_fields
+    if new := req.ignored_fields() - warned:
+        warned |= new
+        log.warning("The following fields were present in the request but ignored: %s", ", ".join(sorted(new)))
+    return req
 
 
 def _common(

@@ -1,5 +1,12 @@
-"""The OpenAI wire format the server speaks: request bodies (pydantic models, so a wrong type
-is one 400 naming the field), OpenAI-shaped errors, and the response and stream-chunk dicts.
+"""The OpenAI wire format the server speaks: request bodies (strict pydantic models, so a wrong
+type is one 400 naming the field), OpenAI-shaped errors, and the response and stream-chunk dicts.
+
+Every declared field takes its JSON type only, as vLLM's strict models do: an integer field a
+JSON integer (not ``"4"``, ``4.0`` or ``true``), a number field a JSON integer or float (not
+``"0.5"`` or ``true``), a boolean field ``true`` or ``false`` (not ``"true"`` or ``1``); anything
+else is one sentence naming the field and what it got (:func:`invalid_field`). Fields no model
+declares are accepted and ignored, as OpenAI servers do, and listed by
+:meth:`Request.ignored_fields` so the server can say so.
 
 Extensions travel as extra body fields, as vLLM takes them (clients send them with
 ``extra_body``): ``budget`` (an integer of the menu, an effort level, or ``"auto"``: adaptive
@@ -13,11 +20,13 @@ speculating request its drafted and accepted token counts.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 from looptool.core.errors import LooptoolError
 
@@ -43,23 +52,91 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-class StreamOptions(BaseModel):
+_EXPECTED = {  # what a type error's field takes, in JSON's words
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "true or false",
+    "string_type": "a string",
+    "list_type": "a list",
+    "dict_type": "an object",
+    "model_type": "an object",
+}
+_SHOWN = 40  # characters of a refused value a message quotes
+
+
+def invalid_field(err: ErrorDetails) -> APIError:
+    """The 400 of one pydantic error: ``FIELD must be WHAT, got VALUE.`` (the field's path
+    dotted, e.g. ``messages.0.role``; a long value cut short), or ``FIELD is required``."""
+    field = ".".join(str(part) for part in err["loc"])
+    if err["type"] == "missing":
+        return APIError(f"{field} is required; send it.", param=field)
+    msg = err["msg"]
+    if err["type"] in _EXPECTED:
+        rule = f"must be {_EXPECTED[err['type']]}"
+    elif msg.startswith("Input should be "):
+        rule = "must be " + msg.removeprefix("Input should be ")
+    else:
+        rule = f"is refused ({msg[:1].lower()}{msg[1:]})"
+    shown = json.dumps(err["input"], default=str)
+    if len(shown) > _SHOWN:
+        shown = shown[: _SHOWN - 3] + "..."
+    return APIError(f"{field} {rule}, got {shown}.", param=field)
+
+
+def _one_of(expected: str) -> WrapValidator:
+    """A union field's refusal as one error saying what the field takes (pydantic's own is one
+    error per member of the union, each under a type tag)."""
+
+    def validate(value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("one_of", "Input should be {expected}", {"expected": expected}) from None
+
+    return WrapValidator(validate)
+
+
+Prompt = Annotated[
+    str | list[str] | list[int] | list[list[int]],
+    _one_of("a string, a list of strings, a list of token ids or a list of lists of token ids"),
+]
+Stop = Annotated[str | list[str] | None, _one_of("a string, a list of strings or null")]
+Content = Annotated[str | list[dict[str, Any]] | None, _one_of("a string, a list of content parts or null")]
+
+
+class Body(BaseModel):
+    """A request body or a part of one: strict JSON types (see the module docstring); fields
+    it does not declare are kept in ``model_extra`` and ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    def ignored_fields(self) -> set[str]:
+        """The fields the request sent that no model declares, those of a part under its field
+        (``stream_options.NAME``, ``messages.NAME``)."""
+        names = set(self.model_extra or {})
+        for field in type(self).model_fields:
+            value = getattr(self, field)
+            for part in value if isinstance(value, list) else [value]:
+                if isinstance(part, Body):
+                    names |= {f"{field}.{name}" for name in part.ignored_fields()}
+        return names
+
+
+class StreamOptions(Body):
     """``stream_options``: ``include_usage`` adds a last chunk with ``usage`` (and ``cost``)."""
 
-    model_config = ConfigDict(extra="allow")
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    """Fields both endpoints take. Unknown fields are accepted and ignored, as OpenAI servers do."""
+class _Sampling(Body):
+    """Fields both endpoints take."""
 
-    model_config = ConfigDict(extra="allow")
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = None  # extension; None, 0 or -1: no top-k
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Stop = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -68,7 +145,7 @@ class _Sampling(BaseModel):
     max_budget: Any = None
     exit_threshold: Any = None
     draft_budget: Any = None  # extension: self-speculative decoding's draft budget; checked by choose_speculation
-    draft_tokens: Any = None  # extension: tokens drafted per verify step (default 4, or the server's)
+    draft_tokens: int | None = None  # extension: tokens drafted per verify step (default 4, or the server's)
     ignore_eos: bool = False  # extension (vLLM's): generate max_tokens tokens whatever comes
     reasoning_effort: str | None = None
 
@@ -89,18 +166,17 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: a text prompt, a list of them, token ids, or lists of token ids."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(Body):
     """One chat message; ``content`` may be a string or a list of text parts."""
 
-    model_config = ConfigDict(extra="allow")
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: Content = None
 
     def text(self) -> str:
         """The message text (text parts joined)."""
