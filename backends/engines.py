@@ -2,16 +2,23 @@
 
 :func:`export_options` checks a backend's settings before any slow work and returns the
 keyword arguments of its exporter; :func:`export_engines` runs that exporter;
-:func:`open_runtime` opens an exported engine directory with the backend's runtime.
+:func:`open_runtime` opens an exported engine directory with the backend's runtime;
+:func:`exported_engine` keeps the onnxruntime engine of a looped model directory, one per
+option set (:class:`EngineOptions`), exported on first use (``looptool serve --engine onnx``).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from looptool.backends.errors import ExportError
+
+if TYPE_CHECKING:
+    from looptool.backends.manifest import Manifest
 
 BACKENDS = ("onnx", "tensorrt")
 
@@ -50,6 +57,7 @@ def export_options(
     speculative: bool = False,
     adaptive: bool | str = False,
     precision: str = "fp16",
+    accuracy_level: int | None = None,
     build_on_target: bool = False,
     max_batch: int = 8,
     max_prefill: int = 2048,
@@ -65,13 +73,17 @@ def export_options(
     (``onnx`` only, last-loop KV). ``precision``: for ``tensorrt`` the engines' dtype (fp16, bf16
     or fp32); for ``onnx``, ``int8`` or ``int4`` quantizes the linears' weights
     (:mod:`looptool.backends.onnx.quantize`) and a float name keeps the model's own dtype, as
-    before (the default, fp16, is TensorRT's)."""
-    from looptool.backends.onnx.quantize import QUANTIZED
+    before (the default, fp16, is TensorRT's); ``accuracy_level`` (int8/int4 only; None: 1, float
+    activations, answers independent of the batch; 4: int8 activations, faster, answers depend on
+    the batch) is how their ``MatMulNBits`` compute."""
+    from looptool.backends.onnx.quantize import ACCURACY_LEVEL, QUANTIZED, check_activations
 
     check_backend(backend)
+    quantize = precision if precision in QUANTIZED else None
+    level = ACCURACY_LEVEL if accuracy_level is None else accuracy_level
+    check_activations(quantize, level)
     check_exporter()
     if backend == "onnx":
-        quantize = precision if precision in QUANTIZED else None
         return dict(
             kv=kv,
             compose=compose,
@@ -80,6 +92,7 @@ def export_options(
             speculative=speculative,
             adaptive=adaptive,
             quantize=quantize,
+            accuracy_level=level,
         )
     for name, wanted, what in (
         ("speculative", speculative, "speculative verify"),
@@ -189,48 +202,164 @@ def _source_of(model_dir: Path) -> dict:
     return {name: file_sha256(model_dir / name) for name in (LOOPTOOL_JSON, WEIGHTS) if (model_dir / name).is_file()}
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """The options of :func:`exported_engine` that decide which graphs and weights its engine
+    holds: the KV policies (``"all"`` or policy names), the verify graphs of speculative
+    decoding, the adaptive-depth exit rules, and the weight quantization (None: the model's own
+    float dtype, whichever float precision was named)."""
+
+    kv: str | tuple[str, ...] = ("per-loop",)
+    speculative: bool = False
+    rules: tuple[str, ...] = ()
+    quantize: str | None = None
+
+    @classmethod
+    def of(
+        cls,
+        kv: str | Iterable[str] = "per-loop",
+        speculative: bool = False,
+        adaptive: bool | str = False,
+        precision: str = "fp16",
+    ) -> EngineOptions:
+        """The options as :func:`export_options` reads them: ``adaptive=True`` is the state
+        rule, the rules sorted; a float ``precision`` is no quantization."""
+        from looptool.backends.onnx.adaptive import adaptive_rules
+        from looptool.backends.onnx.quantize import QUANTIZED
+
+        names = kv.split(",") if isinstance(kv, str) else list(kv)
+        policies = "all" if kv == "all" else tuple(sorted(dict.fromkeys(p.strip() for p in names)))
+        quantize = precision if precision in QUANTIZED else None
+        return cls(policies, bool(speculative), tuple(sorted(adaptive_rules(adaptive))), quantize)
+
+    @property
+    def key(self) -> str:
+        """The name of the folder the engine of these options is kept in, e.g. ``per-loop``,
+        ``per-loop-speculative``, ``last-loop-adaptive-state``, ``per-loop-int8``."""
+        parts = ["all" if self.kv == "all" else "+".join(self.kv)]
+        parts += [self.quantize] if self.quantize else []
+        parts += ["speculative"] if self.speculative else []
+        parts += ["adaptive-" + "+".join(self.rules)] if self.rules else []
+        return "-".join(parts)
+
+    def missing_from(self, kept: Manifest) -> str | None:
+        """What the engine of manifest ``kept`` lacks that these options need (None: nothing)."""
+        from looptool.backends.onnx.quantize import batch_dependent
+
+        held = (kept.quantization or {}).get("precision")
+        if held != self.quantize:
+            return f"its weights are {held or 'float'}, not {self.quantize or 'float'}"
+        if batch_dependent(kept.quantization):  # exported before float activations became the default
+            return "its int8 activations (accuracy level 4) make each answer depend on the batch"
+        lacking = [] if self.kv == "all" else [p for p in self.kv if p not in kept.kv_policies]
+        if lacking:
+            return f"this engine lacks the KV policy {lacking[0]!r}"
+        if self.speculative and not kept.verify_graphs:
+            return "this engine lacks the verify graphs speculative decoding needs"
+        rule = next((r for r in self.rules if r not in kept.adaptive_graphs), None)
+        if rule is not None:
+            return f"this engine lacks the adaptive-depth graph of exit rule {rule!r}"
+        return None
+
+
+@dataclass(frozen=True)
+class KeptEngine:
+    """The engine :func:`exported_engine` found or wrote: its directory, its size in bytes,
+    and why it was exported just now (None: it was reused as it was)."""
+
+    path: Path
+    bytes: int
+    exported: str | None
+
+
+def _export_reason(engine_dir: Path, source: dict, options: EngineOptions) -> str | None:
+    """Why ``engine_dir`` needs the export of ``options`` (None: it holds their engine of the
+    model files ``source``); one sentence for a directory exported_engine did not write."""
+    import json
+
+    from looptool.backends.manifest import MANIFEST, Manifest
+
+    if not engine_dir.exists():
+        return "no engine there yet"
+    if not (engine_dir / SOURCE_STAMP).is_file():
+        raise ExportError(
+            f"'{engine_dir}' exists and was not written by exported_engine; give another engine directory "
+            "or remove it.",
+            parameter="engine_dir",
+        )
+    if json.loads((engine_dir / SOURCE_STAMP).read_text()) != source:
+        return "model files changed"
+    if not (engine_dir / MANIFEST).is_file():
+        return "its manifest is missing"
+    return options.missing_from(Manifest.read(engine_dir))
+
+
+def _check_engines_dir(engines_dir: Path) -> None:
+    """One sentence where ``engines_dir`` cannot hold a folder per option set: a file, or an
+    engine directory itself (``looptool export -o`` wrote it, or an older exported_engine)."""
+    from looptool.backends.manifest import MANIFEST
+
+    if engines_dir.exists() and not engines_dir.is_dir():
+        raise ExportError(
+            f"'{engines_dir}' is a file, not a folder to keep engines in; give another folder.",
+            parameter="engine_dir",
+        )
+    if (engines_dir / MANIFEST).is_file():
+        raise ExportError(
+            f"'{engines_dir}' is an engine directory, not a folder of engines (one per option set, in its "
+            "subfolders); give another folder, or serve that engine directory as it is.",
+            parameter="engine_dir",
+        )
+
+
+def _bytes_under(directory: Path) -> int:
+    """The size of every file under ``directory``: what an engine takes on disk."""
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
 def exported_engine(
     model_dir: str | os.PathLike,
-    engine_dir: str | os.PathLike,
+    engines_dir: str | os.PathLike,
     *,
     kv: str | Iterable[str] = "per-loop",
     validate: bool = True,
     speculative: bool = False,
     adaptive: bool | str = False,
+    precision: str = "fp16",
     on_progress: Callable[[str], None] | None = None,
-) -> Path:
-    """The onnxruntime engine directory of the looped model directory ``model_dir``, kept at
-    ``engine_dir``: exported there (every budget and the row-wise graph, validated; with
-    ``speculative``, the verify graphs too; with ``adaptive``, an exit rule, its adaptive-depth
-    graph) unless it already holds such an engine of the same
-    model files (their sha256, recorded beside the manifest), so a second call costs two file
-    hashes. A directory at ``engine_dir`` that this function did not write is never overwritten."""
+) -> KeptEngine:
+    """The onnxruntime engine of the looped model directory ``model_dir`` for these options,
+    kept in ``engines_dir`` in the subfolder named by them (:attr:`EngineOptions.key`, e.g.
+    ``per-loop``, ``last-loop-adaptive-state``): exported there (every budget and the row-wise
+    graph, validated; with ``speculative``, the verify graphs too; with ``adaptive``, an exit
+    rule, its adaptive-depth graph; ``precision`` ``int8``/``int4`` quantizes the weights as
+    :func:`export_options` does) unless it already holds that engine of the same model files
+    (their sha256, recorded beside the manifest), so a second call costs two file hashes.
+
+    One folder per option set, not one folder that grows the graphs each option needs: the
+    exporter writes a whole engine directory at once (one ``weights.bin``, one manifest), so
+    adding a graph to an engine means exporting it all again, over an engine a running server
+    may still be opening sessions from. Kept apart, an engine is written only for its own
+    options (again only when the model files changed, or it lacks a graph its options need),
+    is never mistaken for the engine of other options and never overwritten by one, at the
+    cost of a ``weights.bin`` per option set on disk. A directory this function did not write
+    (no ``source.json``) is never overwritten, and ``engines_dir`` may not be an engine
+    directory itself."""
     import json
 
-    from looptool.backends.manifest import MANIFEST, Manifest
-    from looptool.backends.onnx.adaptive import adaptive_rules
+    engines_dir = Path(engines_dir)
+    options = EngineOptions.of(kv, speculative, adaptive, precision)
+    _check_engines_dir(engines_dir)
+    engine_dir = engines_dir / options.key
+    source = _source_of(Path(model_dir))
+    reason = _export_reason(engine_dir, source, options)
+    if reason is not None:
+        from looptool.runtime.convert import load
 
-    model_dir, engine_dir = Path(model_dir), Path(engine_dir)
-    source = _source_of(model_dir)
-    stamp = engine_dir / SOURCE_STAMP
-    if engine_dir.exists():
-        if not stamp.is_file():
-            raise ExportError(
-                f"'{engine_dir}' exists and was not written by exported_engine; give another engine directory "
-                "or remove it.",
-                parameter="engine_dir",
-            )
-        if json.loads(stamp.read_text()) == source and (engine_dir / MANIFEST).is_file():
-            kept = Manifest.read(engine_dir)
-            rules = adaptive_rules(adaptive)  # True: the state rule, as the export reads it
-            if (not speculative or kept.verify_graphs) and all(r in kept.adaptive_graphs for r in rules):
-                return engine_dir
-    from looptool.runtime.convert import load
-
-    model = load(model_dir)
-    options = export_options("onnx", kv=kv, speculative=speculative, adaptive=adaptive)
-    export_engines(
-        model, engine_dir, "onnx", "all", options=options, overwrite=True, validate=validate, on_progress=on_progress
-    )
-    stamp.write_text(json.dumps(source, indent=1) + "\n")
-    return engine_dir
+        export = export_options("onnx", kv=kv, speculative=speculative, adaptive=adaptive, precision=precision)
+        model = load(model_dir)
+        export_engines(
+            model, engine_dir, "onnx", "all", options=export, overwrite=True, validate=validate, on_progress=on_progress
+        )
+        (engine_dir / SOURCE_STAMP).write_text(json.dumps(source, indent=1) + "\n")
+    return KeptEngine(engine_dir, _bytes_under(engine_dir), reason)

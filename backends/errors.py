@@ -11,3 +11,12 @@ class ExportError(LooptoolError):
 
 class EngineError(LooptoolError):
     """An engine directory is incomplete, tampered with or points outside itself."""
+
+
+class ReexportError(EngineError):
+    """An engine directory lacks a graph a call needs: exporting it again with the options the
+    message names is the fix (``rerun="export"``, so the command line spells them as ``looptool
+    export``'s flags)."""
+
+    def __init__(self, message: str = "", *, parameter: str | None = None):
+        super().__init__(message, parameter=parameter, rerun="export")

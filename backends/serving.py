@@ -56,6 +56,7 @@ from torch import fx
 
 from looptool.backends.errors import EngineError
 from looptool.core.graph import BUDGETS, ROWWISE_STEP_INPUTS, STEP_INPUTS, annotation
+from looptool.core.words import counted
 
 if TYPE_CHECKING:
     from looptool.backends.manifest import Manifest
@@ -354,11 +355,12 @@ def check_request(
     capacity = prompt + max_new_tokens if capacity is None else capacity
     if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < prompt:
         raise EngineError(
-            f"the prompt has {prompt} tokens, more than the cache capacity {capacity}; raise the capacity."
+            f"the prompt has {counted(prompt, 'token')}, more than the cache capacity {capacity}; raise the capacity."
         )
     limit = manifest.max_positions
     if limit is not None and capacity > limit:
         raise EngineError(
-            f"a cache of {capacity} tokens exceeds the model's {limit} positions; use a shorter prompt or fewer new tokens."
+            f"a cache of {counted(capacity, 'token')} exceeds the model's {counted(limit, 'position')}; use a shorter prompt or "
+            "fewer new tokens."
         )
     return ids, mask, int(capacity)

@@ -105,6 +105,51 @@ def left_padded_batch(rows: int, length: int = 7, seed: int = 3) -> tuple[torch.
     return prompt.masked_fill(mask == 0, 0), mask
 
 
+def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)``: token-id lists left-padded to one width (pad id 0)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p) :] = torch.tensor(p)
+        mask[r, width - len(p) :] = 1
+    return ids, mask
+
+
+def batch_gaps(
+    generate, prompts: list[list[int]], budgets: list[int], groups: list[list[int]], new_tokens: int, **kwargs
+) -> tuple[float, list[int]]:
+    """How far batching moves greedy answers: each of ``prompts`` generated alone by ``generate``
+    (a runtime's ``generate``, or :func:`looptool.runtime.generation.generate` bound to a model;
+    ``kwargs`` to every call) at its budget, then each of ``groups`` (lists of prompt indices) as
+    one left-padded batch, each row at its prompt's budget. Returns the largest logit difference
+    between a row and its prompt alone, over the steps up to the row's first different token
+    (after it their inputs differ), and the prompts whose tokens differ in some batch."""
+    alone = [
+        generate(torch.tensor([p]), budget=b, max_new_tokens=new_tokens, output_logits=True, **kwargs)
+        for p, b in zip(prompts, budgets)
+    ]
+    worst, differ = 0.0, set()
+    for group in groups:
+        ids, mask = left_pad([prompts[i] for i in group])
+        got = generate(
+            ids,
+            attention_mask=mask,
+            budget=[budgets[i] for i in group],
+            max_new_tokens=new_tokens,
+            output_logits=True,
+            **kwargs,
+        )
+        for r, i in enumerate(group):
+            mine, ref = got.sequences[r, ids.shape[1] :], alone[i].sequences[0, -new_tokens:]
+            same = int((mine == ref).long().cumprod(0).sum())  # steps before the first different token
+            if same < new_tokens:
+                differ.add(i)
+            steps = zip(got.logits[: same + 1], alone[i].logits[: same + 1])
+            worst = max(worst, max((a[r] - b[0]).abs().max().item() for a, b in steps))
+    return worst, sorted(differ)
+
+
 def save_to_hub_cache(
     model, repo_id: str, cache_dir: str | Path, *, commit: str, refs: tuple[str, ...] = ("main",), tokenizer=None
 ) -> Path:

@@ -62,6 +62,7 @@ def conditioned_layers(lg: LayerGraph, start: int, stop: int) -> tuple[LayerInfo
                 f"of layer {info.index} reads the residual stream without a norm (a post-norm "
                 f"{lg.source.model_type} layer); convert with conditioning=False.",
                 parameter="conditioning",
+                rerun="convert",
             )
     return layers
 

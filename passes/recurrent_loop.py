@@ -82,6 +82,7 @@ def recurrent_loop(lg: LayerGraph, config: dict) -> LayerGraph:
             f"route replay needs MoE layers in the recurrent block, but layers {start}:{stop} of "
             f"this {lg.source.model_type} model are dense; set route_replay=False.",
             parameter="route_replay",
+            rerun="convert",
         )
     new_params = recurrent_params(plan, lg.source.hidden_size)
     if plan.conditioning:
@@ -101,6 +102,7 @@ def router_nodes(lg: LayerGraph, layers) -> tuple[frozenset[fx.Node], frozenset[
                 f"route replay: the router of MoE layer {info.index} could not be told apart "
                 "from its experts; convert with route_replay=False.",
                 parameter="route_replay",
+                rerun="convert",
             )
         router |= found
     frontier = {n for n in router if any(u not in router for u in n.users)}

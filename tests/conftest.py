@@ -68,7 +68,7 @@ _UNIT_SECONDS = {  # seconds measured on the 2-core machine, rounded
     "tests/test_export_defaults.py::parallel-residual": 24,
     "tests/test_export_defaults.py::dense": 18,
     "tests/test_trt_engine.py": 36,
-    "smollm2": 158,
+    "smollm2": 245,  # the int4 batch-invariance test exports SmolLM2 (~85 s)
     "tests/test_readme.py": 77,
     "tests/test_fsdp.py": 69,
     "tests/test_onnx.py::llama": 55,
@@ -81,6 +81,7 @@ _UNIT_SECONDS = {  # seconds measured on the 2-core machine, rounded
     "tests/test_defaults.py": 25,
     "tests/test_rowwise_onnx.py": 22,
     "tests/test_ort_adaptive.py": 30,  # three small exports (23 s with the layer-body cache warm)
+    "tests/test_quantize_batching.py": 40,  # four small int8/int4 exports
     "tests/test_cli.py": 22,
     "tests/test_examples.py::test_example_runs[export_onnx.py]": 22,
     "tests/test_trt_moe.py": 20,
@@ -156,6 +157,36 @@ def own_caches(tmp_path):
     (:func:`looptool.cache.scoped`)."""
     with looptool.cache.scoped(tmp_path / "cache") as fresh:
         yield fresh
+
+
+@pytest.fixture
+def all_missed(monkeypatch):
+    """``all_missed(n)``, called inside a cache entry's build, returns once ``n`` threads (the
+    builder included) have missed that entry and asked for its build lock
+    (:func:`looptool.cache.store.exclusive`): a test's build waits for the other callers to miss
+    the entry meanwhile, at any machine speed, instead of sleeping. It fails after 60 s."""
+    import threading
+
+    from looptool.cache import store
+
+    real, asked, last, changed = store.exclusive, {}, {}, threading.Condition()
+
+    def exclusive(path):
+        with changed:
+            last[threading.get_ident()] = str(path)
+            asked.setdefault(str(path), set()).add(threading.get_ident())
+            changed.notify_all()
+        return real(path)
+
+    monkeypatch.setattr(store, "exclusive", exclusive)
+
+    def wait(n: int) -> None:
+        with changed:
+            building = last[threading.get_ident()]  # the entry whose lock this builder holds
+            reached = changed.wait_for(lambda: len(asked[building]) >= n, timeout=60)
+        assert reached, f"{len(asked[building])} of {n} callers asked for the build lock within 60 s"
+
+    return wait
 
 
 @pytest.fixture(params=TINY_MODEL_TYPES)

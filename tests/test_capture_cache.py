@@ -8,7 +8,6 @@ import pickle
 import shutil
 import sys
 import threading
-import time
 
 import pytest
 import torch
@@ -317,14 +316,14 @@ def test_concurrent_writers_of_one_key_leave_a_valid_entry(populated, cache_dir)
     assert (stats()["disk"], stats()["dropped"]) == (1, 0)
 
 
-def test_concurrent_misses_of_one_key_export_once(cache_dir, monkeypatch):
+def test_concurrent_misses_of_one_key_export_once(cache_dir, monkeypatch, all_missed):
     """Callers that miss one entry at the same time (the ranks of a DDP run, xdist workers)
     export it once: the others wait on its lock file, then read the entry it wrote."""
     real, exports = torch.export.export, []
 
     def slow_export(*args, **kwargs):
         exports.append(threading.current_thread().name)
-        time.sleep(1.0)  # the other callers miss the entry meanwhile
+        all_missed(len(models))  # the other callers missed the entry meanwhile and wait on its lock
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch.export, "export", slow_export)

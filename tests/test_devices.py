@@ -141,7 +141,7 @@ def test_cli_device_cuda_without_cuda(command, model_dir, tmp_path):
     res = CliRunner().invoke(app, [*args, "--device", "cuda"])
     assert res.exit_code == 1, res.output
     assert "no usable CUDA device" in res.output and "Traceback" not in res.output
-    assert "(option --device)" in res.output  # the library names device; the command line adds its flag
+    assert "use --device cpu." in res.output  # the library's device='cpu' as the command line spells it
     assert not (tmp_path / "t").exists() and not (tmp_path / "c").exists()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from typer.testing import CliRunner
 import looptool
 from looptool.cli import app
 from looptool.core.errors import MissingExtraError
+from looptool.core.install import install_command
 from looptool.testing import byte_tokenizer, tiny_model
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'looptool[eval]')")
@@ -341,7 +343,7 @@ def test_missing_lm_eval_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if not installed
     monkeypatch.delitem(sys.modules, "looptool.eval.harness")
     monkeypatch.delitem(sys.modules, "looptool.eval.lm_eval_budgets")  # the lm-eval runner imports the adapter
-    with pytest.raises(MissingExtraError, match=r"pip install 'looptool\[eval\]'"):
+    with pytest.raises(MissingExtraError, match=re.escape(install_command("eval"))):
         importlib.import_module("looptool.eval.harness")
     res = CliRunner().invoke(app, ["lm-eval", str(tmp_path), "--tasks", "x"])
-    assert res.exit_code == 1 and "pip install 'looptool[eval]'" in res.output
+    assert res.exit_code == 1 and install_command("eval") in res.output

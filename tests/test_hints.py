@@ -179,3 +179,212 @@ def test_no_library_error_names_a_command_line_flag():
         "raised messages name command-line flags; name the Python parameter instead "
         "(LooptoolError(message, parameter=...)):\n" + "\n".join(offenders)
     )
+
+
+# ---------------------------------------------------------------------------- fixes spelled as flags
+
+
+def _under(command: str, exc: BaseException) -> str:
+    """``cli_message(exc)`` as ``looptool COMMAND`` prints it."""
+    from looptool.cli.hints import cli_message
+
+    group = typer.main.get_command(app)
+    with group.make_context("looptool", [command], resilient_parsing=True) as root:
+        with group.commands[command].make_context(command, [], parent=root, resilient_parsing=True):
+            return cli_message(exc)
+
+
+@pytest.mark.parametrize(
+    "command, message, kw, printed",
+    [
+        ("convert", "pass overwrite=True to replace it.", {}, "pass --overwrite to replace it."),
+        ("convert", "post-norm; convert with conditioning=False.", dict(rerun="convert"), "with --no-conditioning."),
+        (
+            "export",
+            "no KV policy; pass kv='per-loop', 'last-loop' or 'all'.",
+            {},
+            "pass --kv per-loop, last-loop or all.",
+        ),
+        ("export", "overflows (precision='bf16' or 'fp32').", {}, "(--precision bf16 or fp32)."),
+        (
+            "export",
+            "add kv='last-loop' (or kv='all'), or drop adaptive.",
+            {},
+            "add --kv last-loop (or --kv all), or drop --adaptive.",
+        ),
+        ("merge", "e.g. lambdas=0.5 or lambdas=['looped=1'];", {}, "e.g. --lambda 0.5 or --lambda looped=1;"),
+        ("generate", "pass budget='auto' or drop it.", {}, "pass --budget auto or drop it."),
+        ("run", "pass tokenizer=PATH (a folder).", {}, "pass --tokenizer PATH (a folder)."),
+        # a fix of another command: that command's whole line
+        (
+            "run",
+            "no adaptive-depth graph; export the engine again with adaptive='state' and kv='last-loop'.",
+            dict(rerun="export"),
+            "export the engine again with looptool export MODEL_DIR --output OUTPUT --adaptive --kv last-loop.",
+        ),
+        (
+            "train",
+            "convert the source with dtype=torch.bfloat16 or torch.float32 (and set bf16=True for autocast).",
+            dict(rerun="convert"),
+            "convert the source with looptool convert SOURCE --output OUTPUT --dtype bfloat16 or float32 "
+            "(and set --bf16 for autocast).",
+        ),
+        # left as they are: a fix no flag spells (the run stays whole), a quoted Python call, a non-option
+        (
+            "run",
+            "export the engine again with adaptive='kl' and kv='last-loop'.",
+            dict(rerun="export"),
+            "export the engine again with adaptive='kl' and kv='last-loop'.",
+        ),
+        (
+            "generate",
+            "or looptool.load(directory, dtype=torch.float16).",
+            {},
+            "or looptool.load(directory, dtype=torch.float16).",
+        ),
+        ("serve", "write e.g. low=0,medium=6,high=12.", {}, "write e.g. low=0,medium=6,high=12."),
+    ],
+)
+def test_cli_message_spells_python_fixes_as_flags(command, message, kw, printed):
+    from looptool.cli.hints import cli_message
+
+    assert _under(command, LooptoolError(message, **kw)).endswith(printed)
+    assert cli_message(LooptoolError(message, **kw)) == message  # outside a command: the library's words
+
+
+def test_the_hint_is_left_out_when_the_message_names_the_flag_or_its_negation():
+    assert (
+        _under("convert", LooptoolError("use conditioning=False.", parameter="conditioning"))
+        == "use --no-conditioning."
+    )
+    assert _under("convert", LooptoolError("bad rank.", parameter="rank")) == "bad rank. (option --rank)"
+
+
+def _engine_without_adaptive_graph(tmp_path):
+    import looptool
+    from looptool.backends.onnx.export import export_onnx
+    from looptool.testing import byte_tokenizer, tiny_model
+
+    model = looptool.convert(
+        tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2)), tokenizer=byte_tokenizer()
+    )
+    export_onnx(model, tmp_path / "engine", budgets=[1], kv="last-loop", rowwise=False, validate=False)
+    return tmp_path / "engine"
+
+
+def test_cli_output_exists_error_names_the_overwrite_flag(tiny_dir, tmp_path):
+    from looptool.storage.files import check_output_dir
+
+    (tmp_path / "out").mkdir()
+    res = _run("convert", tiny_dir, "-o", tmp_path / "out")
+    assert res.exit_code == 1, res.output
+    assert "already exists; pass --overwrite to replace it." in res.output and "overwrite=True" not in res.output
+    with pytest.raises(LooptoolError, match=r"pass overwrite=True to replace it\.$"):  # the library's words
+        check_output_dir(tmp_path / "out", overwrite=False)
+
+
+def test_cli_missing_graph_error_is_the_export_command_line(tmp_path):
+    from looptool.backends.ort.runtime import Runtime
+
+    engine = _engine_without_adaptive_graph(tmp_path)
+    res = _run("run", engine, "-p", "hi", "--budget", "auto")
+    assert res.exit_code == 1, res.output
+    line = "export the engine again with looptool export MODEL_DIR --output OUTPUT --adaptive --kv last-loop."
+    assert line in res.output and "adaptive='state'" not in res.output and "kv='last-loop'" not in res.output
+    with pytest.raises(LooptoolError, match=r"again with adaptive='state' and kv='last-loop'\.$"):  # the library's
+        Runtime(engine).adaptive_session("state", "last-loop")
+
+
+def test_cli_missing_extra_names_the_install_command_of_this_copy(monkeypatch):
+    import sys
+
+    from looptool.core import install
+    from looptool.core.errors import MissingExtraError, require_extra
+
+    monkeypatch.setattr(install, "_source", lambda: ("editable", "/src/my looptool"))
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if the serve extra were not installed
+    monkeypatch.delitem(sys.modules, "looptool.serve", raising=False)
+    res = _run("serve", "somewhere")
+    assert res.exit_code == 1, res.output
+    assert "pip install -e '/src/my looptool[serve]'." in res.output and "'looptool[serve]'" not in res.output
+    with pytest.raises(MissingExtraError, match=r"pip install -e '/src/my looptool\[serve\]'\.$"):
+        require_extra("serve", "looptool serve", "fastapi")
+
+
+@pytest.mark.parametrize(
+    "record, checkout, command",
+    [
+        ({"url": "file:///src/lt", "dir_info": {"editable": True}}, None, "pip install -e '/src/lt[serve]'"),
+        ({"url": "file:///src/lt", "dir_info": {}}, None, "pip install '/src/lt[serve]'"),
+        (
+            {"url": "https://github.com/o/lt", "vcs_info": {"vcs": "git", "commit_id": "abc1"}},
+            None,
+            "pip install 'looptool[serve] @ git+https://github.com/o/lt@abc1'",
+        ),
+        (None, Path("/work/lt"), "pip install -e '/work/lt[serve]'"),  # imported from an unrecorded checkout
+        (None, None, "pip install 'looptool[serve]'"),  # from an index
+    ],
+)
+def test_install_command_follows_how_looptool_was_installed(monkeypatch, record, checkout, command):
+    from looptool.core import install
+
+    monkeypatch.setattr(install, "_direct_url", lambda: record)
+    monkeypatch.setattr(install, "_checkout", lambda: checkout)
+    install._source.cache_clear()
+    try:
+        assert install.install_command("serve") == command
+    finally:
+        install._source.cache_clear()
+
+
+def _spelled_fixes() -> dict[str, set[str]]:
+    """Every ``name=value`` fix a library error spells (outside quoted calls): name -> where."""
+    from looptool.cli.hints import _runs
+
+    found: dict[str, set[str]] = {}
+    for root in LIBRARY:
+        for path in sorted((ROOT / root).rglob("*.py")):
+            if CLI in path.parents:
+                continue
+            for line, text in _raised_messages(path):
+                for run in _runs(text):
+                    for m in run:
+                        found.setdefault(m["name"], set()).add(f"{path.relative_to(ROOT)}:{line}")
+    return found
+
+
+# fixes library errors spell that no command has an option for, and why the command line never shows them
+NOT_ON_THE_COMMAND_LINE = {
+    "n": "an HTTP request field: the server's API errors go to the client",
+    "use_cache": "says how looptool calls transformers; not a fix",
+    "low": "a level inside serve --effort's own value",
+    "medium": "a level inside serve --effort's own value",
+    "high": "a level inside serve --effort's own value",
+    "x": "LoopedModel.forward's and serve --effort's {name}={value} (f-string fields read as x)",
+}
+
+
+def test_every_fix_a_library_error_spells_has_a_flag():
+    """A new ``name=value`` fix in a library error is spelled as a flag on the command line: some
+    command has an option for it (ALIASES where the names differ), or it is listed above."""
+    options = _cli_options()
+    found = _spelled_fixes()
+    assert {"overwrite", "kv", "adaptive", "dtype"} <= set(found)
+    missing = {
+        name: sorted(where)
+        for name, where in found.items()
+        if name not in NOT_ON_THE_COMMAND_LINE
+        and not any({name, ALIASES.get(name, name)} & names for names in options.values())
+    }
+    assert not missing, f"fixes no command spells (add the option, an ALIASES entry or a reason): {missing}"
+
+
+def test_every_rerun_names_a_command():
+    commands = set(typer.main.get_command(app).commands)
+    named = set()
+    for root in LIBRARY:
+        for path in sorted((ROOT / root).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.keyword) and node.arg == "rerun" and isinstance(node.value, ast.Constant):
+                    named.add(node.value.value)
+    assert named and named <= commands, named - commands

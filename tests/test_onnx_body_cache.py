@@ -8,7 +8,6 @@ from __future__ import annotations
 import filecmp
 import shutil
 import threading
-import time
 
 import pytest
 import torch
@@ -127,14 +126,14 @@ def test_every_key_field_misses_and_off_writes_nothing(cache, monkeypatch):
     assert sorted(cache.iterdir()) == entries
 
 
-def test_concurrent_misses_of_one_body_export_it_once(cache):
+def test_concurrent_misses_of_one_body_export_it_once(cache, all_missed):
     """Processes that miss the same body at once (pytest-xdist workers, a sweep) export it
     once: the others wait on its lock file, then read the entry it wrote."""
     calls, start, got = [], threading.Barrier(3), {}
 
     def export(tag, example, shapes):
         calls.append(tag)
-        time.sleep(0.5)  # the other callers miss the entry meanwhile
+        all_missed(3)  # the other callers missed the entry meanwhile and wait on its lock
         return _tiny_body(), {"SkipRMSNorm": 7}
 
     def one(i):

@@ -210,7 +210,7 @@ def test_cli_export_adaptive_then_run_and_serve_budget_auto(engines, tmp_path):
     assert res.stdout.startswith("Hello") and "kv last-loop" in res.output and "realised depth per token" in res.output
     for extra, message in (
         (["--exit-rule", "kl"], "no adaptive-depth graph (kl rule, last-loop)"),
-        (["--kv", "per-loop"], "needs kv='last-loop'"),
+        (["--kv", "per-loop"], "--budget auto needs --kv last-loop"),
     ):
         res = runner.invoke(app, [*run, *extra])
         assert res.exit_code == 1 and message in res.output, res.output

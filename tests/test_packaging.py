@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import looptool
+from looptool.core.install import install_command
 
 
 def test_subpackages_import_under_looptool():
@@ -108,8 +109,10 @@ for f in (lambda: export_onnx(m, sys.argv[1] + "/a"), lambda: Runtime(sys.argv[1
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()
     assert lines == [
-        "ONNX export needs the 'onnx' extra (onnx, onnxscript, onnx_ir, onnxruntime not installed): pip install 'looptool[onnx]'.",
-        "running ONNX engines needs the 'onnx' extra (onnxruntime, onnx not installed): pip install 'looptool[onnx]'.",
-        "TensorRT export needs the 'tensorrt' extra (onnx, onnxscript, onnx_ir not installed): pip install 'looptool[tensorrt]'.",
+        "ONNX export needs the 'onnx' extra (onnx, onnxscript, onnx_ir, onnxruntime not installed): "
+        f"{install_command('onnx')}.",
+        f"running ONNX engines needs the 'onnx' extra (onnxruntime, onnx not installed): {install_command('onnx')}.",
+        "TensorRT export needs the 'tensorrt' extra (onnx, onnxscript, onnx_ir not installed): "
+        f"{install_command('tensorrt')}.",
     ]
     assert not any(tmp_path.iterdir())  # nothing written

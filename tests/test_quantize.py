@@ -17,7 +17,7 @@ import looptool
 from looptool.backends.errors import ExportError
 from looptool.backends.manifest import WEIGHTS, Manifest
 from looptool.backends.onnx.export import export_onnx
-from looptool.backends.onnx.quantize import BLOCK_SIZE, MS_DOMAIN, Quantizer
+from looptool.backends.onnx.quantize import ACCURACY_LEVEL, BLOCK_SIZE, MS_DOMAIN, Quantizer
 from looptool.backends.onnx.store import to_numpy
 from looptool.backends.onnx.validate import QUANTIZED_BOUNDS
 from looptool.backends.ort.runtime import Runtime
@@ -82,7 +82,11 @@ def test_every_graph_reads_matmulnbits_and_no_float_linear(engines, precision):
             if node.op_type == "MatMulNBits":
                 assert node.domain == MS_DOMAIN
                 attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-                assert attrs["bits"] == bits and attrs["block_size"] == BLOCK_SIZE and attrs["accuracy_level"] == 4
+                assert (
+                    attrs["bits"] == bits
+                    and attrs["block_size"] == BLOCK_SIZE
+                    and attrs["accuracy_level"] == ACCURACY_LEVEL
+                )
                 assert node.input[1].endswith(f".q{bits}") and node.input[2].endswith(".scales")
 
 
@@ -261,7 +265,7 @@ def test_cli_default_precision_and_int4_with_tensorrt(model, tmp_path):
         app,
         ["export", str(tmp_path / "m"), "-o", str(tmp_path / "q"), "--backend", "tensorrt", "--precision", "int4"],
     )
-    assert res.exit_code == 1 and "export it with backend='onnx'" in res.output
+    assert res.exit_code == 1 and "export it with --backend onnx" in res.output
     assert not (tmp_path / "q").exists()
 
 

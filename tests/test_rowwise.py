@@ -214,7 +214,7 @@ def test_generate_cli_one_budget_per_prompt(model_dir):
     ]
     for bad, message in [
         ("0,9,1", "budget 9 is not in the budget menu"),
-        ("0,1", "2 budgets for 3 --prompt(s)"),
+        ("0,1", "2 budgets for 3 --prompts"),
         ("0,1.5,2", "'1.5' is not an integer"),
     ]:
         res = CliRunner().invoke(app, [*args, "--budget", bad])

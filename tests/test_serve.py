@@ -15,6 +15,7 @@ SIGTERM.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -337,23 +338,40 @@ def _wait(condition, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+@contextlib.contextmanager
+def _held(guarded):
+    """Inside the block the guarded server's running rows take no step (``held_process.py``)
+    unless every one is cancelled: a request admitted there is still in the server at the
+    block's end, at any machine speed."""
+    guarded.hold.touch()
+    try:
+        yield
+    finally:
+        guarded.hold.unlink(missing_ok=True)
+
+
 def test_queue_full_is_503_at_once_and_a_disconnect_frees_its_slot(guarded):
+    """With the one slot and the one queue place taken, a third request gets 503 at once: while
+    the other two are held in the server, so it cannot have waited for either to leave,
+    whatever the machine's speed. Both clients then go away mid-stream: they count as
+    cancelled and their places are free."""
     running = lambda: metric(guarded.metrics(), "looptool_requests_running")  # noqa: E731
     waiting = lambda: metric(guarded.metrics(), "looptool_requests_waiting")  # noqa: E731
     cancelled = lambda: metric(guarded.metrics(), "looptool_requests_finished_total", budget="2", reason="cancelled")  # noqa: E731
     before = cancelled()
-    with _long_stream(guarded) as first:
-        first_lines = first.iter_lines()
-        assert next(first_lines).startswith("data: ")  # holds the one slot
-        with _long_stream(guarded):  # waits in the one queue place
-            _wait(lambda: waiting() == 1)
-            t0 = time.monotonic()
-            r = httpx.post(f"{guarded.base}/completions", json={"model": NAME, "prompt": "a"}, headers=_auth())
-            assert r.status_code == 503 and time.monotonic() - t0 < 2 and r.json()["error"]["type"] == "server_error"
-            assert running() == 1
-        _wait(lambda: waiting() == 0)
-    # both clients went away mid-stream: their slots are free and they count as cancelled
-    _wait(lambda: running() == 0 and cancelled() == before + 2)
+    with _held(guarded):
+        with _long_stream(guarded) as first:
+            first_lines = first.iter_lines()  # kept: a dropped iterator closes the connection
+            assert next(first_lines).startswith("data: ")  # holds the one slot (its prefill's token)
+            with _long_stream(guarded):  # waits in the one queue place
+                _wait(lambda: waiting() == 1)
+                body = {"model": NAME, "prompt": "a"}
+                r = httpx.post(f"{guarded.base}/completions", json=body, headers=_auth(), timeout=30)
+                assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+                assert running() == 1 and waiting() == 1  # refused while both were held, not once one left
+            _wait(lambda: waiting() == 0)
+        # both clients went away mid-stream: their slots are free and they count as cancelled
+        _wait(lambda: running() == 0 and cancelled() == before + 2)
     assert metric(guarded.metrics(), "looptool_requests_rejected_total") >= 1
 
 
@@ -388,7 +406,9 @@ def test_a_non_streamed_client_that_gives_up_frees_its_slot(guarded):
 
 def test_the_server_holds_exactly_max_batch_plus_max_queue_requests(guarded):
     """One slot and one queue place: of six requests sent at once (long prompts, so their
-    prefills overlap the arrivals), exactly two are accepted and four get 503."""
+    prefills overlap the arrivals), exactly two are accepted and four get 503. The accepted
+    ones are held in the server until all six are answered, so none can finish and make room
+    for a later arrival, however fast the machine or however spread out the arrivals."""
     body = {"model": NAME, "prompt": "y" * 900, "max_tokens": 100, "stream": True, "ignore_eos": True}
     barrier = threading.Barrier(6)
 
@@ -398,26 +418,28 @@ def test_the_server_holds_exactly_max_batch_plus_max_queue_requests(guarded):
         response = client.send(client.build_request("POST", f"{guarded.base}/completions", json=body), stream=True)
         return client, response
 
-    with ThreadPoolExecutor(6) as pool:
-        opened = list(pool.map(send, range(6)))
-    try:
-        statuses = sorted(r.status_code for _, r in opened)
-        assert statuses == [200, 200, 503, 503, 503, 503], statuses
-    finally:
-        for client, response in opened:
-            response.close()
-            client.close()
-    _wait(lambda: metric(guarded.metrics(), "looptool_requests_running") == 0)
+    with _held(guarded):
+        with ThreadPoolExecutor(6) as pool:
+            opened = list(pool.map(send, range(6)))
+        try:
+            statuses = sorted(r.status_code for _, r in opened)
+            assert statuses == [200, 200, 503, 503, 503, 503], statuses
+        finally:
+            for client, response in opened:
+                response.close()
+                client.close()
+        _wait(lambda: metric(guarded.metrics(), "looptool_requests_running") == 0)
 
 
 def test_sigterm_drains_with_503_then_exits_0(guarded):
     """Last of each runtime's tests (pytest runs them runtime by runtime, in file order): the
     guarded server is stopped here. After SIGTERM the socket stays open: /health and new
-    requests get 503 while the running stream finishes."""
+    requests get 503 while the running stream finishes (held in the server until those checks
+    are done, so it is still running then at any machine speed)."""
     events, done = [], threading.Event()
 
     def read():
-        body = {"model": NAME, "prompt": "a", "max_tokens": 1000, "stream": True, "ignore_eos": True}
+        body = {"model": NAME, "prompt": "a", "max_tokens": 50, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", f"{guarded.base}/completions", json=body, headers=_auth(), timeout=60) as r:
             for line in r.iter_lines():
                 if line:
@@ -426,17 +448,18 @@ def test_sigterm_drains_with_503_then_exits_0(guarded):
                         done.set()
 
     reader = threading.Thread(target=read)
-    reader.start()
-    assert done.wait(30)
-    guarded.proc.send_signal(signal.SIGTERM)
-    health = f"{guarded.base.removesuffix('/v1')}/health"
-    _wait(lambda: httpx.get(health, timeout=10).status_code == 503)
-    assert httpx.get(health, timeout=10).json()["status"] == "draining"
-    refused = httpx.post(
-        f"{guarded.base}/completions", json={"model": NAME, "prompt": "a"}, headers=_auth(), timeout=10
-    )
-    assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
-    assert reader.is_alive()  # the admitted stream is still running
+    with _held(guarded):
+        reader.start()
+        assert done.wait(30)
+        guarded.proc.send_signal(signal.SIGTERM)
+        health = f"{guarded.base.removesuffix('/v1')}/health"
+        _wait(lambda: httpx.get(health, timeout=10).status_code == 503)
+        assert httpx.get(health, timeout=10).json()["status"] == "draining"
+        refused = httpx.post(
+            f"{guarded.base}/completions", json={"model": NAME, "prompt": "a"}, headers=_auth(), timeout=10
+        )
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
+        assert reader.is_alive()  # the admitted stream is still running
     reader.join(60)
     assert guarded.proc.wait(60) == 0, guarded.output()
     assert events[-1] == "data: [DONE]"

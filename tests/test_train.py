@@ -31,6 +31,7 @@ from looptool.train.sampling import BudgetSampler
 from looptool.train.trainer import TrainConfig, Trainer, TrainingError
 
 SOTU = Path(__file__).resolve().parent / "data" / "sotu"  # in-repo subset (tests/data/sotu/README.md)
+HELD_TRAIN = str(Path(__file__).with_name("held_train.py"))  # a run that waits for its kill before it ends
 
 
 # ---------------------------------------------------------------------------- sampler
@@ -102,11 +103,10 @@ def test_jsonl_packing_and_split_are_deterministic(tmp_path):
 
 
 # ---------------------------------------------------------------------------- training runs
-def _cli(model_dir, out, *extra, save_every: int = 1):
+def _cli(model_dir, out, *extra, save_every: int = 1, launcher: tuple[str, ...] = ("-m", "looptool")):
     return [
         sys.executable,
-        "-m",
-        "looptool",
+        *launcher,
         "train",
         str(model_dir),
         "--data",
@@ -141,7 +141,10 @@ def test_resume_after_kill_matches_uninterrupted_run(model_dir, tmp_path):
     ref = tmp_path / "ref"
     subprocess.run(_cli(model_dir, ref), check=True, capture_output=True, timeout=600)
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_cli(model_dir, killed, save_every=4), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # held_train.py: the run waits before its final checkpoint, so the kill comes before its end
+    # however fast it runs or however late this process polls
+    held = _cli(model_dir, killed, save_every=4, launcher=(HELD_TRAIN,))
+    proc = subprocess.Popen(held, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     lines = 0
     while time.time() < deadline:  # kill -9 once a checkpoint exists and the run has gone past it
@@ -340,7 +343,7 @@ def test_no_save_optimizer_saves_a_final_model_that_resume_refuses(model_dir, tm
     assert resumed.exit_code == 1, resumed.output
     assert (
         f"error: '{out}' holds a model without the optimizer state that resume continues from (no "
-        "trainer_state.pt, as a run with save_optimizer=False leaves it); start a new run with it as the model and "
+        "trainer_state.pt, as a run with --no-save-optimizer leaves it); start a new run with it as the model and "
         "another output. (option --resume)"
     ) in " ".join(resumed.output.split())
     assert (out / "model.safetensors").read_bytes() == weights  # left as it was

@@ -56,7 +56,7 @@ from looptool.backends.onnx.format import budget_file, export_manifest
 from looptool.backends.onnx.fuse_ort import FUSE_PREFIX, fuse_for_ort, rule_counts
 from looptool.backends.onnx.optimize import simplify, strip_metadata
 from looptool.backends.onnx.outline import outline_looptool_functions
-from looptool.backends.onnx.quantize import Quantizer, check_quantize
+from looptool.backends.onnx.quantize import ACCURACY_LEVEL, Quantizer, quantizer_for
 from looptool.backends.onnx.report import BudgetExport, ExportReport
 from looptool.backends.onnx.speculative import export_verify_graphs, verify_targets
 from looptool.backends.onnx.store import WeightStore, externalize, to_numpy
@@ -120,6 +120,7 @@ def export_onnx(
     speculative: bool = False,
     adaptive: bool | str = False,
     quantize: str | None = None,
+    accuracy_level: int = ACCURACY_LEVEL,
     overwrite: bool = False,
     validate: bool = True,
     atol: float | None = None,
@@ -159,7 +160,10 @@ def export_onnx(
     weight once as weight-only blocks read by ``com.microsoft.MatMulNBits`` in every graph
     (:mod:`looptool.backends.onnx.quantize`: onnxruntime-only graphs); such graphs cannot
     reproduce PyTorch's logits, so validation bounds their error instead
-    (:func:`looptool.backends.onnx.validate.check_quantized`).
+    (:func:`looptool.backends.onnx.validate.check_quantized`). ``accuracy_level`` is how
+    ``MatMulNBits`` computes: 1 (default), float activations, so each row's tokens do not depend
+    on the other rows of its batch; 4, int8 activations (onnxruntime-genai's CPU setting): faster,
+    and a row's tokens then depend on the batch it runs in.
     """
     require_extra("onnx", "ONNX export", "onnx", "onnxscript", "onnx_ir", *(("onnxruntime",) if validate else ()))
     from looptool.backends.onnx.layers import LayerLibrary
@@ -174,7 +178,7 @@ def export_onnx(
     targets = verify_targets(chosen, policies) if speculative else []
     auto_targets = adaptive_targets(adaptive_rules(adaptive), policies)
     _check_exportable(model, _SUPPORTED_DTYPES + ((torch.bfloat16,) if _allow_bf16 else ()))
-    quantizer = Quantizer(check_quantize(quantize)) if quantize is not None else None
+    quantizer = quantizer_for(quantize, accuracy_level)
     final, temp = prepare_output_dir(output, overwrite)
     t0 = time.perf_counter()
     library = LayerLibrary(ort_fusions=ort_fusions, fuse_ort=fuse_ort) if compose else None
@@ -267,6 +271,7 @@ def _check_exportable(model, dtypes: tuple[torch.dtype, ...] = _SUPPORTED_DTYPES
             f"ONNX export supports float32 and float16 models, this one is {param.dtype}; convert with "
             "dtype=torch.float32.",
             parameter="dtype",
+            rerun="convert",
         )
 
 

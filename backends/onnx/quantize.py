@@ -8,12 +8,12 @@ blob]`` and computes ``A @ dequant(B)^T``, so ``W [out, in]`` maps onto it direc
 
 The quantization itself is onnxruntime's: :class:`onnxruntime.quantization.matmul_nbits_quantizer.
 DefaultWeightOnlyQuantizer`'s ``qbits_block_quant`` (the C++ ``quantize_matmul_4bits`` /
-``quantize_matmul_8bits`` kernels), given ``W^T [K, N]`` as it expects. The settings are those of
+``quantize_matmul_8bits`` kernels), given ``W^T [K, N]`` as it expects. The weights are those of
 onnxruntime-genai's model builder for ``-p int4 -e cpu`` (``onnxruntime_genai/models/
 quantization/quant_config.py`` and ``builders/base.py``, onnxruntime-genai 0.18): blocks of 32
 along K, symmetric (no zero points: ``MatMulNBits`` then takes 8 for 4 bits and 128 for 8
-bits), ``accuracy_level=4`` (int8 activations on the CPU), every ``MatMul`` including the LM
-head quantized; the token embedding is quantized only at 4 bits and only where it is tied to
+bits), every ``MatMul`` including the LM head quantized; the activations are not (see "Accuracy
+level" below: genai's ``accuracy_level=4`` is an option here); the token embedding is quantized only at 4 bits and only where it is tied to
 the LM head (genai's ``shared_embeddings``: ``GatherBlockQuantized`` reads the LM head's int4
 blocks; ``GatherBlockQuantized`` has no 8-bit path), otherwise it stays in the model's float
 dtype and is read by ``Gather``. Here the tied gather reads the same bytes under a second
@@ -36,6 +36,28 @@ copy (onnxruntime shares packed weights across sessions only through its C API).
 
 SmolLM2-135M at int4: the blocks and scales written here are byte-identical to those of
 onnxruntime-genai's ``-p int4 -e cpu`` build (checked for the LM head and ``down_proj``).
+
+Accuracy level (``MatMulNBits``' ``accuracy_level``: how the CPU kernel computes with the
+dequantized weights). At :data:`ACCURACY_LEVEL` (1, the default) it multiplies float32
+activations; at :data:`FAST_ACCURACY_LEVEL` (4, genai's CPU default) it first rounds each row's
+activations to int8 per block of 32 and runs integer dot products. Measured with one
+``MatMulNBits`` node in onnxruntime 1.32 (K 64-1536, N 64-49152, 4 and 8 bits, 1-8 threads,
+M = 1-100 rows): at level 4 a row's result is bitwise the same whatever M and the other rows;
+at level 1 it is bitwise one of two values, M = 1 (a vector kernel) or M > 1, ~1e-6 apart, as
+float32 results of a different summation order are. Level 4 breaks batch invariance all the same,
+because int8 rounding is not continuous: everything before a linear (attention over a longer
+padded cache, the row-wise graph's masked passes, an LM head or level-1 kernel that ran at
+another M) leaves a row's activations last-bit different in a batch than alone, and where that
+moves one activation across a rounding boundary the output moves by a whole int8 step (~1e-3
+where float32 moves ~1e-6). Through the layers, a level-4 engine's logits for a prompt move
+with the batch it runs in by 1e-3 to 1e-2 (tiny test llamas) and up to ~1 (SmolLM2-135M), a
+level-1 or float engine's by 1e-7 to 1e-4, so level 4 changes greedy tokens at near ties
+(SmolLM2-135M int4, 8 prompts at mixed budgets: 3 answers change, none at level 1). So level 1
+keeps the serving promise (a request's tokens do not depend on the others in its batch) as
+float engines keep it; level 4 is faster (SmolLM2 int4 decoding: level 1 takes 1.39× its time
+per step; tests/bench/README.md, "int4 and int8 accuracy levels"), and an engine exported with
+it gives answers that depend on the batch. Levels 2 and
+3 (fp16, bf16) compute in float32 on x86 CPUs (bitwise level 1's results) and are not offered.
 """
 
 from __future__ import annotations
@@ -50,7 +72,13 @@ from looptool.backends.errors import ExportError
 QUANTIZED = ("int8", "int4")
 BITS = {"int8": 8, "int4": 4}
 BLOCK_SIZE = 32  # onnxruntime-genai's default block size (weights.block_size)
-ACCURACY_LEVEL = 4  # genai's CPU default: int8 activations in MatMulNBits
+ACCURACY_LEVEL = 1  # float32 activations: a row's answer does not depend on the batch
+FAST_ACCURACY_LEVEL = 4  # genai's CPU default: int8 activations, faster, answers depend on the batch
+ACCURACY_LEVELS = (ACCURACY_LEVEL, FAST_ACCURACY_LEVEL)
+ACTIVATIONS = {  # what each level means for a served request, as the export says it
+    ACCURACY_LEVEL: "float activations (accuracy level 1: each answer independent of its batch)",
+    FAST_ACCURACY_LEVEL: "int8 activations (accuracy level 4: faster, each answer depends on its batch)",
+}
 MS_DOMAIN = "com.microsoft"
 
 
@@ -62,6 +90,44 @@ def check_quantize(quantize: str | None) -> str | None:
             parameter="quantize",
         )
     return quantize
+
+
+def check_accuracy_level(level: int) -> int:
+    """One of :data:`ACCURACY_LEVELS`; one sentence for anything else."""
+    if level not in ACCURACY_LEVELS:
+        raise ExportError(
+            f"accuracy level {level!r} is not supported; choose {ACCURACY_LEVEL} (float activations: each "
+            f"request's answer independent of its batch, the default) or {FAST_ACCURACY_LEVEL} (int8 activations: "
+            "faster, answers depend on the batch).",
+            parameter="accuracy_level",
+        )
+    return level
+
+
+def check_activations(quantize: str | None, accuracy_level: int) -> None:
+    """Refuse, in one sentence, an accuracy level that is not supported or that has no
+    quantized weights to apply to (``quantize`` None: float weights)."""
+    check_accuracy_level(accuracy_level)
+    if quantize is None and accuracy_level != ACCURACY_LEVEL:
+        raise ExportError(
+            f"accuracy level {accuracy_level} applies to int8/int4 weights (MatMulNBits); drop it or pick "
+            "precision int8 or int4.",
+            parameter="accuracy_level",
+        )
+
+
+def quantizer_for(quantize: str | None, accuracy_level: int = ACCURACY_LEVEL) -> Quantizer | None:
+    """The export's :class:`Quantizer` for ``quantize`` (None: float weights, no quantizer) at
+    ``accuracy_level``, both checked."""
+    check_activations(check_quantize(quantize), accuracy_level)
+    return None if quantize is None else Quantizer(quantize, accuracy_level=accuracy_level)
+
+
+def batch_dependent(quantization: dict | None) -> bool:
+    """Whether an engine whose manifest records ``quantization`` (:meth:`Quantizer.describe`)
+    quantizes activations too (:data:`FAST_ACCURACY_LEVEL`), so that a row's answer depends on
+    the batch it runs in."""
+    return bool(quantization) and quantization.get("accuracy_level") == FAST_ACCURACY_LEVEL
 
 
 @dataclass
@@ -93,7 +159,9 @@ class QuantizedWeight:
 
 @dataclass
 class Quantizer:
-    """Quantizes weights once per export and rewrites each graph to read them."""
+    """Quantizes weights once per export and rewrites each graph to read them (``MatMulNBits``
+    at ``accuracy_level``: :data:`ACCURACY_LEVEL` float activations, :data:`FAST_ACCURACY_LEVEL`
+    int8 ones; see the module docstring)."""
 
     precision: str
     block_size: int = BLOCK_SIZE

@@ -108,9 +108,10 @@ def _check(ref, run, ids, mask, atol: float, what: str, label: str) -> float:
 # rms(Δ - mean Δ) / rms(ref - mean ref) per row and step (logits centred, since a constant shift
 # changes no probability). Blockwise symmetric rounding leaves each weight an rms error of
 # step/√12, a step being absmax/8 per 32-weight block at 4 bits and absmax/128 at 8 bits; through the
-# layers (and int8 activations, accuracy_level 4) that gives, measured: tiny test llama int4
-# 0.16-0.24, int8 ~0.012; SmolLM2-135M int4 0.47-0.49 (its weights come from a Q4_1 GGUF, an
-# asymmetric 4-bit grid that symmetric int4 does not fit). A broken quantization (blocks read
+# layers that gives, measured with float activations (accuracy level 1, the default; int8
+# activations, level 4, in brackets): tiny test llama int4 0.16-0.24 (0.15-0.24), int8
+# 0.011-0.012 (0.015-0.020); SmolLM2-135M int4 0.47-0.49 (0.48-0.49; its weights come from a Q4_1
+# GGUF, an asymmetric 4-bit grid that symmetric int4 does not fit). A broken quantization (blocks read
 # for the wrong row, a wrong K/N or block layout) gives logits unrelated to the reference, a
 # relative error near √2 (measured 1.45-1.51 on the tiny llama with its blocks shifted by one
 # row), so the bounds sit between the two.

@@ -20,13 +20,14 @@ depth, not time.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from looptool.backends.errors import EngineError
+from looptool.backends.errors import EngineError, ReexportError
 from looptool.backends.manifest import MANIFEST, Manifest, engine_tokenizer
 from looptool.backends.serving import DEPTH, INPUTS, LOGITS, CacheLayout, past_name, present_name, row_inputs
 from looptool.core.dtypes import named
@@ -45,6 +46,8 @@ from looptool.engine.interface import (
     row_span,
 )
 from looptool.engine.speculation import LAST_LOOP_VERIFY
+
+log = logging.getLogger(__name__)
 
 WANTS = "give an engine directory written by looptool export"
 ADAPTIVE = "adaptive"  # the adaptive-depth graph's key among the graphs a step runs
@@ -122,7 +125,7 @@ class OrtStepEngine(StepEngine):
                 parameter="kv",
             )
         if ADAPTIVE not in self._pairs:
-            raise EngineError(
+            raise ReexportError(
                 f"the engine directory has no adaptive-depth graph ({self.exit_rule} rule, last-loop KV) over its "
                 "row-wise graph's caches, which budget 'auto' runs; export it again with adaptive=True and "
                 "kv='last-loop'.",
@@ -161,7 +164,7 @@ class OrtStepEngine(StepEngine):
             )
         missing = [k for k in self.budgets[1:] if not self.runtime.has_verify(k, self.kv) or k not in self._pairs]
         if missing:
-            raise EngineError(
+            raise ReexportError(
                 f"the engine directory has no verify graph for budget {missing[0]} (logits at every position, which "
                 "speculative decoding scores drafts with); export it again with speculative=True.",
                 parameter="runtime",
@@ -283,9 +286,16 @@ def open_dir(
     CPU; ``prepack`` and ``spin`` as :class:`~looptool.backends.ort.runtime.Runtime` takes them)
     and their step engine for ``kv`` (rows of adaptive depth stopping by ``exit_rule``, where
     the engine holds its adaptive-depth graph)."""
+    from looptool.backends.onnx.quantize import batch_dependent
     from looptool.backends.ort.runtime import Runtime
 
     rt = Runtime(path, threads=threads, prepack=prepack, spin=spin)
+    if batch_dependent(rt.manifest.quantization):
+        log.warning(
+            "%s quantizes activations to int8 (accuracy level 4), so a request's greedy answer depends on the other "
+            "requests in its batch; export it again without --accuracy-level 4 for answers that do not.",
+            path,
+        )
     tok = engine_tokenizer(path, rt.manifest, tokenizer)
     engine = OrtStepEngine(rt, kv=kv, exit_rule=exit_rule)
     costs = costs_by_budget([c.as_dict() for c in rt.manifest.costs], engine.budgets, kv)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from looptool.backends.errors import EngineError
+from looptool.backends.errors import EngineError, ReexportError
 from looptool.backends.manifest import MANIFEST, WEIGHTS, GraphEntry, Manifest
 from looptool.backends.ort.binding import CacheBinding
 from looptool.backends.serving import CacheLayout, check_request
@@ -209,7 +209,7 @@ class Runtime:
         budget, kv = self._check_budget(budget), self._check_policy(kv)
         entry = self.manifest.verify_graph(budget, kv)
         if entry is None:
-            raise EngineError(
+            raise ReexportError(
                 f"'{self.directory}' has no verify graph for budget {budget} ({kv}), which speculative decoding "
                 f"scores drafts with; export the engine again with speculative=True (it then writes one per budget "
                 f"but the shallowest, per-loop KV).",
@@ -222,7 +222,7 @@ class Runtime:
         (created on first use, refused in one sentence where the engine has none)."""
         entry = self.manifest.adaptive_graph(rule, kv)
         if entry is None:
-            raise EngineError(
+            raise ReexportError(
                 f"'{self.directory}' has no adaptive-depth graph ({rule} rule, {kv}), which budget 'auto' runs; export "
                 f"the engine again with adaptive={rule!r} and kv='last-loop'.",
                 parameter="budget",
@@ -357,7 +357,7 @@ class Runtime:
 
     def _check_policy(self, kv: str) -> str:
         if kv not in self.kv_policies:
-            raise EngineError(
+            raise ReexportError(
                 f"this engine was exported with KV policies {list(self.kv_policies)}, not {kv!r}; pick one of "
                 f"those or export again with kv={kv!r}.",
                 parameter="kv",

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from looptool.backends.errors import EngineError
+from looptool.backends.errors import EngineError, ReexportError
 from looptool.backends.manifest import MANIFEST, Manifest, engine_tokenizer
 from looptool.backends.serving import BUDGETS, INPUTS, LOGITS, CacheLayout, past_name, present_name
 from looptool.core.graph import ROWWISE
@@ -46,7 +46,7 @@ class TrtStepEngine(StepEngine):
 
     def __init__(self, runtime, kv: str = "per-loop"):
         if (ROWWISE, kv) not in runtime.contexts:
-            raise EngineError(
+            raise ReexportError(
                 f"'{runtime.directory}' has no row-wise TensorRT engine for kv {kv}, so its rows cannot take "
                 "different budgets; export it again with rowwise=True and rebuild the engines."
             )

@@ -59,6 +59,7 @@ from looptool.backends.tensorrt.moe import split_moe
 from looptool.core.dtypes import DTYPES, named, raw_numpy
 from looptool.core.errors import require_extra
 from looptool.core.graph import ROWWISE
+from looptool.core.install import install_command
 from looptool.storage.files import sha256_file
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,6 @@ PLUGIN_NAMESPACE = "looptool"
 PLUGIN_VERSION = "1"
 PRECISIONS = tuple(d.short for d in DTYPES if d.torch in (torch.float32, torch.float16, torch.bfloat16))
 BUILD_SCRIPT = "build.py"
-INSTALL_HINT = 'pip install "looptool[tensorrt]"'
 
 
 def trt_graph_file(budget: int | str, kv: str) -> str:
@@ -92,7 +92,7 @@ def require_tensorrt(purpose: str):
     except (ImportError, OSError) as exc:  # the bindings wheel alone fails with OSError on missing libraries
         raise ExportError(
             f"{purpose} needs TensorRT, which is not installed here ({type(exc).__name__}: {exc}); "
-            f"{INSTALL_HINT} on a machine with an NVIDIA GPU, or export with build_on_target=True.",
+            f"{install_command('tensorrt')} on a machine with an NVIDIA GPU, or export with build_on_target=True.",
             parameter="build_on_target",
         ) from exc
     return tensorrt

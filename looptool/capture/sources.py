@@ -198,9 +198,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str, origin: str) -> Sour
             try:
                 model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
             except ImportError as exc:
-                raise SourceError(
-                    f"loading GGUF needs the 'gguf' extra: pip install 'looptool[gguf]' ({exc})."
-                ) from exc
+                from looptool.core.install import install_command
+
+                raise SourceError(f"loading GGUF needs the 'gguf' extra: {install_command('gguf')} ({exc}).") from exc
             except Exception as exc:
                 raise SourceError(f"transformers could not load GGUF '{path}' ({type(exc).__name__}: {exc}).") from exc
             return model, _try_tokenizer(path.parent, gguf_file=path.name)

@@ -1,5 +1,6 @@
 """The typer app, its consoles, the ``--debug`` callback, the error wrapper every command
-wears (:func:`friendly`) and the console-script entry point :func:`main`.
+wears (:func:`friendly`), the help every command shows as whole paragraphs (:func:`prose`) and
+the console-script entry point :func:`main`.
 
 (Named ``application`` rather than ``app`` so that ``looptool.cli.app`` stays the typer app.)
 """
@@ -17,13 +18,42 @@ import click
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
 
-from looptool.cli.hints import option_hint
+from looptool.cli.hints import cli_message
 from looptool.core.errors import LooptoolError
+
+
+def prose(text: str | None, markup: bool = True) -> str | None:
+    """Help text as rich-mode typer should show it: each paragraph (blank-line separated) on one
+    line, so the terminal, not the source's line breaks, wraps it (typer keeps single newlines
+    in rich mode, cutting sentences where the docstring happened to break); with ``markup``,
+    brackets escaped so that ``[recurrent]`` is shown, not read as a style. A paragraph that
+    starts with click's ``\\b`` keeps its lines."""
+    if not text:
+        return text
+    paragraphs = [p if p.startswith("\b") else " ".join(p.split()) for p in text.strip().split("\n\n")]
+    joined = "\n\n".join(p for p in paragraphs if p)
+    return escape(joined) if markup else joined
+
+
+class HelpGroup(TyperGroup):
+    """The looptool group: its own, every command's and every parameter's help through :func:`prose`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        markup = self.rich_markup_mode == "rich"
+        for command in (self, *self.commands.values()):
+            command.help = prose(command.help, markup)
+            for param in command.params:
+                if getattr(param, "help", None):
+                    param.help = prose(param.help, markup)
+
 
 app = typer.Typer(
     name="looptool",
     help="Loop pretrained decoder LMs for elastic-depth inference.",
+    cls=HelpGroup,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -46,7 +76,8 @@ def _options(
 
 
 def friendly(fn: Callable) -> Callable:
-    """User errors (LooptoolError): one red line, exit code 1. Anything else is a looptool
+    """User errors (LooptoolError): one red line in the command line's words (flags, not Python
+    parameters: :func:`~looptool.cli.hints.cli_message`), exit code 1. Anything else is a looptool
     bug: one line saying so and how to see the traceback, exit code 2 (``--debug`` or
     ``LOOPTOOL_DEBUG=1``: the exception propagates with its traceback)."""
 
@@ -55,7 +86,7 @@ def friendly(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except LooptoolError as exc:
-            console.print(f"[bold red]error:[/] {escape(str(exc) + option_hint(exc))}", highlight=False, soft_wrap=True)
+            console.print(f"[bold red]error:[/] {escape(cli_message(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(code=1) from None
         except (
             typer.Exit,

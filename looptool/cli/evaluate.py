@@ -24,6 +24,7 @@ from looptool.cli.options import (
 )
 from looptool.cli.progress import progress
 from looptool.core.errors import LooptoolError
+from looptool.core.words import counted
 
 
 @app.command(name="eval")
@@ -75,7 +76,7 @@ def eval_(
             )
     written = write_eval(result, output or model_dir, title=f"{model_dir.name}: loss vs cost")
     table = Table(
-        title=f"{result['tokens']:,} held-out tokens · {result['sequences']} × {result['seq_len']}",
+        title=f"{counted(result['tokens'], 'held-out token', grouped=True)} · {result['sequences']} × {result['seq_len']}",
         title_justify="left",
     )
     for col in (
@@ -172,7 +173,9 @@ def _print_analysis(result: dict) -> None:
     def f(value, spec: str = ".3f") -> str:
         return "" if value is None else format(value, spec)
 
-    out.print(f"{result['tokens']:,} tokens · budget {result['budget']} · loss {result['loss']:.4f}")
+    out.print(
+        f"{counted(result['tokens'], 'token', grouped=True)} · budget {result['budget']} · loss {result['loss']:.4f}"
+    )
     if result.get("repeats"):
         kinds = sorted({k for r in result["repeats"] for k in r["writes"]})
         table = Table(title="second pass vs first pass, per repeated layer", title_justify="left")

@@ -12,6 +12,14 @@ from looptool.cli.application import app, friendly, out
 from looptool.cli.options import ModelDir, Overwrite, check_backend, check_kv_names, parse_device
 from looptool.cli.progress import progress
 from looptool.core.errors import LooptoolError
+from looptool.core.words import counted
+
+# what the "layer calls" column counts (the table's caption; examples/README.md explains it too)
+LAYER_CALLS = (
+    "layer calls: N of M bodies = the graph is N calls of ONNX functions (one per layer application and one per "
+    "run of glue between layers: embedding and masks, loop-state updates, norm and head) over M distinct function "
+    "bodies, each exported once and shared by every graph that calls it; flat = traced as one graph."
+)
 
 
 @app.command(name="export")
@@ -78,6 +86,14 @@ def export_cmd(
             "weights (MatMulNBits, one copy for all budgets), a float name keeps the model's dtype."
         ),
     ] = "fp16",
+    accuracy_level: Annotated[
+        int,
+        typer.Option(
+            help="onnx int8/int4: how MatMulNBits computes. 1: float activations, each request's answer "
+            "independent of the other requests in its batch. 4: int8 activations (onnxruntime-genai's CPU "
+            "setting), faster, and a request's greedy answer then depends on the batch it runs in.",
+        ),
+    ] = 1,
     build_on_target: Annotated[
         bool,
         typer.Option(
@@ -89,12 +105,14 @@ def export_cmd(
     max_prefill: Annotated[int, typer.Option(help="tensorrt: longest prompt step the prefill profile accepts.")] = 2048,
     max_capacity: Annotated[int, typer.Option(help="tensorrt: largest KV cache capacity in tokens.")] = 4096,
 ) -> None:
-    """Lower budget paths to ONNX serving engines (prefill + KV-cached decode) sharing one weights.bin,
-    one graph per budget plus one row-wise graph (every row at its own budget);
-    --backend tensorrt adds TensorRT graphs with looptool plugins and builds their engines."""
+    """Lower budget paths to ONNX serving engines (prefill + KV-cached decode) sharing one weights.bin.
+
+    The engine directory holds one graph per budget plus one row-wise graph (every row at its own
+    budget); --backend tensorrt adds TensorRT graphs with looptool plugins and builds their
+    engines."""
     from looptool.backends.engines import export_engines, export_options
     from looptool.backends.onnx.export import resolve_budgets, resolve_policies
-    from looptool.backends.onnx.quantize import BLOCK_SIZE, QUANTIZED
+    from looptool.backends.onnx.quantize import ACTIVATIONS, BLOCK_SIZE, QUANTIZED
     from looptool.backends.onnx.validate import QUANTIZED_BOUNDS
     from looptool.report.tables import human_bytes
     from looptool.runtime.convert import load
@@ -122,6 +140,7 @@ def export_cmd(
         speculative=speculative,
         adaptive=adaptive,
         precision=precision,
+        accuracy_level=accuracy_level,
         build_on_target=build_on_target,
         max_batch=max_batch,
         max_prefill=max_prefill,
@@ -143,10 +162,10 @@ def export_cmd(
 
             graphs += len(adaptive_targets(adaptive_rules(adaptive), policies))
         with steps.stage("exporting", total=graphs + int(validate), done="exported") as step:
-            counted = iter(range(graphs + 1))
+            ticks = iter(range(graphs + 1))
 
             def on_progress(text: str) -> None:
-                if next(counted, 1):  # the tensorrt backend reports a few more stages than graphs
+                if next(ticks, 1):  # the tensorrt backend reports a few more stages than graphs
                     step.advance()
                 step.update(text=text)
 
@@ -160,9 +179,44 @@ def export_cmd(
                 validate=validate,
                 on_progress=on_progress,
             )
-    table = Table(
-        title=f"{output} · onnx · opset 18 + looptool domain · prefill + KV-cached decode", title_justify="left"
+    out.print(engine_table(report, f"{output} · onnx · opset 18 + looptool domain · prefill + KV-cached decode"))
+    if report.layer_functions:
+        out.print(
+            f"{counted(report.layer_functions, 'distinct body', 'distinct bodies')} exported once each ({report.layer_seconds:.1f} s); "
+            f"validation {report.validation_seconds:.1f} s; total {report.seconds:.1f} s"
+        )
+    if backend == "onnx" and precision in QUANTIZED:
+        out.print(
+            f"weights {precision}: every linear a MatMulNBits over blocks of {BLOCK_SIZE} stored once, "
+            f"{ACTIVATIONS[accuracy_level]}; "
+            f"'max |Δ|' is the relative logit error against PyTorch's float path (bound "
+            f"{QUANTIZED_BOUNDS[precision]})"
+        )
+    if backend == "tensorrt":
+        built = (
+            "engines built"
+            if not build_on_target
+            else f"run python {output / 'build.py'} on the GPU machine to build the engines"
+        )
+        out.print(f"TensorRT variants (*.trt.onnx, {precision}, weights as inputs, looptool plugins) written; {built}.")
+    out.print(
+        f"weights.bin {human_bytes(report.weights_bytes)} + graphs/manifest {human_bytes(report.graph_bytes)} = "
+        f"{human_bytes(report.total_bytes)}; {report.disk_ratio:.3f} × the parameter bytes ({human_bytes(report.parameter_bytes)})"
     )
+
+
+def layer_calls(graph) -> str:
+    """The "layer calls" cell of one exported graph: ``N of M bodies``, or ``flat``."""
+    if not graph.composed:
+        return "flat"
+    return f"{sum(graph.layer_calls.values())} of {counted(len(graph.layer_calls), 'body', 'bodies')}"
+
+
+def engine_table(report, title: str) -> Table:
+    """One row per graph ``report`` (an export report) lists, captioned with what its counts mean."""
+    from looptool.report.tables import human_bytes
+
+    table = Table(title=title, title_justify="left", caption=LAYER_CALLS, caption_justify="left")
     for col in (
         "budget",
         "kv",
@@ -180,38 +234,15 @@ def export_cmd(
     labelled += [(str(b.budget), b) for b in getattr(report, "adaptive", [])]
     for label, b in labelled:
         fused = ", ".join(f"{k}×{v}" for k, v in b.fused.items() if v) or "-"
-        calls = f"{sum(b.layer_calls.values())} of {len(b.layer_calls)}" if b.composed else "flat"
         diff = b.max_abs_diff
         table.add_row(
             label,
             b.kv,
             b.file,
             human_bytes(b.bytes),
-            calls,
+            layer_calls(b),
             fused,
             *(f"{diff[k]:.2e}" if k in diff else "not validated" for k in ("random", "real")),
             f"{b.seconds:.1f}",
         )
-    out.print(table)
-    if report.layer_functions:
-        out.print(
-            f"{report.layer_functions} distinct bodies exported once each ({report.layer_seconds:.1f} s); "
-            f"validation {report.validation_seconds:.1f} s; total {report.seconds:.1f} s"
-        )
-    if backend == "onnx" and precision in QUANTIZED:
-        out.print(
-            f"weights {precision}: every linear a MatMulNBits over blocks of {BLOCK_SIZE} stored once; "
-            f"'max |Δ|' is the relative logit error against PyTorch's float path (bound "
-            f"{QUANTIZED_BOUNDS[precision]})"
-        )
-    if backend == "tensorrt":
-        built = (
-            "engines built"
-            if not build_on_target
-            else f"run python {output / 'build.py'} on the GPU machine to build the engines"
-        )
-        out.print(f"TensorRT variants (*.trt.onnx, {precision}, weights as inputs, looptool plugins) written; {built}.")
-    out.print(
-        f"weights.bin {human_bytes(report.weights_bytes)} + graphs/manifest {human_bytes(report.graph_bytes)} = "
-        f"{human_bytes(report.total_bytes)}; {report.disk_ratio:.3f} × the parameter bytes ({human_bytes(report.parameter_bytes)})"
-    )
+    return table

@@ -19,6 +19,7 @@ from looptool.cli.options import (
     SamplingSeed,
     Stream,
     Temperature,
+    Threads,
     Tokenizer,
     TopK,
     TopP,
@@ -29,6 +30,7 @@ from looptool.cli.options import (
 )
 from looptool.cli.progress import progress
 from looptool.core.errors import LooptoolError
+from looptool.core.words import counted
 
 RowBudgets = Annotated[
     str | None,
@@ -73,7 +75,8 @@ def parse_row_budgets(text: str | None, prompts: int) -> int | list[int] | str |
         return int(parts[0])
     if len(parts) != prompts:
         raise LooptoolError(
-            f"--budget gives {len(parts)} budgets for {prompts} --prompt(s); give one budget, or one per --prompt."
+            f"--budget gives {counted(len(parts), 'budget')} for {counted(prompts, '--prompt')}; give one budget, or one "
+            "per --prompt."
         )
     return [int(p) for p in parts]
 
@@ -100,11 +103,13 @@ def generate(
     exit_threshold: ExitThreshold = None,
     exit_rule: ExitRule = None,
 ) -> None:
-    """Generate text with a KV cache at one budget, or one budget per prompt (--budget 0,6,12: the
-    rows run together, each at its own budget); report tokens/s, KV bytes and each row's cost.
-    --draft-budget J decodes speculatively: budget J drafts --draft-tokens tokens, --budget keeps
-    what it agrees with (its own output, token for token when greedy). --budget auto picks the
-    depth of every token (it stops looping once its state stops changing; needs --kv last-loop)."""
+    """Generate text with a KV cache at one budget, or one budget per prompt.
+
+    --budget 0,6,12 runs the prompts together, each at its own budget; the report gives tokens/s,
+    KV bytes and each row's cost. --draft-budget J decodes speculatively: budget J drafts
+    --draft-tokens tokens and --budget keeps what it agrees with (its own output, token for token
+    when greedy). --budget auto picks the depth of every token (it stops looping once its state
+    stops changing; needs --kv last-loop)."""
     from looptool.engine.sampling import SamplingParams
     from looptool.engine.speculation import Speculation
     from looptool.runtime import text
@@ -207,7 +212,7 @@ def run_cmd(
     top_p: TopP = None,
     seed: SamplingSeed = None,
     stream: Stream = False,
-    threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads (default: all cores).")] = None,
+    threads: Threads = None,
     prepack: Annotated[
         bool, typer.Option("--prepack", help="Let onnxruntime pre-pack weights: faster, but a packed copy per session.")
     ] = False,
@@ -222,10 +227,12 @@ def run_cmd(
     exit_threshold: ExitThreshold = None,
     exit_rule: ExitRule = None,
 ) -> None:
-    """Generate with onnxruntime or TensorRT from an exported engine, with its KV cache (like generate);
-    --budget 0,6,12 runs one budget per prompt through the engine's row-wise graph (onnx);
-    --draft-budget J decodes speculatively (onnx, an engine exported with --speculative);
-    --budget auto picks each token's depth (onnx, an engine exported with --adaptive, --kv last-loop)."""
+    """Generate with onnxruntime or TensorRT from an exported engine, with its KV cache (like generate).
+
+    --budget 0,6,12 runs one budget per prompt through the engine's row-wise graph (onnx).
+    --draft-budget J decodes speculatively (onnx, an engine exported with --speculative).
+    --budget auto picks each token's depth (onnx, an engine exported with --adaptive and --kv
+    last-loop)."""
     from looptool.backends.engines import engine_name, open_runtime
     from looptool.engine.sampling import SamplingParams
     from looptool.runtime import text

@@ -12,6 +12,7 @@ from looptool.cli.application import app, friendly, out
 from looptool.cli.options import Overwrite
 from looptool.cli.progress import progress
 from looptool.core.errors import LooptoolError
+from looptool.core.words import counted
 
 
 @app.command(name="merge")
@@ -47,8 +48,10 @@ def merge_cmd(
         bool, typer.Option("--list-groups", help="Print BASE's parameter groups with their sizes and exit.")
     ] = False,
 ) -> None:
-    """Merge fine-tuned experts into BASE per parameter group (task arithmetic, Accordion post-training):
-    theta = theta_base + sum_j lambda_j (theta_j - theta_base), in float32, cast back to the model's dtype."""
+    """Merge fine-tuned experts into BASE per parameter group (task arithmetic, Accordion post-training).
+
+    Each group becomes theta = theta_base + sum_j lambda_j (theta_j - theta_base), computed in
+    float32 and cast back to the model's dtype."""
     from looptool.posttrain.merge import (
         MERGE_CONFIG,
         group_sizes,
@@ -92,7 +95,7 @@ def merge_cmd(
         config = merge_config(base_model, specs, base_path=str(base), expert_paths=[str(p) for p in experts])
         with steps.stage(f"saving to {output}"):
             save_merge(merged, output, config, overwrite=overwrite)
-    table = Table(title=f"{output} · {len(experts)} expert(s) merged into {base}", title_justify="left")
+    table = Table(title=f"{output} · {counted(len(experts), 'expert')} merged into {base}", title_justify="left")
     for col in ("group", "tensors", "parameters", *(f"λ {j}" for j in range(len(experts)))):
         table.add_column(col, justify="left" if col == "group" else "right")
     for family, group, tensors, scalars in group_sizes(base_model):
@@ -103,6 +106,6 @@ def merge_cmd(
     out.print(table)
     changed, total = merge_counts(base_model, specs, len(experts))
     out.print(
-        f"{changed} of {total} tensors merged ({total - changed} kept from the base); "
+        f"{changed} of {counted(total, 'tensor')} merged ({total - changed} kept from the base); "
         f"saved merged model to [bold]{output}[/] (experts and λ specs in {MERGE_CONFIG})"
     )

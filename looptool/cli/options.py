@@ -18,6 +18,13 @@ Device = Annotated[str, typer.Option(help="cpu, cuda or cuda:N (default: cuda wh
 Dtype = Annotated[str, typer.Option(help="float32, bfloat16 or float16.")]
 Tokenizer = Annotated[Path | None, typer.Option(help="Tokenizer folder, for a model saved without one.")]
 Compile = Annotated[bool, typer.Option("--compile", help="torch.compile each budget path on first use.")]
+Threads = Annotated[
+    int | None,
+    typer.Option(
+        help="onnxruntime intra-op threads per session, for an engine directory (default: onnxruntime's own, one per "
+        "physical core)."
+    ),
+]
 
 # ---------------------------------------------------------------------- data and sizes
 HeldOut = Annotated[list[str], typer.Option(help="Held-out text: files, folders, globs or .jsonl (repeatable).")]

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from looptool.cli.application import app, console, friendly
-from looptool.cli.options import Device, Kv, Tokenizer, check_kv_names, check_sizes
+from looptool.cli.options import Device, Kv, Threads, Tokenizer, check_kv_names, check_sizes
 from looptool.cli.progress import progress
 
 
@@ -76,7 +76,7 @@ def serve(
         int, typer.Option(help="Tokens drafted per verify step by default (requests may send draft_tokens).")
     ] = 4,
     tokenizer: Tokenizer = None,
-    threads: Annotated[int | None, typer.Option(help="onnxruntime intra-op threads (engine directories).")] = None,
+    threads: Threads = None,
     prepack: Annotated[
         bool,
         typer.Option(
@@ -94,18 +94,24 @@ def serve(
         str,
         typer.Option(
             help="as-is: serve MODEL_DIR as it is; onnx: serve the onnxruntime engine of a looped model directory "
-            "(faster on a CPU), exported to --engine-dir on first use (with its verify graphs under --speculative) "
-            "and reused while the model is unchanged."
+            "(faster on a CPU), exported on first use into the subfolder of --engine-dir named by the options that "
+            "shape it (per-loop, per-loop-speculative, last-loop-adaptive-state, ...) and reused while the model "
+            "is unchanged."
         ),
     ] = "as-is",
     engine_dir: Annotated[
-        Path | None, typer.Option(help="Where --engine onnx keeps the engine (default: MODEL_DIR-onnx).")
+        Path | None,
+        typer.Option(
+            help="The folder where --engine onnx keeps its engines, one subfolder per option set (default: "
+            "MODEL_DIR-onnx, beside MODEL_DIR)."
+        ),
     ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning",
 ) -> None:
-    """Serve a model over HTTP (OpenAI API): every request picks its own budget. Every option is
-    checked and the port bound before the model loads; SIGTERM drains (new requests get 503)
-    and exits 0 once the admitted requests finish."""
+    """Serve a model over HTTP (OpenAI API): every request picks its own budget.
+
+    Every option is checked and the port bound before the model loads; SIGTERM drains (new
+    requests get 503) and exits 0 once the admitted requests finish."""
     from looptool.serve import ServeOptions, prepare
     from looptool.serve.server import bind
 
@@ -165,17 +171,20 @@ def serve(
 
 
 def default_engine_dir(model_dir: Path) -> Path:
-    """Where ``--engine onnx`` keeps a looped model directory's engine: beside it, ``NAME-onnx``."""
+    """Where ``--engine onnx`` keeps a looped model directory's engines: beside it, ``NAME-onnx``,
+    one subfolder per option set (:func:`looptool.backends.engines.exported_engine`)."""
     return model_dir.parent / f"{model_dir.name}-onnx"
 
 
 def onnx_engine_of(
-    model_dir: Path, engine_dir: Path, kv: str, speculative: bool = False, adaptive: bool | str = False
+    model_dir: Path, engines_dir: Path, kv: str, speculative: bool = False, adaptive: bool | str = False
 ) -> Path:
-    """The onnxruntime engine of the looped model directory ``model_dir`` at ``engine_dir``,
-    exported there first unless it holds the engine of the same model files (with its verify
-    graphs when ``speculative``, its adaptive-depth graph of exit rule ``adaptive`` when given)."""
+    """The onnxruntime engine of the looped model directory ``model_dir`` for these options,
+    kept in its subfolder of ``engines_dir`` and exported there first unless it holds that
+    engine of the same model files; a line says which folder, how big, and why it was exported
+    (or that it was reused)."""
     from looptool.backends.engines import exported_engine
+    from looptool.report.tables import human_bytes
     from looptool.runtime.step_engine import detect
 
     if not detect(model_dir):
@@ -184,15 +193,22 @@ def onnx_engine_of(
             "served as it is).",
             param_hint="--engine",
         )
-    with progress() as steps, steps.stage(f"onnxruntime engine of {model_dir} in {engine_dir}") as step:
-        return exported_engine(
+    with progress() as steps, steps.stage(f"onnxruntime engine of {model_dir}") as step:
+        kept = exported_engine(
             model_dir,
-            engine_dir,
+            engines_dir,
             kv=kv,
             speculative=speculative,
             adaptive=adaptive,
             on_progress=lambda text: step.update(text=text),
         )
+        step.update(text=f"onnxruntime engine of {model_dir}")
+    where = f"{kept.path} ({human_bytes(kept.bytes)})"
+    said = (
+        f"reused the engine in {where}" if kept.exported is None else f"exported the engine to {where}: {kept.exported}"
+    )
+    console.print(said, highlight=False, soft_wrap=True)
+    return kept.path
 
 
 def faster_engine_hint(model_dir: Path, runtime: str, device: str) -> str:
@@ -201,7 +217,7 @@ def faster_engine_hint(model_dir: Path, runtime: str, device: str) -> str:
     tests/bench/README.md); empty for any other runtime or device."""
     if runtime != "pytorch" or not str(device).startswith("cpu"):
         return ""
-    engine = default_engine_dir(model_dir)
+    engine = model_dir.parent / f"{model_dir.name}-engine"  # not the folder of --engine onnx's engines
     return (
         "hint: on a CPU the onnxruntime engine of this model decodes faster than PyTorch: "
         f"looptool serve {model_dir} --engine onnx (or looptool export {model_dir} -o {engine}, then "

@@ -40,6 +40,7 @@ from looptool.cli.options import (
 )
 from looptool.cli.progress import progress
 from looptool.core.errors import LooptoolError
+from looptool.core.words import counted
 
 Output = Annotated[
     Path, typer.Option("--output", "-o", help="Output directory: checkpoints and the final model (and the run's log).")
@@ -198,7 +199,7 @@ def train(
         write_train_summary(output, summary)
         exp, real = summary["expected"], summary.get("realised", {})
         out.print(
-            f"trained {summary['steps']} steps × {summary['tokens_per_step']:,} tokens; "
+            f"trained {counted(summary['steps'], 'step')} × {counted(summary['tokens_per_step'], 'token', grouped=True)}; "
             f"p(shallowest) {real.get('p_shallowest', float('nan')):.3f} (Eq. 3: {exp['p_shallowest']:.3f}), "
             f"mean budget {real.get('mean_budget', float('nan')):.2f} (Eq. 3: {exp['mean_budget']:.2f}); "
             f"model saved in [bold]{output}[/]"
@@ -454,4 +455,6 @@ def distill(
     per = ", ".join(
         f"budget {k}: {v:.4f}" for k, v in sorted(summary["loss_by_budget"].items(), key=lambda kv: int(kv[0]))
     )
-    out.print(f"distilled {summary['steps']} steps (mean reverse KL {per}); student saved in [bold]{output}[/]")
+    out.print(
+        f"distilled {counted(summary['steps'], 'step')} (mean reverse KL {per}); student saved in [bold]{output}[/]"
+    )

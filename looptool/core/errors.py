@@ -16,12 +16,17 @@ class LooptoolError(Exception):
 
     Messages name the Python parameter at fault (``seq_len``, ``overwrite=True``), never a
     command-line flag: a Python caller has no flags. ``parameter`` (optional) names that
-    parameter, so the command line can point at its own option for it.
+    parameter, so the command line can point at its own option for it. ``rerun`` (optional)
+    names the looptool step — ``"export"``, ``"convert"``: the function and the command share
+    the name — whose parameters the message's ``name=value`` fixes are when that is not the call
+    that raised ("export the engine again with adaptive=True"), so the command line can spell
+    them as that command (:mod:`looptool.cli.hints`).
     """
 
-    def __init__(self, message: str = "", *, parameter: str | None = None):
+    def __init__(self, message: str = "", *, parameter: str | None = None, rerun: str | None = None):
         super().__init__(message)
         self.parameter = parameter
+        self.rerun = rerun
 
 
 class PlanError(LooptoolError, ValueError):
@@ -54,12 +59,15 @@ class MissingExtraError(LooptoolError):
 
 
 def require_extra(extra: str, feature: str, *modules: str) -> None:
-    """Refuse, in one sentence naming the pip extra, when a module ``feature`` needs is missing."""
+    """Refuse, in one sentence naming the pip extra and the command that installs it for this copy
+    of looptool (:func:`looptool.core.install.install_command`), when a module ``feature`` needs is
+    missing."""
     import importlib.util
+
+    from looptool.core.install import install_command
 
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         raise MissingExtraError(
-            f"{feature} needs the '{extra}' extra ({', '.join(missing)} not installed): "
-            f"pip install 'looptool[{extra}]'."
+            f"{feature} needs the '{extra}' extra ({', '.join(missing)} not installed): {install_command(extra)}."
         )

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from looptool.core.errors import PlanError
+from looptool.core.words import counted
 
 PLAN_FORMAT_VERSION = 1
 
@@ -48,7 +49,7 @@ class PrefixLoop:
         if not 0 <= start < stop <= num_layers:
             raise PlanError(
                 f"window {start}:{stop} is not a non-empty range inside the model's "
-                f"{num_layers} layers; use START:STOP with 0 <= START < STOP <= {num_layers}."
+                f"{counted(num_layers, 'layer')}; use START:STOP with 0 <= START < STOP <= {num_layers}."
             )
         m = stop - start
         budgets = self.budgets
@@ -169,7 +170,7 @@ class RecurrentLoop:
         if not 0 <= start < stop <= num_layers:
             raise PlanError(
                 f"recurrent block {start}:{stop} is not a non-empty range inside the model's "
-                f"{num_layers} layers; use START:STOP with 0 <= START < STOP <= {num_layers}."
+                f"{counted(num_layers, 'layer')}; use START:STOP with 0 <= START < STOP <= {num_layers}."
             )
         if isinstance(self.max_loops, bool) or not isinstance(self.max_loops, int) or self.max_loops < 1:
             raise PlanError(f"max_loops must be a whole number >= 1, got {self.max_loops!r}.")

@@ -22,6 +22,7 @@ import torch
 
 from looptool.core.errors import LooptoolError
 from looptool.core.graph import ROWWISE
+from looptool.core.words import counted
 
 DEFAULT_EXIT_THRESHOLD = 0.05  # relative state change below which an adaptive row stops (not calibrated per model)
 
@@ -84,7 +85,9 @@ class RowBudgets:
     def __post_init__(self) -> None:
         if self.auto is not None:
             if len(self.auto) != len(self.rows):
-                raise LooptoolError(f"{len(self.auto)} adaptive-depth entries for {len(self.rows)} rows.")
+                raise LooptoolError(
+                    f"{counted(len(self.auto), 'adaptive-depth entry', 'adaptive-depth entries')} for {counted(len(self.rows), 'row')}."
+                )
             if all(a is None for a in self.auto):
                 object.__setattr__(self, "auto", None)
 
@@ -163,7 +166,8 @@ class RowBudgets:
             values = budget.tolist() if hasattr(budget, "tolist") else list(budget)
             if len(values) != batch:
                 raise error(
-                    f"{len(values)} budgets for a batch of {batch} rows; give one budget per row.", parameter="budget"
+                    f"{counted(len(values), 'budget')} for a batch of {counted(batch, 'row')}; give one budget per row.",
+                    parameter="budget",
                 )
         rows = []
         for value in values:

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from looptool.core.errors import LooptoolError
+from looptool.core.words import counted
 from looptool.engine.budgets import RowBudgets
 
 
@@ -69,14 +70,14 @@ class SlotCache(ABC):
     def shift_left(self, n: int) -> None:
         """Every buffer: positions ``[n:]`` move to ``[:length - n]`` (the rest keeps its values)."""
         if not 0 <= n <= self.length:
-            raise LooptoolError(f"cannot shift a cache of {self.length} positions by {n}.", parameter="n")
+            raise LooptoolError(f"cannot shift a cache of {counted(self.length, 'position')} by {n}.", parameter="n")
         if n:
             self._shift(n)
 
     def shift_right(self, n: int) -> None:
         """Every buffer: positions ``[:length - n]`` move to ``[n:]`` (the rest keeps its values)."""
         if not 0 <= n <= self.length:
-            raise LooptoolError(f"cannot shift a cache of {self.length} positions by {n}.", parameter="n")
+            raise LooptoolError(f"cannot shift a cache of {counted(self.length, 'position')} by {n}.", parameter="n")
         if n:
             self._shift_right(n)
 
@@ -319,7 +320,9 @@ def full_width(mask, length: int):
     if mask.shape[1] == length:
         return mask
     if mask.shape[1] > length:
-        raise LooptoolError(f"an attention mask of {mask.shape[1]} positions is wider than the cache ({length}).")
+        raise LooptoolError(
+            f"an attention mask of {counted(mask.shape[1], 'position')} is wider than the cache ({length})."
+        )
     return with_length(mask if isinstance(mask, torch.Tensor) else np.asarray(mask), length, dim=1)
 
 

@@ -72,6 +72,7 @@ from looptool.core.graph import (
     ROLE_ROUTER,
     annotation,
 )
+from looptool.core.words import counted
 from looptool.runtime.model import LoopedModel
 
 KINDS = ("embed_head", "attention", "mlp", "router", "norm", "loop")
@@ -321,8 +322,8 @@ def check_compatible(base: LoopedModel, expert: LoopedModel, label: str = "the e
     arch_b = (b.model_type, b.num_layers, b.hidden_size, b.layers_path)
     if arch_a != arch_b:
         raise MergeError(
-            f"{label} is a {b.model_type} model with {b.num_layers} layers of width {b.hidden_size}, the base a "
-            f"{a.model_type} model with {a.num_layers} layers of width {a.hidden_size}; merge only models converted "
+            f"{label} is a {b.model_type} model with {counted(b.num_layers, 'layer')} of width {b.hidden_size}, the "
+            f"base a {a.model_type} model with {counted(a.num_layers, 'layer')} of width {a.hidden_size}; merge only models converted "
             "from the same architecture."
         )
     if expert.plan != base.plan:

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from looptool.core.errors import LooptoolError
+from looptool.core.words import counted
 from looptool.posttrain.rewards import load_reward, score
 from looptool.posttrain.rollout import (
     PostTrainingRun,
@@ -158,7 +159,7 @@ class GRPO(PostTrainingRun):
         self.ratio = list(config.ratio) if config.ratio else [4.0] + [1.0] * (len(self.menu) - 1)
         if len(self.ratio) != len(self.menu):
             raise RLError(
-                f"ratio has {len(self.ratio)} weights for the {len(self.menu)} budgets {list(self.menu)}.",
+                f"ratio has {counted(len(self.ratio), 'weight')} for the {counted(len(self.menu), 'budget')} {list(self.menu)}.",
                 parameter="ratio",
             )
         self.reward_fn = load_reward(config.reward)

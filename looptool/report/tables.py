@@ -7,6 +7,7 @@ import collections
 from rich.table import Table
 
 from looptool.core.plan import LoopPlan, plan_from_dict
+from looptool.core.words import counted
 from looptool.runtime.model import LoopedModel
 
 
@@ -58,32 +59,38 @@ def summary(model: LoopedModel) -> dict:
     }
 
 
+# The cost columns of :func:`plan_table`, in the order it shows them.
+COST_COLUMNS = ("path", "MFLOP/tok", "×FLOPs", "KV/tok per-loop", "×KV", "KV/tok last-loop")
+
+
 def plan_table(
-    info: dict, extra: dict[int, dict[str, str]] | None = None, extra_columns: tuple[str, ...] = ()
+    info: dict,
+    extra: dict[int, dict[str, str]] | None = None,
+    extra_columns: tuple[str, ...] = (),
+    columns: tuple[str, ...] = COST_COLUMNS,
 ) -> Table:
-    """The per-budget table ``looptool inspect`` and ``demo`` print."""
+    """The per-budget table ``looptool inspect`` and ``demo`` print: the plan's budget columns,
+    then ``columns`` (of :data:`COST_COLUMNS`, default all), then ``extra_columns`` from ``extra``."""
     plan = plan_from_dict(info["plan"])
     title = (
-        f"{info['model_type']} · {info['num_layers']} layers · d={info['hidden_size']} · "
+        f"{info['model_type']} · {counted(info['num_layers'], 'layer')} · d={info['hidden_size']} · "
         f"{plan.caption()} · {info['source_params']:,} + {info['params_added']:,} params"
     )
     table = Table(title=title, title_justify="left")
-    columns = [*plan.budget_columns, "path", "MFLOP/tok", "×FLOPs", "KV/tok per-loop", "×KV", "KV/tok last-loop"]
-    for col in columns:
+    for col in [*plan.budget_columns, *columns]:
         table.add_column(col, justify="left" if col == "path" else "right", no_wrap=True)
     for col in extra_columns:
         table.add_column(col, justify="right", no_wrap=True)
     for row in info["budgets"]:
-        cells = [
-            str(row["budget"]),
-            str(row["layer_executions"]),
-            row["path"],
-            f"{row['flops_per_token'] / 1e6:,.1f}",
-            f"{row['relative_flops']:.3f}",
-            human_bytes(row["kv_bytes_per_token"]),
-            f"{row['relative_kv']:.3f}",
-        ]
-        cells += [human_bytes(row["kv_bytes_per_token_last_loop"])]
+        cost = {
+            "path": row["path"],
+            "MFLOP/tok": f"{row['flops_per_token'] / 1e6:,.1f}",
+            "×FLOPs": f"{row['relative_flops']:.3f}",
+            "KV/tok per-loop": human_bytes(row["kv_bytes_per_token"]),
+            "×KV": f"{row['relative_kv']:.3f}",
+            "KV/tok last-loop": human_bytes(row["kv_bytes_per_token_last_loop"]),
+        }
+        cells = [str(row["budget"]), str(row["layer_executions"]), *(cost[c] for c in columns)]
         cells += [(extra or {}).get(row["budget"], {}).get(c, "") for c in extra_columns]
         table.add_row(*cells)
     return table

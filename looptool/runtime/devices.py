@@ -11,6 +11,7 @@ import os
 import torch
 
 from looptool.core.errors import LooptoolError
+from looptool.core.words import counted
 
 AUTO = "auto"
 
@@ -41,8 +42,8 @@ def resolve_device(name: str | torch.device | None = None) -> torch.device:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
         if device.index >= torch.cuda.device_count():
             raise DeviceError(
-                f"device {device} does not exist: this machine has {torch.cuda.device_count()} CUDA "
-                f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}.",
+                f"device {device} does not exist: this machine has "
+                f"{counted(torch.cuda.device_count(), 'CUDA device')}, cuda:0 to cuda:{torch.cuda.device_count() - 1}.",
                 parameter="device",
             )
     elif device.type not in ("cpu", "meta"):
@@ -57,6 +58,7 @@ def check_dtype(device: torch.device, dtype: torch.dtype) -> None:
             f"{device} ({torch.cuda.get_device_name(device)}) does not support bfloat16; "
             "convert or load the model with dtype=torch.float32 (or torch.float16) for this GPU.",
             parameter="dtype",
+            rerun="convert",
         )
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from looptool.core.errors import LooptoolError
+from looptool.core.words import counted
 from looptool.engine.budgets import RowBudgets
 from looptool.engine.sampling import GREEDY, SamplingParams, TokenPicker
 from looptool.engine.speculation import Speculation
@@ -79,7 +80,7 @@ def decode_loop(
     batch, prompt = input_ids.shape
     if prompt + max_new_tokens > capacity:
         raise LooptoolError(
-            f"the prompt ({prompt} tokens) plus {max_new_tokens} new tokens exceed the cache capacity "
+            f"the prompt ({counted(prompt, 'token')}) plus {counted(max_new_tokens, 'new token')} exceed the cache capacity "
             f"of {capacity}; raise the capacity or generate fewer tokens."
         )
     eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=device)

@@ -3,6 +3,7 @@ ids), chat messages through the tokenizer's chat template, and the capacity chec
 
 from __future__ import annotations
 
+from looptool.core.words import counted
 from looptool.serve.protocol import APIError, ChatMessage
 
 
@@ -56,15 +57,15 @@ def check_room(prompt_tokens: int, max_tokens: int | None, capacity: int) -> Non
     that would run past it."""
     if prompt_tokens >= capacity:
         raise APIError(
-            f"the prompt has {prompt_tokens} tokens; this server's capacity is {capacity} tokens per request "
+            f"the prompt has {counted(prompt_tokens, 'token')}; this server's capacity is {counted(capacity, 'token')} per request "
             "(prompt plus completion). Shorten the prompt.",
             param="prompt",
             code="context_length_exceeded",
         )
     if max_tokens is not None and prompt_tokens + max_tokens > capacity:
         raise APIError(
-            f"max_tokens={max_tokens} plus the prompt's {prompt_tokens} tokens exceed the capacity of {capacity} "
-            f"tokens; ask for at most {capacity - prompt_tokens}.",
+            f"max_tokens={max_tokens} plus the prompt's {counted(prompt_tokens, 'token')} exceed the capacity of "
+            f"{counted(capacity, 'token')}; ask for at most {capacity - prompt_tokens}.",
             param="max_tokens",
             code="context_length_exceeded",
         )

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from looptool.core.errors import LooptoolError
+from looptool.core.words import counted
 from looptool.engine import EngineFacts
 from looptool.engine.speculation import LAST_LOOP_VERIFY
 from looptool.passes.adaptive_depth import EXIT_RULES
@@ -94,7 +95,7 @@ class ServeOptions:
             capacity = min(DEFAULT_CAPACITY, facts.context or DEFAULT_CAPACITY)
         elif facts.context is not None and capacity > facts.context:
             raise LooptoolError(
-                f"capacity {capacity} exceeds the model's context of {facts.context} positions; "
+                f"capacity {capacity} exceeds the model's context of {counted(facts.context, 'position')}; "
                 f"pass a capacity of at most {facts.context}.",
                 parameter="capacity",
             )

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from looptool.core.errors import LooptoolError
+from looptool.core.words import counted
 from looptool.storage.files import check_output_dir, commit_output_dir, recover_interrupted_commit
 from looptool.storage.save import write_model
 
@@ -138,5 +139,7 @@ def resumable_state(
     if diff:
         raise error(f"resume needs the same settings as the interrupted run; these settings differ: {', '.join(diff)}.")
     if state["step"] >= total_steps:
-        raise RunComplete(f"the run in '{output}' is already complete ({state['step']} steps); nothing to resume.")
+        raise RunComplete(
+            f"the run in '{output}' is already complete ({counted(state['step'], 'step')}); nothing to resume."
+        )
     return state

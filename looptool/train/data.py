@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from looptool.core.errors import LooptoolError
+from looptool.core.words import counted
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +234,7 @@ class PackedTokens(_SeededRows):
             raise DataError(f"seq_len {self.seq_len} is too short; use at least 2.", parameter="seq_len")
         if len(self) == 0:
             raise DataError(
-                f"the data holds {self.tokens.numel()} tokens, fewer than one sequence of "
+                f"the data holds {counted(self.tokens.numel(), 'token')}, fewer than one sequence of "
                 f"{self.seq_len}; add text or lower seq_len.",
                 parameter="seq_len",
             )
@@ -281,7 +282,7 @@ class _LabeledRows(_SeededRows):
         for row, ((ids, labels), name) in enumerate(zip(examples, names, strict=True)):
             if len(ids) > seq_len:
                 raise DataError(
-                    f"{name} has {len(ids)} tokens, more than seq_len {seq_len}; raise seq_len or shorten it.",
+                    f"{name} has {counted(len(ids), 'token')}, more than seq_len {seq_len}; raise seq_len or shorten it.",
                     parameter="seq_len",
                 )
             self.ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)

@@ -41,8 +41,8 @@ command. What it does:
    budget 0 beside Accordion's (L + k) / L (L = 30 layers); row-wise ÷ the budget's own
    graph; PyTorch budget 0 ÷ transformers; genai int4 ÷ fp32; looptool int4 budget 0 ÷ genai int4.
    With ``--int4`` looptool's engine is also exported at int4 (``export_onnx(...,
-   quantize="int4")``: MatMulNBits over one stored copy of the quantized weights, every budget,
-   no row-wise graph) and timed as ``onnx_int4_k{k}`` at the same budgets as ``onnx_k{k}``;
+   quantize="int4", accuracy_level=4)``: MatMulNBits over one stored copy of the quantized
+   weights with int8 activations, genai's setting, every budget, no row-wise graph) and timed as ``onnx_int4_k{k}`` at the same budgets as ``onnx_k{k}``;
    ``loss`` then holds the held-out loss (mean next-token NLL, nats) of the demo text's tokens
    after the timed prompt, teacher-forced one token per decode step, for ``genai_int4``,
    ``genai_fp32``, ``onnx_int4_k0`` and ``onnx_k0``. With ``--fast``, looptool's fp32 engine is
@@ -355,6 +355,7 @@ def main() -> None:
 
     import looptool
     from looptool.backends.onnx.export import export_onnx
+    from looptool.backends.onnx.quantize import FAST_ACCURACY_LEVEL
     from looptool.backends.ort.runtime import Runtime
     from looptool.capture.sources import SMOLLM2_WHEEL, load_source
     from looptool.core.graph import ROWWISE
@@ -398,8 +399,12 @@ def main() -> None:
     if args.int4:
         builds["looptool_engine_int4"] = cached_build(
             int4_dir,
-            {**engine_stamp, "quantize": "int4"},
-            lambda d: export_onnx(model, d, "all", kv="per-loop", quantize="int4", rowwise=False),
+            {**engine_stamp, "quantize": "int4", "accuracy_level": FAST_ACCURACY_LEVEL},
+            # genai's int4 setting (int8 activations), so both sides run the same kernels; looptool's
+            # default (float activations, batch-invariant) is timed against it in bench_accuracy_level.py
+            lambda d: export_onnx(
+                model, d, "all", kv="per-loop", quantize="int4", accuracy_level=FAST_ACCURACY_LEVEL, rowwise=False
+            ),
             args.rebuild,
             say,
         )
