@@ -390,15 +390,12 @@ def test_a_non_streamed_client_that_gives_up_frees_its_slot(guarded):
         f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{guarded.port}\r\nAuthorization: Bearer {KEY}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
     )
-    guarded.hold.touch()  # the running row takes no step until it is cancelled
-    try:
+    with _held(guarded):  # the running row takes no step until it is cancelled
         with socket.create_connection(("127.0.0.1", guarded.port)) as client:
             client.sendall(head.encode() + payload)
             _wait(lambda: running() == 1)  # admitted, and held
         # the client gave up (closed its connection) with its request running
         _wait(lambda: running() == 0 and cancelled() == before + 1)
-    finally:
-        guarded.hold.unlink()
     assert length() == before_length  # it did not run to max_tokens
     ok = httpx.post(f"{guarded.base}/completions", json={**body, "max_tokens": 2}, headers=_auth(), timeout=60)
     assert ok.status_code == 200  # the slot serves the next request
