@@ -177,11 +177,12 @@ class Trainer:
                 "training float16 weights needs loss scaling, which looptool does not do; convert the source "
                 "with dtype=torch.bfloat16 or torch.float32 (and set bf16=True for bf16 autocast).",
                 parameter="dtype",
+                rerun="convert",
             )
         if dtype == torch.bfloat16:
             log.warning(
                 "training bfloat16 weights directly: AdamW updates them in bf16 (no fp32 master copy); "
-                "for fp32 master weights convert with dtype=torch.float32 and train with bf16=True."
+                "for fp32 master weights convert the source in float32 and train it with bf16 autocast."
             )
         # straight onto the device; under FSDP onto the CPU, and each layer moves as it is sharded
         self.model: LoopedModel = load(source, device="cpu" if self.fsdp else str(self.device))
@@ -273,11 +274,7 @@ class Trainer:
     def _restore(self) -> None:
         state, self._state = self._state, None
         if self.fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-            set_optimizer_state_dict(
-                self.model, self.optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True)
-            )
+            self._load_sharded_optimizer_state(state["optimizer"])
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         self.start_step = state["step"]
@@ -287,6 +284,22 @@ class Trainer:
         if self.rank == 0:  # drop log lines written after the checkpoint by the killed run
             (self.output / LOG_FILE).write_text("".join(json.dumps(r) + "\n" for r in self.records))
         log.info("resumed at step %d", self.start_step)
+
+    def _load_sharded_optimizer_state(self, saved: dict) -> None:
+        """Load the full optimizer state ``saved`` (keyed by parameter name, as
+        :meth:`_optimizer_state` gathers it) into this rank's shards. A parameter the checkpoint
+        holds no state for (a gate of a budget not drawn before it, so never given a gradient)
+        stays without state, as ``optimizer.load_state_dict`` leaves it in one process: its
+        first gradient starts its AdamW moments and step count, as in the uninterrupted run."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        # strict=False admits the missing parameters; torch gives them a state of its own first
+        # (one zero-gradient step at lr 0, which counts as a step), dropped again below
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_optimizer_state_dict(self.model, self.optimizer, saved, options=options)
+        for name, p in self.model.named_parameters():
+            if name not in saved["state"]:
+                self.optimizer.state.pop(p, None)
 
     # ------------------------------------------------------------------ loop
     def run(self) -> dict:
