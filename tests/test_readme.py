@@ -24,6 +24,7 @@ DOCS = {
 }
 SNIPPET_DOCS = ("README.md", "examples/README.md")  # whose ```python blocks run
 NEEDS_GPU = ("looptool.backends.tensorrt",)  # snippets that need TensorRT and a GPU
+NEEDS_SERVER = ("base_url=",)  # snippets that are clients of a running `looptool serve`
 README_MAX_LINES = 300
 
 
@@ -194,6 +195,10 @@ SNIPPETS = [(doc, line, code) for doc in SNIPPET_DOCS for line, code in _blocks(
 def test_doc_python_snippet_runs(doc, line, code, workspace, tmp_path, monkeypatch):
     if any(module in code for module in NEEDS_GPU):
         pytest.skip("needs TensorRT and an NVIDIA GPU (tests/test_tensorrt.py covers this API with a test double)")
+    if any(marker in code for marker in NEEDS_SERVER):
+        pytest.skip(
+            "a client of a running looptool serve (tests/test_serve.py drives the server with the openai client)"
+        )
     root, names = workspace
     monkeypatch.chdir(tmp_path)  # snippets write ./looped, ./engines
     exec(compile(code, f"{doc}:{line}", "exec"), dict(names))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -11,6 +11,9 @@ from looptool.cli.application import app, console, friendly, out
 from looptool.cli.options import Device, Dtype, ModelDir, Overwrite, make_plan, parse_device, parse_dtype
 from looptool.cli.progress import progress
 from looptool.core.errors import LooptoolError
+
+if TYPE_CHECKING:
+    from looptool.eval.demo import DemoResult
 
 
 @app.command()
@@ -126,45 +129,91 @@ def inspect(
 @app.command()
 @friendly
 def demo(
-    tokens: Annotated[int, typer.Option(help="Sequence length for the latency runs.")] = 128,
+    tokens: Annotated[
+        int, typer.Option(help="Sequence length of the exactness check (and of the timing runs with --timing).")
+    ] = 128,
+    timing: Annotated[
+        bool,
+        typer.Option(
+            "--timing",
+            help="Also time the source and every budget side by side in interleaved rounds (a minute or more on a CPU).",
+        ),
+    ] = False,
     repeats: Annotated[
-        int, typer.Option(help="Timed rounds, interleaved across budgets (a time ratio needs 3 or more that agree).")
-    ] = 5,
+        int | None,
+        typer.Option(help="Timed rounds with --timing (default 5; a time ratio needs 3 or more that agree)."),
+    ] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Also save the looped model here.")] = None,
     source: Annotated[str, typer.Option(help="Source model (default: SmolLM2-135M from PyPI).")] = "smollm2",
     window: Annotated[str, typer.Option(help="Looped window START:STOP.")] = "8:20",
     budgets: Annotated[str, typer.Option(help="Budgets.")] = "0,3,6,9,12",
     device: Device = "auto",
 ) -> None:
-    """Convert SmolLM2-135M, check every budget is bit-exact, time the budgets side by side."""
+    """Convert SmolLM2-135M, check that every budget is bit-exact, print the cost table and a short
+    greedy generation at every budget; --timing also times the budgets side by side."""
     from looptool.eval.demo import run_demo
     from looptool.report.tables import plan_table, summary
 
+    if repeats is not None and not timing:
+        raise LooptoolError("--repeats sets the timing rounds, which run only with --timing; add --timing.")
     plan = make_plan("prefix", window, budgets)
     with progress() as steps:
         result = run_demo(
             plan,
             source,
             tokens=tokens,
-            repeats=repeats,
+            timing=timing,
+            repeats=5 if repeats is None else repeats,
             device=device,
             output=output,
             stage=steps.stage,
             say=console.print,
         )
-    model, timings = result.model, result.timings
-    extra = {
-        k: {
-            "exact": "✓" if result.exact[k] else "✗",
-            "ms min/med/max": f"{timings[k].min * 1e3:.0f}/{timings[k].median * 1e3:.0f}/{timings[k].max * 1e3:.0f}",
-            "×time": result.time_ratio(k).cell(),
-            "ideal": f"{result.ideal_ratio(k):.3f}",
-        }
-        for k in model.budgets
-    }
-    out.print(plan_table(summary(model), extra, ("exact", "ms min/med/max", "×time", "ideal")))
-    for note in result.timing_notes():
-        out.print(note, highlight=False, soft_wrap=True)
+    model = result.model
+    out.print(plan_table(summary(model), *_demo_columns(result)))
+    if result.timed:
+        out.print(result.ideal_caption(), highlight=False, soft_wrap=True)
+        for note in result.timing_notes():
+            out.print(note, highlight=False, soft_wrap=True)
+    _print_continuations(result)
     if not result.all_exact:
         raise LooptoolError("some budgets did not reproduce the source model exactly; please report this as a bug.")
+    if not result.timed:
+        out.print("to time the budgets side by side, run looptool demo --timing", highlight=False)
     out.print("[green]every budget is bit-identical to the source model at conversion[/]")
+
+
+def _demo_columns(result: DemoResult) -> tuple[dict[int, dict[str, str]], tuple[str, ...], tuple[str, ...]]:
+    """The demo table's per-budget cells, their columns and the cost columns beside them: the
+    cost table and the exactness check; a timed run trades the absolute costs for its median
+    time, ×time and ideal (the table stays within 100 columns)."""
+    cells = {k: {"exact": "✓" if result.exact[k] else "✗"} for k in result.model.budgets}
+    if not result.timed:
+        return cells, ("exact",), ("path", "MFLOP/tok", "×FLOPs", "KV/tok per-loop", "×KV")
+    for k, row in cells.items():
+        row["median ms"] = f"{result.timings[k].median * 1e3:.0f}"
+        row["×time"] = result.time_ratio(k).cell()
+        row["ideal"] = f"{result.ideal_ratio(k):.3f}"
+    return cells, ("exact", "median ms", "×time", "ideal"), ("path", "×FLOPs")
+
+
+def _print_continuations(result: DemoResult) -> None:
+    """Each budget's greedy continuation of the demo prompt, and whether they agree."""
+    from looptool.eval.demo import DEMO_PROMPT
+
+    texts = result.continuations
+    if not texts:
+        return
+    out.print(
+        f"greedy continuations of {DEMO_PROMPT!r}, every budget in one batch (a row per budget):", highlight=False
+    )
+    width = max(len(str(k)) for k in texts)
+    for k, text in texts.items():
+        out.print(f"  budget {k:>{width}}: {text!r}", highlight=False, markup=False, soft_wrap=True)
+    if len(set(texts.values())) == 1:
+        out.print(
+            "the same at every budget: conversion leaves every budget equal to the source model; "
+            "training (looptool train) makes them differ.",
+            highlight=False,
+            soft_wrap=True,
+        )

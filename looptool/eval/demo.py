@@ -1,5 +1,6 @@
 """The demo run: convert a source model, check that every budget reproduces it bit for bit,
-and time the budgets side by side against it (``looptool demo``; :func:`run_demo` from Python)."""
+generate a short greedy continuation at every budget, and (``timing=True``) time the budgets
+side by side against it (``looptool demo``; :func:`run_demo` from Python)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,19 +28,29 @@ DEMO_TEXT = (
     "establish this Constitution for the United States of America."
 )
 
+DEMO_PROMPT = "The Constitution of the United States"
+DEMO_NEW_TOKENS = 16  # tokens of the greedy continuation generated at every budget
+
 # stage(text, total) -> a context manager around one step of the run, yielding advance()
 Stage = Callable[[str, "int | None"], ContextManager[Callable[[], None]]]
 
 
 @dataclass
 class DemoResult:
-    """What :func:`run_demo` measured. ``timings`` holds ``"source"`` and every budget."""
+    """What :func:`run_demo` measured. ``timings`` holds ``"source"`` and every budget, or
+    nothing when the run was not timed (``repeats`` is then 0)."""
 
     model: object  # the looped model (a LoopedModel)
     exact: dict[int, bool]  # budget -> its logits equal the source model's, bit for bit
     timings: dict[str | int, Timing]
-    tokens: int  # sequence length of the timed forwards (batch 1)
+    tokens: int  # sequence length of the checked (and timed) forwards (batch 1)
     repeats: int
+    continuations: dict[int, str] = field(default_factory=dict)  # budget -> its greedy continuation
+
+    @property
+    def timed(self) -> bool:
+        """Whether the run timed the budgets (``run_demo(timing=True)``)."""
+        return bool(self.timings)
 
     @property
     def all_exact(self) -> bool:
@@ -50,9 +61,18 @@ class DemoResult:
         return ratio(self.timings[budget], self.timings[self.model.budgets[0]])
 
     def ideal_ratio(self, budget: int) -> float:
-        """``(L + k) / L``: the time ratio if time were proportional to layer executions."""
+        """``(L + k) / (L + k0)`` for the source's ``L`` layers and the shallowest budget ``k0``:
+        :meth:`time_ratio` if time were proportional to layer executions."""
         layers = self.model.dims().num_layers
-        return (layers + budget) / layers
+        return (layers + budget) / (layers + self.model.budgets[0])
+
+    def ideal_caption(self) -> str:
+        """The sentence under the table that explains its ``ideal`` column (:meth:`ideal_ratio`)."""
+        layers, first = self.model.dims().num_layers, self.model.budgets[0]
+        return (
+            f"ideal: the ×time if time grew in proportion to the layers run: each budget's layers ÷ budget "
+            f"{first}'s, ({layers} + budget) ÷ {layers + first}"
+        )
 
     @property
     def source_ratio(self) -> Ratio:
@@ -123,11 +143,30 @@ def demo_ids(tokenizer, model, tokens: int) -> torch.Tensor:
     return ids.repeat(1, reps)[:, :tokens]
 
 
+def demo_continuations(model, tokenizer, new_tokens: int = DEMO_NEW_TOKENS) -> dict[int, str]:
+    """Each budget's greedy continuation of :data:`DEMO_PROMPT` (``new_tokens`` tokens), the
+    budgets decoding together in one batch, a row per budget, each row exactly at its own budget
+    (the token ids, space-separated, without a tokenizer)."""
+    budgets = list(model.budgets)
+    device = next(model.parameters()).device
+    if tokenizer is not None:
+        prompt = tokenizer(DEMO_PROMPT, return_tensors="pt").input_ids
+    else:
+        prompt = demo_ids(None, model, 8)
+    ids = prompt.repeat(len(budgets), 1).to(device)
+    rows = model.generate(ids, budget=budgets if len(budgets) > 1 else budgets[0], max_new_tokens=new_tokens)
+    new = rows[:, prompt.shape[1] :].cpu()
+    if tokenizer is None:
+        return {k: " ".join(map(str, row.tolist())) for k, row in zip(budgets, new)}
+    return {k: tokenizer.decode(row, skip_special_tokens=True) for k, row in zip(budgets, new)}
+
+
 def run_demo(
     plan: LoopPlan,
     source: str | os.PathLike = "smollm2",
     *,
     tokens: int = 128,
+    timing: bool = False,
     repeats: int = 5,
     device: str = "auto",
     output: str | os.PathLike | None = None,
@@ -135,10 +174,12 @@ def run_demo(
     say: Callable[[str], None] = log.info,
 ) -> DemoResult:
     """Load ``source`` (default: SmolLM2-135M from PyPI), convert it with ``plan``, compare
-    every budget's logits on ``tokens`` demo tokens with the source model's (``exact``), then
-    time the source and every budget in ``repeats`` interleaved rounds (after one warm-up);
-    ``output``: also save the looped model there. ``stage(text, total)`` wraps each step (the
-    command line's progress display; the timing step's ``advance()`` is called once per round)."""
+    every budget's logits on ``tokens`` demo tokens with the source model's (``exact``), and
+    generate :data:`DEMO_NEW_TOKENS` greedy tokens at every budget (``continuations``); with
+    ``timing``, then time the source and every budget in ``repeats`` interleaved rounds (after
+    one warm-up). ``output``: also save the looped model there. ``stage(text, total)`` wraps
+    each step (the command line's progress display; the timing step's ``advance()`` is called
+    once per round)."""
     from looptool.capture.sources import load_source
     from looptool.eval.timing import interleaved
     from looptool.runtime.convert import convert
@@ -159,11 +200,22 @@ def run_demo(
         ref = src.model(input_ids=ids).logits
         for k in model.budgets:
             exact[k] = torch.equal(ref, model(ids, budget=k).logits)
-    fns: dict[str | int, Callable[[], object]] = {"source": lambda: src.model(input_ids=ids)}
-    fns.update({k: functools.partial(model, ids, budget=k) for k in model.budgets})
-    with stage(f"timing {len(fns)} contenders × {repeats} rounds ({tokens} tokens)", repeats + 1) as advance:
-        timings = interleaved(fns, repeats=repeats, warmup=1, on_round=advance)
+    with stage(f"generating {DEMO_NEW_TOKENS} tokens at every budget, one batch", None):
+        continuations = demo_continuations(model, src.tokenizer)
+    timings: dict[str | int, Timing] = {}
+    if timing:
+        fns: dict[str | int, Callable[[], object]] = {"source": lambda: src.model(input_ids=ids)}
+        fns.update({k: functools.partial(model, ids, budget=k) for k in model.budgets})
+        with stage(f"timing {len(fns)} contenders × {repeats} rounds ({tokens} tokens)", repeats + 1) as advance:
+            timings = interleaved(fns, repeats=repeats, warmup=1, on_round=advance)
     if output is not None:
         with stage(f"saving to {output}", None):
             model.save_pretrained(Path(output))
-    return DemoResult(model=model, exact=exact, timings=timings, tokens=int(ids.shape[1]), repeats=repeats)
+    return DemoResult(
+        model=model,
+        exact=exact,
+        timings=timings,
+        tokens=int(ids.shape[1]),
+        repeats=repeats if timing else 0,
+        continuations=continuations,
+    )
