@@ -47,6 +47,8 @@ Covered (results file → tests/bench/README.md, unless README.md is named):
 - bench_auto_depth.json → the "Per-token depth on pointer chasing" table and its target prose.
 - bench_unused.json → the "No cost when unused" table and its mixed-batch prose.
 - bench_auto_timing.json → the "Per-token depth" wall-clock table.
+- bench_accuracy_level.json → the int4 accuracy-level table (decode speed and batch invariance)
+  and its 1.39× prose.
 
 Not checked, because no results file is kept for them (the docs say so):
 
@@ -1258,6 +1260,37 @@ def _unused():
     )
 
 
+def _accuracy_level():
+    d = result("bench_accuracy_level")
+    R = functools.partial(
+        row, BENCH, "| int4 engine (ms per decode step) |", source="bench_accuracy_level", cols=(1, 2, 3, 4)
+    )
+    ms, same = d["decode_ms"], d["invariance"]
+    for label, level in (
+        ("accuracy level 1 (default: float activations)", "1"),
+        ("accuracy level 4 (int8 activations)", "4"),
+    ):
+        yield R(
+            label,
+            *(ms[f"level{level}_batch{b}"][k] for b in (1, 8) for k in ("min_ms", "median_ms", "max_ms")),
+            len(same[level]["differ"]),
+            same[level]["prompts"],
+            same[level]["max_logit_diff"],
+        )
+    ratio = d["ratio_level1_over_level4"]
+
+    def cell(r: dict) -> list[float]:  # "median ±half the spread as a % of the median"
+        return [r["median"], 100 * (r["max"] - r["min"]) / 2 / r["median"]]
+
+    yield R("level 1 ÷ level 4 (round by round, median ± half the spread)", *cell(ratio["1"]), *cell(ratio["8"]))
+    yield prose(
+        BENCH,
+        "**Float activations cost {}× per decode step** at batch 1 and at batch 8",
+        ratio["1"]["median"],
+        source="bench_accuracy_level",
+    )
+
+
 def _serve():
     for label, name in (
         ("PyTorch (looped model directory)", "bench_serve_pytorch"),
@@ -1419,6 +1452,7 @@ CHECKS = [
     *_auto_depth(),
     *_unused(),
     *_auto_timing(),
+    *_accuracy_level(),
     *_gpu(),
 ]
 
