@@ -122,9 +122,11 @@ def _command_line(command) -> str:
     return " ".join(words)
 
 
-def _runs(text: str) -> list[list[re.Match]]:
-    """The fixes ``text`` spells outside quoted Python calls, in runs joined by ', ' or ' and '."""
-    calls = [m.span() for m in _CALL.finditer(text)]
+def _runs(text: str, calls: list[tuple[int, int]] | None = None) -> list[list[re.Match]]:
+    """The fixes ``text`` spells outside its quoted Python calls (their spans, ``calls``, found
+    here unless given), in runs joined by ', ' or ' and '."""
+    if calls is None:
+        calls = [m.span() for m in _CALL.finditer(text)]
     runs: list[list[re.Match]] = []
     for m in _SPELLING.finditer(text):
         if any(a <= m.start() < b for a, b in calls):
@@ -143,8 +145,9 @@ def _spell(text: str, ctx, rerun: str | None) -> str:
     if rerun and rerun != running.name:
         root = ctx.find_root().command
         other = getattr(root, "commands", {}).get(rerun)
+    calls = [m.span() for m in _CALL.finditer(text)]
     edits: list[tuple[int, int, str]] = []
-    for run in _runs(text):
+    for run in _runs(text, calls):
         if other is not None and any(_option(other, m["name"]) for m in run):
             typed = [
                 _typed(p, m["name"], m["value"], m["alternatives"]) if (p := _option(other, m["name"])) else None
@@ -161,7 +164,6 @@ def _spell(text: str, ctx, rerun: str | None) -> str:
     for m in _DROP.finditer(text):
         if (param := _option(running, m.group())) is not None:
             edits.append((m.start(), m.end(), _long(param.opts)))
-    calls = [m.span() for m in _CALL.finditer(text)]
     for m in _DTYPE.finditer(text):
         if not any(a <= m.start() < b for a, b in [*calls, *((s, e) for s, e, _ in edits)]):
             edits.append((m.start(), m.end(), m.group().removeprefix("torch.")))

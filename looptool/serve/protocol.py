@@ -6,7 +6,7 @@ JSON integer (not ``"4"``, ``4.0`` or ``true``), a number field a JSON integer o
 ``"0.5"`` or ``true``), a boolean field ``true`` or ``false`` (not ``"true"`` or ``1``); anything
 else is one sentence naming the field and what it got (:func:`invalid_field`). Fields no model
 declares are accepted and ignored, as OpenAI servers do, and listed by
-:meth:`Request.ignored_fields` so the server can say so.
+:meth:`Body.ignored_fields` so the server can say so.
 
 Extensions travel as extra body fields, as vLLM takes them (clients send them with
 ``extra_body``): ``budget`` (an integer of the menu, an effort level, or ``"auto"``: adaptive
