@@ -330,11 +330,7 @@ def test_install_command_follows_how_looptool_was_installed(monkeypatch, record,
 
     monkeypatch.setattr(install, "_direct_url", lambda: record)
     monkeypatch.setattr(install, "_checkout", lambda: checkout)
-    install._source.cache_clear()
-    try:
-        assert install.install_command("serve") == command
-    finally:
-        install._source.cache_clear()
+    assert install.install_command("serve") == command
 
 
 def _spelled_fixes() -> dict[str, set[str]]:

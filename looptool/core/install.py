@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shlex
-from functools import cache
 from importlib import metadata
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -33,7 +32,6 @@ def install_command(extra: str) -> str:
     return f"pip install {shlex.quote(f'{PROJECT}[{extra}]')}"
 
 
-@cache
 def _source() -> tuple[str, str]:
     """``(kind, source)`` of this copy: ``("editable" | "path", local path)``, ``("url", a URL
     pip takes after '@')`` or ``("index", "")``."""
