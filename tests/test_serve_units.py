@@ -689,6 +689,13 @@ def test_serve_engine_onnx_keeps_an_engine_per_kv_policy_and_says_which_and_why(
     assert f"exported the engine to {last_loop} ({size}): no engine there yet" in logs[0]
     assert f"reused the engine in {last_loop} ({size})" in logs[2]
     assert f"reused the engine in {root / 'per-loop'} ({human_bytes(per_loop_engine.bytes)})" in logs[1]
+    # --engine-dir's default: MODEL-onnx beside the model (here holding the same per-loop engine)
+    model = shutil.copytree(saved, tmp_path / "beside" / "tiny")
+    shutil.copytree(per_loop_engine.path, tmp_path / "beside" / "tiny-onnx" / "per-loop")
+    res = CliRunner().invoke(app, ["serve", str(model), "--port", "0", "--engine", "onnx"])
+    assert res.exit_code == 0, res.output
+    assert f"reused the engine in {tmp_path / 'beside' / 'tiny-onnx' / 'per-loop'}" in res.output
+    assert exports == [last_loop.name] and served[-1][0] == tmp_path / "beside" / "tiny-onnx" / "per-loop"
 
 
 # ------------------------------------------------------------------ request bodies, in process
