@@ -62,6 +62,14 @@ class GraphEntry:
     layer_calls: dict[str, int] = field(default_factory=dict)
     kv_bytes_per_token: int = 0
     max_abs_diff: dict[str, float] | None = None
+    loops: dict[int, int] = field(default_factory=dict)  # looped window layer -> smallest budget running its second pass
+
+    @property
+    def form(self) -> str:
+        """``"loop"``: the window runs as ONNX ``Loop`` nodes whose trip counts come from the
+        ``budgets`` input (:mod:`looptool.backends.onnx.looped`), so the graph costs its batch's
+        deepest row; ``"unrolled"``: every pass is its own node."""
+        return "loop" if self.loops else "unrolled"
 
 
 @dataclass
@@ -306,6 +314,7 @@ def _graph_json(e: GraphEntry) -> dict[str, Any]:
         "fused": e.fused,
         "composed": e.composed,
         "layer_calls": e.layer_calls,
+        **({"loops": {str(k): v for k, v in e.loops.items()}} if e.loops else {}),
         "cache": e.cache.to_dict(),
         "kv_bytes_per_token": e.kv_bytes_per_token,
         **({"max_abs_diff": e.max_abs_diff} if e.max_abs_diff is not None else {}),
@@ -461,6 +470,7 @@ def _graph(e: dict, budget: Budget, kv: str) -> GraphEntry:
         layer_calls=dict(e.get("layer_calls") or {}),
         kv_bytes_per_token=int(e.get("kv_bytes_per_token") or 0),
         max_abs_diff=e.get("max_abs_diff"),
+        loops={int(k): int(v) for k, v in (e.get("loops") or {}).items()},
     )
 
 

@@ -110,13 +110,14 @@ def resolve_policies(model, kv: str | Iterable[str]) -> tuple[str, ...]:
 def export_onnx(
     model,
     output: str | os.PathLike,
-    budgets: int | str | Iterable[int] | None = "all",
+    budgets: int | str | Iterable[int] | None = None,
     *,
     kv: str | Iterable[str] = "per-loop",
     compose: bool = True,
     ort_fusions: bool = False,
     fuse_ort: bool = True,
     rowwise: bool = True,
+    loop: bool = True,
     speculative: bool = False,
     adaptive: bool | str = False,
     quantize: str | None = None,
@@ -128,13 +129,21 @@ def export_onnx(
     _allow_bf16: bool = False,
 ) -> ExportReport:
     """Export budget paths of ``model`` (a :class:`looptool.LoopedModel`) to an engine
-    directory ``output`` sharing one ``weights.bin``: one serving graph per budget and KV
-    policy (``kv``: ``per-loop``, ``last-loop``, a comma-separated list or ``all``).
+    directory ``output`` sharing one ``weights.bin`` (``kv``: ``per-loop``, ``last-loop``, a
+    comma-separated list or ``all``).
 
-    ``rowwise=True`` also writes, per policy, the row-wise-budget graph ``rowwise.<policy>.onnx``
+    ``rowwise=True`` writes, per policy, the row-wise-budget graph ``rowwise.<policy>.onnx``
     (input ``budgets [batch]``: every row runs its own budget of the whole menu, over the
-    deepest budget's caches), beside the per-budget graphs: a batch whose rows share one budget
-    keeps running that budget's own, cheaper graph.
+    deepest budget's caches). With ``loop=True`` (default) a fixed-prefix plan's window becomes
+    ONNX ``Loop`` nodes in it (:mod:`looptool.backends.onnx.looped`, per-loop KV): each window
+    layer runs once or twice as the batch's deepest row asks, so this one graph serves every
+    budget at that budget's cost and the engine opens as one session with one packed copy of
+    the weights. Otherwise the row-wise graph masks rows and costs the deepest budget.
+
+    ``budgets``: the per-budget graphs ``budget_<k>.<policy>.onnx`` (every pass unrolled; the
+    form TensorRT builds), a budget, several or ``"all"``; ``"none"`` for none. A batch whose
+    rows share a budget runs that budget's own graph where the engine has one. Default (None):
+    none where every row-wise graph is looped and no verify graph needs drafts, else all.
 
     ``speculative=True`` also writes, per budget but the shallowest (per-loop KV), the verify
     graph speculative decoding scores drafts with (:mod:`looptool.backends.onnx.speculative`).
@@ -171,8 +180,9 @@ def export_onnx(
     from looptool.storage.files import commit_output_dir, prepare_output_dir
 
     say = on_progress or (lambda text: None)
-    chosen = resolve_budgets(model, budgets)
     policies = resolve_policies(model, kv)
+    loops_all = loop and rowwise and compose and policies == ("per-loop",) and not speculative and loopable(model)
+    chosen = resolve_budgets(model, ("none" if loops_all else "all") if budgets is None else budgets)
     if not chosen and not rowwise:
         raise ExportError("no graph to export: pick budgets, or keep rowwise=True.", parameter="budgets")
     targets = verify_targets(chosen, policies) if speculative else []
@@ -190,17 +200,23 @@ def export_onnx(
         graphs: dict[tuple[int | str, str], GraphEntry] = {}
         try:
             for policy in policies:
-                for budget in (*chosen, *((ROWWISE,) if rowwise else ())):
-                    say(f"exporting {'the row-wise graph' if budget == ROWWISE else f'budget {budget}'} ({policy})")
-                    sg = (  # composing needs the flattened-token crossings unflattened
-                        rowwise_serving_graph(model, policy, unflatten=compose)
-                        if budget == ROWWISE
-                        else serving_graph(model, budget, policy, unflatten=compose)
+                if rowwise:
+                    say(f"exporting the row-wise graph ({policy})")
+                    sg = rowwise_serving_graph(model, policy, unflatten=compose)  # composing: crossings unflattened
+                    result, entry = _export_graph(
+                        sg, ROWWISE, policy, temp, store, known, library, quantizer, fuse_ort, loop=loop
                     )
+                    rowwise_results.append(result)
+                    graphs[ROWWISE, policy] = entry
+                    if budgets is None and loops_all and not entry.loops:
+                        chosen = model.budgets  # it could not be looped: each budget keeps a graph of its own
+                for budget in chosen:
+                    say(f"exporting budget {budget} ({policy})")
+                    sg = serving_graph(model, budget, policy, unflatten=compose)
                     result, entry = _export_graph(
                         sg, budget, policy, temp, store, known, library, quantizer=quantizer, fuse_ort=fuse_ort
                     )
-                    (rowwise_results if budget == ROWWISE else results).append(result)
+                    results.append(result)
                     graphs[budget, policy] = entry
             one_graph = functools.partial(
                 _export_graph,
@@ -258,6 +274,14 @@ def export_onnx(
     n = len(results) + len(rowwise_results) + len(verify_results) + len(auto_results)
     log.info("exported %d graphs to %s (%.3f x parameter bytes)", n, final, report.disk_ratio)
     return report
+
+
+def loopable(model) -> bool:
+    """Whether :mod:`looptool.backends.onnx.looped` loops ``model``'s row-wise graph: a
+    fixed-prefix plan with a window (an ELR plan's row-wise graph stays masked for now)."""
+    from looptool.core.plan import PrefixLoop
+
+    return isinstance(model.plan, PrefixLoop) and max(model.budgets) > 0
 
 
 def _check_exportable(model, dtypes: tuple[torch.dtype, ...] = _SUPPORTED_DTYPES) -> None:
@@ -370,17 +394,20 @@ def _export_graph(
     quantizer: Quantizer | None = None,
     fuse_ort: bool = False,
     file: str | None = None,
+    loop: bool = False,
 ):
     """Export one serving graph (composed from layer functions when ``library`` is given),
     quantize its linears' weights (``quantizer``), externalise its weights and save it;
-    returns its report and manifest entry (``file``: its file name, default the budget's)."""
+    returns its report and manifest entry (``file``: its file name, default the budget's).
+    ``loop``: a composed row-wise graph gets its window as ``Loop`` nodes where the plan has one
+    (:mod:`looptool.backends.onnx.looped`)."""
     import onnx_ir as ir
 
     t0 = time.perf_counter()
-    onnx_model, calls, ort_ops = None, {}, {}
+    onnx_model, calls, ort_ops, loops = None, {}, {}, {}
     if library is not None:
         try:
-            onnx_model, calls, ort_ops = _compose(sg, library)
+            onnx_model, calls, ort_ops, loops = _compose(sg, library, loop=loop and sg.rowwise)
         except Exception as exc:  # noqa: BLE001  (any failure of the composed route: trace flat instead)
             log.warning(
                 "budget %s (%s): composing from layer functions failed (%s: %s); exporting it flat",
@@ -418,6 +445,7 @@ def _export_graph(
         composed=bool(calls),
         ort_ops=ort_ops,
         layer_calls=calls,
+        form="loop" if loops else "unrolled",
     )
     entry = GraphEntry(
         file=path.name,
@@ -428,14 +456,19 @@ def _export_graph(
         composed=bool(calls),
         layer_calls=calls,
         kv_bytes_per_token=sg.layout.bytes_per_token(),
+        loops=loops,
     )
     return result, entry
 
 
-def _compose(sg, library) -> tuple[object, dict[str, int], dict[str, int]]:
+def _compose(sg, library, loop: bool = False) -> tuple[object, dict[str, int], dict[str, int], dict[int, int]]:
     """The serving graph as calls of functions, each distinct body exported once; returns
-    the model, the calls per body and the onnxruntime fused ops of all calls together."""
+    the model, the calls per body, the onnxruntime fused ops of all calls together and, with
+    ``loop``, the window layers it looped (layer -> the smallest budget running its second
+    pass; empty where it has none or they could not be looped: the graph stays unrolled)."""
     from looptool.backends.onnx.functions import OPSET
+    from looptool.backends.onnx.layers import ComposeError
+    from looptool.backends.onnx.looped import loop_window
 
     comp = library.partition(sg)
     library.record_examples(comp, sg)
@@ -443,13 +476,20 @@ def _compose(sg, library) -> tuple[object, dict[str, int], dict[str, int]]:
         comp, functools.partial(_body_model, ort_fusions=library.ort_fusions, fuse_ort=library.fuse_ort)
     )
     onnx_model = library.assemble(comp, sg, {"": OPSET})
+    loops: dict[int, int] = {}
+    if loop:
+        try:
+            loops = loop_window(onnx_model, comp)
+        except ComposeError as exc:
+            log.warning("the row-wise graph keeps every pass unrolled (%s)", exc)
+            onnx_model = library.assemble(comp, sg, {"": OPSET})
     calls: dict[str, int] = {}
     ort_ops: dict[str, int] = {}
     for unit in comp.units:
         calls[unit.body.name] = calls.get(unit.body.name, 0) + 1
         for rule, n in rule_counts(unit.body.fusions).items():
             ort_ops[rule] = ort_ops.get(rule, 0) + n
-    return onnx_model, calls, ort_ops
+    return onnx_model, calls, ort_ops, loops
 
 
 def _body_model(module, example, shapes, *, ort_fusions: bool = False, fuse_ort: bool = False):

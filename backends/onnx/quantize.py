@@ -226,7 +226,7 @@ class Quantizer:
         graph = model.graph
         counts = {"MatMulNBits": 0, "GatherBlockQuantized": 0}
         gathers = []
-        for node in list(graph):
+        for node in list(graph.all_nodes()):  # a looped graph's linears sit in Loop bodies
             if node.domain == "" and node.op_type == "Gather":
                 gathers.append(node)
                 continue
@@ -250,7 +250,7 @@ class Quantizer:
                 domain=MS_DOMAIN,
                 name=(node.name or "linear") + f"_Q{self.bits}",
             )
-            _replace(graph, node, new)
+            _replace(node.graph, node, new)
             counts["MatMulNBits"] += 1
         if self.bits == 4:
             for node in gathers:
@@ -325,7 +325,7 @@ class Quantizer:
             domain=MS_DOMAIN,
             name=(node.name or "embedding") + "_Q4",
         )
-        _replace(graph, node, new)
+        _replace(node.graph, node, new)
         return 1
 
 

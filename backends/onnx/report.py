@@ -23,6 +23,7 @@ class BudgetExport:
     ort_ops: dict[str, int] = field(default_factory=dict)  # onnxruntime fused ops in the graph, by rule
     layer_calls: dict[str, int] = field(default_factory=dict)
     max_abs_diff: dict[str, float] = field(default_factory=dict)
+    form: str = "unrolled"  # "loop": the window as ONNX Loop nodes (one graph for every budget)
 
 
 @dataclass

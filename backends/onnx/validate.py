@@ -248,6 +248,14 @@ def _validate_rowwise(
 
     menu = rt.rowwise_menu(policy)
     out: dict[str, float] = {}
+    if rt.manifest.graph(ROWWISE, policy).loops:  # its trip counts follow the batch: every budget alone too
+        for label, (ids, mask) in validation_prompts(model).items():
+            for k in menu:
+                ref = generate(
+                    model, ids, attention_mask=mask, budget=k, kv=policy, max_new_tokens=new_tokens, output_logits=True
+                )
+                what = f"the looped row-wise graph ({policy}) at budget {k}"
+                _compare(out, f"{label}@{k}", ref, functools.partial(_run, rt, [k] * ids.shape[0], policy), ids, mask, atol, quantized, what, label)
     for label, (ids, mask) in validation_prompts(model).items():
         rows = list(menu) if label == "random" else list(reversed(menu))
         reps = -(-len(rows) // ids.shape[0])

@@ -151,7 +151,7 @@ class Runtime:
         self.providers = providers or default_providers()
         self.threads = threads
         self.spin = spin
-        self.prepack = bool(self.manifest.quantization) if prepack is None else prepack
+        self.prepack = (bool(self.manifest.quantization) or self.one_graph) if prepack is None else prepack
         weights = self.directory / WEIGHTS
         self.verify = verify
         problem = self.manifest.verify(self.directory, sha256=verify)
@@ -172,6 +172,13 @@ class Runtime:
         self._lock = threading.Lock()
         self.mask_dtype = np.dtype(self.manifest.mask_dtype)
         self.vocab_size = self.manifest.vocab_size
+
+    @property
+    def one_graph(self) -> bool:
+        """Whether every budget and every mix of budgets runs one graph per policy: no per-budget
+        graphs beside a looped row-wise graph (:mod:`looptool.backends.onnx.looped`)."""
+        entries = [self.manifest.graph(ROWWISE, p) for p in self.kv_policies]
+        return not self.budgets and all(e is not None and e.loops for e in entries)
 
     # ------------------------------------------------------------------ files
     def _entry(self, budget: int | str, kv: str) -> GraphEntry:

@@ -1,0 +1,300 @@
+"""One graph for every budget: the window of a fixed-prefix plan as ONNX ``Loop`` nodes.
+
+The row-wise graph (:func:`looptool.backends.serving.rowwise_serving_graph`) already serves
+every budget of the menu in one graph, each row at its own budget, but it runs every second
+pass for every row and masks the ones a row's budget does not take: it costs the deepest
+budget whatever its rows ask for. Its composed form (:mod:`looptool.backends.onnx.layers`)
+calls, for window layer ``l``, one body for the first pass and another (the gated one) for the
+second, both over ``l``'s weights.
+
+This module rewrites that composed graph so that each window layer is one ``Loop`` of one or
+two passes over one call of the gated body (Accordion Eq. 1 and 5 in the project's words:
+budget ``k`` runs layer ``l`` of the window a second time, behind per-channel ``tanh`` gates,
+when ``l`` is among the window's first ``k`` layers):
+
+* pass ``i`` (the loop's iteration) reads the gates ``+inf`` on pass 0 (``tanh(+inf)`` is
+  exactly 1, so ``x + 1 * f`` is the ungated first pass bit for bit) and the layer's gates on
+  pass 1; the row mask of the second pass (``budgets >= t``) is all true on pass 0;
+* pass ``i`` reads the cache pair of its own execution (per-loop KV): an ``If`` on the pass
+  picks the first or second pass's cache, the body writes this step's keys and values into
+  that copy and attends over it, and returns only the step's new entries (a scan output);
+  after the loop they are written into the bound caches in place (``ScatterElements`` on the
+  buffers the caller binds as both past and present); a second pass that did not run writes
+  the entries its cache already held;
+* the trip count is ``1 + (max(budgets) >= t)``: a batch costs its deepest row, and a batch
+  whose rows share budget ``b`` costs budget ``b`` plus the loop's own overhead.
+
+Each weight then has exactly one consumer node in the graph (the body call, first pass and
+second alike), so onnxruntime pre-packs it once: the graph opens as one session with one
+packed copy of the weights (onnxruntime packs a weight once per consuming kernel; a ``Loop``
+body is one kernel per node whatever its trip count).
+
+The rewrite reads the composition's FX nodes to pair the two passes' inputs; anything it
+cannot pair raises :class:`~looptool.backends.onnx.layers.ComposeError` and the export keeps
+the masked row-wise graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import fx
+
+from looptool.backends.onnx.layers import LAYER_DOMAIN, ComposeError, Composition, Unit
+from looptool.core.dtypes import of_torch
+from looptool.core.graph import annotation
+
+_aten = torch.ops.aten
+
+
+@dataclass
+class WindowLayer:
+    """The two passes of one window layer in a composition, their inputs paired."""
+
+    layer: int
+    first: Unit
+    second: Unit
+    threshold: int  # the smallest budget that runs the second pass
+    state_in: fx.Node  # the first pass's hidden-state input
+    caches: list[tuple[fx.Node, fx.Node]]  # (first pass's cache, second pass's cache), in output order
+    gates: list[fx.Node]  # the second pass's gate tensors (weights)
+    mask: fx.Node  # the second pass's row mask, bool [batch, 1, ...]
+
+
+def window_layers(comp: Composition) -> list[WindowLayer]:
+    """Pair each second pass of ``comp`` (a composed row-wise Accordion graph) with its first."""
+    passes: dict[tuple[int, int], Unit] = {}
+    for unit in comp.units:
+        keys = {(annotation(n).get("layer"), annotation(n).get("repeat") or 1) for n in unit.nodes}
+        if len(keys) == 1 and None not in next(iter(keys)):
+            passes[next(iter(keys))] = unit
+    return [_pair(layer, passes[layer, 1], second) for (layer, rep), second in sorted(passes.items()) if rep == 2]
+
+
+def _pair(layer: int, first: Unit, second: Unit) -> WindowLayer:
+    shared = set(first.inputs) & set(second.inputs)
+    state = [i for i in second.inputs if i in first.outputs]
+    only_first = [i for i in first.inputs if i not in shared]
+    only_second = [i for i in second.inputs if i not in shared and i not in state]
+    caches_first = [i for i in only_first if i.op == "placeholder"]
+    caches_second = [i for i in only_second if i.op == "placeholder"]
+    state_in = [i for i in only_first if i.op != "placeholder"]
+    gates = [i for i in only_second if i.op == "get_attr"]
+    masks = [i for i in only_second if i.op == "call_function"]
+    writes_first = [o for o in first.outputs if o.target is _aten.index_copy.default]
+    writes_second = [o for o in second.outputs if o.target is _aten.index_copy.default]
+    if (
+        len(state) != 1
+        or len(state_in) != 1
+        or len(masks) != 1
+        or not gates
+        or len(first.outputs) != len(second.outputs)
+        or [o for o in first.outputs if o not in writes_first] != [state[0]]
+        or [o.args[0] for o in writes_first] != caches_first
+        or [o.args[0] for o in writes_second] != caches_second
+        or len(writes_first) != len(writes_second)
+    ):
+        raise ComposeError(f"the two passes of window layer {layer} cannot be paired for a loop.")
+    threshold = _threshold(masks[0])
+    return WindowLayer(layer, first, second, threshold, state_in[0], list(zip(caches_first, caches_second)), gates, masks[0])
+
+
+def _threshold(mask: fx.Node) -> int:
+    """``t`` of the row mask ``view(budgets >= t)`` the row-wise pass emitted."""
+    node = mask
+    while node.op == "call_function" and node.target in (_aten.view.default, _aten.reshape.default):
+        node = node.args[0]
+    if node.op != "call_function" or node.target is not _aten.ge.Scalar or not isinstance(node.args[1], int):
+        raise ComposeError(f"the row mask '{mask.name}' is not budgets >= t.")
+    return int(node.args[1])
+
+
+def loop_window(model, comp: Composition) -> dict[int, int]:
+    """Rewrite ``model`` (the ``onnx_ir`` model :meth:`LayerLibrary.assemble` made of ``comp``)
+    in place: each window layer's two calls become one ``Loop``. Returns each looped layer's
+    threshold (the smallest budget that runs its second pass)."""
+    import onnx_ir as ir
+
+    graph = model.graph
+    calls = {node.name: node for node in graph}
+    inputs = {value.name: value for value in graph.inputs}
+    if "budgets" not in inputs or "cache_position" not in inputs:
+        raise ComposeError("only the row-wise graph (inputs budgets and cache_position) can be looped.")
+    layers = window_layers(comp)
+    if not layers:
+        return {}  # no fixed-prefix window (an ELR plan): nothing to loop here
+    builder = _Builder(graph, inputs["budgets"], inputs["cache_position"])
+    out = {}
+    for wl in layers:
+        first, second = calls[_call_name(wl.first)], calls[_call_name(wl.second)]
+        _loop_layer(ir, builder, wl, first, second)
+        out[wl.layer] = wl.threshold
+    return out
+
+
+def _call_name(unit: Unit) -> str:
+    return f"call_{unit.outputs[-1].name}"
+
+
+class _Builder:
+    """Small helpers that emit top-level nodes once (constants, the trip counts)."""
+
+    def __init__(self, graph, budgets, cache_position):
+        import onnx_ir as ir
+
+        self.ir, self.graph = ir, graph
+        self.budgets, self.cache_position = budgets, cache_position
+        self.head: list = []  # nodes that go first in the graph
+        self._trips: dict[int, object] = {}
+        self._max = self._node("ReduceMax", [budgets], {"keepdims": 0}, name="looped_max_budget").outputs[0]
+
+    def const(self, name: str, array: np.ndarray):
+        node = self.ir.node("Constant", [], {"value": self.ir.tensor(array, name=name)}, name=name)
+        node.outputs[0].name = name
+        return node
+
+    def _node(self, op: str, inputs, attributes=None, name: str | None = None):
+        node = self.ir.node(op, inputs, attributes or {}, name=name)
+        if name:
+            node.outputs[0].name = name
+        self.head.append(node)
+        first = next(iter(self.graph), None)
+        if first is None:
+            self.graph.append(node)
+        else:
+            self.graph.insert_before(first, node) if len(self.head) == 1 else self.graph.insert_after(self.head[-2], node)
+        return node
+
+    def trip(self, threshold: int):
+        """int64 scalar ``1 + (max(budgets) >= threshold)``."""
+        if threshold not in self._trips:
+            t = self._node("Constant", [], {"value": self.ir.tensor(np.array(threshold, np.int64))}, name=f"looped_t{threshold}")
+            one = self._node("Constant", [], {"value": self.ir.tensor(np.array(1, np.int64))}, name=f"looped_one_t{threshold}")
+            ge = self._node("GreaterOrEqual", [self._max, t.outputs[0]], name=f"looped_runs_t{threshold}")
+            cast = self._node("Cast", [ge.outputs[0]], {"to": self.ir.DataType.INT64}, name=f"looped_second_t{threshold}")
+            self._trips[threshold] = self._node("Add", [one.outputs[0], cast.outputs[0]], name=f"looped_trip_t{threshold}").outputs[0]
+        return self._trips[threshold]
+
+
+def _loop_layer(ir, b: _Builder, wl: WindowLayer, first, second) -> None:
+    """Replace the calls ``first`` and ``second`` of window layer ``wl`` by one ``Loop``."""
+    tag = f"looped_l{wl.layer}"
+    outer = dict(zip(wl.second.inputs, second.inputs))  # fx node -> top-level value
+    outer_first = dict(zip(wl.first.inputs, first.inputs))
+    state_type = ir.TensorType(getattr(ir.DataType, of_torch(wl.state_in.meta["val"].dtype).onnx))
+    # the loop body: (iteration, condition, state) -> (condition, state, new cache entries...)
+    it = ir.Value(name=f"{tag}_i", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
+    cond = ir.Value(name=f"{tag}_cond", type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+    state = ir.Value(name=f"{tag}_h", type=state_type)
+    body: list = []
+
+    def emit(op, inputs, attributes=None, name=None, num_outputs=1):
+        node = ir.node(op, inputs, attributes or {}, num_outputs=num_outputs, name=name)
+        if name and num_outputs == 1:
+            node.outputs[0].name = name
+        body.append(node)
+        return node
+
+    zero = emit("Constant", [], {"value": ir.tensor(np.array(0, np.int64))}, name=f"{tag}_zero").outputs[0]
+    is_first = emit("Equal", [it, zero], name=f"{tag}_first").outputs[0]
+    args = {next(i for i in wl.second.inputs if i in wl.first.outputs): state}
+    for j, (c1, c2) in enumerate(wl.caches):
+        picked = []
+        for branch, source in (("then", outer_first[c1]), ("else", outer[c2])):
+            out = ir.Value(name=f"{tag}_c{j}_{branch}", type=ir.TensorType(_elem(source)))
+            picked.append(ir.Graph([], [out], nodes=[ir.Node("", "Identity", [source], outputs=[out])], name=f"{tag}_c{j}_{branch}"))
+        args[c2] = emit(
+            "If",
+            [is_first],
+            {"then_branch": ir.AttrGraph("then_branch", picked[0]), "else_branch": ir.AttrGraph("else_branch", picked[1])},
+            name=f"{tag}_cache{j}",
+        ).outputs[0]
+    for g in wl.gates:
+        source = outer[g]
+        inf = emit("Constant", [], {"value": ir.tensor(np.array(np.inf, _numpy(source)))}, name=f"{tag}_{g.name}_open")
+        args[g] = emit("Where", [is_first, inf.outputs[0], source], name=f"{tag}_{g.name}").outputs[0]
+    args[wl.mask] = emit("Or", [is_first, outer[wl.mask]], name=f"{tag}_rows").outputs[0]
+    call = ir.Node(
+        LAYER_DOMAIN,
+        second.op_type,
+        [args.get(i, outer.get(i)) for i in wl.second.inputs],
+        num_outputs=len(second.outputs),
+        name=f"{tag}_call",
+    )
+    body.append(call)
+    writes = [o for o in wl.second.outputs if o.target is _aten.index_copy.default]
+    state_out = call.outputs[wl.second.outputs.index(next(o for o in wl.second.outputs if o not in writes))]
+    state_out.name, state_out.type = f"{tag}_h_out", state_type
+    news = []
+    for j, node in enumerate(writes):
+        new = emit("Gather", [call.outputs[wl.second.outputs.index(node)], b.cache_position], {"axis": 2}, name=f"{tag}_new{j}")
+        new.outputs[0].type = ir.TensorType(_elem(outer[wl.caches[j][1]]))
+        news.append(new.outputs[0])
+    cond_out = emit("Identity", [cond], name=f"{tag}_cond_out").outputs[0]
+    cond_out.type = ir.TensorType(ir.DataType.BOOL)
+    loop_body = ir.Graph([it, cond, state], [cond_out, state_out, *news], nodes=body, name=f"{tag}_body")
+    loop = ir.Node(
+        "",
+        "Loop",
+        [b.trip(wl.threshold), None, outer_first[wl.state_in]],
+        {"body": ir.AttrGraph("body", loop_body)},
+        num_outputs=1 + len(news),
+        name=f"{tag}",
+    )
+    loop.outputs[0].name = f"{tag}_state"
+    after: list = [loop]
+
+    def top(op, inputs, attributes=None, name=None):
+        node = ir.node(op, inputs, attributes or {}, name=name)
+        node.outputs[0].name = name
+        after.append(node)
+        return node.outputs[0]
+
+    zero_i = top("Constant", [], {"value": ir.tensor(np.array(0, np.int64))}, name=f"{tag}_pass0")
+    one_i = top("Constant", [], {"value": ir.tensor(np.array(1, np.int64))}, name=f"{tag}_pass1")
+    slot_shape = top("Constant", [], {"value": ir.tensor(np.array([1, 1, -1, 1], np.int64))}, name=f"{tag}_slots_shape")
+    slots = top("Reshape", [b.cache_position, slot_shape], name=f"{tag}_slots")
+    replaced_old, replaced_new = [], []
+    for j, ((c1, c2), scan) in enumerate(zip(wl.caches, loop.outputs[1:])):
+        scan.name = f"{tag}_scan{j}"
+        first_new = top("Gather", [scan, zero_i], {"axis": 0}, name=f"{tag}_first_new{j}")
+        index = top("Expand", [slots, top("Shape", [first_new], name=f"{tag}_new_shape{j}")], name=f"{tag}_index{j}")
+        held = top("Gather", [outer[c2], b.cache_position], {"axis": 2}, name=f"{tag}_held{j}")
+        both = top("Concat", [scan, top("Unsqueeze", [held, zero_i], name=f"{tag}_held_u{j}")], {"axis": 0}, name=f"{tag}_both{j}")
+        second_new = top("Gather", [both, one_i], {"axis": 0}, name=f"{tag}_second_new{j}")
+        for old, cache, new in ((first.outputs[j], outer_first[c1], first_new), (second.outputs[j], outer[c2], second_new)):
+            written = top("ScatterElements", [cache, index, new], {"axis": 2}, name=f"{tag}_present{j}_{'ab'[cache is outer[c2]]}")
+            replaced_old.append(old)
+            replaced_new.append(written)
+    replaced_old.append(state_out_top := second.outputs[wl.second.outputs.index(next(o for o in wl.second.outputs if o not in writes))])
+    replaced_new.append(loop.outputs[0])
+    b.graph.insert_before(first, after)
+    _replace(b.graph, replaced_old, replaced_new)
+    assert state_out_top is not None
+    b.graph.remove([first, second], safe=True)
+
+
+def _replace(graph, old: list, new: list) -> None:
+    """Every use of ``old[i]`` reads ``new[i]``; a graph output keeps its name."""
+    import onnx_ir as ir
+
+    for o, n in zip(old, new):
+        if o in graph.outputs:
+            name = o.name
+            o.name = f"{name}_replaced"
+            n.name, n.type, n.shape = name, o.type, o.shape
+        ir.convenience.replace_all_uses_with(o, n, replace_graph_outputs=True)
+
+
+def _elem(value):
+    import onnx_ir as ir
+
+    if value.type is not None:
+        return value.type.dtype
+    return ir.DataType.FLOAT
+
+
+def _numpy(value) -> type:
+    return _elem(value).numpy()
