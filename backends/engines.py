@@ -89,6 +89,7 @@ def export_options(
             compose=compose,
             ort_fusions=ort_fusions,
             rowwise=rowwise,
+            loop=loop,
             speculative=speculative,
             adaptive=adaptive,
             quantize=quantize,

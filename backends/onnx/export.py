@@ -181,7 +181,7 @@ def export_onnx(
 
     say = on_progress or (lambda text: None)
     policies = resolve_policies(model, kv)
-    loops_all = loop and rowwise and compose and policies == ("per-loop",) and not speculative and loopable(model)
+    loops_all = looped_by_default(model, policies, loop=loop, rowwise=rowwise, compose=compose, speculative=speculative)
     chosen = resolve_budgets(model, ("none" if loops_all else "all") if budgets is None else budgets)
     if not chosen and not rowwise:
         raise ExportError("no graph to export: pick budgets, or keep rowwise=True.", parameter="budgets")
@@ -276,12 +276,17 @@ def export_onnx(
     return report
 
 
-def loopable(model) -> bool:
-    """Whether :mod:`looptool.backends.onnx.looped` loops ``model``'s row-wise graph: a
-    fixed-prefix plan with a window (an ELR plan's row-wise graph stays masked for now)."""
+def looped_by_default(
+    model, policies: tuple[str, ...], *, loop: bool = True, rowwise: bool = True, compose: bool = True, speculative: bool = False
+) -> bool:
+    """Whether an export with these settings and ``budgets=None`` writes one looped row-wise
+    graph and no per-budget graph (:mod:`looptool.backends.onnx.looped`): a fixed-prefix plan
+    with a window, per-loop KV only, composed, and no verify graphs (their drafts run per-budget
+    graphs). An ELR plan's row-wise graph stays masked, so its budgets keep graphs of their own."""
     from looptool.core.plan import PrefixLoop
 
-    return isinstance(model.plan, PrefixLoop) and max(model.budgets) > 0
+    plan_loops = isinstance(model.plan, PrefixLoop) and max(model.budgets) > 0
+    return loop and rowwise and compose and not speculative and tuple(policies) == ("per-loop",) and plan_loops
 
 
 def _check_exportable(model, dtypes: tuple[torch.dtype, ...] = _SUPPORTED_DTYPES) -> None:

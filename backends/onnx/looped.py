@@ -74,27 +74,26 @@ def window_layers(comp: Composition) -> list[WindowLayer]:
 
 
 def _pair(layer: int, first: Unit, second: Unit) -> WindowLayer:
-    shared = set(first.inputs) & set(second.inputs)
-    state = [i for i in second.inputs if i in first.outputs]
-    only_first = [i for i in first.inputs if i not in shared]
-    only_second = [i for i in second.inputs if i not in shared and i not in state]
-    caches_first = [i for i in only_first if i.op == "placeholder"]
-    caches_second = [i for i in only_second if i.op == "placeholder"]
-    state_in = [i for i in only_first if i.op != "placeholder"]
-    gates = [i for i in only_second if i.op == "get_attr"]
-    masks = [i for i in only_second if i.op == "call_function"]
     writes_first = [o for o in first.outputs if o.target is _aten.index_copy.default]
     writes_second = [o for o in second.outputs if o.target is _aten.index_copy.default]
+    # a cache a pass writes may also be read for its shape by every unit (the symbolic capacity)
+    caches_first = [o.args[0] for o in writes_first]
+    caches_second = [o.args[0] for o in writes_second]
+    state = [i for i in second.inputs if i in first.outputs]
+    state_in = [i for i in first.inputs if i not in second.inputs and i not in caches_first]
+    only_second = [i for i in second.inputs if i not in first.inputs and i not in state and i not in caches_second]
+    gates = [i for i in only_second if i.op == "get_attr"]
+    masks = [i for i in only_second if i.op == "call_function"]
     if (
         len(state) != 1
         or len(state_in) != 1
         or len(masks) != 1
         or not gates
-        or len(first.outputs) != len(second.outputs)
-        or [o for o in first.outputs if o not in writes_first] != [state[0]]
-        or [o.args[0] for o in writes_first] != caches_first
-        or [o.args[0] for o in writes_second] != caches_second
+        or len(gates) + len(masks) != len(only_second)
+        or [o for o in first.outputs if o not in writes_first] != state
+        or len(second.outputs) != len(first.outputs)
         or len(writes_first) != len(writes_second)
+        or not all(c.op == "placeholder" for c in caches_first + caches_second)
     ):
         raise ComposeError(f"the two passes of window layer {layer} cannot be paired for a loop.")
     threshold = _threshold(masks[0])
@@ -225,6 +224,7 @@ def _loop_layer(ir, b: _Builder, wl: WindowLayer, first, second) -> None:
     )
     body.append(call)
     writes = [o for o in wl.second.outputs if o.target is _aten.index_copy.default]
+    writes_first = [o for o in wl.first.outputs if o.target is _aten.index_copy.default]
     state_out = call.outputs[wl.second.outputs.index(next(o for o in wl.second.outputs if o not in writes))]
     state_out.name, state_out.type = f"{tag}_h_out", state_type
     news = []
@@ -264,7 +264,9 @@ def _loop_layer(ir, b: _Builder, wl: WindowLayer, first, second) -> None:
         held = top("Gather", [outer[c2], b.cache_position], {"axis": 2}, name=f"{tag}_held{j}")
         both = top("Concat", [scan, top("Unsqueeze", [held, zero_i], name=f"{tag}_held_u{j}")], {"axis": 0}, name=f"{tag}_both{j}")
         second_new = top("Gather", [both, one_i], {"axis": 0}, name=f"{tag}_second_new{j}")
-        for old, cache, new in ((first.outputs[j], outer_first[c1], first_new), (second.outputs[j], outer[c2], second_new)):
+        old_first = first.outputs[wl.first.outputs.index(writes_first[j])]
+        old_second = second.outputs[wl.second.outputs.index(writes[j])]
+        for old, cache, new in ((old_first, outer_first[c1], first_new), (old_second, outer[c2], second_new)):
             written = top("ScatterElements", [cache, index, new], {"axis": 2}, name=f"{tag}_present{j}_{'ab'[cache is outer[c2]]}")
             replaced_old.append(old)
             replaced_new.append(written)

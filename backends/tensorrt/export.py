@@ -276,6 +276,7 @@ def export_tensorrt(
         compose=compose,
         fuse_ort=False,  # onnxruntime's fused ops: TensorRT parses standard ONNX only
         rowwise=rowwise,
+        loop=False,  # TensorRT builds each budget's unrolled graph (its loop layer is not used)
         overwrite=overwrite,
         validate=validate and precision != "bf16",
         on_progress=on_progress,

@@ -32,9 +32,14 @@ def export_cmd(
         typer.Option(help="Lowering target: onnx (onnxruntime) or tensorrt (ONNX + TensorRT variants and engines)."),
     ] = "onnx",
     budget: Annotated[
-        str,
-        typer.Option(help="A budget, a comma-separated list, 'all', or 'none' (only the row-wise graph)."),
-    ] = "all",
+        str | None,
+        typer.Option(
+            help="Per-budget graphs (every pass unrolled): a budget, a comma-separated list, 'all', or 'none' "
+            "(only the row-wise graph). Default: none where the row-wise graph runs the window as loops (one "
+            "graph for every budget), else all.",
+            show_default=False,
+        ),
+    ] = None,
     validate: Annotated[
         bool, typer.Option("--validate/--no-validate", help="Compare every graph with the PyTorch path.")
     ] = True,
@@ -61,6 +66,15 @@ def export_cmd(
         typer.Option(
             "--rowwise/--no-rowwise",
             help="Also write the row-wise-budget graph per policy (rows of one batch at different budgets).",
+        ),
+    ] = True,
+    loop: Annotated[
+        bool,
+        typer.Option(
+            "--loop/--no-loop",
+            help="onnx: write a fixed-prefix window as ONNX Loops in the row-wise graph, so that one graph and one "
+            "session serve every budget at that budget's cost (--no-loop: the row-wise graph masks rows and costs "
+            "the deepest budget).",
         ),
     ] = True,
     speculative: Annotated[
@@ -111,7 +125,7 @@ def export_cmd(
     budget); --backend tensorrt adds TensorRT graphs with looptool plugins and builds their
     engines."""
     from looptool.backends.engines import export_engines, export_options
-    from looptool.backends.onnx.export import resolve_budgets, resolve_policies
+    from looptool.backends.onnx.export import looped_by_default, resolve_budgets, resolve_policies
     from looptool.backends.onnx.quantize import ACTIVATIONS, BLOCK_SIZE, QUANTIZED
     from looptool.backends.onnx.validate import QUANTIZED_BOUNDS
     from looptool.report.tables import human_bytes
@@ -120,9 +134,9 @@ def export_cmd(
 
     check_backend(backend)
     check_kv_names(kv, allow_all=True)
-    if budget.strip() == "none" and not rowwise:
+    if budget is not None and budget.strip() == "none" and not rowwise:
         raise LooptoolError("--budget none with --no-rowwise leaves no graph to export; drop one of them.")
-    if budget.strip() not in ("all", "none"):
+    if budget is not None and budget.strip() not in ("all", "none"):
         from looptool.core.plan import parse_budgets
 
         parse_budgets(budget)  # the syntax now; whether the model has them once it is loaded
@@ -137,6 +151,7 @@ def export_cmd(
         compose=compose,
         ort_fusions=ort_fusions,
         rowwise=rowwise,
+        loop=loop,
         speculative=speculative,
         adaptive=adaptive,
         precision=precision,
@@ -150,8 +165,14 @@ def export_cmd(
     with progress() as steps:
         with steps.stage(f"loading {model_dir}"):
             model = load(model_dir)
-        chosen = resolve_budgets(model, budget.strip())
         policies = resolve_policies(model, kv)
+        if budget is None:  # one looped graph where it can be, else every budget's own
+            looped = backend == "onnx" and looped_by_default(
+                model, policies, loop=loop, rowwise=rowwise, compose=compose, speculative=speculative
+            )
+            chosen = () if looped else resolve_budgets(model, "all")
+        else:
+            chosen = resolve_budgets(model, budget.strip())
         graphs = (len(chosen) + int(rowwise)) * len(policies)
         if speculative:
             from looptool.backends.onnx.speculative import verify_targets
@@ -173,7 +194,7 @@ def export_cmd(
                 model,
                 output,
                 backend,
-                chosen,
+                None if budget is None else chosen,
                 options={**options, "kv": policies},
                 overwrite=overwrite,
                 validate=validate,

@@ -120,7 +120,9 @@ def ratio_specs(
     first = budgets[0]
     specs = [RatioSpec(f"onnx_k{first}", "genai_fp32")]
     specs += [RatioSpec(f"onnx_k{k}", f"onnx_k{first}", (layers + k) / (layers + first)) for k in budgets[1:]]
-    specs += [RatioSpec(f"rowwise_k{k}", f"onnx_k{k}") for k in rowwise]
+    specs += [RatioSpec(f"onnx_k{k}", f"unrolled_k{k}") for k in budgets]
+    specs += [RatioSpec(f"unrolled_k{first}", "genai_fp32")]
+    specs += [RatioSpec(f"rowwise_k{k}", f"unrolled_k{k}") for k in rowwise]
     specs += [RatioSpec(f"torch_k{first}", REFERENCE)]
     specs += [RatioSpec(f"genai_{p}", "genai_fp32") for p in precisions if p != "fp32"]
     specs += [RatioSpec(f"onnx_int4_k{first}", "genai_int4")]
@@ -321,7 +323,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads of every arm")
     ap.add_argument("--budgets", default="all", help="looptool ONNX budgets timed: all, or a comma list")
     ap.add_argument(
-        "--rowwise", default="ends", help="budgets of the row-wise arms: ends (shallowest, deepest), all, none, a list"
+        "--rowwise",
+        default="none",
+        help="budgets of the masked row-wise arms (the unrolled engine's): ends (shallowest, deepest), all, none, a list",
+    )
+    ap.add_argument(
+        "--unrolled",
+        action="store_true",
+        help="also build and time the per-budget engine (export_onnx(..., 'all', loop=False)) as unrolled_k*",
     )
     ap.add_argument(
         "--int4",
@@ -391,9 +400,19 @@ def main() -> None:
         "onnxruntime": onnxruntime.__version__,
         "source": SMOLLM2_WHEEL,
     }
+    # the default export: one graph, the window as ONNX Loops (every budget, one session, one packed copy)
     builds["looptool_engine"] = cached_build(
-        engine_dir, engine_stamp, lambda d: export_onnx(model, d, "all", kv="per-loop"), args.rebuild, say
+        engine_dir, {**engine_stamp, "form": "loop"}, lambda d: export_onnx(model, d), args.rebuild, say
     )
+    unrolled_dir = work / "looptool-engine-unrolled"
+    if args.unrolled:  # one graph per budget, every pass unrolled (export_onnx(..., "all", loop=False))
+        builds["looptool_engine_unrolled"] = cached_build(
+            unrolled_dir,
+            {**engine_stamp, "form": "unrolled"},
+            lambda d: export_onnx(model, d, "all", kv="per-loop", loop=False),
+            args.rebuild,
+            say,
+        )
 
     int4_dir = work / "looptool-engine-int4"
     if args.int4:
@@ -402,18 +421,18 @@ def main() -> None:
             {**engine_stamp, "quantize": "int4", "accuracy_level": FAST_ACCURACY_LEVEL},
             # genai's int4 setting (int8 activations), so both sides run the same kernels; looptool's
             # default (float activations, batch-invariant) is timed against it in bench_accuracy_level.py
-            lambda d: export_onnx(
-                model, d, "all", kv="per-loop", quantize="int4", accuracy_level=FAST_ACCURACY_LEVEL, rowwise=False
-            ),
+            lambda d: export_onnx(model, d, quantize="int4", accuracy_level=FAST_ACCURACY_LEVEL),
             args.rebuild,
             say,
         )
 
     # ---------------------------------------------------------------- runners
-    rt = Runtime(engine_dir, threads=args.threads, prepack=args.prepack)
-    # MatMulNBits needs its packed weights (Runtime's default for quantized engines; a packed copy per session)
+    # looptool's defaults: one session, weights packed once (Runtime's default for a looped engine)
+    rt = Runtime(engine_dir, threads=args.threads, prepack=args.prepack or None)
+    # the per-budget engine with its defaults: a session per budget, packing off (one copy of the weights)
+    rt_unrolled = Runtime(unrolled_dir, threads=args.threads, prepack=args.prepack or None) if args.unrolled else None
     rt4 = Runtime(int4_dir, threads=args.threads) if args.int4 else None
-    # onnxruntime's own defaults for a process that runs nothing else: packed weights, spinning threads
+    # onnxruntime's own default for a process that runs nothing else: idle threads spinning
     rt_fast = Runtime(engine_dir, threads=args.threads, prepack=True, spin=True) if args.fast else None
     genai_options = {"intra_op_num_threads": args.threads}
     genai_models = {}
@@ -434,7 +453,7 @@ def main() -> None:
     if rowwise is None:
         rowwise = [int(k) for k in args.rowwise.split(",")]
     if args.quick:
-        rowwise = [menu[0]]
+        rowwise = rowwise[:1]
     bad = [k for k in {*budgets, *rowwise} if k not in menu]
     if bad:
         raise SystemExit(f"budgets {bad} are not in the model's menu {menu}")
@@ -486,7 +505,8 @@ def main() -> None:
 
     def rowwise_run(k: int):
         def run(ids: torch.Tensor, stamps: list[float]) -> torch.Tensor:
-            return graph_generate(rt, ROWWISE, [k] * ids.shape[0], ids, args.new, on_step(stamps)).sequences
+            runtime = rt_unrolled or rt  # the masked row-wise graph of the unrolled engine where it was built
+            return graph_generate(runtime, ROWWISE, [k] * ids.shape[0], ids, args.new, on_step(stamps)).sequences
 
         return run
 
@@ -515,6 +535,8 @@ def main() -> None:
     runners.update({f"onnx_k{k}": onnx_run(k) for k in budgets})
     if rt4 is not None:
         runners.update({f"onnx_int4_k{k}": onnx_run(k, rt4) for k in budgets})
+    if rt_unrolled is not None:
+        runners.update({f"unrolled_k{k}": onnx_run(k, rt_unrolled) for k in budgets})
     if rt_fast is not None:
         runners.update({f"onnx_fast_k{k}": onnx_run(k, rt_fast) for k in (menu[0], menu[-1])})
     runners.update({f"rowwise_k{k}": rowwise_run(k) for k in rowwise})
@@ -547,8 +569,9 @@ def main() -> None:
         }
         rt4.close()
     rt.close()
-    if rt_fast is not None:
-        rt_fast.close()
+    for other in (rt_fast, rt_unrolled):
+        if other is not None:
+            other.close()
 
     # ---------------------------------------------------------------- results
     # fp32 at budget 0 computes the source model; so does every budget at a fresh conversion (zero gates)
@@ -563,7 +586,7 @@ def main() -> None:
             "first_token_ms": Timing(tuple(first_token[arm.key][WARMUP:])).as_dict(),
             "tokens": compare_tokens(sequences[arm.key], ref, prompt, eos=pad),
             "tokens_expected_same": arm.name in expected_same
-            or arm.name.startswith(("onnx_k", "onnx_fast_k", "rowwise_k")),
+            or arm.name.startswith(("onnx_k", "onnx_fast_k", "rowwise_k", "unrolled_k")),
         }
     specs = ratio_specs(budgets, rowwise, layers, precisions, set(runners))
     mismatches = [key for key, a in arm_results.items() if a["tokens_expected_same"] and not a["tokens"]["same"]]
