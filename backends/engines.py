@@ -260,7 +260,19 @@ class EngineOptions:
         rule = next((r for r in self.rules if r not in kept.adaptive_graphs), None)
         if rule is not None:
             return f"this engine lacks the adaptive-depth graph of exit rule {rule!r}"
+        if self.looped(kept) and kept.budgets:
+            return "it runs a graph per budget; one looped graph now serves every budget"
         return None
+
+    def looped(self, kept: Manifest) -> bool:
+        """Whether an export of these options writes one looped graph for every budget of the
+        plan ``kept`` records (as :func:`looptool.backends.onnx.export.looped_by_default` decides
+        for a model): a fixed-prefix plan with a window, per-loop KV only, no verify graphs."""
+        from looptool.core.plan import PrefixLoop
+
+        plan = kept.plan or {}
+        window = plan.get("kind") == PrefixLoop.kind and max(plan.get("budgets") or [0]) > 0
+        return window and self.kv == ("per-loop",) and not self.speculative
 
 
 @dataclass(frozen=True)
@@ -359,8 +371,8 @@ def exported_engine(
 
         export = export_options("onnx", kv=kv, speculative=speculative, adaptive=adaptive, precision=precision)
         model = load(model_dir)
-        export_engines(
-            model, engine_dir, "onnx", "all", options=export, overwrite=True, validate=validate, on_progress=on_progress
+        export_engines(  # budgets None: one looped graph where the plan loops, else every budget's own
+            model, engine_dir, "onnx", None, options=export, overwrite=True, validate=validate, on_progress=on_progress
         )
         (engine_dir / SOURCE_STAMP).write_text(json.dumps(source, indent=1) + "\n")
     return KeptEngine(engine_dir, _bytes_under(engine_dir), reason)

@@ -220,9 +220,10 @@ class Quantizer:
         float weight with ``MatMulNBits`` (and, at 4 bits, a gather of a quantized weight with
         ``GatherBlockQuantized``); returns the count of each rewrite."""
         import onnx_ir as ir
-        from onnx_ir.passes.common import InlinePass, RemoveUnusedNodesPass, RemoveUnusedOpsetsPass
+        from onnx_ir.passes.common import InlinePass, NameFixPass, RemoveUnusedNodesPass, RemoveUnusedOpsetsPass
 
         InlinePass()(model)
+        NameFixPass()(model)  # bodies inlined into several Loop bodies reuse value names: one name each
         graph = model.graph
         counts = {"MatMulNBits": 0, "GatherBlockQuantized": 0}
         gathers = []

@@ -18,7 +18,9 @@ from looptool.core.words import counted
 LAYER_CALLS = (
     "layer calls: N of M bodies = the graph is N calls of ONNX functions (one per layer application and one per "
     "run of glue between layers: embedding and masks, loop-state updates, norm and head) over M distinct function "
-    "bodies, each exported once and shared by every graph that calls it; flat = traced as one graph."
+    "bodies, each exported once and shared by every graph that calls it; flat = traced as one graph. form: loop = "
+    "the window runs as ONNX Loops whose trip counts follow the batch's budgets (one graph, every budget at its own "
+    "cost); unrolled = every pass its own node."
 )
 
 
@@ -243,6 +245,7 @@ def engine_table(report, title: str) -> Table:
         "kv",
         "file",
         "size",
+        "form",
         "layer calls",
         "fused ops",
         "max |Δ| random",
@@ -261,9 +264,17 @@ def engine_table(report, title: str) -> Table:
             b.kv,
             b.file,
             human_bytes(b.bytes),
+            getattr(b, "form", "unrolled"),
             layer_calls(b),
             fused,
-            *(f"{diff[k]:.2e}" if k in diff else "not validated" for k in ("random", "real")),
+            *(_worst(diff, k) for k in ("random", "real")),
             f"{b.seconds:.1f}",
         )
     return table
+
+
+def _worst(diff: dict[str, float], prompt: str) -> str:
+    """The worst difference validation recorded on ``prompt`` (a looped graph's per-budget runs
+    are keyed ``prompt@k``), or ``not validated``."""
+    values = [v for key, v in diff.items() if key == prompt or key.startswith(prompt + "@") and "." not in key]
+    return f"{max(values):.2e}" if values else "not validated"

@@ -1,0 +1,129 @@
+"""One graph for every budget: the window of a fixed-prefix plan as ONNX ``Loop`` nodes
+(:mod:`looptool.backends.onnx.looped`), exported by default, run as one session."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+import looptool
+from looptool.backends.manifest import Manifest
+from looptool.backends.onnx.export import export_onnx, looped_by_default
+from looptool.backends.ort.binding import CacheBinding
+from looptool.backends.ort.runtime import Runtime
+from looptool.core.graph import ROWWISE
+from looptool.runtime.generation import generate
+from looptool.testing import left_padded_batch, tiny_model
+
+PLAN = looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2))
+
+
+@pytest.fixture(scope="module")
+def model() -> looptool.LoopedModel:
+    """A tiny llama looped over layers 1-2 with trained-looking (non-zero) gates, so every budget differs."""
+    m = looptool.convert(tiny_model("llama"), PLAN)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for _, p in m.new_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return m
+
+
+@pytest.fixture(scope="module")
+def engines(model, tmp_path_factory):
+    """The default export (one looped graph) and the masked, unrolled one, each validated."""
+    root = tmp_path_factory.mktemp("looped")
+    looped = export_onnx(model, root / "loop")
+    unrolled = export_onnx(model, root / "unrolled", "none", loop=False)
+    return (looped, root / "loop"), (unrolled, root / "unrolled")
+
+
+def _nodes(graph: onnx.GraphProto):
+    """Every node of ``graph`` and of its subgraphs (Loop bodies, If branches)."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _nodes(attr.g)
+
+
+def test_the_default_export_is_one_looped_graph_whose_weights_have_one_consumer_each(model, engines):
+    (report, directory), _ = engines
+    manifest = Manifest.read(directory)
+    assert manifest.budgets == () and [b.budget for b in report.rowwise] == [ROWWISE]
+    entry = manifest.graph(ROWWISE, "per-loop")
+    assert entry.form == "loop" and entry.loops == {1: 1, 2: 2}  # layer -> smallest budget that repeats it
+    assert report.rowwise[0].form == "loop"
+    graph = onnx.load(directory / entry.file, load_external_data=False).graph
+    nodes = list(_nodes(graph))
+    assert collections.Counter(n.op_type for n in nodes)["Loop"] == 2
+    consumers = collections.Counter(i for n in nodes for i in n.input)
+    weights = [name for name in manifest.weights.tensors if ".layers.1." in name or ".layers.2." in name]
+    assert weights and all(consumers[name] == 1 for name in weights), {w: consumers[w] for w in weights}
+
+
+def test_the_looped_graph_decodes_every_budget_and_mix_as_pytorch_does_in_one_session(model, engines):
+    (_, directory), _ = engines
+    rt = Runtime(directory)
+    assert rt.one_graph and rt.prepack  # one session: packing costs one copy of the weights, so it is on
+    ids, mask = left_padded_batch(3, length=6)
+    for budget in (0, 1, 2, [2, 0, 1], [1, 1, 0]):
+        ref = generate(model, ids, attention_mask=mask, budget=budget, max_new_tokens=6, output_logits=True)
+        out = rt.generate(ids, attention_mask=mask, budget=budget, max_new_tokens=6, output_logits=True)
+        assert torch.equal(torch.as_tensor(out.sequences), ref.sequences), budget
+        for a, b in zip(out.logits, ref.logits):
+            assert torch.allclose(torch.as_tensor(a), b, atol=1e-4), budget
+    assert len(rt._sessions) == 1
+    rt.close()
+
+
+def _step_caches(directory, budgets: list[int]) -> tuple[list, list]:
+    """One prefill of the row-wise graph at ``budgets``: the caches after it and the layout's pairs."""
+    rt = Runtime(directory)
+    graph, rows = rt.resolve_budget(budgets, len(budgets))
+    layout = rt.layout(ROWWISE)
+    binding = CacheBinding(rt.session(graph), layout, len(budgets), 8, rt.vocab_size, budgets=rows)
+    ids, _ = left_padded_batch(len(budgets), length=4)
+    mask = torch.zeros(len(budgets), 8, dtype=getattr(torch, str(rt.mask_dtype)))
+    mask[:, :4] = 1
+    binding.run(ids, mask, torch.arange(4).expand(len(budgets), 4), torch.arange(4))
+    return binding.caches, list(layout.pairs)
+
+
+def test_a_batch_runs_only_the_passes_its_deepest_row_asks_for(engines):
+    (_, looped), (_, unrolled) = engines
+    for budgets, runs in (([0, 0], set()), ([1, 0], {1}), ([0, 2], {1, 2})):
+        caches, pairs = _step_caches(looped, budgets)
+        for j, pair in enumerate(pairs):
+            written = bool(np.abs(caches[2 * j]).sum())
+            assert written == (pair.execution == 1 or pair.layer in runs), (budgets, pair)
+    # the masked graph runs every second pass whatever the rows ask for (what the loop saves)
+    caches, pairs = _step_caches(unrolled, [0, 0])
+    assert all(np.abs(caches[2 * j]).sum() for j in range(len(pairs)))
+
+
+def test_an_int4_looped_graph_quantizes_the_linears_inside_its_loops(model, tmp_path):
+    report = export_onnx(model, tmp_path / "q", quantize="int4")
+    assert report.rowwise[0].form == "loop"
+    graph = onnx.load(tmp_path / "q" / report.rowwise[0].file, load_external_data=False).graph
+    in_loops = [n for loop in graph.node if loop.op_type == "Loop" for n in _nodes(loop.attribute[0].g)]
+    assert sum(n.op_type == "MatMulNBits" for n in in_loops) == 2 * 7  # q, k, v, o, gate, up, down per window layer
+    rt = Runtime(tmp_path / "q")
+    ids, mask = left_padded_batch(2, length=5)
+    out = rt.generate(ids, attention_mask=mask, budget=[2, 0], max_new_tokens=4)
+    assert out.sequences.shape == (2, 9) and len(rt._sessions) == 1
+
+
+def test_plans_and_settings_the_loop_does_not_cover_keep_a_graph_per_budget(model, tmp_path):
+    assert looped_by_default(model, ("per-loop",))
+    assert not looped_by_default(model, ("per-loop",), speculative=True)  # drafts run per-budget graphs
+    assert not looped_by_default(model, ("last-loop",))
+    assert not looped_by_default(model, ("per-loop",), loop=False)
+    elr = looptool.convert(tiny_model("llama"), looptool.RecurrentLoop(recurrent=(1, 3), max_loops=2))
+    assert not looped_by_default(elr, ("per-loop",))
+    report = export_onnx(model, tmp_path / "e", loop=False)
+    assert [b.budget for b in report.budgets] == [0, 1, 2] and report.rowwise[0].form == "unrolled"
