@@ -54,6 +54,7 @@ def export_options(
     compose: bool = True,
     ort_fusions: bool = False,
     rowwise: bool = True,
+    loop: bool = True,
     speculative: bool = False,
     adaptive: bool | str = False,
     precision: str = "fp16",
@@ -68,7 +69,8 @@ def export_options(
     loaded: the TensorRT settings (``max_*``, ``build_on_target``) apply to ``tensorrt`` only,
     ``ort_fusions`` to ``onnx`` only; building engines (``tensorrt`` without
     ``build_on_target``) needs TensorRT installed. ``rowwise`` adds the row-wise-budget graph
-    per policy (both backends); ``speculative`` the verify graphs of speculative decoding
+    per policy (both backends), with its fixed-prefix window as ONNX loops under ``loop`` (``onnx``
+    only; TensorRT's graphs stay unrolled); ``speculative`` the verify graphs of speculative decoding
     (``onnx`` only: onnxruntime runs them), ``adaptive`` the adaptive-depth graph of ``budget="auto"``
     (``onnx`` only, last-loop KV). ``precision``: for ``tensorrt`` the engines' dtype (fp16, bf16
     or fp32); for ``onnx``, ``int8`` or ``int4`` quantizes the linears' weights

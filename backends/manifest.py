@@ -62,7 +62,9 @@ class GraphEntry:
     layer_calls: dict[str, int] = field(default_factory=dict)
     kv_bytes_per_token: int = 0
     max_abs_diff: dict[str, float] | None = None
-    loops: dict[int, int] = field(default_factory=dict)  # looped window layer -> smallest budget running its second pass
+    loops: dict[int, int] = field(
+        default_factory=dict
+    )  # looped window layer -> smallest budget running its second pass
 
     @property
     def form(self) -> str:
@@ -494,17 +496,3 @@ def _tensorrt(t: dict) -> TensorRTSection:
         if built
         else None,
     )
-
-
-def engine_tokenizer(directory: str | os.PathLike, manifest: Manifest, tokenizer: str | os.PathLike | None):
-    """The tokenizer given, else the one exported beside the engine; one sentence if neither."""
-    from looptool.core.errors import LooptoolError
-    from looptool.runtime import text
-
-    source = tokenizer if tokenizer is not None else (directory if manifest.tokenizer else None)
-    if source is None:
-        raise LooptoolError(
-            "this engine was exported without a tokenizer; pass tokenizer=PATH (a Hugging Face tokenizer folder).",
-            parameter="tokenizer",
-        )
-    return text.load_tokenizer(source)

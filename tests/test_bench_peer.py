@@ -17,13 +17,17 @@ import bench_peer  # noqa: E402
 
 
 def test_ratio_specs_pick_the_reported_ratios_of_the_arms_present():
-    arms = {"genai_fp32", "genai_int4", "onnx_k0", "onnx_k6", "onnx_k12", "rowwise_k0", "torch_k0", "hf_generate"}
+    arms = {"genai_fp32", "genai_int4", "onnx_k0", "onnx_k6", "onnx_k12", "torch_k0", "hf_generate"}
+    arms |= {"unrolled_k0", "unrolled_k12", "rowwise_k0"}
     specs = bench_peer.ratio_specs([0, 6, 12], [0, 12], 30, ["fp32", "int4"], arms)
     assert [(s.label, s.predicted) for s in specs] == [
         ("onnx_k0 ÷ genai_fp32", None),
         ("onnx_k6 ÷ onnx_k0", pytest.approx(36 / 30)),
         ("onnx_k12 ÷ onnx_k0", pytest.approx(42 / 30)),
-        ("rowwise_k0 ÷ onnx_k0", None),  # rowwise_k12 was not timed
+        ("onnx_k0 ÷ unrolled_k0", None),  # the looped graph ÷ the budget's own unrolled graph
+        ("onnx_k12 ÷ unrolled_k12", None),  # unrolled_k6 was not timed
+        ("unrolled_k0 ÷ genai_fp32", None),
+        ("rowwise_k0 ÷ unrolled_k0", None),  # rowwise_k12 was not timed
         ("torch_k0 ÷ hf_generate", None),
         ("genai_int4 ÷ genai_fp32", None),
     ]

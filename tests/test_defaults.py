@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 
 from looptool.backends.manifest import Manifest
 from looptool.cli import app
+from looptool.core.graph import ROWWISE
 from looptool.testing import byte_tokenizer, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,8 +184,10 @@ def _check(args: list[str], w: Workspace, output: str) -> None:
         assert Manifest.read(w.trt).tensorrt.precision == "fp16"  # the default precision of an fp32 model
     elif name == "export":
         manifest = Manifest.read(w.engine)
-        assert manifest.budgets == (0, 1, 2) and manifest.kv_policies == ("per-loop",)
-        assert manifest.dtype == "float32"
+        assert manifest.kv_policies == ("per-loop",) and manifest.dtype == "float32"
+        # one looped graph serves every budget: no per-budget graph beside it
+        assert manifest.budgets == () and manifest.graph(ROWWISE, "per-loop").menu == (0, 1, 2)
+        assert manifest.graph(ROWWISE, "per-loop").form == "loop"
     elif name == "serve":
         assert "serving trained, trained@0, trained@1, trained@2 at http://127.0.0.1:8000/v1" in output
     elif name == "demo":

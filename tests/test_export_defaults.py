@@ -95,14 +95,19 @@ def _graphs(manifest: Manifest) -> dict:
     return {(b, p): e for b, ps in manifest.graphs.items() for p, e in ps.items()}
 
 
-def _check_validated(manifest: Manifest, family: str, limit: float) -> None:
-    """Every budget's graph and the row-wise one were validated on both prompts, within ``limit``."""
+def _check_validated(manifest: Manifest, family: str, limit: float, looped: bool = False) -> None:
+    """Every graph was validated on both prompts, within ``limit``: every budget's and the
+    row-wise one, or (``looped``: the onnx default for a fixed-prefix plan) the one looped
+    row-wise graph, at every budget alone and with its rows at every budget."""
     graphs = _graphs(manifest)
-    assert {b for b, _ in graphs if b != ROWWISE} == set(FAMILIES[family][1].budgets)  # the default budget 'all'
+    budgets = FAMILIES[family][1].budgets
+    assert {b for b, _ in graphs if b != ROWWISE} == (set() if looped else set(budgets))
     assert {p for _, p in graphs} == {"per-loop"} and (ROWWISE, "per-loop") in graphs  # the default kv, row-wise on
+    assert bool(graphs[ROWWISE, "per-loop"].loops) == looped
     for key, entry in graphs.items():
         diff = entry.max_abs_diff
-        assert set(diff) == {"random", "real"}, key
+        alone = {f"{p}@{k}" for p in ("random", "real") for k in budgets} if looped else set()
+        assert set(diff) == {"random", "real"} | alone, key
         assert all(0 <= d <= limit for d in diff.values()), (key, diff)
 
 
@@ -152,8 +157,9 @@ def test_tensorrt_export_defaults_validate(models, family, tmp_path):
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "dense"])  # dense: tests/test_defaults.py
 def test_onnx_export_defaults_validate(models, family, tmp_path):
-    """``looptool export DIR -o OUT``: every budget and the row-wise graph, per-loop caches, the
-    model's own dtype (fp32), each graph validated within 1e-4 x max(1, |logits|)."""
+    """``looptool export DIR -o OUT``: per-loop caches, the model's own dtype (fp32); a
+    fixed-prefix plan: one looped row-wise graph, an ELR plan: every budget and the row-wise
+    graph; each validated within 1e-4 x max(1, |logits|)."""
     manifest = _export([str(models[family]), "-o", str(tmp_path / "onnx")])
     assert manifest.dtype == "float32" and manifest.tensorrt is None
-    _check_validated(manifest, family, 1e-4)
+    _check_validated(manifest, family, 1e-4, looped=isinstance(FAMILIES[family][1], looptool.PrefixLoop))

@@ -28,10 +28,11 @@ def _llama():
 @pytest.fixture(scope="module")
 def llama_engines(tmp_path_factory):
     """The tiny llama exported twice, lowered to onnxruntime's fused ops and not (every
-    budget and the row-wise graph; each export validated against PyTorch)."""
+    budget and the masked row-wise graph, every pass unrolled so that each graph's ops can be
+    counted at its top level; each export validated against PyTorch)."""
     root = tmp_path_factory.mktemp("fuse_ort")
-    fused = export_onnx(_llama(), root / "fused", "all", kv="per-loop")
-    plain = export_onnx(_llama(), root / "plain", "all", kv="per-loop", fuse_ort=False)
+    fused = export_onnx(_llama(), root / "fused", "all", kv="per-loop", loop=False)
+    plain = export_onnx(_llama(), root / "plain", "all", kv="per-loop", fuse_ort=False, loop=False)
     return (fused, root / "fused"), (plain, root / "plain")
 
 

@@ -265,7 +265,7 @@ BACKENDS = ("onnx", "ort", "tensorrt")  # one subpackage per backend
 # what every backend shares, the only modules at the top of backends/: the decode interface,
 # the engine manifest, the errors, and export/open by backend name (the dtype names are
 # looptool.core.dtypes, shared with storage)
-BACKENDS_SHARED = ("__init__", "engines", "errors", "manifest", "serving")
+BACKENDS_SHARED = ("__init__", "engine_files", "engines", "errors", "manifest", "serving")
 
 
 def test_backends_top_holds_only_shared_modules_and_one_subpackage_per_backend():

@@ -12,7 +12,8 @@ import torch
 
 import looptool
 from looptool.backends.manifest import Manifest
-from looptool.backends.onnx.export import export_onnx, looped_by_default
+from looptool.backends.onnx.export import export_onnx
+from looptool.backends.onnx.selection import looped_by_default
 from looptool.backends.ort.binding import CacheBinding
 from looptool.backends.ort.runtime import Runtime
 from looptool.core.graph import ROWWISE

@@ -21,11 +21,12 @@ import torch
 from serve_process import alone_answer, budget_job, run_jobs
 
 import looptool
+from looptool.backends.engine_files import check_external_data
 from looptool.backends.errors import EngineError, ExportError
 from looptool.backends.manifest import Manifest
 from looptool.backends.onnx.export import export_onnx
 from looptool.backends.ort.engine import OrtStepEngine
-from looptool.backends.ort.runtime import Runtime, check_external_data
+from looptool.backends.ort.runtime import Runtime
 from looptool.engine.budgets import AutoRow, RowBudgets
 from looptool.runtime.generation import generate
 from looptool.testing import move_off_init, tiny_model

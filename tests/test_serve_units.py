@@ -576,6 +576,8 @@ def test_the_onnx_engine_of_a_looped_model_is_kept_per_option_set_with_its_sourc
 
     from looptool.backends import engines
     from looptool.backends.errors import ExportError
+    from looptool.backends.manifest import Manifest
+    from looptool.core.graph import ROWWISE
 
     kept = per_loop_engine
     assert kept.path.name == "per-loop" and kept.exported == "no engine there yet"
@@ -596,11 +598,18 @@ def test_the_onnx_engine_of_a_looped_model_is_kept_per_option_set_with_its_sourc
     assert exports == []
     from looptool.engine import open_engine
 
-    for session, want in (({}, ("0", False)), ({"prepack": True, "spin": True}, ("1", True))):
+    # the default engine is one looped graph: one session, so its weights are packed once by default
+    for session, want in (({}, ("0", True)), ({"prepack": False, "spin": True}, ("1", False))):
         runtime = open_engine(kept.path, runtime="onnxruntime", threads=1, **session).engine.runtime
-        options = runtime.session(0).get_session_options()
+        assert runtime.one_graph and runtime.budgets == ()
+        options = runtime.session(ROWWISE).get_session_options()
         assert options.get_session_config_entry("session.intra_op.allow_spinning") == want[0]
         assert runtime.prepack is want[1]
+    older = Manifest.read(kept.path)  # as an engine of a graph per budget (before one looped graph)
+    older.graphs[0] = {"per-loop": older.graphs[ROWWISE]["per-loop"]}
+    assert engines.EngineOptions.of().missing_from(older) == (
+        "it runs a graph per budget; one looped graph now serves every budget"
+    )
     mine = _files(out)
     for options, folder, wanted in (
         ({"speculative": True}, "per-loop-speculative", {"speculative": True}),

@@ -58,6 +58,7 @@ from looptool.backends.onnx.optimize import simplify, strip_metadata
 from looptool.backends.onnx.outline import outline_looptool_functions
 from looptool.backends.onnx.quantize import ACCURACY_LEVEL, Quantizer, quantizer_for
 from looptool.backends.onnx.report import BudgetExport, ExportReport
+from looptool.backends.onnx.selection import looped_by_default, resolve_budgets, resolve_policies
 from looptool.backends.onnx.speculative import export_verify_graphs, verify_targets
 from looptool.backends.onnx.store import WeightStore, externalize, to_numpy
 from looptool.backends.onnx.validate import ADAPTIVE, VERIFY, validate_engine
@@ -73,40 +74,6 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16)
 
 
 # ---------------------------------------------------------------------------- export
-def resolve_budgets(model, budgets: int | str | Iterable[int] | None) -> tuple[int, ...]:
-    """``"all"``/None → every budget; ``"none"`` or no ints → no per-budget graph (an engine of
-    row-wise graphs only); an int or ints → checked against the menu."""
-    if budgets is None or budgets == "all":
-        return model.budgets
-    if budgets == "none":
-        return ()
-    if isinstance(budgets, str):
-        try:
-            budgets = [int(b) for b in budgets.split(",")]
-        except ValueError:
-            raise ExportError(
-                f"budget {budgets!r} is not a number; pass e.g. 6, 0,6 or all.", parameter="budgets"
-            ) from None
-    if isinstance(budgets, int):
-        budgets = [budgets]
-    return tuple(sorted({model.check_budget(int(b)) for b in budgets}))
-
-
-def resolve_policies(model, kv: str | Iterable[str]) -> tuple[str, ...]:
-    """KV policies to export: one, a comma-separated list, or ``all`` (every policy the
-    model supports: last-loop only where some budget repeats a layer)."""
-    from looptool.passes.kv_cache import KV_POLICIES
-    from looptool.runtime.decode_graphs import check_policy, repeats_layers
-
-    if kv == "all":
-        chosen = [p for p in KV_POLICIES if p == "per-loop" or repeats_layers(model)]
-    else:
-        chosen = [p.strip() for p in kv.split(",")] if isinstance(kv, str) else list(kv)
-    if not chosen:
-        raise ExportError("no KV policy given; pass kv='per-loop', 'last-loop' or 'all'.", parameter="kv")
-    return tuple(check_policy(model, p) for p in dict.fromkeys(chosen))
-
-
 def export_onnx(
     model,
     output: str | os.PathLike,
@@ -274,19 +241,6 @@ def export_onnx(
     n = len(results) + len(rowwise_results) + len(verify_results) + len(auto_results)
     log.info("exported %d graphs to %s (%.3f x parameter bytes)", n, final, report.disk_ratio)
     return report
-
-
-def looped_by_default(
-    model, policies: tuple[str, ...], *, loop: bool = True, rowwise: bool = True, compose: bool = True, speculative: bool = False
-) -> bool:
-    """Whether an export with these settings and ``budgets=None`` writes one looped row-wise
-    graph and no per-budget graph (:mod:`looptool.backends.onnx.looped`): a fixed-prefix plan
-    with a window, per-loop KV only, composed, and no verify graphs (their drafts run per-budget
-    graphs). An ELR plan's row-wise graph stays masked, so its budgets keep graphs of their own."""
-    from looptool.core.plan import PrefixLoop
-
-    plan_loops = isinstance(model.plan, PrefixLoop) and max(model.budgets) > 0
-    return loop and rowwise and compose and not speculative and tuple(policies) == ("per-loop",) and plan_loops
 
 
 def _check_exportable(model, dtypes: tuple[torch.dtype, ...] = _SUPPORTED_DTYPES) -> None:
@@ -472,7 +426,7 @@ def _compose(sg, library, loop: bool = False) -> tuple[object, dict[str, int], d
     ``loop``, the window layers it looped (layer -> the smallest budget running its second
     pass; empty where it has none or they could not be looped: the graph stays unrolled)."""
     from looptool.backends.onnx.functions import OPSET
-    from looptool.backends.onnx.layers import ComposeError
+    from looptool.backends.onnx.layers import LAYER_DOMAIN, ComposeError
     from looptool.backends.onnx.looped import loop_window
 
     comp = library.partition(sg)
@@ -490,10 +444,12 @@ def _compose(sg, library, loop: bool = False) -> tuple[object, dict[str, int], d
             onnx_model = library.assemble(comp, sg, {"": OPSET})
     calls: dict[str, int] = {}
     ort_ops: dict[str, int] = {}
-    for unit in comp.units:
-        calls[unit.body.name] = calls.get(unit.body.name, 0) + 1
-        for rule, n in rule_counts(unit.body.fusions).items():
-            ort_ops[rule] = ort_ops.get(rule, 0) + n
+    bodies = {unit.body.name: unit.body for unit in comp.units}
+    for node in onnx_model.graph.all_nodes():  # a looped window layer: one call, in its Loop's body
+        if node.domain == LAYER_DOMAIN:
+            calls[node.op_type] = calls.get(node.op_type, 0) + 1
+            for rule, n in rule_counts(bodies[node.op_type].fusions).items():
+                ort_ops[rule] = ort_ops.get(rule, 0) + n
     return onnx_model, calls, ort_ops, loops
 
 

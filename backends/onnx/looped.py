@@ -97,7 +97,9 @@ def _pair(layer: int, first: Unit, second: Unit) -> WindowLayer:
     ):
         raise ComposeError(f"the two passes of window layer {layer} cannot be paired for a loop.")
     threshold = _threshold(masks[0])
-    return WindowLayer(layer, first, second, threshold, state_in[0], list(zip(caches_first, caches_second)), gates, masks[0])
+    return WindowLayer(
+        layer, first, second, threshold, state_in[0], list(zip(caches_first, caches_second)), gates, masks[0]
+    )
 
 
 def _threshold(mask: fx.Node) -> int:
@@ -163,17 +165,27 @@ class _Builder:
         if first is None:
             self.graph.append(node)
         else:
-            self.graph.insert_before(first, node) if len(self.head) == 1 else self.graph.insert_after(self.head[-2], node)
+            self.graph.insert_before(first, node) if len(self.head) == 1 else self.graph.insert_after(
+                self.head[-2], node
+            )
         return node
 
     def trip(self, threshold: int):
         """int64 scalar ``1 + (max(budgets) >= threshold)``."""
         if threshold not in self._trips:
-            t = self._node("Constant", [], {"value": self.ir.tensor(np.array(threshold, np.int64))}, name=f"looped_t{threshold}")
-            one = self._node("Constant", [], {"value": self.ir.tensor(np.array(1, np.int64))}, name=f"looped_one_t{threshold}")
+            t = self._node(
+                "Constant", [], {"value": self.ir.tensor(np.array(threshold, np.int64))}, name=f"looped_t{threshold}"
+            )
+            one = self._node(
+                "Constant", [], {"value": self.ir.tensor(np.array(1, np.int64))}, name=f"looped_one_t{threshold}"
+            )
             ge = self._node("GreaterOrEqual", [self._max, t.outputs[0]], name=f"looped_runs_t{threshold}")
-            cast = self._node("Cast", [ge.outputs[0]], {"to": self.ir.DataType.INT64}, name=f"looped_second_t{threshold}")
-            self._trips[threshold] = self._node("Add", [one.outputs[0], cast.outputs[0]], name=f"looped_trip_t{threshold}").outputs[0]
+            cast = self._node(
+                "Cast", [ge.outputs[0]], {"to": self.ir.DataType.INT64}, name=f"looped_second_t{threshold}"
+            )
+            self._trips[threshold] = self._node(
+                "Add", [one.outputs[0], cast.outputs[0]], name=f"looped_trip_t{threshold}"
+            ).outputs[0]
         return self._trips[threshold]
 
 
@@ -203,11 +215,18 @@ def _loop_layer(ir, b: _Builder, wl: WindowLayer, first, second) -> None:
         picked = []
         for branch, source in (("then", outer_first[c1]), ("else", outer[c2])):
             out = ir.Value(name=f"{tag}_c{j}_{branch}", type=ir.TensorType(_elem(source)))
-            picked.append(ir.Graph([], [out], nodes=[ir.Node("", "Identity", [source], outputs=[out])], name=f"{tag}_c{j}_{branch}"))
+            picked.append(
+                ir.Graph(
+                    [], [out], nodes=[ir.Node("", "Identity", [source], outputs=[out])], name=f"{tag}_c{j}_{branch}"
+                )
+            )
         args[c2] = emit(
             "If",
             [is_first],
-            {"then_branch": ir.AttrGraph("then_branch", picked[0]), "else_branch": ir.AttrGraph("else_branch", picked[1])},
+            {
+                "then_branch": ir.AttrGraph("then_branch", picked[0]),
+                "else_branch": ir.AttrGraph("else_branch", picked[1]),
+            },
             name=f"{tag}_cache{j}",
         ).outputs[0]
     for g in wl.gates:
@@ -229,7 +248,9 @@ def _loop_layer(ir, b: _Builder, wl: WindowLayer, first, second) -> None:
     state_out.name, state_out.type = f"{tag}_h_out", state_type
     news = []
     for j, node in enumerate(writes):
-        new = emit("Gather", [call.outputs[wl.second.outputs.index(node)], b.cache_position], {"axis": 2}, name=f"{tag}_new{j}")
+        new = emit(
+            "Gather", [call.outputs[wl.second.outputs.index(node)], b.cache_position], {"axis": 2}, name=f"{tag}_new{j}"
+        )
         new.outputs[0].type = ir.TensorType(_elem(outer[wl.caches[j][1]]))
         news.append(new.outputs[0])
     cond_out = emit("Identity", [cond], name=f"{tag}_cond_out").outputs[0]
@@ -262,15 +283,24 @@ def _loop_layer(ir, b: _Builder, wl: WindowLayer, first, second) -> None:
         first_new = top("Gather", [scan, zero_i], {"axis": 0}, name=f"{tag}_first_new{j}")
         index = top("Expand", [slots, top("Shape", [first_new], name=f"{tag}_new_shape{j}")], name=f"{tag}_index{j}")
         held = top("Gather", [outer[c2], b.cache_position], {"axis": 2}, name=f"{tag}_held{j}")
-        both = top("Concat", [scan, top("Unsqueeze", [held, zero_i], name=f"{tag}_held_u{j}")], {"axis": 0}, name=f"{tag}_both{j}")
+        both = top(
+            "Concat",
+            [scan, top("Unsqueeze", [held, zero_i], name=f"{tag}_held_u{j}")],
+            {"axis": 0},
+            name=f"{tag}_both{j}",
+        )
         second_new = top("Gather", [both, one_i], {"axis": 0}, name=f"{tag}_second_new{j}")
         old_first = first.outputs[wl.first.outputs.index(writes_first[j])]
         old_second = second.outputs[wl.second.outputs.index(writes[j])]
         for old, cache, new in ((old_first, outer_first[c1], first_new), (old_second, outer[c2], second_new)):
-            written = top("ScatterElements", [cache, index, new], {"axis": 2}, name=f"{tag}_present{j}_{'ab'[cache is outer[c2]]}")
+            written = top(
+                "ScatterElements", [cache, index, new], {"axis": 2}, name=f"{tag}_present{j}_{'ab'[cache is outer[c2]]}"
+            )
             replaced_old.append(old)
             replaced_new.append(written)
-    replaced_old.append(state_out_top := second.outputs[wl.second.outputs.index(next(o for o in wl.second.outputs if o not in writes))])
+    replaced_old.append(
+        state_out_top := second.outputs[wl.second.outputs.index(next(o for o in wl.second.outputs if o not in writes))]
+    )
     replaced_new.append(loop.outputs[0])
     b.graph.insert_before(first, after)
     _replace(b.graph, replaced_old, replaced_new)

@@ -255,7 +255,18 @@ def _validate_rowwise(
                     model, ids, attention_mask=mask, budget=k, kv=policy, max_new_tokens=new_tokens, output_logits=True
                 )
                 what = f"the looped row-wise graph ({policy}) at budget {k}"
-                _compare(out, f"{label}@{k}", ref, functools.partial(_run, rt, [k] * ids.shape[0], policy), ids, mask, atol, quantized, what, label)
+                _compare(
+                    out,
+                    f"{label}@{k}",
+                    ref,
+                    functools.partial(_run, rt, [k] * ids.shape[0], policy),
+                    ids,
+                    mask,
+                    atol,
+                    quantized,
+                    what,
+                    label,
+                )
     for label, (ids, mask) in validation_prompts(model).items():
         rows = list(menu) if label == "random" else list(reversed(menu))
         reps = -(-len(rows) // ids.shape[0])

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from looptool.backends.engine_files import check_external_data, inside
 from looptool.backends.errors import EngineError, ReexportError
 from looptool.backends.manifest import MANIFEST, WEIGHTS, GraphEntry, Manifest
 from looptool.backends.ort.binding import CacheBinding
@@ -70,40 +71,6 @@ def _numpy_type(onnx_name: str) -> type | None:
         return None
 
 
-def _inside(directory: Path, location: str) -> Path:
-    """The file a relative ``location`` names, refused unless it lies inside ``directory``."""
-    if os.path.isabs(location) or location.startswith(("/", "\\")):
-        raise EngineError(
-            f"external data location '{location}' is an absolute path; engines may only reference files inside their own directory."
-        )
-    target = (directory / location).resolve()
-    if directory.resolve() not in target.parents:
-        raise EngineError(
-            f"external data location '{location}' points outside the engine directory '{directory}'; refusing to load it."
-        )
-    return target
-
-
-def check_external_data(directory: Path, graph_path: Path) -> list[str]:
-    """Names of the external initializers of one graph, each checked to live in this
-    engine's ``weights.bin``."""
-    import onnx
-
-    model = onnx.load(str(graph_path), load_external_data=False)
-    names = []
-    for init in model.graph.initializer:
-        if init.data_location != onnx.TensorProto.EXTERNAL:
-            continue
-        info = {e.key: e.value for e in init.external_data}
-        target = _inside(directory, info.get("location", ""))
-        if target != (directory / WEIGHTS).resolve():
-            raise EngineError(
-                f"initializer '{init.name}' of {graph_path.name} reads '{info.get('location')}', not {WEIGHTS}; export the engine again."
-            )
-        names.append(init.name)
-    return names
-
-
 class Runtime:
     """Run an exported engine: ``rt.generate(input_ids, budget=k, kv=...)`` decodes with a KV
     cache; ``rt(input_ids, budget=k)`` returns the next-token logits ``[batch, vocab]``.
@@ -116,8 +83,10 @@ class Runtime:
     (measured ~15% on SmolLM2's prefill and decode), but every session then holds its own
     packed copy of the weights it reads, so memory is no longer one copy for all budgets
     (onnxruntime shares packed weights across sessions only through its C API).
-    ``prepack=None`` (default) pre-packs the engines whose linears are weight-only quantized
-    (``MatMulNBits``, :mod:`looptool.backends.onnx.quantize`) and no other: MatMulNBits runs its
+    ``prepack=None`` (default) pre-packs an engine of one looped graph (:attr:`one_graph`: one
+    session, so one packed copy, which replaces the mapped one in memory) and the engines whose
+    linears are weight-only quantized (``MatMulNBits``, :mod:`looptool.backends.onnx.quantize`),
+    not an engine of a graph per budget: MatMulNBits runs its
     fast int4/int8 kernels only over its packed form (SmolLM2-135M int4, 2 threads, batch 1:
     ~1.1 s per decode step unpacked, ~30 ms packed), so there each session holds a packed copy
     of the quantized weights (about their stored size) beside the one shared mapping.
@@ -276,7 +245,7 @@ class Runtime:
         """The graph file of ``entry`` (the graph of ``key``: budget, policy, maybe ``"verify"``):
         present, matching its sha256 (``verify``) and reading its weights only from this
         engine's ``weights.bin``."""
-        path = _inside(self.directory, entry.file)
+        path = inside(self.directory, entry.file)
         if not path.exists():
             what = "the verify graph of " if len(key) > 2 else ""
             raise EngineError(

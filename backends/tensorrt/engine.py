@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
+from looptool.backends.engine_files import engine_tokenizer
 from looptool.backends.errors import EngineError, ReexportError
-from looptool.backends.manifest import MANIFEST, Manifest, engine_tokenizer
+from looptool.backends.manifest import MANIFEST, Manifest
 from looptool.backends.serving import BUDGETS, INPUTS, LOGITS, CacheLayout, past_name, present_name
 from looptool.core.graph import ROWWISE
 from looptool.engine.budgets import RowBudgets

@@ -18,9 +18,9 @@ from looptool.core.words import counted
 LAYER_CALLS = (
     "layer calls: N of M bodies = the graph is N calls of ONNX functions (one per layer application and one per "
     "run of glue between layers: embedding and masks, loop-state updates, norm and head) over M distinct function "
-    "bodies, each exported once and shared by every graph that calls it; flat = traced as one graph. form: loop = "
-    "the window runs as ONNX Loops whose trip counts follow the batch's budgets (one graph, every budget at its own "
-    "cost); unrolled = every pass its own node."
+    "bodies, each exported once and shared by every graph that calls it; flat = traced as one graph; loops: = "
+    "its window layers run as ONNX Loops whose trip counts follow the batch's budgets (one graph serves every "
+    "budget at that budget's cost)."
 )
 
 
@@ -127,8 +127,8 @@ def export_cmd(
     budget); --backend tensorrt adds TensorRT graphs with looptool plugins and builds their
     engines."""
     from looptool.backends.engines import export_engines, export_options
-    from looptool.backends.onnx.export import looped_by_default, resolve_budgets, resolve_policies
     from looptool.backends.onnx.quantize import ACTIVATIONS, BLOCK_SIZE, QUANTIZED
+    from looptool.backends.onnx.selection import looped_by_default, resolve_budgets, resolve_policies
     from looptool.backends.onnx.validate import QUANTIZED_BOUNDS
     from looptool.report.tables import human_bytes
     from looptool.runtime.convert import load
@@ -232,7 +232,8 @@ def layer_calls(graph) -> str:
     """The "layer calls" cell of one exported graph: ``N of M bodies``, or ``flat``."""
     if not graph.composed:
         return "flat"
-    return f"{sum(graph.layer_calls.values())} of {counted(len(graph.layer_calls), 'body', 'bodies')}"
+    calls = f"{sum(graph.layer_calls.values())} of {counted(len(graph.layer_calls), 'body', 'bodies')}"
+    return f"loops: {calls}" if getattr(graph, "form", "unrolled") == "loop" else calls
 
 
 def engine_table(report, title: str) -> Table:
@@ -245,7 +246,6 @@ def engine_table(report, title: str) -> Table:
         "kv",
         "file",
         "size",
-        "form",
         "layer calls",
         "fused ops",
         "max |Δ| random",
@@ -264,7 +264,6 @@ def engine_table(report, title: str) -> Table:
             b.kv,
             b.file,
             human_bytes(b.bytes),
-            getattr(b, "form", "unrolled"),
             layer_calls(b),
             fused,
             *(_worst(diff, k) for k in ("random", "real")),

@@ -214,8 +214,14 @@ def run_cmd(
     stream: Stream = False,
     threads: Threads = None,
     prepack: Annotated[
-        bool, typer.Option("--prepack", help="Let onnxruntime pre-pack weights: faster, but a packed copy per session.")
-    ] = False,
+        bool | None,
+        typer.Option(
+            "--prepack/--no-prepack",
+            help="onnxruntime pre-packs weights (faster). Default: on for an engine of one looped graph and for "
+            "int8/int4 engines; off where each budget's session would hold its own packed copy.",
+            show_default=False,
+        ),
+    ] = None,
     tokenizer: Tokenizer = None,
     backend: Annotated[
         str, typer.Option(help="onnx (onnxruntime) or tensorrt (the built engines, on a GPU).")
@@ -255,14 +261,16 @@ def run_cmd(
         )
     if draft_budget is not None and isinstance(budgets, list):
         raise LooptoolError("--draft-budget takes one --budget for every prompt.")
-    rt = open_runtime(engine_dir, backend, threads=threads, prepack=prepack or None)  # None: quantized engines pack
+    rt = open_runtime(
+        engine_dir, backend, threads=threads, prepack=prepack
+    )  # None: one-graph and quantized engines pack
     source = tokenizer if tokenizer is not None else (engine_dir if rt.manifest.tokenizer else None)
     if source is None:
         raise LooptoolError(
             "this engine was exported without a tokenizer; pass --tokenizer PATH (a Hugging Face tokenizer folder)."
         )
     tok = text.load_tokenizer(source)
-    budget = rt.budgets[-1] if budgets is None else budgets
+    budget = (rt.budgets or rt.rowwise_menu())[-1] if budgets is None else budgets  # deepest: the default
     graph, rows = budget, budget
     if budgets == "auto":
         from looptool.backends.ort.adaptive import auto_policy

@@ -78,12 +78,15 @@ def serve(
     tokenizer: Tokenizer = None,
     threads: Threads = None,
     prepack: Annotated[
-        bool,
+        bool | None,
         typer.Option(
-            "--prepack",
-            help="onnxruntime pre-packs weights (faster; a packed copy per budget's session; int4/int8 engines always do).",
+            "--prepack/--no-prepack",
+            help="onnxruntime pre-packs weights for its matrix kernels (faster). Default: on for an engine of one "
+            "looped graph (one session, one packed copy) and for int8/int4 engines; off for an engine of a graph "
+            "per budget, where each budget's session would hold its own packed copy.",
+            show_default=False,
         ),
-    ] = False,
+    ] = None,
     spin: Annotated[
         bool,
         typer.Option(
@@ -158,7 +161,7 @@ def serve(
                 threads=threads,
                 exit_rule=exit_rule,
                 sock=sock,
-                prepack=prepack or None,  # None: quantized engines pack, float ones do not
+                prepack=prepack,  # None: the runtime's default (one-graph and quantized engines pack)
                 spin=spin,
             )
     where = f"runtime {server.served.runtime}, device {server.served.device}"

@@ -17,14 +17,18 @@ command. What it does:
    CPU model from it: ``python -m onnxruntime_genai.models.builder -i HF_DIR -o OUT -p fp32 -e
    cpu`` (with ``--int4`` also ``-p int4``). looptool converts the same model with the
    benchmarks' plan (window 8:20, budgets 0, 3, 6, 9, 12: ``shapes.prefix_plan``) and exports
-   its ONNX engine (``export_onnx``: per-loop caches, every budget's graph and the row-wise
-   graph). All builds are kept under ``--work`` and remade when the versions that made them
-   change (or with ``--rebuild``).
+   its ONNX engine with the defaults (``export_onnx(model, DIR)``: one row-wise graph whose
+   window layers are ONNX ``Loop`` nodes, per-loop caches); with ``--unrolled`` also the engine
+   of a graph per budget, every pass unrolled (``export_onnx(model, DIR, "all", loop=False)``).
+   All builds are kept under ``--work`` and remade when the versions that made them change (or
+   with ``--rebuild``).
 2. Arms, each greedy-decoding ``--new`` tokens from the first ``--prompt`` (21) tokens of the
    demo text (``looptool.eval.demo.DEMO_TEXT``), the same prompt in every row, at each of
    ``--batches`` (1 and 8): ``genai_fp32`` (and ``genai_int4``); ``onnx_k{k}``, looptool's
-   engine at every budget (``Runtime.generate``); ``rowwise_k{k}``, the row-wise graph run
-   with every row at budget k (``--rowwise``, default the shallowest and deepest budget);
+   default engine at every budget (``Runtime.generate`` with its defaults: one session,
+   weights packed once); ``unrolled_k{k}`` (``--unrolled``), the per-budget engine with its
+   defaults (a session per budget, packing off); ``rowwise_k{k}``, that engine's masked
+   row-wise graph run with every row at budget k (``--rowwise``, default none);
    ``torch_k0``, looptool's PyTorch runtime (``looptool.runtime.generation.generate``) at
    budget 0; ``hf_generate``, transformers ``generate`` on the source model. Every arm runs with
    ``--threads`` intra-op threads (torch, looptool's sessions, genai's session).
@@ -38,17 +42,18 @@ command. What it does:
    rounds, each running every arm of every batch once in a rotated order; min / median / max
    per arm. Ratios, round by round (``timing.Ratio``; median ± half the spread, "noisy"
    under 3 rounds or beyond a 20% spread): looptool ONNX budget 0 ÷ genai fp32; budget k ÷
-   budget 0 beside Accordion's (L + k) / L (L = 30 layers); row-wise ÷ the budget's own
-   graph; PyTorch budget 0 ÷ transformers; genai int4 ÷ fp32; looptool int4 budget 0 ÷ genai int4.
+   budget 0 beside Accordion's (L + k) / L (L = 30 layers); the looped graph at budget k ÷
+   budget k's own unrolled graph; the unrolled budget 0 ÷ genai fp32; row-wise ÷ the budget's
+   own graph; PyTorch budget 0 ÷ transformers; genai int4 ÷ fp32; looptool int4 budget 0 ÷ genai int4.
    With ``--int4`` looptool's engine is also exported at int4 (``export_onnx(...,
    quantize="int4", accuracy_level=4)``: MatMulNBits over one stored copy of the quantized
-   weights with int8 activations, genai's setting, every budget, no row-wise graph) and timed as ``onnx_int4_k{k}`` at the same budgets as ``onnx_k{k}``;
+   weights with int8 activations, genai's setting, the one looped graph) and timed as ``onnx_int4_k{k}`` at the same budgets as ``onnx_k{k}``;
    ``loss`` then holds the held-out loss (mean next-token NLL, nats) of the demo text's tokens
    after the timed prompt, teacher-forced one token per decode step, for ``genai_int4``,
    ``genai_fp32``, ``onnx_int4_k0`` and ``onnx_k0``. With ``--fast``, looptool's fp32 engine is
    also timed as onnxruntime-genai runs its own (``onnx_fast_k{k}``, the shallowest and the
    deepest budget): weights pre-packed and idle threads spinning (``Runtime(prepack=True,
-   spin=True)``, a packed copy per session), beside the default arms.
+   spin=True)``), beside the default arms.
 4. Tokens: every arm's new tokens against ``hf_generate``'s at the same batch. The fp32 arms at
    budget 0 are expected to match; at a fresh conversion (zero gates) every budget computes
    the source model too, so a mismatch there is reported as well; int4 may differ. Arms that
@@ -56,7 +61,7 @@ command. What it does:
 5. Writes the JSON to ``--out`` and prints the tables in markdown.
 
 Run: python tests/bench/bench_peer.py [--rounds 5] [--new 64] [--threads 2] [--batches 1,8]
-[--work DIR] [--int4] [--fast] [--prepack] [--out FILE]; ``--quick`` (smoke): one round, 8 new tokens,
+[--work DIR] [--unrolled] [--int4] [--fast] [--prepack] [--out FILE]; ``--quick`` (smoke): one round, 8 new tokens,
 budgets 0 and 12, row-wise at budget 0 only.
 """
 
