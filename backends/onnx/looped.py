@@ -149,12 +149,8 @@ class _Builder:
         self.budgets, self.cache_position = budgets, cache_position
         self.head: list = []  # nodes that go first in the graph
         self._trips: dict[int, object] = {}
+        self._index: dict[tuple, object] = {}
         self._max = self._node("ReduceMax", [budgets], {"keepdims": 0}, name="looped_max_budget").outputs[0]
-
-    def const(self, name: str, array: np.ndarray):
-        node = self.ir.node("Constant", [], {"value": self.ir.tensor(array, name=name)}, name=name)
-        node.outputs[0].name = name
-        return node
 
     def _node(self, op: str, inputs, attributes=None, name: str | None = None):
         node = self.ir.node(op, inputs, attributes or {}, name=name)
@@ -169,6 +165,29 @@ class _Builder:
                 self.head[-2], node
             )
         return node
+
+    def index(self, cache, shape) -> object:
+        """The ``ScatterElements`` indices that write this step's slots into a cache like ``cache``
+        (``[batch, heads, capacity, dim]``): ``cache_position`` broadcast to ``[batch, heads,
+        step, dim]``, made once per cache shape (every layer of most models shares it)."""
+        key = (str(shape[1]), str(shape[3]))
+        if key not in self._index:
+            tag = f"looped_index{len(self._index)}"
+            ir = self.ir
+
+            def const(name, values):
+                return self._node(
+                    "Constant", [], {"value": ir.tensor(np.array(values, np.int64))}, name=f"{tag}_const_{name}"
+                )
+
+            slots = self._node(
+                "Reshape", [self.cache_position, const("slots", [1, 1, -1, 1]).outputs[0]], name=f"{tag}_slots"
+            )
+            dims = self._node("Shape", [cache], name=f"{tag}_cache_shape")
+            keep = self._node("Mul", [dims.outputs[0], const("keep", [1, 1, 0, 1]).outputs[0]], name=f"{tag}_keep")
+            one = self._node("Add", [keep.outputs[0], const("one", [0, 0, 1, 0]).outputs[0]], name=f"{tag}_rows")
+            self._index[key] = self._node("Expand", [slots.outputs[0], one.outputs[0]], name=tag).outputs[0]
+        return self._index[key]
 
     def trip(self, threshold: int):
         """int64 scalar ``1 + (max(budgets) >= threshold)``."""
@@ -275,13 +294,11 @@ def _loop_layer(ir, b: _Builder, wl: WindowLayer, first, second) -> None:
 
     zero_i = top("Constant", [], {"value": ir.tensor(np.array(0, np.int64))}, name=f"{tag}_pass0")
     one_i = top("Constant", [], {"value": ir.tensor(np.array(1, np.int64))}, name=f"{tag}_pass1")
-    slot_shape = top("Constant", [], {"value": ir.tensor(np.array([1, 1, -1, 1], np.int64))}, name=f"{tag}_slots_shape")
-    slots = top("Reshape", [b.cache_position, slot_shape], name=f"{tag}_slots")
     replaced_old, replaced_new = [], []
     for j, ((c1, c2), scan) in enumerate(zip(wl.caches, loop.outputs[1:])):
         scan.name = f"{tag}_scan{j}"
         first_new = top("Gather", [scan, zero_i], {"axis": 0}, name=f"{tag}_first_new{j}")
-        index = top("Expand", [slots, top("Shape", [first_new], name=f"{tag}_new_shape{j}")], name=f"{tag}_index{j}")
+        index = b.index(outer_first[c1], c1.meta["val"].shape)
         held = top("Gather", [outer[c2], b.cache_position], {"axis": 2}, name=f"{tag}_held{j}")
         both = top(
             "Concat",
