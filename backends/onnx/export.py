@@ -54,7 +54,7 @@ from looptool.backends.manifest import WEIGHTS, GraphEntry
 from looptool.backends.onnx.adaptive import adaptive_rules, adaptive_targets, export_adaptive_graphs
 from looptool.backends.onnx.format import budget_file, export_manifest
 from looptool.backends.onnx.fuse_ort import FUSE_PREFIX, fuse_for_ort, rule_counts
-from looptool.backends.onnx.optimize import simplify, strip_metadata
+from looptool.backends.onnx.optimize import constant_reshapes, simplify, strip_metadata
 from looptool.backends.onnx.outline import outline_looptool_functions
 from looptool.backends.onnx.quantize import ACCURACY_LEVEL, Quantizer, quantizer_for
 from looptool.backends.onnx.report import BudgetExport, ExportReport
@@ -454,7 +454,8 @@ def _compose(sg, library, loop: bool = False) -> tuple[object, dict[str, int], d
 
 
 def _body_model(module, example, shapes, *, ort_fusions: bool = False, fuse_ort: bool = False):
-    """One body exported and tidied (fused ops outlined, shape arithmetic folded), lowered to
+    """One body exported and tidied (fused ops outlined, shape arithmetic folded, reshape targets
+    made constant: :func:`~looptool.backends.onnx.optimize.constant_reshapes`), lowered to
     onnxruntime's fused ops when ``fuse_ort`` (counts keyed ``ort.<rule>``), with onnxscript's
     transformer fusions when ``ort_fusions``; returns ``(model, fusion counts)``."""
     program = export_program(module, example, shapes, fake_tensor_cache=False)  # one body: small
@@ -469,6 +470,7 @@ def _body_model(module, example, shapes, *, ort_fusions: bool = False, fuse_ort:
 
         model, more = optimize_for_ort(model)
         counts.update(more)
+    constant_reshapes(model)  # standard ONNX (every backend reads it), after the pattern rewrites
     strip_metadata(model)
     return model, {k: v for k, v in sorted(counts.items()) if v}  # sorted as a cached entry's are
 
