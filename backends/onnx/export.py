@@ -1,9 +1,11 @@
-"""Lower budget paths to ONNX: one serving graph per budget and KV policy, one weight store.
+"""Lower budget paths to ONNX: serving graphs over one weight store.
 
 An engine directory holds::
 
     weights.bin                 every tensor the graphs read, once (deduplicated by content, aligned)
-    budget_<k>.<policy>.onnx    one graph per budget and KV policy; initializers live in weights.bin
+    rowwise.<policy>.onnx       every row at its own budget; for a fixed-prefix plan (per-loop KV) its
+                                window layers are ONNX Loops, so this one graph serves every budget
+    budget_<k>.<policy>.onnx    where asked (or the row-wise graph cannot loop): one graph per budget
     adaptive.<rule>.<policy>.onnx   with adaptive=True: the adaptive-depth graph (budget="auto")
     manifest.json               budgets, policies, files with sha256, cache layouts, tensor table
 
@@ -31,7 +33,9 @@ manifest's type is :mod:`looptool.backends.manifest`'s), the weight store
 (:mod:`~looptool.backends.onnx.store`), optimisation (:mod:`~looptool.backends.onnx.optimize`),
 lowering to onnxruntime's fused ops (:mod:`~looptool.backends.onnx.fuse_ort`, on each layer
 body after it is simplified, or on a flat graph), outlining of fused ops
-(:mod:`~looptool.backends.onnx.outline`) and validation (:mod:`~looptool.backends.onnx.validate`).
+(:mod:`~looptool.backends.onnx.outline`), looping the window (:mod:`~looptool.backends.onnx.looped`),
+which graphs to write (:mod:`~looptool.backends.onnx.selection`) and validation
+(:mod:`~looptool.backends.onnx.validate`).
 """
 
 from __future__ import annotations

@@ -48,8 +48,9 @@ command. What it does:
    With ``--int4`` looptool's engine is also exported at int4 (``export_onnx(...,
    quantize="int4", accuracy_level=4)``: MatMulNBits over one stored copy of the quantized
    weights with int8 activations, genai's setting, the one looped graph) and timed as ``onnx_int4_k{k}`` at the same budgets as ``onnx_k{k}``;
-   ``loss`` then holds the held-out loss (mean next-token NLL, nats) of the demo text's tokens
-   after the timed prompt, teacher-forced one token per decode step, for ``genai_int4``,
+   ``loss`` then holds the held-out loss (mean next-token NLL, nats) of ``--loss-tokens`` (512)
+   tokens of real text (the newest State of the Union address in ``tests/data/sotu``) after its
+   first ``--prompt`` tokens, teacher-forced one token per decode step, for ``genai_int4``,
    ``genai_fp32``, ``onnx_int4_k0`` and ``onnx_k0``. With ``--fast``, looptool's fp32 engine is
    also timed as onnxruntime-genai runs its own (``onnx_fast_k{k}``, the shallowest and the
    deepest budget): weights pre-packed and idle threads spinning (``Runtime(prepack=True,
@@ -83,8 +84,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from looptool.core.graph import ROWWISE
 from looptool.eval.timing import Timing, ratio
 
+SOTU = Path(__file__).resolve().parents[1] / "data" / "sotu"
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_peer.json"
 PEER_INSTALL = "pip install onnxruntime-genai"
 REFERENCE = "hf_generate"
@@ -291,7 +294,9 @@ def engine_loss(runtime, budget: int, ids: torch.Tensor, prompt: int) -> float:
     from looptool.backends.ort.binding import CacheBinding
 
     total = ids.shape[1]
-    binding = CacheBinding(runtime.session(budget), runtime.layout(budget), 1, total, runtime.vocab_size)
+    graph, rows = runtime.resolve_budget(budget, 1)  # the budget's own graph, or the looped row-wise one
+    budgets = rows if graph == ROWWISE else None
+    binding = CacheBinding(runtime.session(graph), runtime.layout(graph), 1, total, runtime.vocab_size, budgets=budgets)
     mask = torch.zeros(1, total, dtype=getattr(torch, str(runtime.mask_dtype)))  # updated in place, as decode_loop
     mask[:, :prompt] = 1
     steps = torch.arange(total)
@@ -350,6 +355,7 @@ def main() -> None:
     ap.add_argument(
         "--prepack", action="store_true", help="looptool's sessions pre-pack weights (Runtime(prepack=True))"
     )
+    ap.add_argument("--loss-tokens", type=int, default=512, help="--int4: held-out tokens of the loss")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "looptool-bench-peer")
     ap.add_argument("--rebuild", action="store_true", help="remake every build under --work")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 round, 8 new tokens, budgets 0 and 12")
@@ -372,8 +378,7 @@ def main() -> None:
     from looptool.backends.onnx.quantize import FAST_ACCURACY_LEVEL
     from looptool.backends.ort.runtime import Runtime
     from looptool.capture.sources import SMOLLM2_WHEEL, load_source
-    from looptool.core.graph import ROWWISE
-    from looptool.eval.demo import DEMO_TEXT, demo_ids
+    from looptool.eval.demo import demo_ids
     from looptool.eval.timing import interleaved
     from looptool.runtime.generation import generate
 
@@ -563,8 +568,9 @@ def main() -> None:
     timings = interleaved(fns, repeats=args.rounds, warmup=WARMUP, on_round=on_round, measured=True)
     losses = {}
     if rt4 is not None:
-        say("held-out loss of the int4 and fp32 arms on the demo text")
-        text = src.tokenizer(DEMO_TEXT, return_tensors="pt").input_ids
+        speech = sorted(p for p in SOTU.glob("*.txt"))[-1]  # real text the model was not tuned on
+        say(f"held-out loss of the int4 and fp32 arms on {args.loss_tokens} tokens of {speech.name}")
+        text = src.tokenizer(speech.read_text(), return_tensors="pt").input_ids[:, : prompt + args.loss_tokens]
         losses = {
             "tokens": int(text.shape[1] - prompt),
             "genai_int4": genai_loss(og, genai_models["int4"], text, prompt),
