@@ -128,3 +128,18 @@ def test_plans_and_settings_the_loop_does_not_cover_keep_a_graph_per_budget(mode
     assert not looped_by_default(elr, ("per-loop",))
     report = export_onnx(model, tmp_path / "e", loop=False)
     assert [b.budget for b in report.budgets] == [0, 1, 2] and report.rowwise[0].form == "unrolled"
+
+
+def test_layer_bodies_reshape_to_constant_targets(engines):
+    """The exporter computes reshape targets from Shape/Squeeze/Concat chains at run time;
+    constant_reshapes makes them constants (0 copies the input's size), so a layer body has no
+    such chain left: every Reshape reads a Constant target and no Concat or Squeeze remains."""
+    (report, directory), _ = engines
+    model = onnx.load(directory / report.rowwise[0].file, load_external_data=False)
+    layers = [f for f in model.functions if any(n.op_type == "Attention" for n in f.node)]
+    assert layers
+    for f in layers:
+        constants = {o for n in f.node if n.op_type == "Constant" for o in n.output}
+        ops = collections.Counter(n.op_type for n in f.node)
+        assert ops["Concat"] == ops["Squeeze"] == 0, (f.name, ops)
+        assert all(n.input[1] in constants for n in f.node if n.op_type == "Reshape"), f.name

@@ -316,7 +316,21 @@ class Runtime:
                 sess = ort.InferenceSession(str(path), options, providers=self.providers)
                 self._sessions[key] = sess
                 log.info("created session for budget %s (%s, %s)", key[0], key[1], sess.get_providers()[0])
+                if self.prepack:
+                    self._release_mapped_pages()
         return sess
+
+    def _release_mapped_pages(self) -> None:
+        """Drop this process's pages of ``weights.bin`` once a session has packed its weights:
+        the packed copies are what its matrix products read from then on, so the mapped
+        originals would count twice in resident memory. The pages are clean and file-backed:
+        a tensor still read as stored (an embedding row, a norm's weight) is paged in again
+        from the page cache when it is next read."""
+        import mmap
+
+        mapped = getattr(self._mmap, "_mmap", None)
+        if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapped.madvise(mmap.MADV_DONTNEED)
 
     def _check_budget(self, budget: int | None) -> int:
         if budget is None and not self.budgets:

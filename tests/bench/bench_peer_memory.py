@@ -4,7 +4,8 @@ Uses the builds ``bench_peer.py`` keeps under ``--work`` (run it first, with ``-
 ``--int4`` for those arms). Each arm runs in a fresh Python process, which imports its runtime,
 opens the engine with its default settings, greedy-decodes one new token at batch 1 (looptool:
 at every budget of the menu, then one batch whose rows take every budget: the row-wise path),
-and reports ``VmRSS`` after that and ``VmHWM`` (its peak), both from ``/proc/self/status``:
+and reports ``VmRSS`` after that, ``VmHWM`` (its peak) and ``VmRSS`` right after its imports
+(looptool's runtime imports torch; onnxruntime-genai's does not), all from ``/proc/self/status``:
 
 * ``genai_fp32`` / ``genai_int4``: onnxruntime-genai's model of the source (one session);
 * ``looped`` / ``looped_int4``: looptool's default engine (one looped graph, one session, weights
@@ -40,6 +41,7 @@ GENAI = (
     _STATUS
     + """
 import json, sys, numpy as np, onnxruntime_genai as og
+imports = status("VmRSS")
 config = og.Config(sys.argv[1])
 config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": int(sys.argv[2])}}}}))
 model = og.Model(config)
@@ -48,7 +50,7 @@ params.set_search_options(do_sample=False, max_length=22, batch_size=1)
 gen = og.Generator(model, params)
 gen.append_tokens(np.arange(1, 22, dtype=np.int32)[None])
 gen.generate_next_token()
-print(json.dumps({"rss_mib": status("VmRSS"), "peak_mib": status("VmHWM")}))
+print(json.dumps({"rss_mib": status("VmRSS"), "peak_mib": status("VmHWM"), "imports_mib": imports}))
 """
 )
 
@@ -57,13 +59,14 @@ LOOPTOOL = (
     + """
 import json, sys, torch
 from looptool.backends.ort.runtime import Runtime
+imports = status("VmRSS")
 rt = Runtime(sys.argv[1], threads=int(sys.argv[2]), prepack=(sys.argv[3] == "1") or None)
 menu = rt.rowwise_menu()
 ids = torch.arange(1, 22)[None]
 for k in menu:
     rt.generate(ids, budget=k, max_new_tokens=1)
 rt.generate(ids.repeat(len(menu), 1), budget=list(menu), max_new_tokens=1)
-print(json.dumps({"rss_mib": status("VmRSS"), "peak_mib": status("VmHWM"), "sessions": len(rt._sessions)}))
+print(json.dumps({"rss_mib": status("VmRSS"), "peak_mib": status("VmHWM"), "imports_mib": imports, "sessions": len(rt._sessions)}))
 """
 )
 
@@ -102,25 +105,32 @@ def main() -> None:
     for name, runs in samples.items():
         rss = [s["rss_mib"] for s in runs]
         peak = [s["peak_mib"] for s in runs]
+        engine = [s["rss_mib"] - s["imports_mib"] for s in runs]  # what opening and decoding added
         result["arms"][name] = {
             "rss_mib": {"min": min(rss), "median": statistics.median(rss), "max": max(rss)},
             "peak_mib": {"min": min(peak), "median": statistics.median(peak), "max": max(peak)},
+            "imports_mib": statistics.median(s["imports_mib"] for s in runs),
+            "engine_mib": statistics.median(engine),
             "sessions": runs[0].get("sessions", 1),
         }
     for name, arm in result["arms"].items():
         peer = "genai_int4" if "int4" in name else "genai_fp32"
         if peer in result["arms"] and not name.startswith("genai"):
             arm["rss_vs_genai"] = arm["rss_mib"]["median"] / result["arms"][peer]["rss_mib"]["median"]
+            arm["engine_vs_genai"] = arm["engine_mib"] / result["arms"][peer]["engine_mib"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print("| arm | sessions | RSS MiB min / median / max | peak MiB median | RSS ÷ genai (same precision) |")
-    print("|---|---|---|---|---|")
+    print(
+        "| arm | sessions | RSS MiB min / median / max | peak MiB | imports MiB | RSS − imports MiB "
+        "| RSS ÷ genai · (RSS − imports) ÷ genai's (same precision) |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for name, arm in result["arms"].items():
         r = arm["rss_mib"]
-        ratio = f"{arm['rss_vs_genai']:.2f}" if "rss_vs_genai" in arm else "-"
+        ratio = f"{arm['rss_vs_genai']:.2f} · {arm['engine_vs_genai']:.2f}" if "rss_vs_genai" in arm else "-"
         print(
             f"| {name} | {arm['sessions']} | {r['min']:.0f} / {r['median']:.0f} / {r['max']:.0f} | "
-            f"{arm['peak_mib']['median']:.0f} | {ratio} |"
+            f"{arm['peak_mib']['median']:.0f} | {arm['imports_mib']:.0f} | {arm['engine_mib']:.0f} | {ratio} |"
         )
 
 
