@@ -171,10 +171,11 @@ def open_runtime(
     *,
     threads: int | None = None,
     prepack: bool | None = None,
+    spin: bool | None = None,
 ):
     """The runtime of an exported engine directory: onnxruntime sessions
-    (:class:`looptool.backends.ort.runtime.Runtime`, with ``threads`` and ``prepack``: None
-    pre-packs only weight-quantized engines) or the built
+    (:class:`looptool.backends.ort.runtime.Runtime`, with ``threads``, ``prepack`` and ``spin``:
+    None leaves them to the runtime, which packs and spins for an engine of one looped graph) or the built
     TensorRT engines (:class:`looptool.backends.tensorrt.runtime.Runtime`)."""
     if check_backend(backend) == "tensorrt":
         from looptool.backends.tensorrt.runtime import Runtime
@@ -182,7 +183,7 @@ def open_runtime(
         return Runtime(engine_dir)
     from looptool.backends.ort.runtime import Runtime
 
-    return Runtime(engine_dir, threads=threads, prepack=prepack)
+    return Runtime(engine_dir, threads=threads, prepack=prepack, spin=spin)
 
 
 def engine_name(backend: str, session=None) -> str:

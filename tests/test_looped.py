@@ -68,9 +68,11 @@ def test_the_default_export_is_one_looped_graph_whose_weights_have_one_consumer_
 
 
 def test_the_looped_graph_decodes_every_budget_and_mix_as_pytorch_does_in_one_session(model, engines):
-    (_, directory), _ = engines
+    (_, directory), (_, unrolled) = engines
     rt = Runtime(directory)
-    assert rt.one_graph and rt.prepack  # one session: packing costs one copy of the weights, so it is on
+    assert rt.one_graph and rt.prepack and rt.spin  # one session: one packed copy, no other session to starve
+    masked = Runtime(unrolled)
+    assert not (masked.one_graph or masked.prepack or masked.spin)  # a masked graph: the per-budget defaults
     ids, mask = left_padded_batch(3, length=6)
     for budget in (0, 1, 2, [2, 0, 1], [1, 1, 0]):
         ref = generate(model, ids, attention_mask=mask, budget=budget, max_new_tokens=6, output_logits=True)

@@ -222,6 +222,15 @@ def run_cmd(
             show_default=False,
         ),
     ] = None,
+    spin: Annotated[
+        bool | None,
+        typer.Option(
+            "--spin/--no-spin",
+            help="onnxruntime's idle threads spin between ops instead of sleeping (faster). Default: on for an "
+            "engine of one looped graph, off for an engine of a graph per budget.",
+            show_default=False,
+        ),
+    ] = None,
     tokenizer: Tokenizer = None,
     backend: Annotated[
         str, typer.Option(help="onnx (onnxruntime) or tensorrt (the built engines, on a GPU).")
@@ -261,9 +270,7 @@ def run_cmd(
         )
     if draft_budget is not None and isinstance(budgets, list):
         raise LooptoolError("--draft-budget takes one --budget for every prompt.")
-    rt = open_runtime(
-        engine_dir, backend, threads=threads, prepack=prepack
-    )  # None: one-graph and quantized engines pack
+    rt = open_runtime(engine_dir, backend, threads=threads, prepack=prepack, spin=spin)  # None: the runtime decides
     source = tokenizer if tokenizer is not None else (engine_dir if rt.manifest.tokenizer else None)
     if source is None:
         raise LooptoolError(

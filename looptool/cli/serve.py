@@ -88,11 +88,14 @@ def serve(
         ),
     ] = None,
     spin: Annotated[
-        bool,
+        bool | None,
         typer.Option(
-            "--spin", help="onnxruntime's idle threads spin (faster when the server has the cores to itself)."
+            "--spin/--no-spin",
+            help="onnxruntime's idle threads spin between ops instead of sleeping (faster). Default: on for an "
+            "engine of one looped graph (one session), off for an engine of a graph per budget.",
+            show_default=False,
         ),
-    ] = False,
+    ] = None,
     engine: Annotated[
         str,
         typer.Option(

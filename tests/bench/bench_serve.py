@@ -155,7 +155,7 @@ def start_server(model_dir: str, args, capacity: int | None = None) -> tuple[sub
     argv += ["--threads", str(args.threads)] if args.engine and args.threads else ["--device", args.device]
     argv += ["--max-batch", str(args.concurrency), "--served-model-name", "m"]
     argv += ["--capacity", str(capacity)] if capacity else []
-    argv += ["--spin"] if args.spin else []
+    argv += {"on": ["--spin"], "off": ["--no-spin"]}.get(args.spin, [])
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
     log = tempfile.NamedTemporaryFile("w+", prefix="looptool-serve-", suffix=".log", delete=False)
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -212,7 +212,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the server and of inproc alike")
     ap.add_argument("--url", default=None, help="a running server's /v1 URL (its model id: m)")
-    ap.add_argument("--spin", action="store_true", help="serve with --spin (onnxruntime's idle threads spin)")
+    ap.add_argument(
+        "--spin",
+        choices=["default", "on", "off"],
+        default="default",
+        help="onnxruntime's spinning threads: the server's default, --spin or --no-spin",
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "serve.json"))
     args = ap.parse_args()
 
