@@ -80,6 +80,10 @@ def test_the_looped_graph_decodes_every_budget_and_mix_as_pytorch_does_in_one_se
         assert torch.equal(torch.as_tensor(out.sequences), ref.sequences), budget
         for a, b in zip(out.logits, ref.logits):
             assert torch.allclose(torch.as_tensor(a), b, atol=1e-4), budget
+    # caches far longer than the positions written: each pass attends over the written ones only
+    ref = generate(model, ids, attention_mask=mask, budget=[2, 0, 1], max_new_tokens=6)
+    out = rt.generate(ids, attention_mask=mask, budget=[2, 0, 1], max_new_tokens=6, capacity=96)
+    assert torch.equal(torch.as_tensor(out.sequences), ref.sequences)
     assert len(rt._sessions) == 1
     rt.close()
 

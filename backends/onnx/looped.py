@@ -150,6 +150,9 @@ class _Builder:
         self.head: list = []  # nodes that go first in the graph
         self._trips: dict[int, object] = {}
         self._index: dict[tuple, object] = {}
+        self._used: tuple | None = None
+        self._axes: dict[int, object] = {}
+        self._cuts: dict[tuple, object] = {}
         self._max = self._node("ReduceMax", [budgets], {"keepdims": 0}, name="looped_max_budget").outputs[0]
 
     def _node(self, op: str, inputs, attributes=None, name: str | None = None):
@@ -165,6 +168,37 @@ class _Builder:
                 self.head[-2], node
             )
         return node
+
+    def used(self, axis: int) -> list:
+        """``Slice`` inputs that keep positions ``[0, max(cache_position) + 1)`` of ``axis``: every
+        position a row attends to (the rows share one write clock), however long the bound
+        buffers are."""
+        if self._used is None:
+            ir = self.ir
+
+            def const(name, values):
+                return self._node(
+                    "Constant", [], {"value": ir.tensor(np.array(values, np.int64))}, name=f"looped_{name}"
+                )
+
+            last = self._node("ReduceMax", [self.cache_position], {"keepdims": 1}, name="looped_last_position")
+            one = const("one_position", [1])
+            self._used = (
+                const("from", [0]).outputs[0],
+                self._node("Add", [last.outputs[0], one.outputs[0]], name="looped_used").outputs[0],
+            )
+        if axis not in self._axes:
+            self._axes[axis] = self._node(
+                "Constant", [], {"value": self.ir.tensor(np.array([axis], np.int64))}, name=f"looped_axis{axis}"
+            ).outputs[0]
+        return [*self._used, self._axes[axis]]
+
+    def cut(self, value, axis: int):
+        """``value`` sliced to the used positions of ``axis`` (once per value)."""
+        key = (value.name, axis)
+        if key not in self._cuts:
+            self._cuts[key] = self._node("Slice", [value, *self.used(axis)], name=f"looped_cut_{value.name}").outputs[0]
+        return self._cuts[key]
 
     def index(self, cache, shape) -> object:
         """The ``ScatterElements`` indices that write this step's slots into a cache like ``cache``
@@ -234,11 +268,8 @@ def _loop_layer(ir, b: _Builder, wl: WindowLayer, first, second) -> None:
         picked = []
         for branch, source in (("then", outer_first[c1]), ("else", outer[c2])):
             out = ir.Value(name=f"{tag}_c{j}_{branch}", type=ir.TensorType(_elem(source)))
-            picked.append(
-                ir.Graph(
-                    [], [out], nodes=[ir.Node("", "Identity", [source], outputs=[out])], name=f"{tag}_c{j}_{branch}"
-                )
-            )
+            cut = ir.Node("", "Slice", [source, *b.used(2)], outputs=[out])  # the positions written so far
+            picked.append(ir.Graph([], [out], nodes=[cut], name=f"{tag}_c{j}_{branch}"))
         args[c2] = emit(
             "If",
             [is_first],
@@ -253,6 +284,10 @@ def _loop_layer(ir, b: _Builder, wl: WindowLayer, first, second) -> None:
         inf = emit("Constant", [], {"value": ir.tensor(np.array(np.inf, _numpy(source)))}, name=f"{tag}_{g.name}_open")
         args[g] = emit("Where", [is_first, inf.outputs[0], source], name=f"{tag}_{g.name}").outputs[0]
     args[wl.mask] = emit("Or", [is_first, outer[wl.mask]], name=f"{tag}_rows").outputs[0]
+    capacity = str(wl.caches[0][1].meta["val"].shape[2])
+    for i in wl.second.inputs:
+        if i not in args and i.op != "get_attr" and (axis := _axis_of(i, capacity)) is not None:
+            args[i] = b.cut(outer[i], axis)  # e.g. the attention mask [batch, 1, step, capacity]
     call = ir.Node(
         LAYER_DOMAIN,
         second.op_type,
@@ -323,6 +358,13 @@ def _loop_layer(ir, b: _Builder, wl: WindowLayer, first, second) -> None:
     _replace(b.graph, replaced_old, replaced_new)
     assert state_out_top is not None
     b.graph.remove([first, second], safe=True)
+
+
+def _axis_of(node: fx.Node, capacity: str) -> int | None:
+    """The axis of ``node``'s value that is the caches' capacity (by its symbol), if any."""
+    val = node.meta.get("val")
+    dims = [str(d) for d in getattr(val, "shape", ())]
+    return dims.index(capacity) if capacity in dims else None
 
 
 def _replace(graph, old: list, new: list) -> None:
