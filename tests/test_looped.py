@@ -18,7 +18,7 @@ from looptool.backends.ort.binding import CacheBinding
 from looptool.backends.ort.runtime import Runtime
 from looptool.core.graph import ROWWISE
 from looptool.runtime.generation import generate
-from looptool.testing import left_padded_batch, tiny_model
+from looptool.testing import left_padded_batch, move_off_init, tiny_model
 
 PLAN = looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2))
 
@@ -26,12 +26,7 @@ PLAN = looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2))
 @pytest.fixture(scope="module")
 def model() -> looptool.LoopedModel:
     """A tiny llama looped over layers 1-2 with trained-looking (non-zero) gates, so every budget differs."""
-    m = looptool.convert(tiny_model("llama"), PLAN)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for _, p in m.new_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    return m
+    return move_off_init(looptool.convert(tiny_model("llama"), PLAN), scale=0.2, seed=5)
 
 
 @pytest.fixture(scope="module")

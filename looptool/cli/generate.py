@@ -15,8 +15,10 @@ from looptool.cli.options import (
     Device,
     MaxNewTokens,
     ModelDir,
+    Prepack,
     Prompt,
     SamplingSeed,
+    Spin,
     Stream,
     Temperature,
     Threads,
@@ -213,24 +215,8 @@ def run_cmd(
     seed: SamplingSeed = None,
     stream: Stream = False,
     threads: Threads = None,
-    prepack: Annotated[
-        bool | None,
-        typer.Option(
-            "--prepack/--no-prepack",
-            help="onnxruntime pre-packs weights (faster). Default: on for an engine of one looped graph and for "
-            "int8/int4 engines; off where each budget's session would hold its own packed copy.",
-            show_default=False,
-        ),
-    ] = None,
-    spin: Annotated[
-        bool | None,
-        typer.Option(
-            "--spin/--no-spin",
-            help="onnxruntime's idle threads spin between ops instead of sleeping (faster). Default: on for an "
-            "engine of one looped graph, off for an engine of a graph per budget.",
-            show_default=False,
-        ),
-    ] = None,
+    prepack: Prepack = None,
+    spin: Spin = None,
     tokenizer: Tokenizer = None,
     backend: Annotated[
         str, typer.Option(help="onnx (onnxruntime) or tensorrt (the built engines, on a GPU).")

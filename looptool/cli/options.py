@@ -26,6 +26,26 @@ Threads = Annotated[
     ),
 ]
 
+Prepack = Annotated[
+    bool | None,
+    typer.Option(
+        "--prepack/--no-prepack",
+        help="onnxruntime pre-packs weights for its matrix kernels (faster). Default: on for an engine of one "
+        "looped graph (one session, one packed copy) and for int8/int4 engines; off for an engine of a graph "
+        "per budget, where each budget's session would hold its own packed copy.",
+        show_default=False,
+    ),
+]
+Spin = Annotated[
+    bool | None,
+    typer.Option(
+        "--spin/--no-spin",
+        help="onnxruntime's idle threads spin between ops instead of sleeping (faster). Default: on for an "
+        "engine of one looped graph (one session), off for an engine of a graph per budget.",
+        show_default=False,
+    ),
+]
+
 # ---------------------------------------------------------------------- data and sizes
 HeldOut = Annotated[list[str], typer.Option(help="Held-out text: files, folders, globs or .jsonl (repeatable).")]
 SeqLen = Annotated[int, typer.Option(help="Tokens per sequence.")]

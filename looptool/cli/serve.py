@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from looptool.cli.application import app, console, friendly
-from looptool.cli.options import Device, Kv, Threads, Tokenizer, check_kv_names, check_sizes
+from looptool.cli.options import Device, Kv, Prepack, Spin, Threads, Tokenizer, check_kv_names, check_sizes
 from looptool.cli.progress import progress
 
 
@@ -77,25 +77,8 @@ def serve(
     ] = 4,
     tokenizer: Tokenizer = None,
     threads: Threads = None,
-    prepack: Annotated[
-        bool | None,
-        typer.Option(
-            "--prepack/--no-prepack",
-            help="onnxruntime pre-packs weights for its matrix kernels (faster). Default: on for an engine of one "
-            "looped graph (one session, one packed copy) and for int8/int4 engines; off for an engine of a graph "
-            "per budget, where each budget's session would hold its own packed copy.",
-            show_default=False,
-        ),
-    ] = None,
-    spin: Annotated[
-        bool | None,
-        typer.Option(
-            "--spin/--no-spin",
-            help="onnxruntime's idle threads spin between ops instead of sleeping (faster). Default: on for an "
-            "engine of one looped graph (one session), off for an engine of a graph per budget.",
-            show_default=False,
-        ),
-    ] = None,
+    prepack: Prepack = None,
+    spin: Spin = None,
     engine: Annotated[
         str,
         typer.Option(
