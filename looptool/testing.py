@@ -305,3 +305,15 @@ def plain_steps(inner):
             return inner.step(*args)
 
     return PlainSteps()
+
+
+def every_onnx_node(graph):
+    """The nodes of an ``onnx.GraphProto`` and of its subgraphs (``Loop`` bodies, ``If``
+    branches), depth first: a looped graph's layers sit in its ``Loop`` bodies."""
+    import onnx
+
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from every_onnx_node(attr.g)

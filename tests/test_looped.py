@@ -18,7 +18,7 @@ from looptool.backends.ort.binding import CacheBinding
 from looptool.backends.ort.runtime import Runtime
 from looptool.core.graph import ROWWISE
 from looptool.runtime.generation import generate
-from looptool.testing import left_padded_batch, move_off_init, tiny_model
+from looptool.testing import every_onnx_node, left_padded_batch, move_off_init, tiny_model
 
 PLAN = looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2))
 
@@ -38,15 +38,6 @@ def engines(model, tmp_path_factory):
     return (looped, root / "loop"), (unrolled, root / "unrolled")
 
 
-def _nodes(graph: onnx.GraphProto):
-    """Every node of ``graph`` and of its subgraphs (Loop bodies, If branches)."""
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _nodes(attr.g)
-
-
 def test_the_default_export_is_one_looped_graph_whose_weights_have_one_consumer_each(model, engines):
     (report, directory), _ = engines
     manifest = Manifest.read(directory)
@@ -55,7 +46,7 @@ def test_the_default_export_is_one_looped_graph_whose_weights_have_one_consumer_
     assert entry.form == "loop" and entry.loops == {1: 1, 2: 2}  # layer -> smallest budget that repeats it
     assert report.rowwise[0].form == "loop"
     graph = onnx.load(directory / entry.file, load_external_data=False).graph
-    nodes = list(_nodes(graph))
+    nodes = list(every_onnx_node(graph))
     assert collections.Counter(n.op_type for n in nodes)["Loop"] == 2
     consumers = collections.Counter(i for n in nodes for i in n.input)
     weights = [name for name in manifest.weights.tensors if ".layers.1." in name or ".layers.2." in name]
@@ -112,7 +103,7 @@ def test_an_int4_looped_graph_quantizes_the_linears_inside_its_loops(model, tmp_
     report = export_onnx(model, tmp_path / "q", quantize="int4")
     assert report.rowwise[0].form == "loop"
     graph = onnx.load(tmp_path / "q" / report.rowwise[0].file, load_external_data=False).graph
-    in_loops = [n for loop in graph.node if loop.op_type == "Loop" for n in _nodes(loop.attribute[0].g)]
+    in_loops = [n for loop in graph.node if loop.op_type == "Loop" for n in every_onnx_node(loop.attribute[0].g)]
     assert sum(n.op_type == "MatMulNBits" for n in in_loops) == 2 * 7  # q, k, v, o, gate, up, down per window layer
     rt = Runtime(tmp_path / "q")
     ids, mask = left_padded_batch(2, length=5)

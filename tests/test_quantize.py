@@ -22,7 +22,7 @@ from looptool.backends.onnx.store import to_numpy
 from looptool.backends.onnx.validate import QUANTIZED_BOUNDS
 from looptool.backends.ort.runtime import Runtime
 from looptool.cli import app
-from looptool.testing import tiny_model
+from looptool.testing import every_onnx_node, tiny_model
 
 PRECISIONS = ("int8", "int4")
 
@@ -114,21 +114,12 @@ def test_store_holds_each_quantized_weight_once_and_no_float_copy(engines, model
     assert manifest.weights.bytes <= sum(length for _, length in spans) + 4096 * len(spans)
 
 
-def _every_node(graph: onnx.GraphProto):
-    """The nodes of ``graph`` and of its subgraphs (the looped row-wise graph's Loop bodies)."""
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _every_node(attr.g)
-
-
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_every_budget_reads_the_same_quantized_tensors(engines, precision):
     _, directory = engines[precision]
     manifest = Manifest.read(directory)
     read = {
-        name: {n.input[1] for n in _every_node(graph.graph) if n.op_type == "MatMulNBits"}
+        name: {n.input[1] for n in every_onnx_node(graph.graph) if n.op_type == "MatMulNBits"}
         for name, graph in _graphs(directory).items()
     }
     shallow = read["budget_0.per-loop.onnx"]

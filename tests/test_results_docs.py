@@ -1130,8 +1130,18 @@ def _peer_memory():
     R = functools.partial(row, BENCH, "| arm | sessions | resident MiB", source="bench_peer_memory")
     for name, a in d["arms"].items():
         ratios = [a["rss_vs_genai"], a["engine_vs_genai"]] if "rss_vs_genai" in a else []
-        yield R(name, a["sessions"], a["rss_mib"]["median"], a["peak_mib"]["median"], a["imports_mib"], a["engine_mib"], *ratios)
-    H = functools.partial(row, README, "| what | measured | target | details |", source="bench_peer_memory", cols=(0, 1))
+        yield R(
+            name,
+            a["sessions"],
+            a["rss_mib"]["median"],
+            a["peak_mib"]["median"],
+            a["imports_mib"],
+            a["engine_mib"],
+            *ratios,
+        )
+    H = functools.partial(
+        row, README, "| what | measured | target | details |", source="bench_peer_memory", cols=(0, 1)
+    )
     arms = d["arms"]
     yield H(
         "resident memory after opening the engine and decoding, ÷ onnxruntime-genai's (fp32 · int4; whole process · without the imports)",
