@@ -16,8 +16,11 @@ when ``l`` is among the window's first ``k`` layers):
   exactly 1, so ``x + 1 * f`` is the ungated first pass bit for bit) and the layer's gates on
   pass 1; the row mask of the second pass (``budgets >= t``) is all true on pass 0;
 * pass ``i`` reads the cache pair of its own execution (per-loop KV): an ``If`` on the pass
-  picks the first or second pass's cache, the body writes this step's keys and values into
-  that copy and attends over it, and returns only the step's new entries (a scan output);
+  picks the first or second pass's cache, cut to the positions written so far
+  (``max(cache_position) + 1``: the rows share one write clock, so every position a row attends
+  to), the body writes this step's keys and values into that copy and attends over it, and
+  returns only the step's new entries (a scan output); inputs with the capacity axis (the
+  attention mask) are cut alike, once per graph;
   after the loop they are written into the bound caches in place (``ScatterElements`` on the
   buffers the caller binds as both past and present); a second pass that did not run writes
   the entries its cache already held;
