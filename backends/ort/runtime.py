@@ -95,7 +95,7 @@ class Runtime:
     faster at one row and a served batch ~12% faster (tests/bench/README.md), but a spinning
     thread takes a core from other sessions and from PyTorch work in the same process.
     ``spin=None`` (default) spins for an engine of one looped graph (one session: nothing else of
-    this runtime's competes; ``looptool serve`` measured faster that way under load) and not for
+    this runtime's competes; ``looptool serve`` with 8 streams measured faster that way) and not for
     an engine of a graph per budget. Inputs may be numpy arrays or torch tensors.
     """
 
