@@ -171,11 +171,12 @@ def open_runtime(
     *,
     threads: int | None = None,
     prepack: bool | None = None,
-    spin: bool | None = None,
+    spin: bool | None = False,
 ):
     """The runtime of an exported engine directory: onnxruntime sessions
     (:class:`looptool.backends.ort.runtime.Runtime`, with ``threads``, ``prepack`` and ``spin``:
-    None leaves them to the runtime, which packs and spins for an engine of one looped graph) or the built
+    None leaves them to the runtime, which packs and spins for an engine of one looped graph, as
+    ``looptool run`` asks) or the built
     TensorRT engines (:class:`looptool.backends.tensorrt.runtime.Runtime`)."""
     if check_backend(backend) == "tensorrt":
         from looptool.backends.tensorrt.runtime import Runtime

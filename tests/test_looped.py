@@ -56,8 +56,9 @@ def test_the_default_export_is_one_looped_graph_whose_weights_have_one_consumer_
 def test_the_looped_graph_decodes_every_budget_and_mix_as_pytorch_does_in_one_session(model, engines):
     (_, directory), (_, unrolled) = engines
     rt = Runtime(directory)
-    assert rt.one_graph and rt.prepack and rt.spin  # one session: one packed copy, no other session to starve
-    masked = Runtime(unrolled)
+    assert rt.one_graph and rt.prepack and not rt.spin  # one session: one packed copy; spinning is asked for
+    assert Runtime(directory, spin=None).spin  # as looptool run and serve ask: spin where there is one session
+    masked = Runtime(unrolled, spin=None)
     assert not (masked.one_graph or masked.prepack or masked.spin)  # a masked graph: the per-budget defaults
     ids, mask = left_padded_batch(3, length=6)
     for budget in (0, 1, 2, [2, 0, 1], [1, 1, 0]):

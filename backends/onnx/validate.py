@@ -208,7 +208,7 @@ def validate_engine(
     from looptool.runtime.generation import generate
 
     atol = default_atol(model) if atol is None else atol
-    rt = Runtime(directory, spin=False)  # PyTorch runs between its steps here: no spinning threads
+    rt = Runtime(directory)
     diffs: dict[tuple, dict[str, float]] = {}
     for policy in rt.kv_policies:
         for budget in rt.budgets:

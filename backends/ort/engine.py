@@ -279,7 +279,7 @@ def open_dir(
     tokenizer: str | os.PathLike | None = None,
     threads: int | None = None,
     prepack: bool | None = None,
-    spin: bool | None = None,
+    spin: bool | None = False,
     exit_rule: str = "state",
     **_,
 ) -> OpenedEngine:

@@ -94,9 +94,11 @@ class Runtime:
     they pick up the next op without being woken, which on SmolLM2 makes a decode step ~20%
     faster at one row and a served batch ~12% faster (tests/bench/README.md), but a spinning
     thread takes a core from other sessions and from PyTorch work in the same process.
-    ``spin=None`` (default) spins for an engine of one looped graph (one session: nothing else of
-    this runtime's competes; ``looptool serve`` with 8 streams measured faster that way) and not for
-    an engine of a graph per budget. Inputs may be numpy arrays or torch tensors.
+    ``spin=None`` spins for an engine of one looped graph (one session: nothing else of this
+    runtime's competes; ``looptool serve`` with 8 streams measured faster that way) and not for
+    an engine of a graph per budget: what ``looptool run`` and ``looptool serve`` do, processes
+    that run nothing but the engine. The default here, False, suits a process that also runs
+    PyTorch or other sessions. Inputs may be numpy arrays or torch tensors.
     """
 
     def __init__(
@@ -107,7 +109,7 @@ class Runtime:
         verify: bool = True,
         threads: int | None = None,
         prepack: bool | None = None,
-        spin: bool | None = None,
+        spin: bool | None = False,
     ):
         require_extra("onnx", "running ONNX engines", "onnxruntime", "onnx")
         self.directory = Path(engine_dir)

@@ -437,11 +437,13 @@ def main() -> None:
         )
 
     # ---------------------------------------------------------------- runners
-    # looptool's defaults: one session, weights packed once (Runtime's default for a looped engine)
-    rt = Runtime(engine_dir, threads=args.threads, prepack=args.prepack or None)
+    # as looptool run and serve open it: one session, weights packed once, idle threads spinning
+    rt = Runtime(engine_dir, threads=args.threads, prepack=args.prepack or None, spin=None)
     # the per-budget engine with its defaults: a session per budget, packing off (one copy of the weights)
-    rt_unrolled = Runtime(unrolled_dir, threads=args.threads, prepack=args.prepack or None) if args.unrolled else None
-    rt4 = Runtime(int4_dir, threads=args.threads) if args.int4 else None
+    rt_unrolled = (
+        Runtime(unrolled_dir, threads=args.threads, prepack=args.prepack or None, spin=None) if args.unrolled else None
+    )
+    rt4 = Runtime(int4_dir, threads=args.threads, spin=None) if args.int4 else None
     # onnxruntime's own default for a process that runs nothing else: idle threads spinning
     rt_fast = Runtime(engine_dir, threads=args.threads, prepack=True, spin=True) if args.fast else None
     genai_options = {"intra_op_num_threads": args.threads}

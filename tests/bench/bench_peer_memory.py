@@ -60,7 +60,7 @@ LOOPTOOL = (
 import json, sys, torch
 from looptool.backends.ort.runtime import Runtime
 imports = status("VmRSS")
-rt = Runtime(sys.argv[1], threads=int(sys.argv[2]), prepack=(sys.argv[3] == "1") or None)
+rt = Runtime(sys.argv[1], threads=int(sys.argv[2]), prepack=(sys.argv[3] == "1") or None, spin=None)
 menu = rt.rowwise_menu()
 ids = torch.arange(1, 22)[None]
 for k in menu:
