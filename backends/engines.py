@@ -270,13 +270,13 @@ class EngineOptions:
 
     def looped(self, kept: Manifest) -> bool:
         """Whether an export of these options writes one looped graph for every budget of the
-        plan ``kept`` records (as :func:`looptool.backends.onnx.export.looped_by_default` decides
-        for a model): a fixed-prefix plan with a window, per-loop KV only, no verify graphs."""
-        from looptool.core.plan import PrefixLoop
+        plan ``kept`` records (:func:`looptool.backends.onnx.selection.looped_by_default`)."""
+        from looptool.backends.onnx.selection import looped_by_default
+        from looptool.core.plan import plan_from_dict
 
-        plan = kept.plan or {}
-        window = plan.get("kind") == PrefixLoop.kind and max(plan.get("budgets") or [0]) > 0
-        return window and self.kv == ("per-loop",) and not self.speculative
+        if kept.plan is None or self.kv == "all":
+            return False
+        return looped_by_default(plan_from_dict(kept.plan), self.kv, speculative=self.speculative)
 
 
 @dataclass(frozen=True)

@@ -113,12 +113,12 @@ def test_an_int4_looped_graph_quantizes_the_linears_inside_its_loops(model, tmp_
 
 
 def test_plans_and_settings_the_loop_does_not_cover_keep_a_graph_per_budget(model, tmp_path):
-    assert looped_by_default(model, ("per-loop",))
-    assert not looped_by_default(model, ("per-loop",), speculative=True)  # drafts run per-budget graphs
-    assert not looped_by_default(model, ("last-loop",))
-    assert not looped_by_default(model, ("per-loop",), loop=False)
+    assert looped_by_default(model.plan, ("per-loop",))
+    assert not looped_by_default(model.plan, ("per-loop",), speculative=True)  # drafts run per-budget graphs
+    assert not looped_by_default(model.plan, ("last-loop",))
+    assert not looped_by_default(model.plan, ("per-loop",), loop=False)
     elr = looptool.convert(tiny_model("llama"), looptool.RecurrentLoop(recurrent=(1, 3), max_loops=2))
-    assert not looped_by_default(elr, ("per-loop",))
+    assert not looped_by_default(elr.plan, ("per-loop",))
     report = export_onnx(model, tmp_path / "e", loop=False)
     assert [b.budget for b in report.budgets] == [0, 1, 2] and report.rowwise[0].form == "unrolled"
 

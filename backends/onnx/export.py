@@ -152,7 +152,9 @@ def export_onnx(
 
     say = on_progress or (lambda text: None)
     policies = resolve_policies(model, kv)
-    loops_all = looped_by_default(model, policies, loop=loop, rowwise=rowwise, compose=compose, speculative=speculative)
+    loops_all = looped_by_default(
+        model.plan, policies, loop=loop, rowwise=rowwise, compose=compose, speculative=speculative
+    )
     chosen = resolve_budgets(model, ("none" if loops_all else "all") if budgets is None else budgets)
     if not chosen and not rowwise:
         raise ExportError("no graph to export: pick budgets, or keep rowwise=True.", parameter="budgets")
@@ -443,9 +445,8 @@ def _compose(sg, library, loop: bool = False) -> tuple[object, dict[str, int], d
     if loop:
         try:
             loops = loop_window(onnx_model, comp)
-        except ComposeError as exc:
+        except ComposeError as exc:  # raised before the graph changes: it stays as assembled
             log.warning("the row-wise graph keeps every pass unrolled (%s)", exc)
-            onnx_model = library.assemble(comp, sg, {"": OPSET})
     calls: dict[str, int] = {}
     ort_ops: dict[str, int] = {}
     bodies = {unit.body.name: unit.body for unit in comp.units}

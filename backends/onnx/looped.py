@@ -61,9 +61,19 @@ class WindowLayer:
     second: Unit
     threshold: int  # the smallest budget that runs the second pass
     state_in: fx.Node  # the first pass's hidden-state input
-    caches: list[tuple[fx.Node, fx.Node]]  # (first pass's cache, second pass's cache), in output order
+    writes: list[tuple[fx.Node, fx.Node]]  # (first pass's cache write, second pass's), in output order
     gates: list[fx.Node]  # the second pass's gate tensors (weights)
     mask: fx.Node  # the second pass's row mask, bool [batch, 1, ...]
+
+    @property
+    def caches(self) -> list[tuple[fx.Node, fx.Node]]:
+        """(first pass's cache, second pass's cache) of each write: the placeholders written."""
+        return [(w1.args[0], w2.args[0]) for w1, w2 in self.writes]
+
+    def state_out(self, unit: Unit) -> fx.Node:
+        """The output of ``unit`` (one of the two passes) that is the layer's hidden state."""
+        written = {w for pair in self.writes for w in pair}
+        return next(o for o in unit.outputs if o not in written)
 
 
 def window_layers(comp: Composition) -> list[WindowLayer]:
@@ -101,7 +111,7 @@ def _pair(layer: int, first: Unit, second: Unit) -> WindowLayer:
         raise ComposeError(f"the two passes of window layer {layer} cannot be paired for a loop.")
     threshold = _threshold(masks[0])
     return WindowLayer(
-        layer, first, second, threshold, state_in[0], list(zip(caches_first, caches_second)), gates, masks[0]
+        layer, first, second, threshold, state_in[0], list(zip(writes_first, writes_second)), gates, masks[0]
     )
 
 
@@ -118,7 +128,8 @@ def _threshold(mask: fx.Node) -> int:
 def loop_window(model, comp: Composition) -> dict[int, int]:
     """Rewrite ``model`` (the ``onnx_ir`` model :meth:`LayerLibrary.assemble` made of ``comp``)
     in place: each window layer's two calls become one ``Loop``. Returns each looped layer's
-    threshold (the smallest budget that runs its second pass)."""
+    threshold (the smallest budget that runs its second pass). A :class:`ComposeError` (passes
+    that cannot be paired) is raised before anything in ``model`` changes."""
     import onnx_ir as ir
 
     graph = model.graph
@@ -149,7 +160,7 @@ class _Builder:
         import onnx_ir as ir
 
         self.ir, self.graph = ir, graph
-        self.budgets, self.cache_position = budgets, cache_position
+        self.cache_position = cache_position
         self.head: list = []  # nodes that go first in the graph
         self._trips: dict[int, object] = {}
         self._index: dict[tuple, object] = {}
@@ -163,37 +174,28 @@ class _Builder:
         if name:
             node.outputs[0].name = name
         self.head.append(node)
-        first = next(iter(self.graph), None)
-        if first is None:
-            self.graph.append(node)
+        if len(self.head) > 1:
+            self.graph.insert_after(self.head[-2], node)
+        elif len(self.graph):
+            self.graph.insert_before(next(iter(self.graph)), node)
         else:
-            self.graph.insert_before(first, node) if len(self.head) == 1 else self.graph.insert_after(
-                self.head[-2], node
-            )
+            self.graph.append(node)
         return node
+
+    def const(self, name: str, values) -> object:
+        """An int64 constant (a scalar or a vector) at the head of the graph."""
+        return self._node("Constant", [], {"value": self.ir.tensor(np.array(values, np.int64))}, name=name).outputs[0]
 
     def used(self, axis: int) -> list:
         """``Slice`` inputs that keep positions ``[0, max(cache_position) + 1)`` of ``axis``: every
         position a row attends to (the rows share one write clock), however long the bound
         buffers are."""
         if self._used is None:
-            ir = self.ir
-
-            def const(name, values):
-                return self._node(
-                    "Constant", [], {"value": ir.tensor(np.array(values, np.int64))}, name=f"looped_{name}"
-                )
-
             last = self._node("ReduceMax", [self.cache_position], {"keepdims": 1}, name="looped_last_position")
-            one = const("one_position", [1])
-            self._used = (
-                const("from", [0]).outputs[0],
-                self._node("Add", [last.outputs[0], one.outputs[0]], name="looped_used").outputs[0],
-            )
+            used = self._node("Add", [last.outputs[0], self.const("looped_one_position", [1])], name="looped_used")
+            self._used = (self.const("looped_from", [0]), used.outputs[0])
         if axis not in self._axes:
-            self._axes[axis] = self._node(
-                "Constant", [], {"value": self.ir.tensor(np.array([axis], np.int64))}, name=f"looped_axis{axis}"
-            ).outputs[0]
+            self._axes[axis] = self.const(f"looped_axis{axis}", [axis])
         return [*self._used, self._axes[axis]]
 
     def cut(self, value, axis: int):
@@ -210,37 +212,28 @@ class _Builder:
         key = (str(shape[1]), str(shape[3]))
         if key not in self._index:
             tag = f"looped_index{len(self._index)}"
-            ir = self.ir
-
-            def const(name, values):
-                return self._node(
-                    "Constant", [], {"value": ir.tensor(np.array(values, np.int64))}, name=f"{tag}_const_{name}"
-                )
-
             slots = self._node(
-                "Reshape", [self.cache_position, const("slots", [1, 1, -1, 1]).outputs[0]], name=f"{tag}_slots"
+                "Reshape", [self.cache_position, self.const(f"{tag}_const_slots", [1, 1, -1, 1])], name=f"{tag}_slots"
             )
             dims = self._node("Shape", [cache], name=f"{tag}_cache_shape")
-            keep = self._node("Mul", [dims.outputs[0], const("keep", [1, 1, 0, 1]).outputs[0]], name=f"{tag}_keep")
-            one = self._node("Add", [keep.outputs[0], const("one", [0, 0, 1, 0]).outputs[0]], name=f"{tag}_rows")
+            keep = self._node(
+                "Mul", [dims.outputs[0], self.const(f"{tag}_const_keep", [1, 1, 0, 1])], name=f"{tag}_keep"
+            )
+            one = self._node("Add", [keep.outputs[0], self.const(f"{tag}_const_one", [0, 0, 1, 0])], name=f"{tag}_rows")
             self._index[key] = self._node("Expand", [slots.outputs[0], one.outputs[0]], name=tag).outputs[0]
         return self._index[key]
 
     def trip(self, threshold: int):
         """int64 scalar ``1 + (max(budgets) >= threshold)``."""
         if threshold not in self._trips:
-            t = self._node(
-                "Constant", [], {"value": self.ir.tensor(np.array(threshold, np.int64))}, name=f"looped_t{threshold}"
-            )
-            one = self._node(
-                "Constant", [], {"value": self.ir.tensor(np.array(1, np.int64))}, name=f"looped_one_t{threshold}"
-            )
-            ge = self._node("GreaterOrEqual", [self._max, t.outputs[0]], name=f"looped_runs_t{threshold}")
+            t = self.const(f"looped_t{threshold}", threshold)
+            ge = self._node("GreaterOrEqual", [self._max, t], name=f"looped_runs_t{threshold}")
             cast = self._node(
                 "Cast", [ge.outputs[0]], {"to": self.ir.DataType.INT64}, name=f"looped_second_t{threshold}"
             )
+            one = self.const(f"looped_one_t{threshold}", 1)
             self._trips[threshold] = self._node(
-                "Add", [one.outputs[0], cast.outputs[0]], name=f"looped_trip_t{threshold}"
+                "Add", [one, cast.outputs[0]], name=f"looped_trip_t{threshold}"
             ).outputs[0]
         return self._trips[threshold]
 
@@ -299,12 +292,11 @@ def _loop_layer(ir, b: _Builder, wl: WindowLayer, first, second) -> None:
         name=f"{tag}_call",
     )
     body.append(call)
-    writes = [o for o in wl.second.outputs if o.target is _aten.index_copy.default]
-    writes_first = [o for o in wl.first.outputs if o.target is _aten.index_copy.default]
-    state_out = call.outputs[wl.second.outputs.index(next(o for o in wl.second.outputs if o not in writes))]
+    state_at = wl.second.outputs.index(wl.state_out(wl.second))
+    state_out = call.outputs[state_at]
     state_out.name, state_out.type = f"{tag}_h_out", state_type
     news = []
-    for j, node in enumerate(writes):
+    for j, (_, node) in enumerate(wl.writes):
         new = emit(
             "Gather", [call.outputs[wl.second.outputs.index(node)], b.cache_position], {"axis": 2}, name=f"{tag}_new{j}"
         )
@@ -345,21 +337,18 @@ def _loop_layer(ir, b: _Builder, wl: WindowLayer, first, second) -> None:
             name=f"{tag}_both{j}",
         )
         second_new = top("Gather", [both, one_i], {"axis": 0}, name=f"{tag}_second_new{j}")
-        old_first = first.outputs[wl.first.outputs.index(writes_first[j])]
-        old_second = second.outputs[wl.second.outputs.index(writes[j])]
+        old_first = first.outputs[wl.first.outputs.index(wl.writes[j][0])]
+        old_second = second.outputs[wl.second.outputs.index(wl.writes[j][1])]
         for old, cache, new in ((old_first, outer_first[c1], first_new), (old_second, outer[c2], second_new)):
             written = top(
                 "ScatterElements", [cache, index, new], {"axis": 2}, name=f"{tag}_present{j}_{'ab'[cache is outer[c2]]}"
             )
             replaced_old.append(old)
             replaced_new.append(written)
-    replaced_old.append(
-        state_out_top := second.outputs[wl.second.outputs.index(next(o for o in wl.second.outputs if o not in writes))]
-    )
+    replaced_old.append(second.outputs[state_at])
     replaced_new.append(loop.outputs[0])
     b.graph.insert_before(first, after)
     _replace(b.graph, replaced_old, replaced_new)
-    assert state_out_top is not None
     b.graph.remove([first, second], safe=True)
 
 

@@ -43,7 +43,7 @@ def resolve_policies(model, kv: str | Iterable[str]) -> tuple[str, ...]:
 
 
 def looped_by_default(
-    model,
+    plan,
     policies: tuple[str, ...],
     *,
     loop: bool = True,
@@ -51,11 +51,12 @@ def looped_by_default(
     compose: bool = True,
     speculative: bool = False,
 ) -> bool:
-    """Whether an export with these settings and ``budgets=None`` writes one looped row-wise
-    graph and no per-budget graph (:mod:`looptool.backends.onnx.looped`): a fixed-prefix plan
-    with a window, per-loop KV only, composed, and no verify graphs (their drafts run per-budget
-    graphs). An ELR plan's row-wise graph stays masked, so its budgets keep graphs of their own."""
+    """Whether an export of a model looped by ``plan`` (a :class:`~looptool.core.plan.LoopPlan`)
+    with these settings and ``budgets=None`` writes one looped row-wise graph and no per-budget
+    graph (:mod:`looptool.backends.onnx.looped`): a fixed-prefix plan with a window, per-loop KV
+    only, composed, and no verify graphs (their drafts run per-budget graphs). An ELR plan's
+    row-wise graph stays masked, so its budgets keep graphs of their own."""
     from looptool.core.plan import PrefixLoop
 
-    plan_loops = isinstance(model.plan, PrefixLoop) and max(model.budgets) > 0
+    plan_loops = isinstance(plan, PrefixLoop) and max(plan.budgets) > 0
     return loop and rowwise and compose and not speculative and tuple(policies) == ("per-loop",) and plan_loops

@@ -170,7 +170,7 @@ def export_cmd(
         policies = resolve_policies(model, kv)
         if budget is None:  # one looped graph where it can be, else every budget's own
             looped = backend == "onnx" and looped_by_default(
-                model, policies, loop=loop, rowwise=rowwise, compose=compose, speculative=speculative
+                model.plan, policies, loop=loop, rowwise=rowwise, compose=compose, speculative=speculative
             )
             chosen = () if looped else resolve_budgets(model, "all")
         else:
