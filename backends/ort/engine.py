@@ -46,6 +46,7 @@ from looptool.engine.interface import (
     full_width,
     row_span,
 )
+from looptool.engine.prefix_cache import CacheGroup, pair_groups
 from looptool.engine.speculation import LAST_LOOP_VERIFY
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,12 @@ class OrtStepEngine(StepEngine):
         if auto is not None and all((p.layer, p.execution) in index for p in auto.cache.pairs):
             self._pairs[ADAPTIVE] = [index[p.layer, p.execution] for p in auto.cache.pairs]
         self._bindings: dict[tuple, tuple] = {}
+
+    def prefix_groups(self, budget: int) -> tuple[CacheGroup, ...]:
+        """The cache pairs of ``budget``'s own graph (all of the row-wise graph's when it has
+        none), those of the layers before the loop shared by every budget."""
+        used = self._pairs.get(budget, self._pairs[ROWWISE])
+        return pair_groups(self.layout.pairs, used, self.runtime.manifest.plan, budget)
 
     def allocate(self, slots: int, length: int) -> ArraySlotCache:
         """Zeroed persistent caches, every buffer ``[slots, kv_heads, length, head_dim]``."""

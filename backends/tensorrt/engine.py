@@ -36,6 +36,7 @@ from looptool.engine.interface import (
     full_width,
     row_span,
 )
+from looptool.engine.prefix_cache import CacheGroup, pair_groups
 
 WANTS = "give an engine directory exported with backend='tensorrt' whose engines were built on this GPU"
 _SCRATCH_KEPT = 16  # scratch present buffers kept (one per graph, row count and cache length)
@@ -68,6 +69,12 @@ class TrtStepEngine(StepEngine):
                 self._pairs[budget] = [index[p.layer, p.execution] for p in pairs]
         self._profiles: dict[int | str, int] = {}  # the optimisation profile each context has set
         self._scratch: dict[tuple, list[torch.Tensor]] = {}
+
+    def prefix_groups(self, budget: int) -> tuple[CacheGroup, ...]:
+        """The cache pairs of ``budget``'s own graph (all of the row-wise graph's when it has
+        none), those of the layers before the loop shared by every budget."""
+        used = self._pairs.get(budget, self._pairs[ROWWISE])
+        return pair_groups(self.layout.pairs, used, self.runtime.manifest.plan, budget)
 
     def allocate(self, slots: int, length: int) -> TensorSlotCache:
         """Zeroed persistent caches on the GPU, every buffer ``[slots, kv_heads, length, head_dim]``."""

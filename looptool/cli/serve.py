@@ -95,6 +95,17 @@ def serve(
             "MODEL_DIR-onnx, beside MODEL_DIR)."
         ),
     ] = None,
+    prefix_cache: Annotated[
+        bool,
+        typer.Option(
+            help="Requests whose prompts begin alike (a system prompt, few-shot examples, a chat history) reuse the "
+            "keys and values of the blocks of 16 tokens they share; those of the layers before the loop are shared "
+            "across budgets."
+        ),
+    ] = True,
+    prefix_cache_mb: Annotated[
+        int, typer.Option(help="MiB the prefix cache may hold; the least recently used blocks go first.")
+    ] = 1024,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning",
 ) -> None:
     """Serve a model over HTTP (OpenAI API): every request picks its own budget.
@@ -120,6 +131,8 @@ def serve(
         log_level,
         speculative,
         draft_tokens,
+        prefix_cache,
+        prefix_cache_mb,
     )
     options.check()
     options.check_kv(kv)  # before an export

@@ -28,6 +28,7 @@ import torch
 from looptool.core.errors import LooptoolError
 from looptool.core.words import counted
 from looptool.engine.budgets import RowBudgets
+from looptool.engine.prefix_cache import CacheGroup
 
 
 class SlotCache(ABC):
@@ -55,6 +56,19 @@ class SlotCache(ABC):
 
     @abstractmethod
     def _copy_row(self, src: int, dst: int) -> None: ...
+
+    @abstractmethod
+    def _copy(self, view): ...
+
+    def read(self, index: int, row: int, start: int, stop: int):
+        """A copy of buffer ``index``'s row ``row`` at positions ``[start, stop)``:
+        ``[kv_heads, stop - start, head_dim]`` (a prefix-cache block)."""
+        return self._copy(self.buffers[index][row, :, start:stop])
+
+    def write(self, index: int, row: int, start: int, value) -> None:
+        """Buffer ``index``'s row ``row`` from position ``start`` on takes ``value``
+        (``[kv_heads, n, head_dim]``, as :meth:`read` gave it)."""
+        self.buffers[index][row, :, start : start + value.shape[1]] = value
 
     @abstractmethod
     def _shift(self, n: int) -> None: ...
@@ -101,6 +115,9 @@ class TensorSlotCache(SlotCache):
         for b in self.buffers:
             b[dst].copy_(b[src])
 
+    def _copy(self, view):
+        return view.clone()
+
     def _shift(self, n: int) -> None:
         for b in self.buffers:
             b[:, :, : self.length - n].copy_(b[:, :, n:].clone())  # the ranges overlap
@@ -120,6 +137,9 @@ class ArraySlotCache(SlotCache):
     def _copy_row(self, src: int, dst: int) -> None:
         for b in self.buffers:
             b[dst] = b[src]
+
+    def _copy(self, view):
+        return view.copy()
 
     def _shift(self, n: int) -> None:
         for b in self.buffers:
@@ -230,6 +250,13 @@ class StepEngine(ABC):
         (:meth:`check_verify`); an engine that runs it overrides both."""
         self.check_verify()
         raise NotImplementedError(f"{type(self).__name__}.verify")
+
+    def prefix_groups(self, budget: int) -> tuple[CacheGroup, ...] | None:
+        """The slot-cache buffers that rows at ``budget`` read, grouped by what their keys and
+        values depend on (:func:`~looptool.engine.prefix_cache.cache_groups`), for the prefix
+        cache; None (this default) when the engine does not know them, and its prompts are
+        then never cached."""
+        return None
 
     def prompt_logprobs(self, input_ids: torch.Tensor, budget: int) -> torch.Tensor:
         """float32 log-softmax over the vocabulary at every position of ``input_ids [1, T]``:

@@ -38,6 +38,7 @@ from looptool.engine.interface import (
     costs_by_budget,
     eos_ids,
 )
+from looptool.engine.prefix_cache import CacheGroup, cache_groups
 from looptool.engine.speculation import LAST_LOOP_VERIFY
 from looptool.passes.adaptive_depth import EXIT_RULES
 from looptool.runtime.decode_graphs import (
@@ -195,6 +196,13 @@ class TorchStepEngine(StepEngine):
             step = (input_ids[part], attention_mask[part], position_ids[part], cache_position)
             out.append(paths[k].module(*step, *(views[i] for i in self.pairs[k])).float())
         return torch.cat(out)
+
+    def prefix_groups(self, budget: int) -> tuple[CacheGroup, ...]:
+        """The buffers of ``budget``'s own path (all of the row-wise path's when it has none),
+        those of the layers before the loop shared by every budget."""
+        buffers = [(s.layer, s.execution) for s in self.rowwise.slots]
+        used = self.pairs.get(budget, range(len(buffers)))
+        return cache_groups(buffers, used, self.model.plan.looped_layers().start, budget)
 
     @torch.no_grad()
     def prompt_logprobs(self, input_ids: torch.Tensor, budget: int) -> torch.Tensor:

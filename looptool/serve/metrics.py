@@ -60,6 +60,14 @@ class Metrics:
             ["budget", "kind"],
             registry=r,
         )
+        self.prefix_tokens = Counter(
+            "looptool_prefix_cache_tokens",
+            "Prompt tokens looked up in the prefix cache (kind queried) and those whose keys and values it held "
+            "(kind hit).",
+            ["kind"],
+            registry=r,
+        )
+        self.prefix_bytes = Gauge("looptool_prefix_cache_bytes", "Bytes the prefix cache's blocks hold.", registry=r)
 
         lo, hi = min(budgets), max(budgets)
         self.depth = Histogram(

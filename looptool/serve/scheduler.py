@@ -52,6 +52,7 @@ import torch
 from looptool.engine import StepEngine, StepResult
 from looptool.engine.budgets import AutoRow, RowBudgets
 from looptool.engine.interface import with_length
+from looptool.engine.prefix_cache import CacheGroup, PrefixCache
 from looptool.engine.sampling import GREEDY, SamplingParams, TokenPicker
 from looptool.engine.speculation import Speculation, SpeculationStats
 from looptool.serve.logprobs import top_logprobs
@@ -158,6 +159,7 @@ class Scheduler:
         eos: tuple[int, ...] = (),
         metrics: Metrics | None = None,
         device: torch.device | str = "cpu",
+        prefix_cache: PrefixCache | None = None,
     ):
         self.engine = engine
         self.max_batch = max_batch
@@ -179,6 +181,8 @@ class Scheduler:
         # each step with the depth every row ran (an engine with step() alone: its budgets)
         self._step = getattr(engine, "step_with_depth", None) or functools.partial(StepEngine.step_with_depth, engine)
         self.steps = 0  # decode steps run (all rows at once)
+        self.prefix = prefix_cache  # None: every prompt is computed in full
+        self._groups: dict[int, tuple[CacheGroup, ...] | None] = {}
 
     # ------------------------------------------------------------------ HTTP side
     def start(self) -> None:
@@ -329,30 +333,65 @@ class Scheduler:
             job.emit(Event("failed", message=f"{type(exc).__name__}: {exc}"))
 
     def _prefill(self, job: Job) -> None:
-        """Write ``job``'s prompt at slots ``[clock - len, clock)`` of the next free row and pick
-        its first token."""
+        """Write ``job``'s prompt at slots ``[clock - len, clock)`` of the next free row (the
+        blocks the prefix cache holds copied, the rest computed) and pick its first token."""
         n = len(job.prompt)
         ids = torch.tensor([job.prompt], dtype=torch.long, device=self.device)
         if job.prompt_logprobs is not None:
             logp = self.engine.prompt_logprobs(ids, job.budget)
             job.emit(Event("prompt", prompt_logprobs=_prompt_logprobs(logp, job.prompt, job.prompt_logprobs)))
+        groups = self._prefix_groups(job)
+        found = self.prefix.lookup(job.prompt, groups) if groups else []
         self._fit(before=n)
-        r = len(self.rows)
+        r, first = len(self.rows), self.clock - n
+        hit = len(found) * self.prefix.block if found else 0
+        for i, block in enumerate(found):
+            for buffer, value in block.items():
+                self.cache.write(buffer, r, first + i * self.prefix.block, value)
         self.mask[r].zero_()
-        self.mask[r, self.clock - n : self.clock] = 1
+        self.mask[r, first : self.clock] = 1
         out: StepResult = self._step(
             self.cache,
             slice(r, r + 1),
-            ids,
+            ids[:, hit:],
             self.mask[r : r + 1, : self.clock],
-            torch.arange(n, device=self.device)[None],
-            torch.arange(self.clock - n, self.clock, device=self.device),
+            torch.arange(hit, n, device=self.device)[None],
+            torch.arange(first + hit, self.clock, device=self.device),
             RowBudgets((job.budget,), (job.auto,)),
         )
+        if groups:
+            self.prefix.store(job.prompt, groups, functools.partial(self._read, r, first), skip=len(found))
+            self.metrics.prefix_tokens.labels(kind="queried").inc(n)
+            self.metrics.prefix_tokens.labels(kind="hit").inc(hit)
+            self.metrics.prefix_bytes.set(self.prefix.nbytes)
         row = _Row(job, list(job.prompt), TokenPicker(job.sampling, self.device), position=n, span=n)
         self.rows.append(row)
         self.metrics.prompt_tokens.labels(budget=job.label).inc(n)
         self._take(row, out.logits[0:1], int(out.depths[0]))
+
+    def _prefix_groups(self, job: Job) -> tuple[CacheGroup, ...] | None:
+        """The cache groups ``job``'s prompt is looked up and kept in (None: not cached: no prefix
+        cache, an engine that does not say, or adaptive depth, whose keys and values depend on
+        the depth each token took)."""
+        if self.prefix is None or job.auto is not None:
+            return None
+        if job.budget not in self._groups:
+            self._groups[job.budget] = self.engine.prefix_groups(job.budget)
+        return self._groups[job.budget]
+
+    def _read(self, row: int, first: int, buffer: int, start: int, stop: int):
+        """A copy of ``buffer``'s keys or values of the tokens ``[start, stop)`` of the request in
+        ``row`` whose first token is at slot ``first``."""
+        return self.cache.read(buffer, row, first + start, first + stop)
+
+    def _keep(self, r: int, row: _Row) -> None:
+        """Keep the keys and values of the tokens a finishing row fed (prompt and answer) in the
+        prefix cache, so a follow-up turn that repeats them reuses them; a row with masked
+        slots (a speculative one's rejected drafts) is skipped."""
+        groups = self._prefix_groups(row.job)
+        if groups and row.job.speculation is None and row.span == row.position:
+            self.prefix.store(row.ids[: row.position], groups, functools.partial(self._read, r, self.clock - row.span))
+            self.metrics.prefix_bytes.set(self.prefix.nbytes)
 
     def _iterate(self) -> None:
         """Advance every running row: a speculative round (:func:`speculative_round`) when some
@@ -469,6 +508,7 @@ class Scheduler:
                 row.done = row.job.cancel_reason
             if not row.done:
                 continue
+            self._keep(r, row)
             last = len(self.rows) - 1
             if r != last:
                 self.cache.copy_row(last, r)

@@ -23,6 +23,7 @@ from pathlib import Path
 from looptool.core.errors import LooptoolError
 from looptool.core.words import counted
 from looptool.engine import EngineFacts
+from looptool.engine.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache
 from looptool.engine.speculation import LAST_LOOP_VERIFY
 from looptool.passes.adaptive_depth import EXIT_RULES
 from looptool.serve.budgets import BudgetResolver
@@ -52,9 +53,20 @@ class ServeOptions:
     log_level: str = "warning"
     speculative: bool = False  # requests deeper than the shallowest budget draft there by default
     draft_tokens: int = DEFAULT_DRAFT_TOKENS  # tokens drafted per verify step by default
+    prefix_cache: bool = True  # requests that share a prompt prefix reuse its keys and values
+    prefix_cache_mb: int = DEFAULT_MAX_BYTES >> 20  # what the prefix cache may hold
 
     def check(self) -> None:
         """One sentence per out-of-range option."""
+        if (
+            isinstance(self.prefix_cache_mb, bool)
+            or not isinstance(self.prefix_cache_mb, int)
+            or self.prefix_cache_mb < 1
+        ):
+            raise LooptoolError(
+                f"prefix_cache_mb must be a positive number of MiB, got {self.prefix_cache_mb!r}.",
+                parameter="prefix_cache_mb",
+            )
         if isinstance(self.draft_tokens, bool) or not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise LooptoolError(
                 f"draft_tokens must be an integer from 1 to {MAX_DRAFT_TOKENS}, got {self.draft_tokens!r}.",
@@ -109,6 +121,7 @@ class ServeOptions:
             self.log_level,
             resolver,
             self.draft_tokens if self.speculative else None,
+            self.prefix_cache_mb << 20 if self.prefix_cache else None,
         )
 
 
@@ -118,7 +131,8 @@ class ResolvedOptions:
     what a :class:`Server` takes. ``capacity`` is filled in, and ``resolver`` (the model's name
     and budget menu, the default budget and the effort ladder) answers every request;
     ``draft_tokens`` is the speculative default (None: requests decode plainly unless they
-    send a ``draft_budget``)."""
+    send a ``draft_budget``); ``prefix_cache_bytes`` is what the prefix cache may hold (None:
+    no prefix cache)."""
 
     host: str
     port: int
@@ -129,6 +143,7 @@ class ResolvedOptions:
     log_level: str
     resolver: BudgetResolver
     draft_tokens: int | None = None
+    prefix_cache_bytes: int | None = DEFAULT_MAX_BYTES
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -198,6 +213,7 @@ class Server:
             eos=served.eos,
             metrics=Metrics(served.budgets),
             device=served.device,
+            prefix_cache=None if options.prefix_cache_bytes is None else PrefixCache(options.prefix_cache_bytes),
         )
         if options.draft_tokens is not None and (refusal := self.scheduler.speculation_refusal()) is not None:
             raise LooptoolError(str(refusal), parameter=getattr(refusal, "parameter", None))
