@@ -292,17 +292,25 @@ def plain_steps(inner):
     """A step engine that runs ``inner``'s plain cached steps and nothing else (no adaptive
     depth, no verify step), as an engine that only runs fixed budgets does: for tests of the
     refusals a server gives when its engine cannot run a request."""
-    from looptool.engine.interface import StepEngine
+    from looptool.core.errors import LooptoolError
+    from looptool.engine.interface import Capabilities, StepEngine
 
     class PlainSteps(StepEngine):
         def __init__(self) -> None:
             self.budgets, self.vocab_size, self.mask_dtype = inner.budgets, inner.vocab_size, inner.mask_dtype
+            self.capabilities = Capabilities(
+                inner.capabilities.kv,
+                inner.capabilities.precision,
+                LooptoolError("PlainSteps runs fixed budgets only.", parameter="runtime"),
+                LooptoolError("PlainSteps has no verify step.", parameter="runtime"),
+            )
 
         def allocate(self, slots: int, length: int):
             return inner.allocate(slots, length)
 
-        def step(self, *args):
-            return inner.step(*args)
+        def run(self, cache, batch):
+            self.capabilities.check(batch)
+            return inner.run(cache, batch)
 
     return PlainSteps()
 

@@ -28,6 +28,7 @@ from looptool.backends.onnx.export import export_onnx
 from looptool.backends.ort.engine import OrtStepEngine
 from looptool.backends.ort.runtime import Runtime
 from looptool.engine.budgets import AutoRow, RowBudgets
+from looptool.engine.interface import StepBatch
 from looptool.runtime.generation import generate
 from looptool.testing import move_off_init, tiny_model
 
@@ -141,11 +142,11 @@ def test_refusals_are_one_sentence(engines, tmp_path):
 def test_the_step_engine_serves_auto_and_fixed_rows_in_one_batch_each_as_alone(engines):
     model, _, rt = engines["prefix"]
     engine = OrtStepEngine(rt, kv="last-loop")
-    engine.check_adaptive()
+    assert engine.capabilities.adaptive
     with pytest.raises(EngineError, match="last-loop KV policy"):
         _per_loop_check(engine)
     with pytest.raises(EngineError, match="export it again with adaptive=True"):
-        OrtStepEngine(rt, kv="last-loop", exit_rule="kl").check_adaptive()
+        raise OrtStepEngine(rt, kv="last-loop", exit_rule="kl").capabilities.adaptive_refusal
     thr = _mixing(model, "state")
     budgets = [AutoRow(0, 2, 0.0), AutoRow(0, 2, thr), 0, AutoRow(1, 2, thr), 2, AutoRow(0, 1, thr)]
     ids, _ = _prompt()
@@ -167,7 +168,7 @@ def test_the_step_engine_serves_auto_and_fixed_rows_in_one_batch_each_as_alone(e
 def _per_loop_check(engine: OrtStepEngine) -> None:
     engine.kv, kept = "per-loop", engine.kv
     try:
-        engine.check_adaptive()
+        raise engine._adaptive_refusal()
     finally:
         engine.kv = kept
 
@@ -179,8 +180,8 @@ def test_a_fixed_step_of_the_step_engine_reports_its_budgets(engines):
     n = ids.shape[1]
     args = (ids, np.ones((2, n), dtype=np.int64), torch.arange(n)[None].expand(2, n), torch.arange(n))
     mixed = RowBudgets((2, 1), (AutoRow(0, 2, 0.0), None))
-    out = engine.step_with_depth(engine.allocate(2, n), slice(0, 2), *args, mixed)
-    fixed = engine.step_with_depth(engine.allocate(2, n), slice(0, 2), *args, RowBudgets((2, 1)))
+    out = engine.run(engine.allocate(2, n), StepBatch(slice(0, 2), *args, mixed))
+    fixed = engine.run(engine.allocate(2, n), StepBatch(slice(0, 2), *args, RowBudgets((2, 1))))
     assert out.depths.tolist() == fixed.depths.tolist() == [2, 1]
     assert torch.allclose(out.logits, fixed.logits, atol=1e-5, rtol=0)
 

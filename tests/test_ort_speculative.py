@@ -203,7 +203,7 @@ def test_the_step_engine_serves_speculating_and_plain_requests_in_one_batch(engi
 
     _, rt, _ = engines["elr-conditioning"]
     engine = OrtStepEngine(rt)
-    engine.check_verify()
+    assert engine.capabilities.verify
     lo, mid, hi = rt.budgets
     asked = [(hi, Speculation(lo, 3), 8), (mid, None, 5), (hi, Speculation(mid, 2), 7), (mid, Speculation(lo, 1), 6)]
 
@@ -221,5 +221,5 @@ def test_the_step_engine_serves_speculating_and_plain_requests_in_one_batch(engi
     assert 0 < sum(job.speculated.accepted for job in jobs) < sum(job.speculated.proposed for job in jobs)
     monkeypatch.setattr(rt, "has_verify", lambda budget, kv="per-loop": budget != hi)
     with pytest.raises(looptool.LooptoolError, match=f"no verify graph for budget {hi}") as err:
-        engine.check_verify()
+        raise OrtStepEngine(rt).capabilities.verify_refusal
     assert err.value.parameter == "runtime"

@@ -25,6 +25,7 @@ from serve_process import ServerProcess, alone_answer, budget_job, metric, run_j
 
 import looptool
 from looptool.engine.budgets import AutoRow, RowBudgets
+from looptool.engine.interface import StepBatch
 from looptool.runtime.generation import generate
 from looptool.runtime.step_engine import TorchStepEngine
 from looptool.testing import plain_steps
@@ -119,9 +120,9 @@ def test_the_engine_runs_fixed_rows_of_an_adaptive_step_exactly_at_their_budget(
     n = ids.shape[1]
     args = (ids, torch.ones(3, n, dtype=engine.mask_dtype), torch.arange(n)[None].expand(3, n), torch.arange(n))
     mixed = RowBudgets((2, 1, 0), (AutoRow(0, 2, 0.0), None, None))
-    out = engine.step_with_depth(engine.allocate(3, n), slice(0, 3), *args, mixed)
+    out = engine.run(engine.allocate(3, n), StepBatch(slice(0, 3), *args, mixed))
     assert out.depths.tolist() == [2, 1, 0]
-    fixed = engine.step_with_depth(engine.allocate(3, n), slice(0, 3), *args, RowBudgets((2, 1, 0)))
+    fixed = engine.run(engine.allocate(3, n), StepBatch(slice(0, 3), *args, RowBudgets((2, 1, 0))))
     assert fixed.depths.tolist() == [2, 1, 0]
     assert torch.allclose(out.logits, fixed.logits, atol=1e-5, rtol=0)
     assert RowBudgets((2,), (None,)).auto is None and not RowBudgets((2,)).adaptive  # fixed budgets as before
@@ -294,4 +295,4 @@ def test_a_server_that_cannot_run_auto_refuses_it_in_one_sentence(model_dir, kin
     assert error["param"] == "budget" and want in error["message"], error
     assert error["message"].count(". ") == 0
     with pytest.raises(looptool.LooptoolError, match="fixed budgets only" if kind == "fixed-only" else "last-loop"):
-        served.engine.check_adaptive()
+        raise served.engine.capabilities.adaptive_refusal

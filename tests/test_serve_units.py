@@ -17,7 +17,8 @@ import torch
 pytest.importorskip("fastapi", reason="looptool serve needs the serve extra (pip install 'looptool[serve]')")
 
 from looptool.core.errors import LooptoolError  # noqa: E402
-from looptool.engine import EngineFacts, TensorSlotCache  # noqa: E402
+from looptool.engine import EngineFacts, StepEngine, StepResult, TensorSlotCache  # noqa: E402
+from looptool.engine.interface import Capabilities, StepBatch  # noqa: E402
 from looptool.serve.budgets import BudgetChoiceError, BudgetResolver, default_ladder, parse_effort  # noqa: E402
 from looptool.serve.models import read_facts  # noqa: E402
 from looptool.serve.prompts import check_room  # noqa: E402
@@ -128,13 +129,14 @@ def test_the_budget_field_takes_integers_and_effort_levels_only():
 
 
 # ------------------------------------------------------------------ the scheduler, no model
-class _GatedEngine:
+class _GatedEngine(StepEngine):
     """A step engine whose every row picks token 3; a prefill (more than one token) waits for
     ``gate`` after setting ``entered``, so a test can act while a request is being prefilled."""
 
     budgets = (0, 1)
     vocab_size = 8
     mask_dtype = torch.long
+    capabilities = Capabilities("per-loop", "float32", LooptoolError("fixed budgets only"), LooptoolError("no verify"))
 
     def __init__(self) -> None:
         self.gate, self.entered = threading.Event(), threading.Event()
@@ -142,13 +144,13 @@ class _GatedEngine:
     def allocate(self, slots: int, length: int) -> TensorSlotCache:
         return TensorSlotCache([torch.zeros(slots, 1, length, 1)])
 
-    def step(self, cache, rows, input_ids, attention_mask, position_ids, cache_position, budgets) -> torch.Tensor:
-        if input_ids.shape[1] > 1:
+    def run(self, cache, batch: StepBatch) -> StepResult:
+        if batch.input_ids.shape[1] > 1:
             self.entered.set()
             assert self.gate.wait(30)
-        logits = torch.zeros(input_ids.shape[0], self.vocab_size)
+        logits = torch.zeros(batch.input_ids.shape[0], self.vocab_size)
         logits[:, 3] = 1.0
-        return logits
+        return StepResult(logits, batch.budgets.tensor())
 
 
 def _wait_for(condition, timeout: float = 10.0) -> None:
@@ -242,7 +244,7 @@ def test_a_request_the_engine_finished_counts_under_the_reason_its_client_got():
         batch.stop(10)
 
 
-class _SummingEngine:
+class _SummingEngine(StepEngine):
     """A step engine whose cache holds the tokens fed (one position each) and whose next token
     is the sum of every token its row attends to, modulo the vocabulary: any position a row
     loses, gains or shares with another row changes its tokens. It records each decode step's
@@ -251,6 +253,7 @@ class _SummingEngine:
     budgets = (0,)
     vocab_size = 97
     mask_dtype = torch.long
+    capabilities = Capabilities("per-loop", "int64", LooptoolError("fixed budgets only"), LooptoolError("no verify"))
 
     def __init__(self) -> None:
         self.widths: list[tuple[int, int, int]] = []  # (mask width, cache length, positions of the longest row)
@@ -263,14 +266,15 @@ class _SummingEngine:
             setattr(cache, name, lambda n, method=method, name=name: (self.moves.append(name), method(n)))
         return cache
 
-    def step(self, cache, rows, input_ids, attention_mask, position_ids, cache_position, budgets) -> torch.Tensor:
+    def run(self, cache, batch: StepBatch) -> StepResult:
+        rows, input_ids, attention_mask, position_ids, cache_position = batch.rows, *batch.inputs
         width = attention_mask.shape[1]
         buffer = cache.buffers[0][rows, 0, :width, 0]  # a view: written in place
         buffer[:, cache_position] = input_ids
         if rows.start == 0 and input_ids.shape[1] == 1:  # a decode step (every running row) or a first prefill
             self.widths.append((width, cache.length, int(position_ids.max()) + 1))
         total = (buffer * attention_mask).sum(dim=1) % self.vocab_size
-        return torch.nn.functional.one_hot(total, self.vocab_size).float()
+        return StepResult(torch.nn.functional.one_hot(total, self.vocab_size).float(), batch.budgets.tensor())
 
 
 def _sums_alone(prompt: list[int], new: int, vocab: int) -> list[int]:

@@ -33,11 +33,13 @@ from looptool.backends.manifest import MANIFEST, Manifest
 from looptool.backends.serving import DEPTH, INPUTS, LOGITS, CacheLayout, past_name, present_name, row_inputs
 from looptool.core.dtypes import named
 from looptool.core.graph import ROWWISE
-from looptool.engine.budgets import PER_LOOP_AUTO, RowBudgets
+from looptool.engine.budgets import PER_LOOP_AUTO
 from looptool.engine.interface import (
     ArraySlotCache,
+    Capabilities,
     EngineFacts,
     OpenedEngine,
+    StepBatch,
     StepEngine,
     StepResult,
     as_numpy,
@@ -86,6 +88,40 @@ class OrtStepEngine(StepEngine):
         if auto is not None and all((p.layer, p.execution) in index for p in auto.cache.pairs):
             self._pairs[ADAPTIVE] = [index[p.layer, p.execution] for p in auto.cache.pairs]
         self._bindings: dict[tuple, tuple] = {}
+        self.capabilities = Capabilities(
+            kv,
+            (runtime.manifest.quantization or {}).get("precision", self.layout.dtype),
+            self._adaptive_refusal(),
+            self._verify_refusal(),
+        )
+
+    def _adaptive_refusal(self) -> EngineError | None:
+        """None when the engine holds the adaptive-depth graph of its exit rule under last-loop
+        KV; else why not (``parameter`` ``kv`` or ``runtime``)."""
+        if self.kv != "last-loop":
+            return EngineError(f"adaptive depth needs the last-loop KV policy: {PER_LOOP_AUTO}", parameter="kv")
+        if ADAPTIVE not in self._pairs:
+            return ReexportError(
+                f"the engine directory has no adaptive-depth graph ({self.exit_rule} rule, last-loop KV) over its "
+                "row-wise graph's caches, which budget 'auto' runs; export it again with adaptive=True and "
+                "kv='last-loop'.",
+                parameter="runtime",
+            )
+        return None
+
+    def _verify_refusal(self) -> EngineError | None:
+        """None when the engine holds a verify graph for every budget but the shallowest under
+        per-loop KV (exported with ``speculative=True``); else why not."""
+        if self.kv != "per-loop":
+            return EngineError(f"a verify step needs the per-loop KV policy: {LAST_LOOP_VERIFY}", parameter="kv")
+        missing = [k for k in self.budgets[1:] if not self.runtime.has_verify(k, self.kv) or k not in self._pairs]
+        if missing:
+            return ReexportError(
+                f"the engine directory has no verify graph for budget {missing[0]} (logits at every position, which "
+                "speculative decoding scores drafts with); export it again with speculative=True.",
+                parameter="runtime",
+            )
+        return None
 
     def prefix_groups(self, budget: int) -> tuple[CacheGroup, ...]:
         """The cache pairs of ``budget``'s own graph (all of the row-wise graph's when it has
@@ -105,100 +141,27 @@ class OrtStepEngine(StepEngine):
             ]
         )
 
-    def step(
-        self,
-        cache: ArraySlotCache,
-        rows: slice,
-        input_ids,
-        attention_mask,
-        position_ids,
-        cache_position,
-        budgets: RowBudgets,
-    ) -> torch.Tensor:
-        """One cached step over cache rows ``rows`` (``input_ids [R, T]``, ``attention_mask
-        [R, length]``, ``position_ids [R, T]``, ``cache_position [T]``, each row's budget,
-        resolved by the caller); returns float32 next-token logits ``[R, vocab]`` (last position)."""
-        start, stop = row_span(rows, len(cache.buffers[0]), budgets)
-        key = budgets.graph(self._pairs)
-        step = (input_ids, attention_mask, position_ids, cache_position)
-        logits, _ = self._run(cache, key, start, stop, step, budgets, steps=0)
-        return torch.from_numpy(logits[:, -1].astype(np.float32))
-
-    def check_adaptive(self) -> None:
-        """Nothing when the engine holds the adaptive-depth graph of its exit rule under
-        last-loop KV; else one sentence (``parameter`` ``kv`` or ``runtime``)."""
-        if self.kv != "last-loop":
-            raise EngineError(
-                f"adaptive depth needs the last-loop KV policy: {PER_LOOP_AUTO}",
-                parameter="kv",
-            )
-        if ADAPTIVE not in self._pairs:
-            raise ReexportError(
-                f"the engine directory has no adaptive-depth graph ({self.exit_rule} rule, last-loop KV) over its "
-                "row-wise graph's caches, which budget 'auto' runs; export it again with adaptive=True and "
-                "kv='last-loop'.",
-                parameter="runtime",
-            )
-
-    def step_with_depth(
-        self,
-        cache: ArraySlotCache,
-        rows: slice,
-        input_ids,
-        attention_mask,
-        position_ids,
-        cache_position,
-        budgets: RowBudgets,
-    ) -> StepResult:
-        """:meth:`step` with each row's realised depth: a fixed row's budget, or, when some row is
-        adaptive, what the adaptive-depth graph ran for every row of the slice (a fixed row ``k``
-        as ``min_budget = max_budget = k``, exactly budget ``k`` under last-loop KV)."""
-        if not budgets.adaptive:
-            logits = self.step(cache, rows, input_ids, attention_mask, position_ids, cache_position, budgets)
-            return StepResult(logits, budgets.tensor())
-        self.check_adaptive()
-        start, stop = row_span(rows, len(cache.buffers[0]), budgets)
-        step = (input_ids, attention_mask, position_ids, cache_position)
-        logits, depth = self._run(cache, ADAPTIVE, start, stop, step, budgets, steps=0)
-        return StepResult(torch.from_numpy(logits[:, -1].astype(np.float32)), torch.from_numpy(depth.copy()))
-
-    def check_verify(self) -> None:
-        """Nothing when the engine holds a verify graph for every budget but the shallowest
-        under per-loop KV (exported with ``speculative=True``); else one sentence."""
-        if self.kv != "per-loop":
-            raise EngineError(
-                f"a verify step needs the per-loop KV policy: {LAST_LOOP_VERIFY}",
-                parameter="kv",
-            )
-        missing = [k for k in self.budgets[1:] if not self.runtime.has_verify(k, self.kv) or k not in self._pairs]
-        if missing:
-            raise ReexportError(
-                f"the engine directory has no verify graph for budget {missing[0]} (logits at every position, which "
-                "speculative decoding scores drafts with); export it again with speculative=True.",
-                parameter="runtime",
-            )
-
-    def verify(
-        self,
-        cache: ArraySlotCache,
-        rows: slice,
-        input_ids,
-        attention_mask,
-        position_ids,
-        cache_position,
-        budgets: RowBudgets,
-    ) -> torch.Tensor:
-        """float32 logits at every position of the step, ``[R, T, vocab]``: each run of rows
-        sharing a budget runs that budget's verify graph on the cache pairs of its own graph
-        (the same layout, checked when it is bound)."""
-        self.check_verify()
-        start, stop = row_span(rows, len(cache.buffers[0]), budgets)
-        steps, out = int(input_ids.shape[1]), []
-        for k, part in budgets.runs():
-            step = (input_ids[part], attention_mask[part], position_ids[part], cache_position)
-            logits, _ = self._run(cache, k, start + part.start, start + part.stop, step, budgets, steps=steps)
-            out.append(torch.from_numpy(logits.astype(np.float32)))
-        return torch.cat(out)
+    def run(self, cache: ArraySlotCache, batch: StepBatch) -> StepResult:
+        """Run ``batch``: rows of one budget on that budget's own graph where the engine has one,
+        mixed budgets on the row-wise graph, a batch with an adaptive row on the adaptive-depth
+        graph (a fixed row ``k`` as ``min_budget = max_budget = k``, exactly budget ``k`` under
+        last-loop KV), and a verify batch one run of rows sharing a budget at a time on that
+        budget's verify graph (over the cache pairs of its own graph: the same layout, checked
+        when it is bound)."""
+        self.capabilities.check(batch)
+        budgets = batch.budgets
+        start, stop = row_span(batch.rows, len(cache.buffers[0]), budgets)
+        if batch.every_position:
+            steps, out = int(batch.input_ids.shape[1]), []
+            for k, part in budgets.runs():
+                step = (*(t[part] for t in batch.inputs[:3]), batch.cache_position)
+                logits, _ = self._run(cache, k, start + part.start, start + part.stop, step, budgets, steps=steps)
+                out.append(torch.from_numpy(logits.astype(np.float32)))
+            return StepResult(torch.cat(out), budgets.tensor())
+        key = ADAPTIVE if budgets.adaptive else budgets.graph(self._pairs)
+        logits, depth = self._run(cache, key, start, stop, batch.inputs, budgets, steps=0)
+        depths = torch.from_numpy(depth.copy()) if budgets.adaptive else budgets.tensor()
+        return StepResult(torch.from_numpy(logits[:, -1].astype(np.float32)), depths)
 
     def _run(self, cache: ArraySlotCache, key: int | str, start: int, stop: int, step, budgets, steps: int):
         """Run graph ``key`` (with ``steps``: budget ``key``'s verify graph over that many

@@ -25,11 +25,13 @@ from looptool.backends.errors import EngineError, ReexportError
 from looptool.backends.manifest import MANIFEST, Manifest
 from looptool.backends.serving import BUDGETS, INPUTS, LOGITS, CacheLayout, past_name, present_name
 from looptool.core.graph import ROWWISE
-from looptool.engine.budgets import RowBudgets
 from looptool.engine.interface import (
+    Capabilities,
     EngineFacts,
     OpenedEngine,
+    StepBatch,
     StepEngine,
+    StepResult,
     TensorSlotCache,
     costs_by_budget,
     eos_ids,
@@ -67,6 +69,19 @@ class TrtStepEngine(StepEngine):
             pairs = manifest.graphs[budget][kv].cache.pairs
             if all((p.layer, p.execution) in index for p in pairs):
                 self._pairs[budget] = [index[p.layer, p.execution] for p in pairs]
+        self.capabilities = Capabilities(
+            kv,
+            self.layout.dtype,
+            EngineError(
+                "TensorRT engines run fixed budgets only; budget 'auto' runs on PyTorch or onnxruntime.",
+                parameter="runtime",
+            ),
+            EngineError(
+                "TensorRT engines have no verify step (logits at every position); self-speculative decoding runs on "
+                "PyTorch, or on an onnxruntime engine exported with verify graphs, under per-loop KV.",
+                parameter="runtime",
+            ),
+        )
         self._profiles: dict[int | str, int] = {}  # the optimisation profile each context has set
         self._scratch: dict[tuple, list[torch.Tensor]] = {}
 
@@ -90,19 +105,14 @@ class TrtStepEngine(StepEngine):
         )
 
     @torch.no_grad()
-    def step(
-        self,
-        cache: TensorSlotCache,
-        rows: slice,
-        input_ids,
-        attention_mask,
-        position_ids,
-        cache_position,
-        budgets: RowBudgets,
-    ) -> torch.Tensor:
-        """One cached step over cache rows ``rows`` (each row's budget resolved by the caller);
-        float32 next-token logits ``[R, vocab]`` on the CPU."""
-        start, stop = row_span(rows, cache.slots, budgets)
+    def run(self, cache: TensorSlotCache, batch: StepBatch) -> StepResult:
+        """Run ``batch`` (fixed budgets; :attr:`capabilities` refuses the rest): rows of one
+        budget on that budget's engine where one was built, else the row-wise engine; float32
+        next-token logits ``[R, vocab]`` on the CPU."""
+        self.capabilities.check(batch)
+        budgets = batch.budgets
+        input_ids, attention_mask, position_ids, cache_position = batch.inputs
+        start, stop = row_span(batch.rows, cache.slots, budgets)
         key = budgets.graph(self._pairs)
         rt, ctx = self.runtime, self.runtime.contexts[key, self.kv]
         steps = int(input_ids.shape[1])
@@ -136,7 +146,7 @@ class TrtStepEngine(StepEngine):
         rt.stream.synchronize()
         for view, written in zip(past, present):
             view.copy_(written)
-        return logits[:, -1].float().cpu()
+        return StepResult(logits[:, -1].float().cpu(), budgets.tensor())
 
     def _present(self, key: int | str, past: list[torch.Tensor]) -> list[torch.Tensor]:
         """Scratch ``present`` buffers shaped like ``past`` (reused across steps of that shape)."""

@@ -10,9 +10,11 @@ importing any of them.
 
 from looptool.engine.interface import (
     ArraySlotCache,
+    Capabilities,
     EngineFacts,
     OpenedEngine,
     SlotCache,
+    StepBatch,
     StepEngine,
     StepResult,
     TensorSlotCache,
@@ -24,9 +26,11 @@ from looptool.engine.registry import RUNTIMES, describe, open_engine
 __all__ = [
     "RUNTIMES",
     "ArraySlotCache",
+    "Capabilities",
     "EngineFacts",
     "OpenedEngine",
     "SlotCache",
+    "StepBatch",
     "StepEngine",
     "StepResult",
     "TensorSlotCache",

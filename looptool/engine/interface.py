@@ -152,15 +152,81 @@ class ArraySlotCache(SlotCache):
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one step gives: float32 next-token logits ``[R, vocab]`` (CPU) and the depth each
-    row realised, int64 ``[R]`` (CPU): a fixed row's budget, an adaptive row's depth this step."""
+    """What one step gives: float32 logits (CPU), ``[R, vocab]`` at each row's last position, or
+    ``[R, T, vocab]`` at every position when the batch asked for them
+    (:attr:`StepBatch.every_position`), and the depth each row realised, int64 ``[R]`` (CPU): a
+    fixed row's budget, an adaptive row's depth this step."""
 
     logits: torch.Tensor
     depths: torch.Tensor
 
 
+@dataclass(frozen=True)
+class StepBatch:
+    """One cached step over cache rows ``rows`` (a contiguous slice, written in place):
+    ``input_ids [R, T]``, ``attention_mask [R, W]``, ``position_ids [R, T]``,
+    ``cache_position [T]`` (the slots this step writes) and each row's budget, fixed or adaptive
+    (resolved by the caller; an engine does not check it again). ``every_position`` asks for
+    logits at every position (self-speculative decoding's verify step, fixed budgets only), else
+    they come at the last one.
+
+    The mask may be narrower than the cache (``W <= length``): positions from ``W`` on are
+    neither read nor written, so an engine that can attends over the first ``W`` positions only
+    (a decode step then costs what the rows hold, not what the cache could hold); one that binds
+    whole buffers pads the mask with zeros (:func:`full_width`)."""
+
+    rows: slice
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    cache_position: torch.Tensor
+    budgets: RowBudgets
+    every_position: bool = False
+
+    @property
+    def inputs(self) -> tuple:
+        """``(input_ids, attention_mask, position_ids, cache_position)``, the graphs' first inputs."""
+        return (self.input_ids, self.attention_mask, self.position_ids, self.cache_position)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a step engine runs beside fixed-budget steps, read by whoever drives it: ``kv`` (its
+    KV policy), ``precision`` (its cache's dtype, or the weights' quantization), and why it does
+    not run rows of adaptive depth (``adaptive_refusal``: budget ``auto``) or logits at every
+    position (``verify_refusal``: self-speculative decoding's verify step), None where it
+    does: a :class:`LooptoolError` whose ``parameter`` names what stands in the way (``runtime``
+    or ``kv``)."""
+
+    kv: str
+    precision: str
+    adaptive_refusal: LooptoolError | None = None
+    verify_refusal: LooptoolError | None = None
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether rows of adaptive depth run."""
+        return self.adaptive_refusal is None
+
+    @property
+    def verify(self) -> bool:
+        """Whether steps with logits at every position run."""
+        return self.verify_refusal is None
+
+    def check(self, batch: StepBatch) -> None:
+        """Nothing when ``batch`` asks for what the engine runs; else its refusal."""
+        if batch.budgets.adaptive and self.adaptive_refusal is not None:
+            raise self.adaptive_refusal
+        if batch.every_position:
+            if self.verify_refusal is not None:
+                raise self.verify_refusal
+            if batch.budgets.adaptive:
+                raise LooptoolError("a verify step runs fixed budgets only, not budget 'auto'.", parameter="budgets")
+
+
 class StepEngine(ABC):
-    """Cached steps over slices of one slot cache, every row at its own budget.
+    """Cached steps over slices of one slot cache, every row at its own budget: :meth:`allocate`
+    and :meth:`run`, and what the engine can do beside that in :attr:`capabilities`.
 
     ``budgets`` is the menu (sorted), ``vocab_size`` the logits' width, ``mask_dtype`` the
     dtype of the ``attention_mask`` the graphs take.
@@ -169,12 +235,17 @@ class StepEngine(ABC):
     budgets: tuple[int, ...]
     vocab_size: int
     mask_dtype: torch.dtype
+    capabilities: Capabilities
 
     @abstractmethod
     def allocate(self, slots: int, length: int) -> SlotCache:
         """Zeroed persistent caches, every buffer ``[slots, kv_heads, length, head_dim]``."""
 
     @abstractmethod
+    def run(self, cache: SlotCache, batch: StepBatch) -> StepResult:
+        """Run ``batch`` over its rows of ``cache``; refuses what :attr:`capabilities` says the
+        engine does not run (:meth:`Capabilities.check`)."""
+
     def step(
         self,
         cache: SlotCache,
@@ -185,71 +256,10 @@ class StepEngine(ABC):
         cache_position: torch.Tensor,
         budgets: RowBudgets,
     ) -> torch.Tensor:
-        """One cached step over cache rows ``rows`` (written in place): ``input_ids [R, T]``,
-        ``attention_mask [R, W]``, ``position_ids [R, T]``, ``cache_position [T]`` (the
-        slots this step writes) and each row's budget, resolved by the caller (an engine does
-        not check it again); float32 next-token logits ``[R, vocab]`` (CPU).
-
-        The mask may be narrower than the cache (``W <= length``): positions from ``W`` on are
-        neither read nor written, so an engine that can attends over the first ``W`` positions
-        only (a decode step then costs what the rows hold, not what the cache could hold); one
-        that binds whole buffers pads the mask with zeros (:func:`full_width`)."""
-
-    def check_adaptive(self) -> None:
-        """Nothing when :meth:`step_with_depth` runs rows of adaptive depth; else one sentence
-        (a :class:`LooptoolError` whose ``parameter`` names what stands in the way: ``runtime``
-        or ``kv``). This default: the engine runs fixed budgets only."""
-        raise LooptoolError(
-            f"{type(self).__name__} runs fixed budgets only; adaptive depth (budget 'auto') runs on the PyTorch "
-            "step engine of a looped model under last-loop KV.",
-            parameter="runtime",
-        )
-
-    def step_with_depth(
-        self,
-        cache: SlotCache,
-        rows: slice,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        cache_position: torch.Tensor,
-        budgets: RowBudgets,
-    ) -> StepResult:
-        """:meth:`step`, with each row's realised depth. This default runs fixed budgets (the
-        depths are the budgets) and refuses adaptive rows (:meth:`check_adaptive`); an engine
-        that runs them overrides both."""
-        if budgets.adaptive:
-            self.check_adaptive()
-        logits = self.step(cache, rows, input_ids, attention_mask, position_ids, cache_position, budgets)
-        return StepResult(logits, budgets.tensor())
-
-    def check_verify(self) -> None:
-        """Nothing when :meth:`verify` runs; else one sentence (a :class:`LooptoolError` whose
-        ``parameter`` names what stands in the way: ``runtime`` or ``kv``). This default: the
-        engine has no verify step."""
-        raise LooptoolError(
-            f"{type(self).__name__} has no verify step (logits at every position of a step); self-speculative "
-            "decoding runs on the PyTorch step engine of a looped model, or on an onnxruntime engine exported with "
-            "verify graphs, under per-loop KV.",
-            parameter="runtime",
-        )
-
-    def verify(
-        self,
-        cache: SlotCache,
-        rows: slice,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        cache_position: torch.Tensor,
-        budgets: RowBudgets,
-    ) -> torch.Tensor:
-        """A cached step like :meth:`step` (fixed budgets only) whose float32 logits cover every
-        position of it, ``[R, T, vocab]``: self-speculative decoding's verify step scores the
-        last accepted token and the drafts after it at once. This default refuses
-        (:meth:`check_verify`); an engine that runs it overrides both."""
-        self.check_verify()
-        raise NotImplementedError(f"{type(self).__name__}.verify")
+        """:meth:`run` for a batch of fixed budgets, spelled out: its float32 next-token logits
+        ``[R, vocab]``."""
+        batch = StepBatch(rows, input_ids, attention_mask, position_ids, cache_position, budgets)
+        return self.run(cache, batch).logits
 
     def prefix_groups(self, budget: int) -> tuple[CacheGroup, ...] | None:
         """The slot-cache buffers that rows at ``budget`` read, grouped by what their keys and

@@ -27,6 +27,9 @@ import torch
 from looptool.core.errors import LooptoolError
 from looptool.engine.sampling import TokenPicker
 
+DEFAULT_DRAFT_TOKENS = 4  # tokens drafted per verify step unless the request or the server says otherwise
+MAX_DRAFT_TOKENS = 32  # a round holds the clock's slots for this many drafts of every row
+
 # Why speculation refuses last-loop KV, said by every runtime that refuses it.
 LAST_LOOP_VERIFY = "under last-loop caching a step over several tokens does not compute what one-token steps compute."
 

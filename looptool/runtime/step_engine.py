@@ -14,7 +14,7 @@ budget ``k``), on the slot-cache buffers its cache inputs name (the deepest budg
 the row-wise path's).
 
 Under per-loop KV it also runs self-speculative decoding's verify step
-(:meth:`TorchStepEngine.verify`): each budget's verify path, logits at every position, on the
+(:class:`~looptool.engine.StepBatch` ``every_position``): each budget's verify path, logits at every position, on the
 buffers of that budget's own path (the same cache inputs, in the same order).
 """
 
@@ -28,10 +28,12 @@ import torch
 
 from looptool.core.errors import LooptoolError
 from looptool.core.graph import ROWWISE
-from looptool.engine.budgets import PER_LOOP_AUTO, RowBudgets
+from looptool.engine.budgets import PER_LOOP_AUTO
 from looptool.engine.interface import (
+    Capabilities,
     EngineFacts,
     OpenedEngine,
+    StepBatch,
     StepEngine,
     StepResult,
     TensorSlotCache,
@@ -80,6 +82,17 @@ class TorchStepEngine(StepEngine):
         names = [s.name for s in self.rowwise.slots]
         # buffer index of each cache input of each budget's own path (a subset of the row-wise slots)
         self.pairs = {k: [names.index(s.name) for s in p.slots] for k, p in self.paths.items()}
+        per_loop = self.kv == "per-loop"
+        self.capabilities = Capabilities(
+            self.kv,
+            str(next(model.parameters()).dtype).removeprefix("torch."),
+            None
+            if not per_loop
+            else LooptoolError(f"adaptive depth needs the last-loop KV policy: {PER_LOOP_AUTO}", parameter="kv"),
+            None
+            if per_loop
+            else LooptoolError(f"a verify step needs the per-loop KV policy: {LAST_LOOP_VERIFY}", parameter="kv"),
+        )
 
     def allocate(self, slots: int, length: int) -> TensorSlotCache:
         """Zeroed persistent caches, every buffer ``[slots, kv_heads, length, head_dim]``."""
@@ -87,19 +100,10 @@ class TorchStepEngine(StepEngine):
         buffers = allocate_cache(self.rowwise, slots, length, dtype=param.dtype, device=param.device)
         return TensorSlotCache(buffers, tuple(s.name for s in self.rowwise.slots))
 
-    def check_adaptive(self) -> None:
-        """Nothing under last-loop KV; per-loop KV is one sentence (``parameter`` ``kv``)."""
-        if self.kv != "last-loop":
-            raise LooptoolError(
-                f"adaptive depth needs the last-loop KV policy: {PER_LOOP_AUTO}",
-                parameter="kv",
-            )
-
     def adaptive(self) -> tuple[CachedPath, list[int]]:
         """The adaptive-depth path and, per cache input of it, the slot-cache buffer it reads
         (matched by name, and checked to be the same layer, kind and execution); built once."""
         if self._adaptive is None:
-            self.check_adaptive()
             path = adaptive_path(self.model, self.kv, self.exit_rule)
             by_name = {s.name: i for i, s in enumerate(self.rowwise.slots)}
             index = []
@@ -114,88 +118,38 @@ class TorchStepEngine(StepEngine):
             self._adaptive = (path, index)
         return self._adaptive
 
-    def step(
-        self,
-        cache: TensorSlotCache,
-        rows: slice,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        cache_position: torch.Tensor,
-        budgets: RowBudgets,
-    ) -> torch.Tensor:
-        """One cached step over cache rows ``rows`` (views, written in place); returns float32
-        next-token logits ``[R, vocab]`` at the last position, each row at its own budget
-        (``budgets``, resolved by the caller). Attention reads only the first
-        ``attention_mask.shape[1]`` positions: the views end there."""
-        return self.step_with_depth(
-            cache, rows, input_ids, attention_mask, position_ids, cache_position, budgets
-        ).logits
-
     @torch.no_grad()
-    def step_with_depth(
-        self,
-        cache: TensorSlotCache,
-        rows: slice,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        cache_position: torch.Tensor,
-        budgets: RowBudgets,
-    ) -> StepResult:
-        """:meth:`step` with each row's realised depth: a fixed row's budget, or, when some row
-        is adaptive, what the adaptive-depth path ran for every row of the slice."""
-        width = attention_mask.shape[1]
-        views = [b[rows, :, :width] for b in cache.buffers]
-        step = (input_ids, attention_mask, position_ids, cache_position)
+    def run(self, cache: TensorSlotCache, batch: StepBatch) -> StepResult:
+        """Run ``batch`` on views of its rows that end at the mask's width (written in place,
+        attention reads only those positions): rows of mixed budgets on the row-wise path, rows
+        of one budget on that budget's own path, a batch with an adaptive row on the
+        adaptive-depth path (every fixed row ``k`` as ``min_budget = max_budget = k``), and a
+        verify batch (logits at every position) on each budget's verify path
+        (:func:`~looptool.runtime.decode_graphs.verify_paths`, built on first use), one run of
+        rows sharing a budget at a time."""
+        self.capabilities.check(batch)
+        budgets, width = batch.budgets, batch.attention_mask.shape[1]
+        start, stop = batch.rows.indices(cache.slots)[:2]
+        if batch.every_position:
+            paths = verify_paths(self.model, self.kv, sorted(set(budgets.rows)))
+            out = []
+            for k, part in budgets.runs():
+                views = [b[start + part.start : start + part.stop, :, :width] for b in cache.buffers]
+                step = (t[part] for t in batch.inputs[:3])
+                out.append(paths[k].module(*step, batch.cache_position, *(views[i] for i in self.pairs[k])).float())
+            return StepResult(torch.cat(out), budgets.tensor())
+        views = [b[start:stop, :, :width] for b in cache.buffers]
         if budgets.adaptive:
             path, index = self.adaptive()
-            depth_inputs = budgets.depth_inputs(input_ids.device)
-            logits, depths = path.module(*step, *depth_inputs, *(views[i] for i in index))
+            depth_inputs = budgets.depth_inputs(batch.input_ids.device)
+            logits, depths = path.module(*batch.inputs, *depth_inputs, *(views[i] for i in index))
             return StepResult(logits[:, -1].float(), depths.cpu())
         if budgets.graph(self.paths) != ROWWISE:  # one budget: its own path on its own cache pairs
             k = budgets.rows[0]
-            logits = self.paths[k].module(*step, *(views[i] for i in self.pairs[k]))
+            logits = self.paths[k].module(*batch.inputs, *(views[i] for i in self.pairs[k]))
         else:
-            logits = self.rowwise.module(*step, budgets.tensor(input_ids.device), *views)
+            logits = self.rowwise.module(*batch.inputs, budgets.tensor(batch.input_ids.device), *views)
         return StepResult(logits[:, -1].float(), budgets.tensor())
-
-    def check_verify(self) -> None:
-        """Nothing under per-loop KV; last-loop KV is one sentence (``parameter`` ``kv``, see
-        :meth:`~looptool.engine.speculation.Speculation.check`)."""
-        if self.kv == "last-loop":
-            raise LooptoolError(
-                f"a verify step needs the per-loop KV policy: {LAST_LOOP_VERIFY}",
-                parameter="kv",
-            )
-
-    @torch.no_grad()
-    def verify(
-        self,
-        cache: TensorSlotCache,
-        rows: slice,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        cache_position: torch.Tensor,
-        budgets: RowBudgets,
-    ) -> torch.Tensor:
-        """float32 logits at every position of the step, ``[R, T, vocab]``: each run of rows
-        sharing a budget runs that budget's verify path
-        (:func:`~looptool.runtime.decode_graphs.verify_paths`, built on first use) on its own
-        cache buffers, as :meth:`step_with_depth` runs a uniform batch."""
-        self.check_verify()
-        if budgets.adaptive:
-            raise LooptoolError("a verify step runs fixed budgets only, not budget 'auto'.", parameter="budgets")
-        start = rows.indices(cache.slots)[0]
-        width = attention_mask.shape[1]
-        paths = verify_paths(self.model, self.kv, sorted(set(budgets.rows)))
-        out = []
-        for k, part in budgets.runs():
-            views = [b[start + part.start : start + part.stop, :, :width] for b in cache.buffers]
-            step = (input_ids[part], attention_mask[part], position_ids[part], cache_position)
-            out.append(paths[k].module(*step, *(views[i] for i in self.pairs[k])).float())
-        return torch.cat(out)
 
     def prefix_groups(self, budget: int) -> tuple[CacheGroup, ...]:
         """The buffers of ``budget``'s own path (all of the row-wise path's when it has none),

@@ -44,6 +44,7 @@ from looptool.engine.speculation import Speculation
 from looptool.serve.budgets import BudgetChoiceError, BudgetResolver
 from looptool.serve.choices import Choice
 from looptool.serve.cost import request_cost
+from looptool.serve.drafting import choose_speculation, speculation_cost
 from looptool.serve.metrics import CONTENT_TYPE
 from looptool.serve.models import ServedModel
 from looptool.serve.prompts import chat_prompt, check_room, completion_prompts
@@ -60,7 +61,6 @@ from looptool.serve.protocol import (
     usage,
 )
 from looptool.serve.scheduler import Draining, Event, Job, QueueFull, Scheduler
-from looptool.serve.speculation import choose_speculation, speculation_cost
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def create_app(
     """The FastAPI app serving ``served`` through ``scheduler`` (started and stopped with the app);
     with ``draft_tokens``, requests at a fixed budget deeper than the menu's shallowest decode
     speculatively by default, drafting that many tokens at the shallowest
-    (:func:`~looptool.serve.speculation.choose_speculation`)."""
+    (:func:`~looptool.serve.drafting.choose_speculation`)."""
 
     def cost_of(budget: int | AutoRow, jobs: list[Job], depths: list[int]) -> dict:
         """A response's ``cost``: :func:`request_cost`, and what speculation did where it ran."""
@@ -310,10 +310,8 @@ def _common(
         )
     except BudgetChoiceError as exc:
         raise APIError(str(exc), status=exc.status, param=exc.parameter, code=exc.code) from None
-    speculation = choose_speculation(
-        req, budget, resolver.budgets, scheduler.speculation_refusal, runtime, draft_tokens
-    )
-    if isinstance(budget, AutoRow) and (refusal := scheduler.adaptive_refusal()) is not None:
+    speculation = choose_speculation(req, budget, resolver.budgets, scheduler.capabilities, runtime, draft_tokens)
+    if isinstance(budget, AutoRow) and (refusal := scheduler.capabilities.adaptive_refusal) is not None:
         if getattr(refusal, "parameter", None) == "kv":
             message = (
                 'budget "auto" needs last-loop KV and this server keeps per-loop KV; start it with --kv last-loop.'

@@ -10,7 +10,7 @@ tokens lie in ``[clock - len, clock)``, a prefill writes its prompt at ``[clock 
 and each decode step writes slot ``clock`` for every row (so one decode step is one
 ``step(cache, slice(0, n), ...)`` with ``T = 1``).
 
-The cache holds what the rows need, not what they could need (:meth:`Scheduler._fit`): it
+The cache holds what the rows need, not what they could need (:meth:`Scheduler.fit`): it
 starts at 64 positions and doubles up to ``capacity`` when the clock reaches its end; the
 positions before the oldest running request's first token are dropped (``shift_left``) when
 the clock reaches the end or they outnumber the longest request's; a prompt longer than the
@@ -51,7 +51,7 @@ import torch
 
 from looptool.engine import StepEngine, StepResult
 from looptool.engine.budgets import AutoRow, RowBudgets
-from looptool.engine.interface import with_length
+from looptool.engine.interface import Capabilities, StepBatch, with_length
 from looptool.engine.prefix_cache import CacheGroup, PrefixCache
 from looptool.engine.sampling import GREEDY, SamplingParams, TokenPicker
 from looptool.engine.speculation import Speculation, SpeculationStats
@@ -108,18 +108,6 @@ class Job:
         return "auto" if self.auto is not None else str(self.budget)
 
 
-def _refusal(check: Callable[[], None] | None, missing: str) -> Exception | None:
-    """What ``check`` (an engine's ``check_*``) raises, None when it passes; an engine without
-    the check refuses with ``missing``."""
-    if check is None:
-        return NotImplementedError(missing)
-    try:
-        check()
-    except Exception as exc:
-        return exc
-    return None
-
-
 FIRST_LENGTH = 64  # cache positions at start; the cache grows by doubling
 
 
@@ -132,7 +120,7 @@ class Draining(Exception):
 
 
 @dataclass(eq=False)
-class _Row:
+class Row:
     """A running request: its job, its tokens so far and where it is."""
 
     job: Job
@@ -171,15 +159,13 @@ class Scheduler:
         self.cache = engine.allocate(max_batch, min(FIRST_LENGTH, capacity))
         self.mask = torch.zeros(max_batch, self.cache.length, dtype=engine.mask_dtype, device=self.device)
         self.clock = 0
-        self.rows: list[_Row] = []
+        self.rows: list[Row] = []
         self.waiting: deque[Job] = deque()
         self._held: set[Job] = set()  # accepted and not yet out of the scheduler: waiting, prefilling or running
         self._cond = threading.Condition()
         self._draining = False
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="looptool-scheduler", daemon=True)
-        # each step with the depth every row ran (an engine with step() alone: its budgets)
-        self._step = getattr(engine, "step_with_depth", None) or functools.partial(StepEngine.step_with_depth, engine)
         self.steps = 0  # decode steps run (all rows at once)
         self.prefix = prefix_cache  # None: every prompt is computed in full
         self._groups: dict[int, tuple[CacheGroup, ...] | None] = {}
@@ -250,7 +236,7 @@ class Scheduler:
         if draft_tokens is not None:
             draft = min(budgets)
             jobs += [Job([0], int(k), 2, speculation=Speculation(draft, draft_tokens)) for k in budgets if k > draft]
-        if self.adaptive_refusal() is None:
+        if self.capabilities.adaptive:
             deepest = max(budgets)
             jobs.append(Job([0], deepest, 2, auto=AutoRow(min(budgets), deepest)))
         try:
@@ -263,15 +249,10 @@ class Scheduler:
             self.rows.clear()
             self.mask.zero_()
 
-    def speculation_refusal(self) -> Exception | None:
-        """None when the engine runs verify steps (self-speculative decoding), else its reason
-        (an exception whose ``parameter`` says what stands in the way: ``runtime`` or ``kv``)."""
-        return _refusal(getattr(self.engine, "check_verify", None), "the engine has no verify step")
-
-    def adaptive_refusal(self) -> Exception | None:
-        """None when the engine runs jobs of adaptive depth, else its reason (an exception
-        whose ``parameter`` says what stands in the way: ``runtime`` or ``kv``)."""
-        return _refusal(getattr(self.engine, "check_adaptive", None), "the engine runs fixed budgets only")
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the engine runs beside fixed budgets (adaptive depth, verify steps) and why not."""
+        return self.engine.capabilities
 
     @property
     def running(self) -> int:
@@ -342,7 +323,7 @@ class Scheduler:
             job.emit(Event("prompt", prompt_logprobs=_prompt_logprobs(logp, job.prompt, job.prompt_logprobs)))
         groups = self._prefix_groups(job)
         found = self.prefix.lookup(job.prompt, groups) if groups else []
-        self._fit(before=n)
+        self.fit(before=n)
         r, first = len(self.rows), self.clock - n
         hit = len(found) * self.prefix.block if found else 0
         for i, block in enumerate(found):
@@ -350,11 +331,9 @@ class Scheduler:
                 self.cache.write(buffer, r, first + i * self.prefix.block, value)
         self.mask[r].zero_()
         self.mask[r, first : self.clock] = 1
-        out: StepResult = self._step(
-            self.cache,
+        out = self.run(
             slice(r, r + 1),
             ids[:, hit:],
-            self.mask[r : r + 1, : self.clock],
             torch.arange(hit, n, device=self.device)[None],
             torch.arange(first + hit, self.clock, device=self.device),
             RowBudgets((job.budget,), (job.auto,)),
@@ -364,10 +343,10 @@ class Scheduler:
             self.metrics.prefix_tokens.labels(kind="queried").inc(n)
             self.metrics.prefix_tokens.labels(kind="hit").inc(hit)
             self.metrics.prefix_bytes.set(self.prefix.nbytes)
-        row = _Row(job, list(job.prompt), TokenPicker(job.sampling, self.device), position=n, span=n)
+        row = Row(job, list(job.prompt), TokenPicker(job.sampling, self.device), position=n, span=n)
         self.rows.append(row)
         self.metrics.prompt_tokens.labels(budget=job.label).inc(n)
-        self._take(row, out.logits[0:1], int(out.depths[0]))
+        self.take(row, out.logits[0:1], int(out.depths[0]))
 
     def _prefix_groups(self, job: Job) -> tuple[CacheGroup, ...] | None:
         """The cache groups ``job``'s prompt is looked up and kept in (None: not cached: no prefix
@@ -384,7 +363,7 @@ class Scheduler:
         ``row`` whose first token is at slot ``first``."""
         return self.cache.read(buffer, row, first + start, first + stop)
 
-    def _keep(self, r: int, row: _Row) -> None:
+    def _keep(self, r: int, row: Row) -> None:
         """Keep the keys and values of the tokens a finishing row fed (prompt and answer) in the
         prefix cache, so a follow-up turn that repeats them reuses them; a row with masked
         slots (a speculative one's rejected drafts) is skipped."""
@@ -404,14 +383,12 @@ class Scheduler:
     def _decode(self) -> None:
         """One step for all running rows: each feeds its last token at slot ``clock``."""
         n = len(self.rows)
-        self._fit(before=0)
+        self.fit(before=0)
         self.mask[:n, self.clock] = 1
         dev = self.device
-        out: StepResult = self._step(
-            self.cache,
+        out = self.run(
             slice(0, n),
             torch.tensor([[row.ids[-1]] for row in self.rows], dtype=torch.long, device=dev),
-            self.mask[:n, : self.clock + 1],
             torch.tensor([[row.position] for row in self.rows], dtype=torch.long, device=dev),
             torch.tensor([self.clock], dtype=torch.long, device=dev),
             RowBudgets(tuple(row.job.budget for row in self.rows), tuple(row.job.auto for row in self.rows)),
@@ -422,9 +399,26 @@ class Scheduler:
         for i, row in enumerate(self.rows):
             row.position += 1
             row.span += 1
-            self._take(row, out.logits[i : i + 1], int(depths[i]))
+            self.take(row, out.logits[i : i + 1], int(depths[i]))
 
-    def _fit(self, before: int, ahead: int = 0) -> None:
+    def run(
+        self,
+        rows: slice,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache_position: torch.Tensor,
+        budgets: RowBudgets,
+        every_position: bool = False,
+    ) -> StepResult:
+        """One engine step over running rows ``rows``, each attending over its mask up to the
+        last slot this step writes (``cache_position[-1]``)."""
+        width = int(cache_position[-1]) + 1
+        batch = StepBatch(
+            rows, input_ids, self.mask[rows, :width], position_ids, cache_position, budgets, every_position
+        )
+        return self.engine.run(self.cache, batch)
+
+    def fit(self, before: int, ahead: int = 0) -> None:
         """Arrange the cache for the next step: at least ``before`` positions before the clock
         (a prompt's) and the clock's own slot plus ``ahead`` more (a speculative round's), with
         no more positions than the rows need (up to a factor of four); moves the rows and the
@@ -466,16 +460,16 @@ class Scheduler:
         self.mask = with_length(self.mask, length, dim=1)
         log.debug("slot cache resized to %d positions", length)
 
-    def _take(self, row: _Row, logits: torch.Tensor, depth: int) -> None:
+    def take(self, row: Row, logits: torch.Tensor, depth: int) -> None:
         """Pick ``row``'s next token from ``logits [1, vocab]`` (run at ``depth``), send it, and
         mark the row done at EOS or ``max_tokens``."""
         if row.job.cancelled:
             row.done = row.job.cancel_reason
             return
         ids = torch.tensor([row.ids], device=self.device) if row.picker.warpers is not None else None
-        self._emit(row, int(row.picker(logits.float(), ids)), logits, depth)
+        self.emit(row, int(row.picker(logits.float(), ids)), logits, depth)
 
-    def _emit(self, row: _Row, token: int, logits: torch.Tensor, depth: int) -> None:
+    def emit(self, row: Row, token: int, logits: torch.Tensor, depth: int) -> None:
         """Send ``row``'s next ``token`` (chosen from ``logits [1, vocab]``, run at ``depth``) and
         mark the row done at EOS or ``max_tokens``."""
         job = row.job

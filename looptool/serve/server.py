@@ -24,13 +24,12 @@ from looptool.core.errors import LooptoolError
 from looptool.core.words import counted
 from looptool.engine import EngineFacts
 from looptool.engine.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache
-from looptool.engine.speculation import LAST_LOOP_VERIFY
+from looptool.engine.speculation import DEFAULT_DRAFT_TOKENS, LAST_LOOP_VERIFY, MAX_DRAFT_TOKENS
 from looptool.passes.adaptive_depth import EXIT_RULES
 from looptool.serve.budgets import BudgetResolver
 from looptool.serve.metrics import Metrics
 from looptool.serve.models import ServedModel, open_model, read_facts
 from looptool.serve.scheduler import Scheduler
-from looptool.serve.speculation import DEFAULT_DRAFT_TOKENS, MAX_DRAFT_TOKENS
 
 DEFAULT_CAPACITY = 1024  # tokens per slot unless the model's context is shorter
 BACKLOG = 2048  # pending connections the listening socket holds (uvicorn's default backlog)
@@ -215,7 +214,7 @@ class Server:
             device=served.device,
             prefix_cache=None if options.prefix_cache_bytes is None else PrefixCache(options.prefix_cache_bytes),
         )
-        if options.draft_tokens is not None and (refusal := self.scheduler.speculation_refusal()) is not None:
+        if options.draft_tokens is not None and (refusal := self.scheduler.capabilities.verify_refusal) is not None:
             raise LooptoolError(str(refusal), parameter=getattr(refusal, "parameter", None))
         self.scheduler.warm_up(served.budgets, options.draft_tokens)
         self.app = app = create_app(

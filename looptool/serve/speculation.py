@@ -12,7 +12,7 @@ the speculating rows:
   ``clock + N - 1``): a row that does not speculate takes its real token at its own budget each
   step, exactly as in a plain decode step; a speculating row runs its draft budget and draws a
   draft (the most likely token, or a sample from the draft distribution);
-* one verify step (:meth:`~looptool.engine.StepEngine.verify`, logits at every position) per
+* one verify step (a :class:`~looptool.engine.StepBatch` with ``every_position``) per
   contiguous run of speculating rows, at their own budgets, over the row's last accepted token
   and its drafts at slots ``clock`` to ``clock + N``; each row accepts over its own first
   ``draft_tokens`` drafts.
@@ -22,121 +22,49 @@ The shared write clock then moves ``N + 1`` slots and never back: slots a row di
 row and never read again. Budget ``j``'s cache slots are a subset of budget ``k``'s under
 per-loop KV, and the verify step rewrites every slot of budget ``k`` at the drafted positions,
 so a row's accepted positions hold exactly what budget ``k`` writes. A row's masked slots count
-in its span (:attr:`~looptool.serve.scheduler._Row.span`), which the cache's growth and shifts
+in its span (:attr:`~looptool.serve.scheduler.Row.span`), which the cache's growth and shifts
 follow: a row that rejects many drafts holds more slots than tokens.
 """
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from looptool.core.errors import LooptoolError
-from looptool.engine.budgets import AutoRow, RowBudgets
-from looptool.engine.speculation import Speculation, SpeculationStats, accept_drafts, draft_probs
-from looptool.serve.protocol import APIError
-
-if TYPE_CHECKING:
-    from looptool.serve.scheduler import Scheduler, _Row
-
-DEFAULT_DRAFT_TOKENS = 4  # tokens drafted per verify step unless the request or the server says otherwise
-MAX_DRAFT_TOKENS = 32  # a round holds the clock's slots for this many drafts of every row
+from looptool.engine.budgets import RowBudgets
+from looptool.engine.speculation import accept_drafts, draft_probs
+from looptool.serve.metrics import Metrics
 
 
-def choose_speculation(
-    req,
-    budget: int | AutoRow,
-    menu: Sequence[int],
-    refusal: Callable[[], Exception | None],
-    runtime: str,
-    default_tokens: int | None = None,
-) -> Speculation | None:
-    """How the request ``req`` (its ``draft_budget`` and ``draft_tokens`` fields) at ``budget``
-    decodes: a :class:`Speculation` checked against the sorted ``menu``, or None (plainly).
+class Rounds(Protocol):
+    """What a speculative round uses of the scheduler that runs it (its public side): the
+    running rows, the shared mask and write clock, and steps, token picking and metrics."""
 
-    A ``draft_budget`` below the budget drafts there; ``null`` or the budget itself turns
-    speculation off. Without the field, a speculative server (``default_tokens``, not None)
-    drafts a fixed budget deeper than the menu's shallowest at the shallowest. ``draft_tokens``
-    (default ``default_tokens``, else :data:`DEFAULT_DRAFT_TOKENS`) is an integer from 1 to
-    :data:`MAX_DRAFT_TOKENS`. Every refusal is one sentence naming the field: a draft budget off
-    the menu or deeper than the budget, with ``budget: "auto"``, ``draft_tokens`` on a request
-    that cannot draft, and what ``refusal()`` returns (the engine's reason it runs no verify
-    step, see :meth:`~looptool.serve.scheduler.Scheduler.speculation_refusal`) on ``runtime``."""
-    given = "draft_budget" in req.model_fields_set and req.draft_budget is not None
-    tokens = req.draft_tokens
-    if isinstance(budget, AutoRow):
-        if given or tokens is not None:
-            field = "draft_budget" if given else "draft_tokens"
-            raise APIError(
-                f'{field} needs a fixed budget, but budget "auto" decides the depth per token; drop one of them.',
-                param=field,
-            )
-        return None
-    if given:
-        draft = req.draft_budget
-        if isinstance(draft, bool) or not isinstance(draft, int):
-            raise APIError(
-                f"draft_budget must be an integer of the menu {list(menu)} below the request's budget, or null, "
-                f"got {json.dumps(draft)}.",
-                param="draft_budget",
-            )
-        if draft == budget:
-            return None  # drafting at the budget itself: plain decoding
-    elif "draft_budget" not in req.model_fields_set and default_tokens is not None and budget > menu[0]:
-        draft = menu[0]
-    else:
-        if tokens is not None and default_tokens is None:
-            raise APIError(
-                "draft_tokens applies to a request that drafts; send a draft_budget below the budget with it.",
-                param="draft_tokens",
-            )
-        return None
-    reason = refusal()
-    if reason is not None:
-        if getattr(reason, "parameter", None) == "kv":
-            message = "speculative decoding needs per-loop KV and this server keeps last-loop KV; start it with --kv per-loop."
-        else:
-            message = (
-                f"speculative decoding is not served by this {runtime} engine (it has no verify step); serve the "
-                "looped model directory on PyTorch, or an onnxruntime engine exported with --speculative."
-            )
-        raise APIError(message, param="draft_budget")
-    if tokens is None:
-        tokens = DEFAULT_DRAFT_TOKENS if default_tokens is None else default_tokens
-    if not isinstance(tokens, bool) and isinstance(tokens, int) and tokens > MAX_DRAFT_TOKENS:
-        raise APIError(f"draft_tokens must be at most {MAX_DRAFT_TOKENS}, got {tokens}.", param="draft_tokens")
-    try:
-        return Speculation(draft, tokens).check(budget, menu)
-    except LooptoolError as exc:
-        raise APIError(str(exc), param=exc.parameter) from None
+    rows: list
+    mask: torch.Tensor
+    clock: int
+    steps: int
+    device: torch.device
+    metrics: Metrics
+
+    def fit(self, before: int, ahead: int = 0) -> None: ...
+
+    def run(self, rows, input_ids, position_ids, cache_position, budgets, every_position=False): ...
+
+    def take(self, row, logits: torch.Tensor, depth: int) -> None: ...
+
+    def emit(self, row, token: int, logits: torch.Tensor, depth: int) -> None: ...
 
 
-def speculation_cost(speculation: Speculation, stats: Sequence[SpeculationStats]) -> dict:
-    """The ``speculation`` entry of a response's ``cost``: the draft budget and tokens per round,
-    and over ``stats`` (one per prompt) the rounds, the tokens drafted and those accepted."""
-    drafted = sum(s.proposed for s in stats)
-    accepted = sum(s.accepted for s in stats)
-    return {
-        "draft_budget": speculation.budget,
-        "draft_tokens": speculation.tokens,
-        "rounds": sum(s.rounds for s in stats),
-        "drafted": drafted,
-        "accepted": accepted,
-        "acceptance": round(accepted / drafted, 4) if drafted else 0.0,
-    }
-
-
-def speculative_round(s: Scheduler) -> None:
+def speculative_round(s: Rounds) -> None:
     """One round of drafts and verification over every running row of ``s`` (module docstring)."""
     rows = s.rows
     count = len(rows)
     dev = s.device
     n = max(row.job.speculation.tokens for row in rows if row.job.speculation is not None)
-    s._fit(before=0, ahead=n)
+    s.fit(before=0, ahead=n)
     clock = s.clock
     base = [row.position for row in rows]  # position id of each row's first token of the round
     feed = [row.ids[-1] for row in rows]
@@ -147,11 +75,9 @@ def speculative_round(s: Scheduler) -> None:
     t_draft = time.perf_counter()
     for i in range(n):
         s.mask[:count, clock + i] = 1
-        out = s._step(
-            s.cache,
+        out = s.run(
             slice(0, count),
             torch.tensor(feed, dtype=torch.long, device=dev)[:, None],
-            s.mask[:count, : clock + i + 1],
             torch.tensor([[b + i] for b in base], dtype=torch.long, device=dev),
             torch.tensor([clock + i], dtype=torch.long, device=dev),
             budgets,
@@ -162,7 +88,7 @@ def speculative_round(s: Scheduler) -> None:
             if spec[r] is None:  # a plain row: its real token, as a decode step takes it
                 row.position += 1
                 if not row.done:
-                    s._take(row, logits, int(out.depths[r]))
+                    s.take(row, logits, int(out.depths[r]))
                 feed[r] = row.ids[-1]
             else:
                 q = draft_probs(row.picker, logits)
@@ -186,7 +112,7 @@ def speculative_round(s: Scheduler) -> None:
     s.clock += n + 1
 
 
-def _verify(s: Scheduler, n: int, base: list[int], drafts: list[list[int]]) -> dict[int, torch.Tensor]:
+def _verify(s: Rounds, n: int, base: list[int], drafts: list[list[int]]) -> dict[int, torch.Tensor]:
     """Budget ``k``'s logits ``[n + 1, vocab]`` over each speculating row's last accepted token
     and its ``n`` drafts (slots ``clock`` to ``clock + n``), by row: one verify step per
     contiguous run of speculating rows."""
@@ -202,24 +128,21 @@ def _verify(s: Scheduler, n: int, base: list[int], drafts: list[list[int]]) -> d
         while end < len(rows) and rows[end].job.speculation is not None:
             end += 1
         s.mask[r:end, clock + n] = 1
-        logits = s.engine.verify(
-            s.cache,
+        logits = s.run(
             slice(r, end),
             torch.tensor([[rows[i].ids[-1], *drafts[i]] for i in range(r, end)], dtype=torch.long, device=dev),
-            s.mask[r:end, : clock + n + 1],
             torch.tensor(base[r:end], dtype=torch.long, device=dev)[:, None] + span,
             clock + span,
             RowBudgets(tuple(rows[i].job.budget for i in range(r, end))),
-        )
+            every_position=True,
+        ).logits
         scores.update({i: logits[i - r] for i in range(r, end)})
         r = end
     s.steps += 1
     return scores
 
 
-def _accept(
-    s: Scheduler, row: _Row, r: int, scores: torch.Tensor, drafts: list[int], dists: list[torch.Tensor | None]
-) -> None:
+def _accept(s: Rounds, row, r: int, scores: torch.Tensor, drafts: list[int], dists: list[torch.Tensor | None]) -> None:
     """Keep what budget ``k`` accepts of row ``r``'s first ``draft_tokens`` drafts (``scores
     [N + 1, vocab]``, its verify logits), send those tokens and the one after them, and mask
     the slots of the drafts it rejected."""
@@ -247,4 +170,4 @@ def _accept(
     for i, token in enumerate([*drafts[:kept], int(nxt[0])]):
         if row.done:
             break
-        s._emit(row, token, scores[i : i + 1], job.budget)
+        s.emit(row, token, scores[i : i + 1], job.budget)
