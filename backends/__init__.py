@@ -10,7 +10,7 @@ One subpackage per backend, and the modules they share at the top:
   memory-mapped copy of the weights), its IOBinding and its step engine;
 * :mod:`looptool.backends.tensorrt` — TensorRT: the graph variants and engine builds, the
   plugins and their AOT kernels, the ``Runtime`` and its step engine;
-* shared: :mod:`~looptool.backends.serving` (the backend-neutral decode interface),
+* shared: :mod:`~looptool.backends.interface` (the backend-neutral decode interface),
   :mod:`~looptool.backends.manifest` (an engine directory's ``manifest.json``, typed),
   :mod:`~looptool.backends.errors` and :mod:`~looptool.backends.engines` (export and open
   by backend name).

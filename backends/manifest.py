@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from looptool.backends.errors import EngineError
-from looptool.backends.serving import BUDGETS, INPUTS, LOGITS, CacheLayout
+from looptool.backends.interface import BUDGETS, INPUTS, LOGITS, CacheLayout
 from looptool.core.graph import ROWWISE
 from looptool.core.plan import BudgetCost
 from looptool.core.version import __version__
+from looptool.core.words import counted
 from looptool.storage.files import sha256_file
 
 FORMAT = "looptool-onnx-engine"
@@ -496,3 +497,56 @@ def _tensorrt(t: dict) -> TensorRTSection:
         if built
         else None,
     )
+
+
+def check_request(
+    manifest: Manifest,
+    input_ids,
+    attention_mask,
+    max_new_tokens: int,
+    capacity: int | None,
+):
+    """A generate request checked against an engine's manifest (any runtime): ``(input_ids
+    as a LongTensor [batch, prompt], attention_mask or None, cache capacity)``; one
+    sentence for each thing that is wrong."""
+    import numpy as np
+    import torch
+
+    from looptool.runtime.generation import check_generation_args
+
+    vocab_size = manifest.vocab_size
+    ids = input_ids.detach().cpu() if isinstance(input_ids, torch.Tensor) else torch.from_numpy(np.asarray(input_ids))
+    if ids.dim() != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise EngineError(f"input_ids must be [batch, sequence] with at least one token, got shape {tuple(ids.shape)}.")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise EngineError(f"input_ids must be integer token ids, got {ids.dtype}.")
+    if vocab_size is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise EngineError(
+            f"input_ids must lie in [0, {vocab_size}), got values from {int(ids.min())} to {int(ids.max())}."
+        )
+    ids = ids.long()
+    mask = None
+    if attention_mask is not None:
+        mask = (
+            attention_mask.detach().cpu()
+            if isinstance(attention_mask, torch.Tensor)
+            else torch.from_numpy(np.asarray(attention_mask))
+        )
+        if tuple(mask.shape) != tuple(ids.shape):
+            raise EngineError(
+                f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}; they must match."
+            )
+    check_generation_args(ids, max_new_tokens)
+    prompt = ids.shape[1]
+    capacity = prompt + max_new_tokens if capacity is None else capacity
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < prompt:
+        raise EngineError(
+            f"the prompt has {counted(prompt, 'token')}, more than the cache capacity {capacity}; raise the capacity."
+        )
+    limit = manifest.max_positions
+    if limit is not None and capacity > limit:
+        raise EngineError(
+            f"a cache of {counted(capacity, 'token')} exceeds the model's {counted(limit, 'position')}; use a shorter prompt or "
+            "fewer new tokens."
+        )
+    return ids, mask, int(capacity)

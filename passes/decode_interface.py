@@ -4,7 +4,7 @@ A cached path (``kv_cache``, ``last_position``; maybe ``fuse``, ``rowwise_budget
 ``adaptive_depth`` too) writes its KV caches in place (``index_copy_`` on a cache input) and
 returns the logits (the adaptive-depth path: the logits, then each row's depth). An
 exported engine returns the written caches instead (``present`` beside ``past``, see
-:mod:`looptool.backends.serving`). The pass rewrites a copy of every path:
+:mod:`looptool.backends.interface`). The pass rewrites a copy of every path:
 
 * every in-place cache write becomes the functional ``index_copy``, and later readers of
   that cache read the write's result;

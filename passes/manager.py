@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Callable, Iterable
@@ -12,7 +13,14 @@ from looptool.core.graph import LayerGraph, verify_layer_graph
 log = logging.getLogger(__name__)
 
 PassFn = Callable[[LayerGraph, dict], LayerGraph]
-_REGISTRY: dict[str, PassFn] = {}
+
+
+@functools.cache  # one per process: passes register when their modules are imported
+def _registry() -> dict[str, PassFn]:
+    """Every registered pass by name."""
+    return {}
+
+
 LOOPING_PASSES = ("prefix_loop", "recurrent_loop")  # what a pass rewriting budget paths requires
 
 
@@ -35,13 +43,13 @@ def register_pass(
     """
 
     def deco(fn: PassFn) -> PassFn:
-        if name in _REGISTRY:
+        if name in _registry():
             raise ValueError(f"a pass named {name!r} is already registered")
         fn.replayable = replayable  # type: ignore[attr-defined]
         fn.requires = tuple(requires)  # type: ignore[attr-defined]
         fn.before = tuple(before)  # type: ignore[attr-defined]
         fn.after = tuple(after)  # type: ignore[attr-defined]
-        _REGISTRY[name] = fn
+        _registry()[name] = fn
         return fn
 
     return deco
@@ -50,25 +58,25 @@ def register_pass(
 def get_pass(name: str) -> PassFn:
     """The registered pass called ``name``."""
     try:
-        return _REGISTRY[name]
+        return _registry()[name]
     except KeyError:
-        raise PassError(f"no pass named {name!r}; registered passes: {sorted(_REGISTRY)}.") from None
+        raise PassError(f"no pass named {name!r}; registered passes: {sorted(_registry())}.") from None
 
 
 def unregister_pass(name: str) -> None:
     """Remove a registered pass (tests and plugins that register passes temporarily)."""
-    _REGISTRY.pop(name, None)
+    _registry().pop(name, None)
 
 
 def registered_passes() -> tuple[str, ...]:
     """Names of all registered passes."""
-    return tuple(sorted(_REGISTRY))
+    return tuple(sorted(_registry()))
 
 
 def must_precede(first: str, second: str) -> bool:
     """Whether a registered pass declares that ``first`` runs before ``second`` (``first``'s
     ``before`` or ``second``'s ``after``)."""
-    a, b = _REGISTRY.get(first), _REGISTRY.get(second)
+    a, b = _registry().get(first), _registry().get(second)
     return second in getattr(a, "before", ()) or first in getattr(b, "after", ())
 
 

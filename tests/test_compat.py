@@ -113,18 +113,19 @@ def test_decomposition_patch_skips_the_retrace_the_exporter_runs(monkeypatch):
 
 def test_registry_patch_builds_the_exporters_registry_once(monkeypatch):
     """The exporter takes its torchlib registry from ``ONNXRegistry.from_torchlib``: inside the
-    block, two exports build it once (kept in ``_PRISTINE``) and get copies; torch's own
+    block, two exports build it once (kept in ``_registries()``) and get copies; torch's own
     classmethod is back after."""
     from torch.onnx._internal.exporter._registration import ONNXRegistry
 
     own = vars(ONNXRegistry)["from_torchlib"]
-    monkeypatch.setattr(compat, "_PRISTINE", {})
+    held = compat._Registries()
+    monkeypatch.setattr(compat, "_registries", lambda: held)
     module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     with _no_compat_warning(), compat.reused_torchlib_registry():
         _onnx_export(module)
-        kept = dict(compat._PRISTINE)
+        kept = dict(held.kept)
         _onnx_export(module)
-    assert len(kept) == 1 and compat._PRISTINE == kept  # built by the first export only
+    assert len(kept) == 1 and held.kept == kept  # built by the first export only
     assert vars(ONNXRegistry)["from_torchlib"] is own
 
 
@@ -135,18 +136,18 @@ def test_registry_patch_builds_again_once_more_operators_are_registered(monkeypa
     equal to the one torch would make."""
     from torch.onnx._internal.exporter._registration import ONNXRegistry
 
-    monkeypatch.setattr(compat, "_PRISTINE", {})
-    monkeypatch.setattr(compat, "_BUILT_WITH", {})
+    held = compat._Registries()
+    monkeypatch.setattr(compat, "_registries", lambda: held)
     with _no_compat_warning(), compat.reused_torchlib_registry():
         first = ONNXRegistry.from_torchlib()
-        kept = compat._PRISTINE[first.opset_version]
+        kept = held.kept[first.opset_version]
         ONNXRegistry.from_torchlib()
-        assert compat._PRISTINE[first.opset_version] is kept  # nothing registered in between: reused
+        assert held.kept[first.opset_version] is kept  # nothing registered in between: reused
         library = torch.library.Library("looptool_compat_test", "DEF")
         library.define("noop(Tensor x) -> Tensor")
         try:
             again = ONNXRegistry.from_torchlib()
-            assert compat._PRISTINE[first.opset_version] is not kept
+            assert held.kept[first.opset_version] is not kept
         finally:
             del library
     assert again.functions.keys() == ONNXRegistry.from_torchlib().functions.keys()

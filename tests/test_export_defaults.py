@@ -21,9 +21,9 @@ import torch
 from typer.testing import CliRunner
 
 import looptool
+from looptool.backends.interface import BUDGETS
 from looptool.backends.manifest import Manifest
 from looptool.backends.onnx.validate import FP16_ATOL
-from looptool.backends.serving import BUDGETS
 from looptool.backends.tensorrt.export import PLUGIN_NAMESPACE, weight_arrays
 from looptool.backends.tensorrt.moe import MOE_OPS
 from looptool.cli import app

@@ -1,7 +1,8 @@
 """The package's shape: module sizes, the import graph, and a CLI that only parses and prints.
 
 The import graph is read from the source (every ``import``, at module level or inside a
-function, except those under ``if TYPE_CHECKING:``), so a lazy import cannot hide a cycle.
+function), so a lazy import cannot hide a cycle; the stage checks leave out the imports under
+``if TYPE_CHECKING:`` (annotations name a type, they load nothing), the cycle check does not.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # source folder -> import name (passes/ and backends/ install as looptool.passes / looptool.backends)
 TREES = {"looptool": "looptool", "passes": "looptool.passes", "backends": "looptool.backends"}
-MAX_LINES = 500
 
 
 def modules() -> dict[str, pathlib.Path]:
@@ -38,8 +38,9 @@ def _type_checking_only(node: ast.If) -> bool:
     )
 
 
-def imports_of(path: pathlib.Path, name: str, known: set[str]) -> set[str]:
-    """The looptool modules ``path`` imports (the deepest known module each import names)."""
+def imports_of(path: pathlib.Path, name: str, known: set[str], type_checking: bool = False) -> set[str]:
+    """The looptool modules ``path`` imports (the deepest known module each import names), with
+    ``type_checking`` those under ``if TYPE_CHECKING:`` too."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     targets: set[str] = set()
 
@@ -50,7 +51,7 @@ def imports_of(path: pathlib.Path, name: str, known: set[str]) -> set[str]:
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _type_checking_only(child):
+            if isinstance(child, ast.If) and _type_checking_only(child) and not type_checking:
                 for alt in child.orelse:
                     visit(alt)
                 continue
@@ -75,10 +76,10 @@ def imports_of(path: pathlib.Path, name: str, known: set[str]) -> set[str]:
     return targets
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
     mods = modules()
     known = set(mods)
-    return {name: imports_of(path, name, known) for name, path in mods.items()}
+    return {name: imports_of(path, name, known, type_checking) for name, path in mods.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -112,13 +113,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_no_module_over_500_lines():
-    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"modules over {MAX_LINES} lines: {long}"
-
-
 def test_no_import_cycle():
-    cycle = find_cycle(import_graph())
+    cycle = find_cycle(import_graph(type_checking=True))
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
@@ -142,6 +138,14 @@ def test_the_cycle_check_catches_a_cycle():
         "looptool.a",
     ]
     assert find_cycle({"looptool.a": {"looptool.b"}, "looptool.b": set()}) is None
+
+
+def test_the_cycle_check_reads_imports_for_type_checking(tmp_path):
+    source = tmp_path / "a.py"
+    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from looptool.b import X\n")
+    known = {"looptool.a", "looptool.b"}
+    assert imports_of(source, "looptool.a", known, type_checking=True) == {"looptool.b"}
+    assert imports_of(source, "looptool.a", known) == set()
 
 
 @pytest.mark.parametrize("name", sorted(set(modules()) - {"looptool.__main__"}))  # __main__ runs the CLI
@@ -265,7 +269,7 @@ BACKENDS = ("onnx", "ort", "tensorrt")  # one subpackage per backend
 # what every backend shares, the only modules at the top of backends/: the decode interface,
 # the engine manifest, the errors, and export/open by backend name (the dtype names are
 # looptool.core.dtypes, shared with storage)
-BACKENDS_SHARED = ("__init__", "engine_files", "engines", "errors", "manifest", "serving")
+BACKENDS_SHARED = ("__init__", "engine_files", "engines", "errors", "interface", "manifest")
 
 
 def test_backends_top_holds_only_shared_modules_and_one_subpackage_per_backend():
@@ -413,6 +417,77 @@ def test_the_module_state_check_catches_state():
     assert not module_state("CAPTURES = Kind('captures', 2)") and not module_state("log = logging.getLogger(x)")
     assert not module_state("def f():\n    seen = {}\n    return seen")  # a function's own
     assert not module_state("class C:\n    def __init__(self):\n        self.stats = Counter()")
+
+
+# ---------------------------------------------------------------------- no module keeps state
+MUTATORS = {
+    "append",
+    "appendleft",
+    "add",
+    "clear",
+    "discard",
+    "extend",
+    "insert",
+    "pop",
+    "popitem",
+    "popleft",
+    "remove",
+    "setdefault",
+    "update",
+}
+
+
+def module_mutations(source: str) -> list[str]:
+    """Where a function changes module-level state: a ``global`` statement, or an item
+    assignment, item deletion or mutating method call (``append``, ``update``, ...) on a name
+    the module binds and the function does not. What must live for the process is an object
+    made once (``functools.cache``) or passed down, not a container a module changes."""
+    tree = ast.parse(source)
+    names = set()
+    for node in tree.body:
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    found = set()
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        own = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Global):
+                found.add(f"line {node.lineno}: global {', '.join(node.names)}")
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    own |= {t.id} if isinstance(t, ast.Name) else set()
+        for node in ast.walk(fn):
+            changed = None
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                for t in node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]:
+                    if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name):
+                        changed = t.value.id
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if node.func.attr in MUTATORS and isinstance(node.func.value, ast.Name):
+                    changed = node.func.value.id
+            if changed in names and changed not in own:
+                found.add(f"line {node.lineno}: changes {changed}")
+    return sorted(found)
+
+
+def test_no_module_keeps_mutable_state():
+    offenders = {name: found for name, path in modules().items() if (found := module_mutations(path.read_text()))}
+    assert not offenders, f"modules whose functions change module-level state: {offenders}"
+
+
+def test_the_mutable_state_check_catches_state():
+    assert module_mutations("X = {}\ndef f():\n    X['a'] = 1")
+    assert module_mutations("X: list = []\ndef f():\n    X.append(1)")
+    assert module_mutations("N = 0\ndef f():\n    global N\n    N += 1")
+    assert module_mutations("X = {}\nclass C:\n    def f(self):\n        del X['a']")
+    assert not module_mutations("X = {}\ndef f():\n    X = {}\n    X['a'] = 1")  # the function's own
+    assert not module_mutations("X = {'a': 1}\ndef f():\n    return X['a']")  # a constant table, read
+    assert not module_mutations("def f(x):\n    x.append(1)")  # an argument
+    assert not module_mutations("class C:\n    def f(self):\n        self.x.append(1)")
 
 
 # ---------------------------------------------------------------------- a thin command line

@@ -79,7 +79,7 @@ def test_decode_interface_is_pure_and_puts_the_path_in_interface_order(prefix):
 @pytest.mark.parametrize("kind", [2, ROWWISE])
 def test_decode_interface_computes_what_the_cached_path_computes(prefix, kind):
     """Bit-identical logits, and the returned caches equal those the cached path writes in place."""
-    from looptool.backends.serving import rowwise_serving_graph, serving_graph
+    from looptool.backends.interface import rowwise_serving_graph, serving_graph
 
     if kind == ROWWISE:
         from looptool.runtime.decode_graphs import rowwise_path
@@ -142,7 +142,7 @@ def test_decode_interface_must_follow_the_passes_it_lowers(prefix):
 def test_unflatten_crossings_is_pure_and_exact_on_route_replay(replay):
     """Loop 1's flattened top-k weights and experts reach loop 2 as ``[batch, step, k]`` views,
     flattened again inside loop 2: the graph gains views and computes the same."""
-    from looptool.backends.serving import rowwise_serving_graph
+    from looptool.backends.interface import rowwise_serving_graph
 
     lg = PassManager([("fuse", {}), ("decode_interface", {})])(rowwise_layer_graph(replay))
     before = _snapshot(lg)

@@ -15,13 +15,13 @@ import torch
 
 import looptool
 from looptool.backends.errors import EngineError, ExportError
+from looptool.backends.interface import CacheLayout, serving_graph
 from looptool.backends.manifest import MANIFEST, WEIGHTS, Manifest
 from looptool.backends.onnx.export import export_onnx, export_program, serving_example
 from looptool.backends.onnx.layers import LAYER_DOMAIN
 from looptool.backends.onnx.store import INLINE_LIMIT
 from looptool.backends.ort.binding import CacheBinding
 from looptool.backends.ort.runtime import Runtime
-from looptool.backends.serving import CacheLayout, serving_graph
 from looptool.runtime.generation import GenerationOutput, generate
 from looptool.storage.files import sha256_file
 from looptool.testing import tiny_model

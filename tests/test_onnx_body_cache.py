@@ -162,7 +162,7 @@ def test_the_torchlib_registry_is_built_once_and_each_export_gets_its_own_copy()
     fresh = ONNXRegistry.from_torchlib()
     with compat.reused_torchlib_registry():
         a, b = ONNXRegistry.from_torchlib(), ONNXRegistry.from_torchlib()
-        kept = compat._PRISTINE[fresh.opset_version]
+        kept = compat._registries().kept[fresh.opset_version]
     assert vars(ONNXRegistry)["from_torchlib"] is own
     assert a is not b and a is not kept
     assert a.opset_version == fresh.opset_version

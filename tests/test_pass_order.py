@@ -41,7 +41,7 @@ def spy(monkeypatch):
             return _fn(lg, config)
 
         wrapped.__dict__.update(fn.__dict__)  # replayable, requires, before, after
-        monkeypatch.setitem(manager._REGISTRY, name, wrapped)
+        monkeypatch.setitem(manager._registry(), name, wrapped)
     return calls
 
 
@@ -149,7 +149,7 @@ def test_cached_decode_paths_go_through_the_manager(prefix, spy):
 
 
 def test_the_serving_graph_fuses_through_the_manager(prefix, spy):
-    from looptool.backends.serving import serving_graph
+    from looptool.backends.interface import serving_graph
     from looptool.passes.fuse import fuse_graph
     from looptool.runtime.decode_graphs import cached_paths
 
@@ -162,7 +162,7 @@ def test_the_serving_graph_fuses_through_the_manager(prefix, spy):
 
 
 def test_a_serving_graph_for_composing_unflattens_through_the_manager(prefix, spy):
-    from looptool.backends.serving import rowwise_serving_graph
+    from looptool.backends.interface import rowwise_serving_graph
     from looptool.runtime.decode_graphs import rowwise_path
 
     rowwise_path(prefix, "per-loop")

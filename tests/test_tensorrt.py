@@ -6,6 +6,7 @@ imports (the MoE steps' plugins in detail: test_trt_moe).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -309,7 +310,7 @@ def test_build_and_runtime_decode_like_onnxruntime_through_a_tensorrt_test_doubl
     from looptool.backends.tensorrt import plugins as trt_plugins
 
     trt = fake_tensorrt.install(monkeypatch)
-    monkeypatch.setattr(trt_plugins, "_REGISTERED", [])
+    monkeypatch.setattr(trt_plugins, "register", functools.cache(trt_plugins.register.__wrapped__))  # registers anew
     fake_tensorrt.pretend_gpu(monkeypatch)
     directory = tmp_path / "e"
     shutil.copytree(on_target, directory)

@@ -6,6 +6,7 @@ alone, and :func:`looptool.engine.open_engine` choosing TensorRT for such a dire
 
 from __future__ import annotations
 
+import functools
 import shutil
 import threading
 
@@ -48,7 +49,7 @@ def built(exported, tmp_path, monkeypatch):
     from looptool.backends.tensorrt.export import build_engines
 
     fake_tensorrt.install(monkeypatch)
-    monkeypatch.setattr(trt_plugins, "_REGISTERED", [])
+    monkeypatch.setattr(trt_plugins, "register", functools.cache(trt_plugins.register.__wrapped__))  # registers anew
     fake_tensorrt.pretend_gpu(monkeypatch)
     directory = tmp_path / "e"
     shutil.copytree(exported, directory)

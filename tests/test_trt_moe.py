@@ -9,6 +9,7 @@ test double here; its variants against the ONNX graphs: test_export_defaults, te
 
 from __future__ import annotations
 
+import functools
 import types
 
 import numpy as np
@@ -137,7 +138,7 @@ def test_plugin_launches_give_the_bodies_outputs(dtype, monkeypatch):
     from looptool.backends.tensorrt import plugins as trt_plugins
 
     trt = fake_tensorrt.install(monkeypatch)
-    monkeypatch.setattr(trt_plugins, "_REGISTERED", [])
+    monkeypatch.setattr(trt_plugins, "register", functools.cache(trt_plugins.register.__wrapped__))  # registers anew
 
     def fake_compile(op, dtype, *, num_experts=8, block_m=BLOCK_M, **_):
         fn, signature, constexprs, scalars, block, columns, options = trt_moe.aot_spec(
@@ -215,7 +216,7 @@ def test_an_moe_model_builds_and_decodes_through_the_test_double(tmp_path, monke
     assert "Moe" not in plugins and all(plugins[op] == 6 for op in MOE_OPS), plugins
 
     trt = fake_tensorrt.install(monkeypatch)
-    monkeypatch.setattr(trt_plugins, "_REGISTERED", [])
+    monkeypatch.setattr(trt_plugins, "register", functools.cache(trt_plugins.register.__wrapped__))  # registers anew
     fake_tensorrt.pretend_gpu(monkeypatch)
     build_engines(out)
     assert all(set(trt.plugin.registered[f"looptool::{op}"]) == {"register", "autotune", "aot_impl"} for op in MOE_OPS)

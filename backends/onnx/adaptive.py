@@ -2,7 +2,7 @@
 
 ``budget="auto"`` (:mod:`looptool.runtime.adaptive`) runs one graph whose rows decide their own
 depth token by token: the *adaptive-depth graph*
-(:func:`~looptool.backends.serving.adaptive_serving_graph`, lowered from
+(:func:`~looptool.backends.interface.adaptive_serving_graph`, lowered from
 :func:`~looptool.runtime.decode_graphs.adaptive_layer_graph` exactly as a budget's graph is from
 its cached path). Its inputs are the step inputs, then ``min_budget``, ``max_budget`` (int64
 ``[batch]``) and ``exit_threshold`` (float32 ``[batch]``), then the deepest budget's cache pairs;
@@ -74,7 +74,7 @@ def export_adaptive_graphs(
     ``export_graph(sg, budget, policy, file=...)`` (the exporter's own routine for one graph,
     bound to its weight store and layer library); returns the reports (``budget``
     ``"adaptive.<rule>"``) and the manifest entries."""
-    from looptool.backends.serving import adaptive_serving_graph
+    from looptool.backends.interface import adaptive_serving_graph
 
     results: list[BudgetExport] = []
     entries: dict[tuple[str, str], GraphEntry] = {}

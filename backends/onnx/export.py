@@ -9,7 +9,7 @@ An engine directory holds::
     adaptive.<rule>.<policy>.onnx   with adaptive=True: the adaptive-depth graph (budget="auto")
     manifest.json               budgets, policies, files with sha256, cache layouts, tensor table
 
-Each graph is a budget path in the decode interface of :mod:`looptool.backends.serving`:
+Each graph is a budget path in the decode interface of :mod:`looptool.backends.interface`:
 one graph with a dynamic step length serves the prefill and every decode step, reading and
 writing a fixed-capacity KV cache. Graphs are composed from layer functions
 (:mod:`looptool.backends.onnx.layers`): each distinct layer body is exported once with
@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 
 from looptool.backends.errors import ExportError
+from looptool.backends.interface import example_extras
 from looptool.backends.manifest import WEIGHTS, GraphEntry
 from looptool.backends.onnx.adaptive import adaptive_rules, adaptive_targets, export_adaptive_graphs
 from looptool.backends.onnx.format import budget_file, export_manifest
@@ -66,7 +67,6 @@ from looptool.backends.onnx.selection import looped_by_default, resolve_budgets,
 from looptool.backends.onnx.speculative import export_verify_graphs, verify_targets
 from looptool.backends.onnx.store import WeightStore, externalize, to_numpy
 from looptool.backends.onnx.validate import ADAPTIVE, VERIFY, validate_engine
-from looptool.backends.serving import example_extras
 from looptool.core.compat import decompose_only_what_onnx_lacks, reused_torchlib_registry, without_torchvision_notice
 from looptool.core.errors import require_extra
 from looptool.core.graph import ROWWISE
@@ -146,8 +146,8 @@ def export_onnx(
     and a row's tokens then depend on the batch it runs in.
     """
     require_extra("onnx", "ONNX export", "onnx", "onnxscript", "onnx_ir", *(("onnxruntime",) if validate else ()))
+    from looptool.backends.interface import rowwise_serving_graph, serving_graph
     from looptool.backends.onnx.layers import LayerLibrary
-    from looptool.backends.serving import rowwise_serving_graph, serving_graph
     from looptool.storage.files import commit_output_dir, prepare_output_dir
 
     say = on_progress or (lambda text: None)

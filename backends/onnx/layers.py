@@ -33,9 +33,9 @@ import onnx
 import torch
 from torch import fx
 
+from looptool.backends.interface import BUDGETS, DEPTH, LOGITS, ServingGraph, example_extras
 from looptool.backends.onnx import body_cache as onnx_body_cache
 from looptool.backends.onnx.store import to_numpy
-from looptool.backends.serving import BUDGETS, DEPTH, LOGITS, ServingGraph, example_extras
 from looptool.core.dtypes import named, of_torch
 from looptool.core.errors import LooptoolError
 from looptool.passes.adaptive_depth import EXIT_THRESHOLD, MAX_BUDGET, MIN_BUDGET
@@ -275,7 +275,7 @@ class LayerLibrary:
 def example_inputs(comp: Composition, sg: ServingGraph) -> list[torch.Tensor]:
     """A prefill step of ``EXAMPLE_STEP`` tokens for ``EXAMPLE_BATCH`` rows into caches of
     ``EXAMPLE_CAPACITY`` slots, in the layout's dtype (row-wise and adaptive-depth graphs: their
-    extra inputs from :func:`~looptool.backends.serving.example_extras`)."""
+    extra inputs from :func:`~looptool.backends.interface.example_extras`)."""
     layout = sg.layout
     b, t, s = EXAMPLE_BATCH, EXAMPLE_STEP, EXAMPLE_CAPACITY
     placeholders = [n for n in comp.graph.nodes if n.op == "placeholder"]

@@ -1,6 +1,6 @@
 """One graph for every budget: the window of a fixed-prefix plan as ONNX ``Loop`` nodes.
 
-The row-wise graph (:func:`looptool.backends.serving.rowwise_serving_graph`) already serves
+The row-wise graph (:func:`looptool.backends.interface.rowwise_serving_graph`) already serves
 every budget of the menu in one graph, each row at its own budget, but it runs every second
 pass for every row and masks the ones a row's budget does not take: it costs the deepest
 budget whatever its rows ask for. Its composed form (:mod:`looptool.backends.onnx.layers`)

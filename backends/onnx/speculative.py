@@ -3,7 +3,7 @@
 Self-speculative decoding (:mod:`looptool.runtime.speculative`) drafts tokens on a shallow
 budget's graph and scores them on budget ``k``'s *verify graph*: budget ``k``'s serving graph
 with the same inputs and cache pairs, but ``logits [batch, step, vocab]`` at every position of
-the step (:func:`~looptool.backends.serving.verify_serving_graph`, lowered from
+the step (:func:`~looptool.backends.interface.verify_serving_graph`, lowered from
 :func:`~looptool.runtime.decode_graphs.verify_layer_graph` exactly as a budget's graph is from
 :func:`~looptool.runtime.decode_graphs.cached_layer_graph`). A verify graph is written for every
 exported budget that a shallower exported budget can draft for (each but the shallowest), per
@@ -52,7 +52,7 @@ def export_verify_graphs(
     """Export the verify graph of each ``(budget, policy)`` of ``targets`` with ``export_graph(sg, budget, policy, file=...)`` (the exporter's own routine for one
     graph, bound to its weight store and layer library); returns the reports and the manifest
     entries."""
-    from looptool.backends.serving import verify_serving_graph
+    from looptool.backends.interface import verify_serving_graph
 
     results: list[BudgetExport] = []
     entries: dict[tuple[int, str], GraphEntry] = {}

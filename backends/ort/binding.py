@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from looptool.backends.errors import EngineError
-from looptool.backends.serving import BUDGETS, DEPTH, INPUTS, LOGITS, CacheLayout, row_inputs
+from looptool.backends.interface import BUDGETS, DEPTH, INPUTS, LOGITS, CacheLayout, row_inputs
 from looptool.core.dtypes import named
 from looptool.engine.budgets import RowBudgets
 from looptool.passes.adaptive_depth import AUTO_INPUTS, MIN_BUDGET

@@ -29,8 +29,8 @@ import torch
 
 from looptool.backends.engine_files import engine_tokenizer
 from looptool.backends.errors import EngineError, ReexportError
+from looptool.backends.interface import DEPTH, INPUTS, LOGITS, CacheLayout, past_name, present_name, row_inputs
 from looptool.backends.manifest import MANIFEST, Manifest
-from looptool.backends.serving import DEPTH, INPUTS, LOGITS, CacheLayout, past_name, present_name, row_inputs
 from looptool.core.dtypes import named
 from looptool.core.graph import ROWWISE
 from looptool.engine.budgets import PER_LOOP_AUTO

@@ -16,6 +16,7 @@ copied per token; the attention mask is bound once too and updated in place.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -25,9 +26,9 @@ import numpy as np
 
 from looptool.backends.engine_files import check_external_data, inside
 from looptool.backends.errors import EngineError, ReexportError
-from looptool.backends.manifest import MANIFEST, WEIGHTS, GraphEntry, Manifest
+from looptool.backends.interface import CacheLayout
+from looptool.backends.manifest import MANIFEST, WEIGHTS, GraphEntry, Manifest, check_request
 from looptool.backends.ort.binding import CacheBinding
-from looptool.backends.serving import CacheLayout, check_request
 from looptool.core.dtypes import named
 from looptool.core.errors import require_extra
 from looptool.core.graph import ROWWISE
@@ -37,21 +38,19 @@ from looptool.engine.sampling import GREEDY, SamplingParams
 log = logging.getLogger(__name__)
 
 _GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
-_SHARED_ARENA: list[bool] = []  # set once the process-wide CPU arena is registered
 
 
+@functools.cache  # once per process: onnxruntime's environment keeps the arena
 def _shared_cpu_arena() -> bool:
     """Register one CPU arena with onnxruntime's environment so that every session's
     activations come from the same pool (one set of scratch buffers for all budgets)."""
     import onnxruntime as ort
 
-    if not _SHARED_ARENA:
-        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-        try:
-            ort.create_and_register_allocator(info, None)
-        except Exception as exc:  # noqa: BLE001  (already registered by the host application: use that one)
-            log.debug("shared CPU arena not registered (%s)", exc)
-        _SHARED_ARENA.append(True)
+    info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+    try:
+        ort.create_and_register_allocator(info, None)
+    except Exception as exc:  # noqa: BLE001  (already registered by the host application: use that one)
+        log.debug("shared CPU arena not registered (%s)", exc)
     return True
 
 

@@ -22,8 +22,8 @@ import torch
 
 from looptool.backends.engine_files import engine_tokenizer
 from looptool.backends.errors import EngineError, ReexportError
+from looptool.backends.interface import BUDGETS, INPUTS, LOGITS, CacheLayout, past_name, present_name
 from looptool.backends.manifest import MANIFEST, Manifest
-from looptool.backends.serving import BUDGETS, INPUTS, LOGITS, CacheLayout, past_name, present_name
 from looptool.core.graph import ROWWISE
 from looptool.engine.interface import (
     Capabilities,

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from looptool.backends.errors import ExportError
+from looptool.backends.interface import BUDGETS, INPUTS, CacheLayout
 from looptool.backends.manifest import (
     WEIGHTS,
     BuiltOn,
@@ -53,7 +54,6 @@ from looptool.backends.manifest import (
     VariantEntry,
 )
 from looptool.backends.onnx.format import budget_file
-from looptool.backends.serving import BUDGETS, INPUTS, CacheLayout
 from looptool.backends.tensorrt.kernels import AOT_OPS
 from looptool.backends.tensorrt.moe import split_moe
 from looptool.core.dtypes import DTYPES, named, raw_numpy

@@ -16,7 +16,8 @@ Nothing here runs without TensorRT; :func:`register` imports it. (No ``from __fu
 import annotations`` here: TensorRT reads the ``trtp.TensorDesc`` annotations as classes.)
 """
 
-_REGISTERED: list[bool] = []
+import functools
+
 _FLOATS = ("fp32", "fp16", "bf16")  # the float types every plugin takes (names of looptool.core.dtypes)
 
 
@@ -56,10 +57,9 @@ def _launch(kernel, work, extra, columns=None):
     )
 
 
+@functools.cache  # once per process: TensorRT's plugin registry keeps them
 def register() -> None:
     """Register the plugins with TensorRT's plugin registry (once per process)."""
-    if _REGISTERED:
-        return
     import tensorrt as trt
     import tensorrt.plugin as trtp
 
@@ -193,5 +193,3 @@ def register() -> None:
         n = routing_weights.shape_expr[0] * out.shape_expr[1]
         kernel = aot_compile("MoeCombine", _dtype_name(routing_weights))
         return _launch(kernel, n, [n, out.shape_expr[1], routing_weights.shape_expr[1]])
-
-    _REGISTERED.append(True)

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from looptool.backends.errors import EngineError
-from looptool.backends.manifest import MANIFEST, WEIGHTS, BuiltOn, Manifest, TensorEntry
-from looptool.backends.serving import INPUTS, LOGITS, CacheLayout, check_request
+from looptool.backends.interface import INPUTS, LOGITS, CacheLayout
+from looptool.backends.manifest import MANIFEST, WEIGHTS, BuiltOn, Manifest, TensorEntry, check_request
 from looptool.backends.tensorrt.export import BUILD_SCRIPT, require_tensorrt
 from looptool.core.dtypes import named
 from looptool.core.graph import ROWWISE

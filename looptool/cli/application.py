@@ -62,17 +62,24 @@ console = Console(stderr=True)
 # Tables are wide; when piped (CI logs, files) do not squeeze them into 80 columns.
 out = Console() if sys.stdout.isatty() else Console(width=160)
 
-_DEBUG = {"on": False}  # set per invocation by the app callback
-
 
 @app.callback()
 def _options(
+    ctx: typer.Context,
     debug: Annotated[
         bool, typer.Option("--debug", help="Show the full traceback of an internal error (or LOOPTOOL_DEBUG=1).")
     ] = False,
 ) -> None:
     """Loop pretrained decoder LMs for elastic-depth inference."""
-    _DEBUG["on"] = debug or os.environ.get("LOOPTOOL_DEBUG", "") not in ("", "0")
+    ctx.obj = {"debug": debug}  # this invocation's settings, read by friendly()
+
+
+def _debugging() -> bool:
+    """Whether this invocation shows tracebacks: ``--debug`` on its command line, or
+    ``LOOPTOOL_DEBUG`` set (and not 0)."""
+    ctx = click.get_current_context(silent=True)
+    flag = bool(ctx is not None and isinstance(ctx.find_root().obj, dict) and ctx.find_root().obj.get("debug"))
+    return flag or os.environ.get("LOOPTOOL_DEBUG", "") not in ("", "0")
 
 
 def friendly(fn: Callable) -> Callable:
@@ -99,7 +106,7 @@ def friendly(fn: Callable) -> Callable:
         ):
             raise
         except Exception as exc:
-            if _DEBUG["on"]:
+            if _debugging():
                 raise
             console.print(
                 f"[bold red]internal error:[/] {escape(type(exc).__name__)}: {escape(str(exc))} — this is a "

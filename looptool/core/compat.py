@@ -129,10 +129,22 @@ PATCHES = (STACK_TRACES, FAKE_TENSOR_CACHE, ONNX_DECOMPOSITION, ONNX_REGISTRY, O
 
 
 # ---------------------------------------------------------------------- the one way to replace an attribute
-_LOCK = threading.Lock()
-_DEPTH: dict[tuple[str, str], int] = {}  # (owner, attribute) -> nesting depth
-_SAVED: dict[tuple[str, str], object] = {}  # the value before, restored when the depth returns to 0
 _INHERITED = object()  # saved for a class attribute the class itself does not define
+
+
+class _Overrides:
+    """The attributes :func:`overridden` holds replaced in this process: per ``(owner,
+    attribute)`` its nesting depth and the value before, restored when the depth returns to 0."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth: dict[tuple[str, str], int] = {}
+        self.saved: dict[tuple[str, str], object] = {}
+
+
+@functools.cache  # one per process: the attributes it replaces are the process's
+def _overrides() -> _Overrides:
+    return _Overrides()
 
 
 @contextlib.contextmanager
@@ -148,22 +160,22 @@ def overridden(owner: str, name: str, value: object) -> Iterator[None]:
     if not hasattr(target, name):
         yield
         return
-    slot = (owner, name)
-    with _LOCK:
-        if not _DEPTH.get(slot):
+    slot, held = (owner, name), _overrides()
+    with held.lock:
+        if not held.depth.get(slot):
             if isinstance(target, type):
-                _SAVED[slot] = vars(target).get(name, _INHERITED)
+                held.saved[slot] = vars(target).get(name, _INHERITED)
             else:
-                _SAVED[slot] = getattr(target, name)
+                held.saved[slot] = getattr(target, name)
             setattr(target, name, value)
-        _DEPTH[slot] = _DEPTH.get(slot, 0) + 1
+        held.depth[slot] = held.depth.get(slot, 0) + 1
     try:
         yield
     finally:
-        with _LOCK:
-            _DEPTH[slot] -= 1
-            if not _DEPTH[slot]:
-                saved = _SAVED.pop(slot)
+        with held.lock:
+            held.depth[slot] -= 1
+            if not held.depth[slot]:
+                saved = held.saved.pop(slot)
                 if saved is _INHERITED:
                     delattr(target, name)
                 else:
@@ -282,9 +294,19 @@ def _assertion_ops() -> frozenset:
     )
 
 
-_REGISTRY_LOCK = threading.Lock()
-_PRISTINE: dict[int, object] = {}  # opset version -> torch's registry of torchlib functions, as built
-_BUILT_WITH: dict[int, int] = {}  # opset version -> how many operators torch had when that registry was built
+class _Registries:
+    """torch's registries of torchlib functions as built, per opset version (``kept``), and how
+    many operators torch had when each was built (``built_with``)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.kept: dict[int, object] = {}
+        self.built_with: dict[int, int] = {}
+
+
+@functools.cache  # one per process: what torch's exporter would build again on every call
+def _registries() -> _Registries:
+    return _Registries()
 
 
 @contextlib.contextmanager
@@ -319,12 +341,12 @@ def reused_torchlib_registry() -> Iterator[None]:
         return
 
     def from_torchlib(cls, opset_version=probe.opset_version):
-        count = len(operators())
-        with _REGISTRY_LOCK:
-            if opset_version not in _PRISTINE or _BUILT_WITH.get(opset_version) != count:
-                _PRISTINE[opset_version] = built.__func__(cls, opset_version)
-                _BUILT_WITH[opset_version] = count
-            kept = _PRISTINE[opset_version]
+        count, held = len(operators()), _registries()
+        with held.lock:
+            if opset_version not in held.kept or held.built_with.get(opset_version) != count:
+                held.kept[opset_version] = built.__func__(cls, opset_version)
+                held.built_with[opset_version] = count
+            kept = held.kept[opset_version]
         copy = cls()
         copy._opset_version = kept._opset_version
         copy.functions = {target: list(metas) for target, metas in kept.functions.items()}

@@ -29,7 +29,7 @@ from looptool.passes.adaptive_depth import EXIT_RULES
 from looptool.runtime.decode_graphs import adaptive_path, allocate_cache, check_policy
 
 if TYPE_CHECKING:
-    from looptool.runtime.model import LoopedModel
+    from looptool.runtime.network import LoopedNetwork
 
 AUTO = "auto"
 
@@ -71,7 +71,7 @@ class AutoDepth:
     @classmethod
     def resolve(
         cls,
-        model: LoopedModel,
+        model: LoopedNetwork,
         min_budget: int | None = None,
         max_budget: int | None = None,
         exit_threshold: float | None = None,
@@ -96,7 +96,7 @@ class AutoDepth:
         return cls(lo, hi, float(thr), rule)
 
 
-def _menu_budget(model: LoopedModel, value, name: str) -> int:
+def _menu_budget(model: LoopedNetwork, value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise LooptoolError(f"{name} must be one integer budget of the menu, got {value!r}.", parameter=name)
     if value not in model.budgets:
@@ -107,7 +107,7 @@ def _menu_budget(model: LoopedModel, value, name: str) -> int:
     return value
 
 
-def check_auto_policy(model: LoopedModel, kv: str | None) -> str:
+def check_auto_policy(model: LoopedNetwork, kv: str | None) -> str:
     """The KV policy for ``budget="auto"`` (None: ``"last-loop"``); per-loop is refused."""
     if kv == "per-loop":
         raise LooptoolError(
@@ -124,7 +124,7 @@ class AutoStep:
     masked path (every step to the batch's deepest ``max_budget``; same results, for timing)."""
 
     def __init__(
-        self, model: LoopedModel, batch: int, capacity: int, settings: AutoDepth, kv: str | None, *, skip: bool = True
+        self, model: LoopedNetwork, batch: int, capacity: int, settings: AutoDepth, kv: str | None, *, skip: bool = True
     ):
         self.path = adaptive_path(model, check_auto_policy(model, kv), settings.exit_rule, skip=skip)
         param = next(model.parameters())

@@ -30,9 +30,9 @@ from looptool.passes.adaptive_depth import ADAPTIVE
 from looptool.passes.kv_cache import KV_POLICIES
 
 if TYPE_CHECKING:
-    from looptool.runtime.model import LoopedModel
+    from looptool.runtime.network import LoopedNetwork
 
-DERIVED_KEY = "decode_graphs"  # the entry of ``LoopedModel.derived`` that holds a model's DecodeGraphs
+DERIVED_KEY = "decode_graphs"  # the entry of ``LoopedNetwork.derived`` that holds a model's DecodeGraphs
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class DecodeGraphs:
     paths: dict[DecodeKey, dict[int | str, CachedPath]] = field(default_factory=dict)  # bound to the model
 
 
-def decode_graphs(model: LoopedModel) -> DecodeGraphs:
+def decode_graphs(model: LoopedNetwork) -> DecodeGraphs:
     """The decode graphs ``model`` keeps (empty at first)."""
     kept = model.derived.get(DERIVED_KEY)
     if not isinstance(kept, DecodeGraphs):
@@ -87,13 +87,13 @@ def decode_graphs(model: LoopedModel) -> DecodeGraphs:
     return kept
 
 
-def repeats_layers(model: LoopedModel) -> bool:
+def repeats_layers(model: LoopedNetwork) -> bool:
     """Whether some budget of ``model`` executes a layer more than once (last-loop caches need that)."""
     n = len(model.layer_graph.layers)
     return any(len(set(ex)) != len(ex) for ex in (model.plan.executed_layers(b, n) for b in model.budgets))
 
 
-def check_policy(model: LoopedModel, kv: str) -> str:
+def check_policy(model: LoopedNetwork, kv: str) -> str:
     """Validate a KV cache policy for ``model``."""
     if kv not in KV_POLICIES:
         raise LooptoolError(f"unknown KV cache policy {kv!r}; use one of {list(KV_POLICIES)}.", parameter="kv")
@@ -107,7 +107,7 @@ def check_policy(model: LoopedModel, kv: str) -> str:
     return kv
 
 
-def _decode_step(model: LoopedModel) -> LayerGraph:
+def _decode_step(model: LoopedNetwork) -> LayerGraph:
     """The captured decode step with the model's recipe replayed (built once per model)."""
     kept = decode_graphs(model)
     if kept.step is None:
@@ -121,7 +121,7 @@ def _decode_step(model: LoopedModel) -> LayerGraph:
     return kept.step
 
 
-def cached_layer_graph(model: LoopedModel, kv: str = "per-loop", budgets: Iterable[int] | None = None) -> LayerGraph:
+def cached_layer_graph(model: LoopedNetwork, kv: str = "per-loop", budgets: Iterable[int] | None = None) -> LayerGraph:
     """The decode-step LayerGraph of ``model`` under KV policy ``kv``, whose budget paths are
     the cached paths before binding (built once per model, policy and budget, every rewrite a
     pass run by the PassManager: a ``meta`` capture of the decode step, ``retarget_device`` to
@@ -135,14 +135,14 @@ def cached_layer_graph(model: LoopedModel, kv: str = "per-loop", budgets: Iterab
     return _layer_graph(model, DecodeKey("cached", check_policy(model, kv)), budgets)
 
 
-def verify_layer_graph(model: LoopedModel, kv: str = "per-loop", budgets: Iterable[int] | None = None) -> LayerGraph:
+def verify_layer_graph(model: LoopedNetwork, kv: str = "per-loop", budgets: Iterable[int] | None = None) -> LayerGraph:
     """:func:`cached_layer_graph` without the ``last_position`` pass: the paths of
     :func:`verify_paths` before binding (logits at every position of the step), from which an
     exported engine's verify graphs are lowered."""
     return _layer_graph(model, DecodeKey("verify", check_policy(model, kv)), budgets)
 
 
-def _layer_graph(model: LoopedModel, key: DecodeKey, budgets: Iterable[int] | None) -> LayerGraph:
+def _layer_graph(model: LoopedNetwork, key: DecodeKey, budgets: Iterable[int] | None) -> LayerGraph:
     """The budget paths of ``key`` (kind ``cached`` or ``verify``) for ``budgets``, the missing
     ones rewritten from the captured decode step and kept."""
     wanted = _wanted(model, budgets)
@@ -162,7 +162,7 @@ def _layer_graph(model: LoopedModel, key: DecodeKey, budgets: Iterable[int] | No
 
 
 def cached_paths(
-    model: LoopedModel, kv: str = "per-loop", budgets: Iterable[int] | None = None
+    model: LoopedNetwork, kv: str = "per-loop", budgets: Iterable[int] | None = None
 ) -> dict[int, CachedPath]:
     """The cached budget paths of ``model`` under KV policy ``kv``: the paths of
     :func:`cached_layer_graph`, their attention reading the grouped KV cache as it is (the
@@ -173,7 +173,7 @@ def cached_paths(
 
 
 def verify_paths(
-    model: LoopedModel, kv: str = "per-loop", budgets: Iterable[int] | None = None
+    model: LoopedNetwork, kv: str = "per-loop", budgets: Iterable[int] | None = None
 ) -> dict[int, CachedPath]:
     """:func:`cached_paths` whose head reads every position: each returns ``logits [batch, T,
     vocab]`` for the ``T`` tokens of the step (speculative decoding scores ``n`` drafted tokens
@@ -182,7 +182,7 @@ def verify_paths(
     return _bound_paths(model, DecodeKey("verify", check_policy(model, kv)), budgets)
 
 
-def _bound_paths(model: LoopedModel, key: DecodeKey, budgets: Iterable[int] | None) -> dict[int, CachedPath]:
+def _bound_paths(model: LoopedNetwork, key: DecodeKey, budgets: Iterable[int] | None) -> dict[int, CachedPath]:
     """The paths of :func:`_layer_graph` for ``key``, grouped-attention rewritten and bound (kept)."""
     wanted = _wanted(model, budgets)
     bound = decode_graphs(model).paths.setdefault(key, {})
@@ -194,14 +194,14 @@ def _bound_paths(model: LoopedModel, key: DecodeKey, budgets: Iterable[int] | No
     return {b: bound[b] for b in wanted}
 
 
-def _wanted(model: LoopedModel, budgets: Iterable[int] | None) -> tuple[int, ...]:
+def _wanted(model: LoopedNetwork, budgets: Iterable[int] | None) -> tuple[int, ...]:
     """``budgets`` checked against the menu, sorted, each once (None: the whole menu)."""
     if budgets is None:
         return model.budgets
     return tuple(sorted({model.check_budget(b) for b in budgets}))
 
 
-def rowwise_layer_graph(model: LoopedModel, kv: str = "per-loop") -> LayerGraph:
+def rowwise_layer_graph(model: LoopedNetwork, kv: str = "per-loop") -> LayerGraph:
     """:func:`cached_layer_graph` with the ``rowwise_budget`` pass run (through the
     PassManager): its one path, key :data:`~looptool.passes.rowwise_budget.ROWWISE`, takes
     ``budgets`` (int64 ``[batch]``) after ``cache_position`` (built once per model and policy)."""
@@ -212,7 +212,7 @@ def rowwise_layer_graph(model: LoopedModel, kv: str = "per-loop") -> LayerGraph:
     return graphs[key]
 
 
-def rowwise_path(model: LoopedModel, kv: str = "per-loop") -> CachedPath:
+def rowwise_path(model: LoopedNetwork, kv: str = "per-loop") -> CachedPath:
     """The row-wise-budget cached path: ``module(input_ids, attention_mask, position_ids,
     cache_position, budgets, *caches) -> logits [batch, 1, vocab]``, every row at its own
     budget, over the deepest budget's cache slots (``slots``; :func:`allocate_cache` works)."""
@@ -223,7 +223,7 @@ def rowwise_path(model: LoopedModel, kv: str = "per-loop") -> CachedPath:
     return bound[ROWWISE]
 
 
-def adaptive_layer_graph(model: LoopedModel, kv: str = "last-loop", exit_rule: str = "state") -> LayerGraph:
+def adaptive_layer_graph(model: LoopedNetwork, kv: str = "last-loop", exit_rule: str = "state") -> LayerGraph:
     """:func:`cached_layer_graph` with the ``adaptive_depth`` pass run (through the PassManager):
     its one path, key :data:`~looptool.passes.adaptive_depth.ADAPTIVE`, takes ``min_budget``,
     ``max_budget`` (int64 ``[batch]``) and ``exit_threshold`` (float32 ``[batch]``) after
@@ -236,7 +236,7 @@ def adaptive_layer_graph(model: LoopedModel, kv: str = "last-loop", exit_rule: s
 
 
 def adaptive_path(
-    model: LoopedModel, kv: str = "last-loop", exit_rule: str = "state", *, skip: bool = True
+    model: LoopedNetwork, kv: str = "last-loop", exit_rule: str = "state", *, skip: bool = True
 ) -> CachedPath:
     """The adaptive-depth cached path: ``module(input_ids, attention_mask, position_ids,
     cache_position, min_budget, max_budget, exit_threshold, *caches) -> (logits [batch, 1,
@@ -254,7 +254,7 @@ def adaptive_path(
     return bound[name]
 
 
-def _bind(model: LoopedModel, graph: fx.Graph, captured: torch.nn.Module) -> CachedPath:
+def _bind(model: LoopedNetwork, graph: fx.Graph, captured: torch.nn.Module) -> CachedPath:
     """``graph`` run over the model's own tensors, with the bodies of its higher-order ops
     (``captured``'s, the decode capture's own) rather than the model's forward bodies of the
     same name: the two captures name their bodies alike, and under automatic dims a decode
@@ -294,7 +294,7 @@ def allocate_cache(path: CachedPath, batch: int, length: int, *, dtype: torch.dt
     return [torch.zeros(batch, s.kv_heads, length, s.head_dim, dtype=dtype, device=device) for s in path.slots]
 
 
-def kv_bytes_per_token(model: LoopedModel, budget: int, kv: str = "per-loop") -> int:
+def kv_bytes_per_token(model: LoopedNetwork, budget: int, kv: str = "per-loop") -> int:
     """KV bytes one token occupies at ``budget`` under policy ``kv``, from the cache inputs
     of the cached path (what :func:`looptool.runtime.generation.generate` allocates per token)."""
     path = cached_paths(model, kv)[model.check_budget(budget)]

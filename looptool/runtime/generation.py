@@ -24,12 +24,12 @@ from looptool.runtime.decode_graphs import allocate_cache, cached_paths, rowwise
 from looptool.runtime.outputs import GenerationOutput, position_ids
 
 if TYPE_CHECKING:
-    from looptool.runtime.model import LoopedModel
+    from looptool.runtime.network import LoopedNetwork
 
 log = logging.getLogger(__name__)
 
 
-def row_budgets(model: LoopedModel, budget, batch: int) -> RowBudgets:
+def row_budgets(model: LoopedNetwork, budget, batch: int) -> RowBudgets:
     """Each row's budget from ``budget`` (see :meth:`looptool.engine.budgets.RowBudgets.resolve`;
     None: the model's default budget), checked against the model's menu once."""
     return RowBudgets.resolve(budget, model.budgets, batch, default=model.default_budget)
@@ -121,7 +121,7 @@ def decode_loop(
 
 @torch.no_grad()
 def generate(
-    model: LoopedModel,
+    model: LoopedNetwork,
     input_ids: torch.Tensor,
     *,
     attention_mask: torch.Tensor | None = None,
@@ -236,7 +236,7 @@ def generate(
     return finish(out)
 
 
-def _with_costs(model: LoopedModel, out: GenerationOutput, rows: RowBudgets) -> GenerationOutput:
+def _with_costs(model: LoopedNetwork, out: GenerationOutput, rows: RowBudgets) -> GenerationOutput:
     """``out`` with each row's budget and its cost-table row."""
     costs = {c.budget: c for c in model.cost_table()}
     return dataclasses.replace(out, budgets=rows.rows, row_costs=tuple(costs[k] for k in rows.rows))

@@ -38,7 +38,7 @@ from looptool.runtime.decode_graphs import allocate_cache, cached_paths, verify_
 from looptool.runtime.outputs import GenerationOutput, position_ids
 
 if TYPE_CHECKING:
-    from looptool.runtime.model import LoopedModel
+    from looptool.runtime.network import LoopedNetwork
 
 
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -46,7 +46,7 @@ Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.
 
 @torch.no_grad()
 def speculative_generate(
-    model: LoopedModel,
+    model: LoopedNetwork,
     input_ids: torch.Tensor,
     *,
     attention_mask: torch.Tensor | None,

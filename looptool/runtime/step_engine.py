@@ -54,17 +54,17 @@ from looptool.runtime.decode_graphs import (
 )
 
 if TYPE_CHECKING:
-    from looptool.runtime.model import LoopedModel
+    from looptool.runtime.network import LoopedNetwork
 
 WANTS = "give a looped model directory (written by looptool convert or save_pretrained)"
 
 
 class TorchStepEngine(StepEngine):
-    """Cached steps of a :class:`~looptool.runtime.model.LoopedModel` over slot-cache rows,
+    """Cached steps of a :class:`~looptool.runtime.network.LoopedNetwork` over slot-cache rows,
     each row at its own budget; rows of adaptive depth (under last-loop KV) decide theirs per
     token by ``exit_rule`` (``state`` or ``kl``)."""
 
-    def __init__(self, model: LoopedModel, kv: str = "per-loop", exit_rule: str = "state"):
+    def __init__(self, model: LoopedNetwork, kv: str = "per-loop", exit_rule: str = "state"):
         self.model = model
         self.kv = check_policy(model, kv)
         if exit_rule not in EXIT_RULES:

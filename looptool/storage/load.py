@@ -25,7 +25,7 @@ from looptool.storage.tensors import bind_tensors, graph_tensors
 from looptool.storage.weights import WeightReader
 
 if TYPE_CHECKING:
-    from looptool.runtime.model import LoopedModel
+    from looptool.runtime.network import LoopedNetwork
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def verify_files(directory: Path, meta: dict, skip: tuple[str, ...] = ()) -> Non
             raise _corrupt(path)
 
 
-def check_weights(model: LoopedModel, path: Path, *, cast: bool = False) -> dict[str, str]:
+def check_weights(model: LoopedNetwork, path: Path, *, cast: bool = False) -> dict[str, str]:
     """Check the safetensors header (names, shapes, dtypes) against ``model`` without
     reading tensor data; returns the alias map (tied name → stored name). With ``cast``
     (a load in another dtype) a stored floating-point tensor may have any floating dtype."""
@@ -146,7 +146,7 @@ _ALIGN = 64  # bytes: what torch's CPU allocator guarantees
 
 
 def bind_weights(
-    model: LoopedModel,
+    model: LoopedNetwork,
     path: Path,
     *,
     device: str,

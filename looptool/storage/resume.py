@@ -27,7 +27,7 @@ from looptool.storage.files import check_output_dir, commit_output_dir, recover_
 from looptool.storage.save import write_model
 
 if TYPE_CHECKING:
-    from looptool.runtime.model import LoopedModel
+    from looptool.runtime.network import LoopedNetwork
 
 STATE_FILE = "trainer_state.pt"
 
@@ -60,7 +60,7 @@ def set_rng_states(states: dict, device: torch.device) -> None:
 
 def write_checkpoint(
     output: Path,
-    model: LoopedModel,
+    model: LoopedNetwork,
     state: dict | None,
     files: dict[str, str],
     *,

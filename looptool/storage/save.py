@@ -21,7 +21,7 @@ from looptool.storage.files import commit_output_dir, prepare_output_dir, sha256
 from looptool.storage.tensors import graph_tensors
 
 if TYPE_CHECKING:
-    from looptool.runtime.model import LoopedModel
+    from looptool.runtime.network import LoopedNetwork
 
 
 FORMAT_VERSION = 1
@@ -46,14 +46,14 @@ def _dedupe(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], 
     return unique, aliases
 
 
-def save(model: LoopedModel, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
+def save(model: LoopedNetwork, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """Write ``model`` to ``directory`` (atomically: temp dir, then rename)."""
     final, temp = prepare_output_dir(directory, overwrite)
     commit_model(model, final, temp)
     return final
 
 
-def commit_model(model: LoopedModel, final: Path, temp: Path, files: dict[str, str] | None = None) -> None:
+def commit_model(model: LoopedNetwork, final: Path, temp: Path, files: dict[str, str] | None = None) -> None:
     """Write ``model`` and the text ``files`` (name → content) into ``temp``, then move it
     to ``final`` atomically; on any failure ``temp`` is removed and nothing is left behind."""
     try:
@@ -66,7 +66,7 @@ def commit_model(model: LoopedModel, final: Path, temp: Path, files: dict[str, s
         raise
 
 
-def write_model(model: LoopedModel, directory: Path | None, *, materialize=None) -> None:
+def write_model(model: LoopedNetwork, directory: Path | None, *, materialize=None) -> None:
     """Write the files of a saved looped model into an existing (empty) directory.
 
     ``materialize(tensor) -> tensor`` turns each distinct tensor into the one to store (e.g.

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from looptool.runtime.model import LoopedModel
+    from looptool.runtime.network import LoopedNetwork
 
 
 def graph_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -22,7 +22,7 @@ def graph_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def bind_tensors(
-    model: LoopedModel,
+    model: LoopedNetwork,
     tensor_for: Callable[[str, torch.Tensor], torch.Tensor],
     *,
     trainable: Collection[str] | None = None,

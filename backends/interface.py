@@ -36,58 +36,29 @@ pairs, a superset of every budget's. Every row gets exactly its own budget's com
 masks rows, so the row-wise graph costs the deepest budget whatever its rows ask for, while
 a batch whose rows share a budget runs that budget's own graph on the matching pairs.
 
-A server drives any runtime through :class:`StepEngine` (PyTorch:
-:class:`looptool.runtime.step_engine.TorchStepEngine`; onnxruntime:
-:class:`looptool.backends.ort.engine.OrtStepEngine`) over one
-:class:`~looptool.runtime.step_engine.SlotCache` (buffers ``[slots, kv_heads, length,
-head_dim]``: torch tensors or numpy arrays; ``copy_row(src, dst)``, ``shift_left(n)``,
-``nbytes``). Every runtime checks a generate request against its engine's manifest with
-:func:`check_request`.
+The step engines of the runtimes (:class:`looptool.engine.StepEngine`) bind these graphs;
+every runtime checks a generate request against its engine's manifest with
+:func:`looptool.backends.manifest.check_request`.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import fx
 
-from looptool.backends.errors import EngineError
 from looptool.core.graph import BUDGETS, ROWWISE_STEP_INPUTS, STEP_INPUTS, annotation
-from looptool.core.words import counted
 
 if TYPE_CHECKING:
-    from looptool.backends.manifest import Manifest
     from looptool.engine.budgets import RowBudgets
 
 INPUTS = STEP_INPUTS
 ROWWISE_INPUTS = ROWWISE_STEP_INPUTS
 LOGITS = "logits"
 DEPTH = "depth"  # the adaptive-depth graph's second output: int64 [batch], each row's realised depth
-
-
-class StepEngine(Protocol):
-    """What a server drives (structural): cached steps over a contiguous slice of slot-cache
-    rows, each row at its own budget."""
-
-    budgets: tuple[int, ...]  # the menu, sorted
-    vocab_size: int
-    mask_dtype: torch.dtype  # dtype of the attention_mask the graphs take
-
-    def allocate(self, slots: int, length: int) -> Any:
-        """Zeroed persistent caches (a SlotCache), every buffer ``[slots, kv_heads, length, head_dim]``."""
-
-    def step(
-        self, cache: Any, rows: slice, input_ids, attention_mask, position_ids, cache_position, budgets
-    ) -> torch.Tensor:
-        """One cached step over cache rows ``rows`` (zero-copy views): ``input_ids [R, T]``,
-        ``attention_mask [R, length]``, ``position_ids [R, T]``, ``cache_position [T]``,
-        ``budgets [R]``; float32 next-token logits ``[R, vocab]``."""
-
-    def prompt_logprobs(self, input_ids, budget: int) -> torch.Tensor:
-        """float32 log-softmax over the vocabulary at every position of ``input_ids [1, T]``: ``[T, vocab]``."""
 
 
 def past_name(pair: int, kind: str) -> str:
@@ -314,53 +285,3 @@ def interface_graph(
         int(text.vocab_size),
         tuple(menu),
     )
-
-
-def check_request(
-    manifest: Manifest,
-    input_ids,
-    attention_mask,
-    max_new_tokens: int,
-    capacity: int | None,
-):
-    """A generate request checked against an engine's manifest (any runtime): ``(input_ids
-    as a LongTensor [batch, prompt], attention_mask or None, cache capacity)``; one
-    sentence for each thing that is wrong."""
-    from looptool.runtime.generation import check_generation_args
-
-    vocab_size = manifest.vocab_size
-    ids = input_ids.detach().cpu() if isinstance(input_ids, torch.Tensor) else torch.from_numpy(np.asarray(input_ids))
-    if ids.dim() != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
-        raise EngineError(f"input_ids must be [batch, sequence] with at least one token, got shape {tuple(ids.shape)}.")
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        raise EngineError(f"input_ids must be integer token ids, got {ids.dtype}.")
-    if vocab_size is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise EngineError(
-            f"input_ids must lie in [0, {vocab_size}), got values from {int(ids.min())} to {int(ids.max())}."
-        )
-    ids = ids.long()
-    mask = None
-    if attention_mask is not None:
-        mask = (
-            attention_mask.detach().cpu()
-            if isinstance(attention_mask, torch.Tensor)
-            else torch.from_numpy(np.asarray(attention_mask))
-        )
-        if tuple(mask.shape) != tuple(ids.shape):
-            raise EngineError(
-                f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}; they must match."
-            )
-    check_generation_args(ids, max_new_tokens)
-    prompt = ids.shape[1]
-    capacity = prompt + max_new_tokens if capacity is None else capacity
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < prompt:
-        raise EngineError(
-            f"the prompt has {counted(prompt, 'token')}, more than the cache capacity {capacity}; raise the capacity."
-        )
-    limit = manifest.max_positions
-    if limit is not None and capacity > limit:
-        raise EngineError(
-            f"a cache of {counted(capacity, 'token')} exceeds the model's {counted(limit, 'position')}; use a shorter prompt or "
-            "fewer new tokens."
-        )
-    return ids, mask, int(capacity)
