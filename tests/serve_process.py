@@ -288,8 +288,8 @@ def run_jobs(engine, jobs: list, *, max_batch: int, start_after: int, shifts: li
 
     scheduler = Scheduler(engine, max_batch=max_batch, capacity=64, max_queue=len(jobs))
     if shifts is not None:
-        real = scheduler._shift
-        scheduler._shift = lambda n: shifts.append(n) or real(n)
+        real = scheduler.core.shift
+        scheduler.core.shift = lambda n: shifts.append(n) or real(n)
     events: list[list] = [[] for _ in jobs]
     ended, first = threading.Semaphore(0), threading.Event()
 

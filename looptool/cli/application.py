@@ -15,6 +15,11 @@ from collections.abc import Callable
 from typing import Annotated
 
 import click
+
+try:  # typer >= 0.26 runs commands under the click it bundles, with its own context stack
+    from typer._click.globals import get_current_context
+except ImportError:  # older typer: click's
+    from click import get_current_context
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -77,7 +82,7 @@ def _options(
 def _debugging() -> bool:
     """Whether this invocation shows tracebacks: ``--debug`` on its command line, or
     ``LOOPTOOL_DEBUG`` set (and not 0)."""
-    ctx = click.get_current_context(silent=True)
+    ctx = get_current_context(silent=True)
     flag = bool(ctx is not None and isinstance(ctx.find_root().obj, dict) and ctx.find_root().obj.get("debug"))
     return flag or os.environ.get("LOOPTOOL_DEBUG", "") not in ("", "0")
 

@@ -4,8 +4,9 @@ different budgets share one decode batch on one copy of the weights.
 
 Modules, by responsibility: :mod:`~looptool.serve.protocol` (the wire format),
 :mod:`~looptool.serve.budgets` (which budget a request runs at),
-:mod:`~looptool.serve.prompts` (prompts as token ids), :mod:`~looptool.serve.logprobs`,
-:mod:`~looptool.serve.scheduler` (continuous batching over a slot cache),
+:mod:`~looptool.serve.prompts` (prompts as token ids), :mod:`~looptool.serve.drafting`
+(the speculative-decoding fields), :mod:`~looptool.serve.scheduler` (the engine core on a thread,
+with a bounded queue),
 :mod:`~looptool.serve.text` and :mod:`~looptool.serve.choices` (events into text and
 ``logprobs``), :mod:`~looptool.serve.metrics` (Prometheus), :mod:`~looptool.serve.models`
 (what is served: a step engine opened by :func:`looptool.engine.open_engine`), :mod:`~looptool.serve.app` (the FastAPI

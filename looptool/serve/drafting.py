@@ -1,7 +1,7 @@
 """The request fields of self-speculative decoding: ``draft_budget`` and ``draft_tokens`` checked
 against the menu and the engine (:func:`choose_speculation`, HTTP 400 errors), and the
 ``speculation`` entry of a response's ``cost`` (:func:`speculation_cost`). The rounds
-themselves are :mod:`looptool.serve.speculation`'s.
+themselves are :mod:`looptool.engine.rounds`'s.
 """
 
 from __future__ import annotations

@@ -12,13 +12,15 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from looptool.engine.core import Job, Observer
+
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-class Metrics:
-    """The server's metrics for the budget menu ``budgets``; the engine thread updates them
-    (prometheus-client is thread-safe)."""
+class Metrics(Observer):
+    """The server's metrics for the budget menu ``budgets``; the engine core reports to them on
+    the scheduler thread (prometheus-client is thread-safe), the HTTP side counts the rest."""
 
     def __init__(self, budgets: Sequence[int] = (0,)) -> None:
         self.registry = CollectorRegistry()
@@ -76,6 +78,26 @@ class Metrics:
             buckets=tuple(float(d) for d in range(lo, hi + 1)),
             registry=r,
         )
+
+    def prefilled(self, job: Job, tokens: int, cached: int, prefix_bytes: int) -> None:
+        self.prompt_tokens.labels(budget=job.label).inc(tokens)
+        if cached >= 0:
+            self.prefix_tokens.labels(kind="queried").inc(tokens)
+            self.prefix_tokens.labels(kind="hit").inc(cached)
+            self.prefix_bytes.set(prefix_bytes)
+
+    def emitted(self, job: Job, depth: int, first: bool, seconds: float) -> None:
+        if job.auto is not None:
+            self.depth.observe(depth)
+        (self.ttft if first else self.tpot).labels(budget=job.label).observe(seconds)
+        self.generation_tokens.labels(budget=job.label).inc()
+
+    def drafted(self, job: Job, drafted: int, accepted: int) -> None:
+        self.draft_tokens.labels(budget=job.label, kind="drafted").inc(drafted)
+        self.draft_tokens.labels(budget=job.label, kind="accepted").inc(accepted)
+
+    def retired(self, job: Job, seconds: float) -> None:
+        self.e2e.labels(budget=job.label).observe(seconds)
 
     def render(self) -> bytes:
         """The Prometheus text format."""

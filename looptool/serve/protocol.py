@@ -11,7 +11,7 @@ declares are accepted and ignored, as OpenAI servers do, and listed by
 Extensions travel as extra body fields, as vLLM takes them (clients send them with
 ``extra_body``): ``budget`` (an integer of the menu, an effort level, or ``"auto"``: adaptive
 depth per token, with ``min_budget``, ``max_budget`` and ``exit_threshold``), ``draft_budget``
-and ``draft_tokens`` (self-speculative decoding, :mod:`looptool.serve.speculation`), ``top_k``
+and ``draft_tokens`` (self-speculative decoding, :mod:`looptool.engine.rounds`), ``top_k``
 and ``ignore_eos``. Responses carry ``cost`` beside ``usage``: the budget that ran and its cost-table
 entry (layer executions and KV bytes per token, Accordion Eq. 6), or for ``"auto"`` the mean
 depth the generated tokens realised (:func:`looptool.serve.cost.request_cost`), and for a

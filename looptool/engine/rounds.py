@@ -1,10 +1,10 @@
-"""Self-speculative decoding in the server: the scheduler's speculative round.
+"""Self-speculative decoding in the engine core: its speculative round.
 
 A request with a :class:`~looptool.engine.speculation.Speculation` (``draft_budget`` ``j``,
 ``draft_tokens`` ``n``) drafts at budget ``j`` and keeps what its own budget ``k`` accepts
 (:func:`~looptool.engine.speculation.accept_drafts`: greedy, token for token what budget ``k``
 decodes alone; sampling, exactly budget ``k``'s distribution). Requests with and without it
-share one batch. While some running row speculates, each scheduler iteration is one round
+share one batch. While some running row speculates, each core iteration is one round
 (:func:`speculative_round`) over every running row, ``N`` being the largest ``draft_tokens`` of
 the speculating rows:
 
@@ -22,7 +22,7 @@ The shared write clock then moves ``N + 1`` slots and never back: slots a row di
 row and never read again. Budget ``j``'s cache slots are a subset of budget ``k``'s under
 per-loop KV, and the verify step rewrites every slot of budget ``k`` at the drafted positions,
 so a row's accepted positions hold exactly what budget ``k`` writes. A row's masked slots count
-in its span (:attr:`~looptool.serve.scheduler.Row.span`), which the cache's growth and shifts
+in its span (:attr:`~looptool.engine.core.Row.span`), which the cache's growth and shifts
 follow: a row that rejects many drafts holds more slots than tokens.
 """
 
@@ -35,19 +35,18 @@ import torch
 
 from looptool.engine.budgets import RowBudgets
 from looptool.engine.speculation import accept_drafts, draft_probs
-from looptool.serve.metrics import Metrics
 
 
 class Rounds(Protocol):
-    """What a speculative round uses of the scheduler that runs it (its public side): the
-    running rows, the shared mask and write clock, and steps, token picking and metrics."""
+    """What a speculative round uses of the core that runs it (its public side): the running
+    rows, the shared mask and write clock, and steps, token picking and the observer."""
 
     rows: list
     mask: torch.Tensor
     clock: int
     steps: int
     device: torch.device
-    metrics: Metrics
+    observer: object
 
     def fit(self, before: int, ahead: int = 0) -> None: ...
 
@@ -164,8 +163,7 @@ def _accept(s: Rounds, row, r: int, scores: torch.Tensor, drafts: list[int], dis
     stats.rounds += 1
     stats.proposed += n
     stats.accepted += kept
-    s.metrics.draft_tokens.labels(budget=job.label, kind="drafted").inc(n)
-    s.metrics.draft_tokens.labels(budget=job.label, kind="accepted").inc(kept)
+    s.observer.drafted(job, n, kept)
     row.position += kept + 1
     for i, token in enumerate([*drafts[:kept], int(nxt[0])]):
         if row.done:
