@@ -8,10 +8,20 @@ seconds (the mergekit approach: build tiny real models on the fly).
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import transformers
+
+from looptool.core.errors import LooptoolError
+from looptool.core.words import counted
+from looptool.engine.outputs import GenerationOutput
+from looptool.engine.sampling import GREEDY, SamplingParams, TokenPicker
+from looptool.runtime.adaptive import AutoDepth, check_auto_policy
+from looptool.runtime.decode_graphs import adaptive_path, allocate_cache
+from looptool.runtime.network import LoopedNetwork
 
 _COMMON = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
 _MOE = dict(num_experts_per_tok=2, intermediate_size=96)
@@ -325,3 +335,116 @@ def every_onnx_node(graph):
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.GRAPH:
                 yield from every_onnx_node(attr.g)
+
+
+# ---------------------------------------------------------------------- a reference decode loop
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def decode_loop(
+    step: Step,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    capacity: int,
+    max_new_tokens: int,
+    mask_dtype: torch.dtype,
+    sampling: SamplingParams = GREEDY,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    on_step: Callable[[torch.Tensor], bool | None] | None = None,
+    output_logits: bool = False,
+    kv_bytes: int = 0,
+) -> GenerationOutput:
+    """A static-batch prefill-then-decode loop over a raw step function: the independent
+    reference the tests check the engine core against (a fixed cache of ``capacity`` slots,
+    every row fed each step, EOS rows fed padding), and a harness for timing one path.
+
+    ``step(ids, attention_mask, position_ids, cache_position)`` runs one cached step and
+    returns the next-token logits ``[batch, vocab]``; the loop owns the
+    ``[batch, capacity]`` mask (updated in place, so a runtime may bind it once), picks
+    tokens under ``sampling``, stops rows at EOS and times both phases.
+    """
+    device = input_ids.device
+    batch, prompt = input_ids.shape
+    if prompt + max_new_tokens > capacity:
+        raise LooptoolError(
+            f"the prompt ({counted(prompt, 'token')}) plus {counted(max_new_tokens, 'new token')} exceed the cache capacity "
+            f"of {capacity}; raise the capacity or generate fewer tokens."
+        )
+    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=device)
+    pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
+    pick = TokenPicker(sampling, device)
+    mask = torch.zeros(batch, capacity, dtype=mask_dtype, device=device)
+    mask[:, :prompt] = 1 if attention_mask is None else attention_mask.to(device=device, dtype=mask_dtype)
+    ids = input_ids
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    position = position_ids(mask[:, :prompt])
+    t0 = time.perf_counter()
+    logits = step(ids, mask, position, torch.arange(prompt, device=device))
+    prefill = time.perf_counter() - t0
+    steps = 0
+    kept: list[torch.Tensor] = []
+    t1 = time.perf_counter()
+    for i in range(max_new_tokens):
+        if i > 0:
+            slot = prompt + i - 1
+            mask[:, slot] = 1
+            position = position[:, -1:] + 1
+            logits = step(ids[:, -1:], mask, position, torch.tensor([slot], device=device))
+        if output_logits:
+            kept.append(logits.clone())
+        token = pick(logits, ids)
+        token = torch.where(done, torch.full_like(token, pad), token)
+        ids = torch.cat([ids, token[:, None]], dim=1)
+        steps += 1
+        if on_step is not None and on_step(token):
+            break  # the caller's stop condition (e.g. a stop string) holds for every row
+        if len(eos):
+            done |= torch.isin(token, eos)
+            if bool(done.all()):
+                break
+    decode = time.perf_counter() - t1
+    return GenerationOutput(ids, steps, prefill, decode, kv_bytes, kv_bytes / (batch * capacity), tuple(kept))
+
+
+def position_ids(mask: torch.Tensor) -> torch.Tensor:
+    """Positions of left-padded rows, as transformers' generate computes them."""
+    pos = mask.long().cumsum(-1) - 1
+    return pos.masked_fill(mask == 0, 1)
+
+
+class AutoStep:
+    """One generation's adaptive-depth step: ``step(ids, mask, position_ids, cache_position)``
+    runs the adaptive path over this call's cache and returns the next-token logits ``[batch,
+    vocab]``, keeping each row's realised depth (:meth:`depths`). ``skip=False`` runs the
+    masked path (every step to the batch's deepest ``max_budget``; same results, for timing)."""
+
+    def __init__(
+        self, model: LoopedNetwork, batch: int, capacity: int, settings: AutoDepth, kv: str | None, *, skip: bool = True
+    ):
+        self.path = adaptive_path(model, check_auto_policy(model, kv), settings.exit_rule, skip=skip)
+        param = next(model.parameters())
+        self.device = param.device
+        self.caches = allocate_cache(self.path, batch, capacity, dtype=param.dtype, device=param.device)
+        self.kv_bytes = sum(c.numel() * c.element_size() for c in self.caches)
+        self.inputs = (
+            torch.full((batch,), settings.min_budget, dtype=torch.int64, device=param.device),
+            torch.full((batch,), settings.max_budget, dtype=torch.int64, device=param.device),
+            torch.full((batch,), settings.exit_threshold, dtype=torch.float32, device=param.device),
+        )
+        self._depths: list[torch.Tensor] = []
+
+    def __call__(
+        self, ids: torch.Tensor, mask: torch.Tensor, position: torch.Tensor, cache_position: torch.Tensor
+    ) -> torch.Tensor:
+        logits, depth = self.path.module(ids, mask, position, cache_position, *self.inputs, *self.caches)
+        self._depths.append(depth)
+        return logits[:, -1]
+
+    def depths(self, new_tokens: int) -> torch.Tensor:
+        """``[batch, new_tokens]``: the depth that produced each new token (step ``t``'s logits
+        pick token ``t``)."""
+        if new_tokens == 0 or not self._depths:
+            return torch.zeros(self.inputs[0].shape[0], 0, dtype=torch.int64, device=self.device)
+        return torch.stack(self._depths[:new_tokens], dim=1)

@@ -65,6 +65,7 @@ from torch import fx
 
 from looptool.core.errors import PassError
 from looptool.core.graph import (
+    ADAPTIVE,
     ROLE_EMBEDDING,
     ROLE_FINAL_NORM,
     ROLE_HEAD,
@@ -93,7 +94,6 @@ from looptool.passes.rowwise_budget import (
 
 _aten = torch.ops.aten
 
-ADAPTIVE = "adaptive"  # the adaptive-depth path's key beside the integer budgets (LayerGraph.paths)
 MIN_BUDGET, MAX_BUDGET, EXIT_THRESHOLD = "min_budget", "max_budget", "exit_threshold"
 AUTO_INPUTS = (*STEP_INPUTS, MIN_BUDGET, MAX_BUDGET, EXIT_THRESHOLD)  # the adaptive path's inputs before the caches
 EXIT_RULES = ("state", "kl")

@@ -24,8 +24,8 @@ import looptool
 from looptool.engine import OpenedEngine, open_engine
 from looptool.engine.budgets import RowBudgets
 from looptool.engine.sampling import GREEDY, SamplingParams
-from looptool.runtime.generation import decode_loop, generate
-from looptool.testing import byte_tokenizer, tiny_model
+from looptool.runtime.generation import generate
+from looptool.testing import byte_tokenizer, decode_loop, tiny_model
 
 RUNTIMES = ("pytorch", "onnxruntime", "tensorrt")
 FAKE_TRT_PROCESS = str(Path(__file__).with_name("fake_trt_process.py"))

@@ -19,8 +19,8 @@ from looptool.passes import PassManager
 from looptool.passes.adaptive_depth import ADAPTIVE, AUTO_INPUTS
 from looptool.passes.skip_exited import segments
 from looptool.runtime.decode_graphs import adaptive_path, allocate_cache, cached_layer_graph, cached_paths
-from looptool.runtime.generation import decode_loop, generate
-from looptool.testing import left_padded_batch, move_off_init, tiny_model
+from looptool.runtime.generation import generate
+from looptool.testing import decode_loop, left_padded_batch, move_off_init, tiny_model
 
 NEW = 5
 MODELS = {

@@ -22,7 +22,8 @@ from looptool.backends.onnx.layers import LAYER_DOMAIN
 from looptool.backends.onnx.store import INLINE_LIMIT
 from looptool.backends.ort.binding import CacheBinding
 from looptool.backends.ort.runtime import Runtime
-from looptool.runtime.generation import GenerationOutput, generate
+from looptool.engine.outputs import GenerationOutput
+from looptool.runtime.generation import generate
 from looptool.storage.files import sha256_file
 from looptool.testing import tiny_model
 

@@ -40,11 +40,11 @@ def _model(name: str, scale: float | None = None):
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_greedy_speculation_is_budget_k_token_for_token(name, monkeypatch):
-    import looptool.runtime.speculative as speculative
+    import looptool.engine.core as core
 
     grown = []
-    real = speculative.with_length
-    monkeypatch.setattr(speculative, "with_length", lambda a, n, dim: grown.append(n) or real(a, n, dim))
+    real = core.with_length
+    monkeypatch.setattr(core, "with_length", lambda a, n, dim: grown.append(n) or real(a, n, dim))
     model = _model(name)
     prompt, mask = left_padded_batch(3)
     kept = proposed = 0
@@ -159,7 +159,7 @@ def test_sampled_speculation_matches_budget_k(broken, monkeypatch):
             return kept, torch.multinomial(p, 1, generator=picker.generator)[:, 0]
 
         real = speculation.accept_drafts
-        monkeypatch.setattr("looptool.runtime.speculative.accept_drafts", accept_then_resample_from_p)
+        monkeypatch.setattr("looptool.engine.rounds.accept_drafts", accept_then_resample_from_p)
     model = _model("prefix", 0.3)
     prompt = torch.randint(3, 250, (1, 5), generator=torch.Generator().manual_seed(5))
     sampling = SamplingParams(temperature=1.0, top_k=6, seed=11)

@@ -1,6 +1,6 @@
 """Speculative decoding's verify graphs in an ONNX engine (``export_onnx(..., speculative=True)``).
 
-Self-speculative decoding (:mod:`looptool.runtime.speculative`) drafts tokens on a shallow
+Self-speculative decoding (:mod:`looptool.engine.rounds`) drafts tokens on a shallow
 budget's graph and scores them on budget ``k``'s *verify graph*: budget ``k``'s serving graph
 with the same inputs and cache pairs, but ``logits [batch, step, vocab]`` at every position of
 the step (:func:`~looptool.backends.interface.verify_serving_graph`, lowered from

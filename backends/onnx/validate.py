@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from looptool.backends.errors import ExportError
-from looptool.core.graph import ROWWISE
+from looptool.core.graph import ADAPTIVE, ROWWISE
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,6 @@ def _run(rt, budget, policy: str, ids, mask, new_tokens: int, **speculation):
 
 VERIFY = "verify"  # third element of a verify graph's key in validate_engine's result
 VERIFY_DRAFTS = 3  # tokens drafted per verify step when validating a verify graph
-ADAPTIVE = "adaptive"  # first element of an adaptive-depth graph's key (ADAPTIVE, policy, rule)
 
 
 def validate_engine(

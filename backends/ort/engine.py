@@ -32,7 +32,7 @@ from looptool.backends.errors import EngineError, ReexportError
 from looptool.backends.interface import DEPTH, INPUTS, LOGITS, CacheLayout, past_name, present_name, row_inputs
 from looptool.backends.manifest import MANIFEST, Manifest
 from looptool.core.dtypes import named
-from looptool.core.graph import ROWWISE
+from looptool.core.graph import ADAPTIVE, ROWWISE
 from looptool.engine.budgets import PER_LOOP_AUTO
 from looptool.engine.interface import (
     ArraySlotCache,
@@ -48,13 +48,12 @@ from looptool.engine.interface import (
     full_width,
     row_span,
 )
-from looptool.engine.prefix_cache import CacheGroup, pair_groups
+from looptool.engine.prefix_cache import CacheGroup, budget_pairs, pair_groups
 from looptool.engine.speculation import LAST_LOOP_VERIFY
 
 log = logging.getLogger(__name__)
 
 WANTS = "give an engine directory written by looptool export"
-ADAPTIVE = "adaptive"  # the adaptive-depth graph's key among the graphs a step runs
 
 _BINDINGS_KEPT = 64  # cached IOBindings (one per graph, row slice and cache)
 
@@ -123,11 +122,15 @@ class OrtStepEngine(StepEngine):
             )
         return None
 
+    def budget_buffers(self, budget: int) -> tuple[int, ...]:
+        """The buffers ``budget`` reads: its own graph's pairs, or where it has none (a looped
+        or row-wise engine) those the plan runs at that budget."""
+        pairs = self._pairs.get(budget) or budget_pairs(self.layout.pairs, self.runtime.manifest.plan, budget)
+        return tuple(2 * j + i for j in pairs for i in (0, 1))
+
     def prefix_groups(self, budget: int) -> tuple[CacheGroup, ...]:
-        """The cache pairs of ``budget``'s own graph (all of the row-wise graph's when it has
-        none), those of the layers before the loop shared by every budget."""
-        used = self._pairs.get(budget, self._pairs[ROWWISE])
-        return pair_groups(self.layout.pairs, used, self.runtime.manifest.plan, budget)
+        """:meth:`budget_buffers`, those of the layers before the loop shared by every budget."""
+        return pair_groups(self.layout.pairs, self.budget_buffers(budget), self.runtime.manifest.plan, budget)
 
     def allocate(self, slots: int, length: int) -> ArraySlotCache:
         """Zeroed persistent caches, every buffer ``[slots, kv_heads, length, head_dim]``."""

@@ -38,7 +38,7 @@ from looptool.engine.interface import (
     full_width,
     row_span,
 )
-from looptool.engine.prefix_cache import CacheGroup, pair_groups
+from looptool.engine.prefix_cache import CacheGroup, budget_pairs, pair_groups
 
 WANTS = "give an engine directory exported with backend='tensorrt' whose engines were built on this GPU"
 _SCRATCH_KEPT = 16  # scratch present buffers kept (one per graph, row count and cache length)
@@ -85,11 +85,15 @@ class TrtStepEngine(StepEngine):
         self._profiles: dict[int | str, int] = {}  # the optimisation profile each context has set
         self._scratch: dict[tuple, list[torch.Tensor]] = {}
 
+    def budget_buffers(self, budget: int) -> tuple[int, ...]:
+        """The buffers ``budget`` reads: its own graph's pairs, or where it has none (a looped
+        or row-wise engine) those the plan runs at that budget."""
+        pairs = self._pairs.get(budget) or budget_pairs(self.layout.pairs, self.runtime.manifest.plan, budget)
+        return tuple(2 * j + i for j in pairs for i in (0, 1))
+
     def prefix_groups(self, budget: int) -> tuple[CacheGroup, ...]:
-        """The cache pairs of ``budget``'s own graph (all of the row-wise graph's when it has
-        none), those of the layers before the loop shared by every budget."""
-        used = self._pairs.get(budget, self._pairs[ROWWISE])
-        return pair_groups(self.layout.pairs, used, self.runtime.manifest.plan, budget)
+        """:meth:`budget_buffers`, those of the layers before the loop shared by every budget."""
+        return pair_groups(self.layout.pairs, self.budget_buffers(budget), self.runtime.manifest.plan, budget)
 
     def allocate(self, slots: int, length: int) -> TensorSlotCache:
         """Zeroed persistent caches on the GPU, every buffer ``[slots, kv_heads, length, head_dim]``."""

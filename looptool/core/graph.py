@@ -132,6 +132,7 @@ class SourceInfo:
 
 
 ROWWISE = "rowwise"  # the row-wise-budget path's key beside the integer budgets: LayerGraph.paths, engine manifests
+ADAPTIVE = "adaptive"  # the adaptive-depth path's key beside the integer budgets: LayerGraph.paths, engines' graphs
 BUDGETS = "budgets"  # the row-wise path's extra input: int64 [batch], each row's budget
 # the step inputs of a cached decode path, in the order of the decode interface of exported engines
 STEP_INPUTS = ("input_ids", "attention_mask", "position_ids", "cache_position")

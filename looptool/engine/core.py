@@ -97,6 +97,7 @@ class Job:
     speculation: Speculation | None = None  # draft at speculation.budget, verify at budget (checked at the edge)
     speculated: SpeculationStats = field(default_factory=SpeculationStats)  # what its speculation did
     keep_logits: bool = False  # each token's event carries the logits it was chosen from
+    picker: TokenPicker | None = None  # shared by the rows of one offline batch (one generator); None: its own
 
     @property
     def label(self) -> str:
@@ -182,15 +183,50 @@ class EngineCore:
         """Rows a new request may take."""
         return self.max_batch - len(self.rows)
 
-    # ------------------------------------------------------------------ admitting a request
-    def prefill(self, job: Job) -> None:
-        """Write ``job``'s prompt at slots ``[clock - len, clock)`` of the next free row (the
-        blocks the prefix cache holds copied, the rest computed) and pick its first token."""
+    # ------------------------------------------------------------------ admitting requests
+    def prefill(self, jobs: list[Job]) -> None:
+        """Write each job's prompt at slots ``[clock - len, clock)`` of the next free rows and
+        pick its first token: one job with the prefix cache (the blocks it holds copied, the rest
+        computed), several in one step, left-padded to the longest prompt, each row at its own
+        budget (without the prefix cache)."""
+        for job in jobs:
+            if job.prompt_logprobs is not None:
+                ids = torch.tensor([job.prompt], dtype=torch.long, device=self.device)
+                logp = self.engine.prompt_logprobs(ids, job.budget)
+                job.emit(Event("prompt", prompt_logprobs=_prompt_logprobs(logp, job.prompt, job.prompt_logprobs)))
+        if len(jobs) == 1:
+            self._prefill_one(jobs[0])
+            return
+        n, m = max(len(job.prompt) for job in jobs), len(jobs)
+        self.fit(before=n)
+        r = len(self.rows)
+        ids = torch.zeros(m, n, dtype=torch.long)
+        positions = torch.ones(m, n, dtype=torch.long)  # padding's positions are masked out
+        for i, job in enumerate(jobs):
+            length = len(job.prompt)
+            ids[i, n - length :] = torch.tensor(job.prompt)
+            positions[i, n - length :] = torch.arange(length)
+            self.mask[r + i].zero_()
+            self.mask[r + i, self.clock - length : self.clock] = 1
+        out = self.run(
+            slice(r, r + m),
+            ids.to(self.device),
+            positions.to(self.device),
+            torch.arange(self.clock - n, self.clock, device=self.device),
+            RowBudgets(tuple(job.budget for job in jobs), tuple(job.auto for job in jobs)),
+        )
+        added = []
+        for job in jobs:
+            length = len(job.prompt)
+            self.observer.prefilled(job, length, -1, 0)
+            added.append(Row(job, list(job.prompt), self._picker(job), position=length, span=length))
+        self.rows += added
+        self.take_many(added, out.logits, out.depths.tolist())
+
+    def _prefill_one(self, job: Job) -> None:
+        """:meth:`prefill` of one job, with the prefix cache."""
         n = len(job.prompt)
         ids = torch.tensor([job.prompt], dtype=torch.long, device=self.device)
-        if job.prompt_logprobs is not None:
-            logp = self.engine.prompt_logprobs(ids, job.budget)
-            job.emit(Event("prompt", prompt_logprobs=_prompt_logprobs(logp, job.prompt, job.prompt_logprobs)))
         groups = self._prefix_groups(job)
         found = self.prefix.lookup(job.prompt, groups) if groups else []
         self.fit(before=n)
@@ -211,13 +247,17 @@ class EngineCore:
         if groups:
             self.prefix.store(job.prompt, groups, functools.partial(self._read, r, first), skip=len(found))
         self.observer.prefilled(job, n, hit if groups else -1, self.prefix.nbytes if self.prefix else 0)
-        row = Row(job, list(job.prompt), TokenPicker(job.sampling, self.device), position=n, span=n)
+        row = Row(job, list(job.prompt), self._picker(job), position=n, span=n)
         self.rows.append(row)
         self.take(row, out.logits[0:1], int(out.depths[0]))
 
-    def abandon(self, job: Job) -> None:
-        """Forget ``job`` after its prefill failed (its row, if it got one, is freed)."""
-        if self.rows and self.rows[-1].job is job:
+    def _picker(self, job: Job) -> TokenPicker:
+        """The picker of ``job``'s tokens: the one it shares with the rest of its batch, else its own."""
+        return job.picker if job.picker is not None else TokenPicker(job.sampling, self.device)
+
+    def abandon(self, jobs: list[Job]) -> None:
+        """Forget ``jobs`` after their prefill failed (the rows they got are freed)."""
+        while self.rows and self.rows[-1].job in jobs:
             self.rows.pop()
 
     def _prefix_groups(self, job: Job) -> tuple[CacheGroup, ...] | None:
@@ -259,11 +299,10 @@ class EngineCore:
         )  # budgets resolved at the edge
         self.clock += 1
         self.steps += 1
-        depths = out.depths.tolist()
-        for i, row in enumerate(self.rows):
+        for row in self.rows:
             row.position += 1
             row.span += 1
-            self.take(row, out.logits[i : i + 1], int(depths[i]))
+        self.take_many(self.rows, out.logits, out.depths.tolist())
 
     def run(
         self,
@@ -333,6 +372,25 @@ class EngineCore:
             return
         ids = torch.tensor([row.ids], device=self.device) if row.picker.warpers is not None else None
         self.emit(row, int(row.picker(logits.float(), ids)), logits, depth)
+
+    def take_many(self, rows: list[Row], logits: torch.Tensor, depths: list[int]) -> None:
+        """:meth:`take` for ``rows`` (``logits [R, vocab]``, one row each): rows that share a
+        picker draw in one call, as a static batch does (one generator, one draw per step)."""
+        if not rows:
+            return
+        groups: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            if row.job.cancelled:
+                row.done = row.job.cancel_reason
+            else:
+                groups.setdefault(id(row.picker), []).append(i)
+        for group in groups.values():
+            if len(group) == 1:
+                self.take(rows[group[0]], logits[group[0] : group[0] + 1], depths[group[0]])
+                continue
+            tokens = rows[group[0]].picker(logits[group].float(), None)  # the warpers read no ids
+            for j, i in enumerate(group):
+                self.emit(rows[i], int(tokens[j]), logits[i : i + 1], depths[i])
 
     def emit(self, row: Row, token: int, logits: torch.Tensor, depth: int) -> None:
         """Send ``row``'s next ``token`` (chosen from ``logits [1, vocab]``, run at ``depth``) and

@@ -261,6 +261,11 @@ class StepEngine(ABC):
         batch = StepBatch(rows, input_ids, attention_mask, position_ids, cache_position, budgets)
         return self.run(cache, batch).logits
 
+    def budget_buffers(self, budget: int) -> tuple[int, ...] | None:
+        """The slot-cache buffers rows at ``budget`` read (what a row of that budget keeps per
+        position, Accordion Eq. 6); None (this default) when the engine does not know them."""
+        return None
+
     def prefix_groups(self, budget: int) -> tuple[CacheGroup, ...] | None:
         """The slot-cache buffers that rows at ``budget`` read, grouped by what their keys and
         values depend on (:func:`~looptool.engine.prefix_cache.cache_groups`), for the prefix

@@ -63,16 +63,28 @@ def cache_groups(
     return tuple(g for g in (CacheGroup(SHARED, shared), CacheGroup(budget, own)) if g.buffers)
 
 
+def budget_pairs(pairs: Sequence, plan: dict | None, budget: int) -> tuple[int, ...]:
+    """The cache pairs (each with ``layer`` and ``execution``) budget ``budget`` reads under the
+    loop ``plan`` (a manifest's): a layer's ``e``-th execution where the plan runs that layer at
+    least ``e`` times at that budget (Accordion Eq. 1, ELR Eq. 2); every pair without a plan."""
+    if not plan:
+        return tuple(range(len(pairs)))
+    from looptool.core.plan import plan_from_dict
+
+    runs = plan_from_dict(plan).executed_layers(budget, 1 + max(p.layer for p in pairs))
+    return tuple(j for j, p in enumerate(pairs) if p.execution <= runs.count(p.layer))
+
+
 def pair_groups(pairs: Sequence, used: Iterable[int], plan: dict | None, budget: int) -> tuple[CacheGroup, ...]:
     """:func:`cache_groups` for an exported engine's slot cache: ``pairs`` its cache pairs (each
     with ``layer`` and ``execution``; buffers ``2j`` and ``2j + 1`` hold pair ``j``'s keys and
-    values), ``used`` the pairs budget ``budget`` reads, ``plan`` the manifest's loop plan (None:
-    no layer is taken as shared)."""
+    values), ``used`` the buffers budget ``budget`` reads, ``plan`` the manifest's loop plan
+    (None: no layer is taken as shared)."""
     from looptool.core.plan import plan_from_dict
 
     first = plan_from_dict(plan).looped_layers().start if plan else 0
     buffers = [(p.layer, p.execution) for p in pairs for _ in "kv"]
-    return cache_groups(buffers, (2 * j + i for j in used for i in (0, 1)), first, budget)
+    return cache_groups(buffers, used, first, budget)
 
 
 def _nbytes(value: tuple) -> int:

@@ -54,6 +54,8 @@ class Rounds(Protocol):
 
     def take(self, row, logits: torch.Tensor, depth: int) -> None: ...
 
+    def take_many(self, rows: list, logits: torch.Tensor, depths: list[int]) -> None: ...
+
     def emit(self, row, token: int, logits: torch.Tensor, depth: int) -> None: ...
 
 
@@ -82,33 +84,50 @@ def speculative_round(s: Rounds) -> None:
             budgets,
         )
         s.steps += 1
-        for r, row in enumerate(rows):
-            logits = out.logits[r : r + 1]
-            if spec[r] is None:  # a plain row: its real token, as a decode step takes it
-                row.position += 1
-                if not row.done:
-                    s.take(row, logits, int(out.depths[r]))
-                feed[r] = row.ids[-1]
-            else:
-                q = draft_probs(row.picker, logits)
-                token = logits.argmax(-1) if q is None else torch.multinomial(q, 1, generator=row.picker.generator)[0]
-                drafts[r].append(int(token))
-                dists[r].append(q)
-                feed[r] = int(token)
+        plain = [r for r in range(count) if spec[r] is None]
+        for r in plain:  # a plain row: its real token, as a decode step takes it
+            rows[r].position += 1
+        live = [r for r in plain if not rows[r].done]
+        s.take_many([rows[r] for r in live], out.logits[live], [int(out.depths[r]) for r in live])
+        for r in plain:
+            feed[r] = rows[r].ids[-1]
+        for group in by_picker(rows, [r for r in range(count) if spec[r] is not None]):
+            picker, logits = rows[group[0]].picker, out.logits[group]
+            q = draft_probs(picker, logits)
+            tokens = logits.argmax(-1) if q is None else torch.multinomial(q, 1, generator=picker.generator)[:, 0]
+            for j, r in enumerate(group):
+                drafts[r].append(int(tokens[j]))
+                dists[r].append(None if q is None else q[j : j + 1])
+                feed[r] = int(tokens[j])
     draft_seconds = time.perf_counter() - t_draft
     t_verify = time.perf_counter()
     scores = _verify(s, n, base, drafts)
     verify_seconds = time.perf_counter() - t_verify
-    speculating = sum(sp is not None for sp in spec)
+    speculating = [r for r in range(count) if spec[r] is not None]
+    for r in speculating:
+        job = rows[r].job
+        if job.cancelled:
+            rows[r].done = job.cancel_reason
+        job.speculated.draft_seconds += draft_seconds / len(speculating)
+        job.speculated.verify_seconds += verify_seconds / len(speculating)
+    for group in by_picker(
+        rows, [r for r in speculating if not rows[r].done], key=lambda row: row.job.speculation.tokens
+    ):
+        _accept(s, group, scores, drafts, dists)
     for r, row in enumerate(rows):
         if spec[r] is None:
             s.mask[r, clock + n] = 0  # a plain row wrote n slots this round
-        else:
-            _accept(s, row, r, scores[r], drafts[r], dists[r])
-            row.job.speculated.draft_seconds += draft_seconds / speculating
-            row.job.speculated.verify_seconds += verify_seconds / speculating
         row.span += n + 1
     s.clock += n + 1
+
+
+def by_picker(rows: list, indices: list[int], key=lambda row: None) -> list[list[int]]:
+    """``indices`` of ``rows`` grouped by the token picker they share (and by ``key``), in order:
+    the rows of one group draw together, as a static batch does."""
+    groups: dict[tuple, list[int]] = {}
+    for r in indices:
+        groups.setdefault((id(rows[r].picker), key(rows[r])), []).append(r)
+    return list(groups.values())
 
 
 def _verify(s: Rounds, n: int, base: list[int], drafts: list[list[int]]) -> dict[int, torch.Tensor]:
@@ -141,31 +160,33 @@ def _verify(s: Rounds, n: int, base: list[int], drafts: list[list[int]]) -> dict
     return scores
 
 
-def _accept(s: Rounds, row, r: int, scores: torch.Tensor, drafts: list[int], dists: list[torch.Tensor | None]) -> None:
-    """Keep what budget ``k`` accepts of row ``r``'s first ``draft_tokens`` drafts (``scores
-    [N + 1, vocab]``, its verify logits), send those tokens and the one after them, and mask
-    the slots of the drafts it rejected."""
-    job = row.job
-    spec = job.speculation
-    assert spec is not None
-    n = spec.tokens
-    clock = s.clock
-    if job.cancelled:
-        row.done = job.cancel_reason
-    if row.done:
-        return
-    q = None if dists[0] is None else torch.stack([d[0] for d in dists[:n]])[None]
-    drafted = torch.tensor([drafts[:n]], dtype=torch.long, device=scores.device)
-    kept_t, nxt = accept_drafts(row.picker, scores[None, : n + 1], drafted, q)
-    kept = int(kept_t[0])
-    s.mask[r, clock + kept + 1 : clock + len(drafts) + 1] = 0  # rejected (or never verified) drafts
-    stats = job.speculated
-    stats.rounds += 1
-    stats.proposed += n
-    stats.accepted += kept
-    s.observer.drafted(job, n, kept)
-    row.position += kept + 1
-    for i, token in enumerate([*drafts[:kept], int(nxt[0])]):
-        if row.done:
-            break
-        s.emit(row, token, scores[i : i + 1], job.budget)
+def _accept(
+    s: Rounds,
+    group: list[int],
+    scores: dict[int, torch.Tensor],
+    drafts: list[list[int]],
+    dists: list[list[torch.Tensor | None]],
+) -> None:
+    """Keep what budget ``k`` accepts of the first ``draft_tokens`` drafts of each row in
+    ``group`` (rows that share a picker and a draft length; ``scores[r] [N + 1, vocab]``, row
+    ``r``'s verify logits), send those tokens and the one after them, and mask the slots of the
+    drafts it rejected."""
+    rows, clock = s.rows, s.clock
+    picker, n = rows[group[0]].picker, rows[group[0]].job.speculation.tokens
+    q = None if dists[group[0]][0] is None else torch.stack([torch.cat(dists[r][:n]) for r in group])
+    target = torch.stack([scores[r][: n + 1] for r in group])
+    drafted = torch.tensor([drafts[r][:n] for r in group], dtype=torch.long, device=target.device)
+    kept_t, nxt = accept_drafts(picker, target, drafted, q)
+    for j, r in enumerate(group):
+        row, job, kept = rows[r], rows[r].job, int(kept_t[j])
+        s.mask[r, clock + kept + 1 : clock + len(drafts[r]) + 1] = 0  # rejected (or never verified) drafts
+        stats = job.speculated
+        stats.rounds += 1
+        stats.proposed += n
+        stats.accepted += kept
+        s.observer.drafted(job, n, kept)
+        row.position += kept + 1
+        for i, token in enumerate([*drafts[r][:kept], int(nxt[j])]):
+            if row.done:
+                break
+            s.emit(row, token, scores[r][i : i + 1], job.budget)

@@ -21,12 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from looptool.core.errors import LooptoolError
 from looptool.engine.budgets import DEFAULT_EXIT_THRESHOLD, PER_LOOP_AUTO
 from looptool.passes.adaptive_depth import EXIT_RULES
-from looptool.runtime.decode_graphs import adaptive_path, allocate_cache, check_policy
+from looptool.runtime.decode_graphs import check_policy
 
 if TYPE_CHECKING:
     from looptool.runtime.network import LoopedNetwork
@@ -115,39 +113,3 @@ def check_auto_policy(model: LoopedNetwork, kv: str | None) -> str:
             parameter="kv",
         )
     return check_policy(model, "last-loop" if kv is None else kv)
-
-
-class AutoStep:
-    """One generation's adaptive-depth step: ``step(ids, mask, position_ids, cache_position)``
-    runs the adaptive path over this call's cache and returns the next-token logits ``[batch,
-    vocab]``, keeping each row's realised depth (:meth:`depths`). ``skip=False`` runs the
-    masked path (every step to the batch's deepest ``max_budget``; same results, for timing)."""
-
-    def __init__(
-        self, model: LoopedNetwork, batch: int, capacity: int, settings: AutoDepth, kv: str | None, *, skip: bool = True
-    ):
-        self.path = adaptive_path(model, check_auto_policy(model, kv), settings.exit_rule, skip=skip)
-        param = next(model.parameters())
-        self.device = param.device
-        self.caches = allocate_cache(self.path, batch, capacity, dtype=param.dtype, device=param.device)
-        self.kv_bytes = sum(c.numel() * c.element_size() for c in self.caches)
-        self.inputs = (
-            torch.full((batch,), settings.min_budget, dtype=torch.int64, device=param.device),
-            torch.full((batch,), settings.max_budget, dtype=torch.int64, device=param.device),
-            torch.full((batch,), settings.exit_threshold, dtype=torch.float32, device=param.device),
-        )
-        self._depths: list[torch.Tensor] = []
-
-    def __call__(
-        self, ids: torch.Tensor, mask: torch.Tensor, position: torch.Tensor, cache_position: torch.Tensor
-    ) -> torch.Tensor:
-        logits, depth = self.path.module(ids, mask, position, cache_position, *self.inputs, *self.caches)
-        self._depths.append(depth)
-        return logits[:, -1]
-
-    def depths(self, new_tokens: int) -> torch.Tensor:
-        """``[batch, new_tokens]``: the depth that produced each new token (step ``t``'s logits
-        pick token ``t``)."""
-        if new_tokens == 0 or not self._depths:
-            return torch.zeros(self.inputs[0].shape[0], 0, dtype=torch.int64, device=self.device)
-        return torch.stack(self._depths[:new_tokens], dim=1)

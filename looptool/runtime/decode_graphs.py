@@ -24,9 +24,16 @@ from torch import fx
 
 from looptool.capture import capture_config
 from looptool.core.errors import LooptoolError
-from looptool.core.graph import ROWWISE, LayerGraph, annotation, dtype_from_str, own_bodies, shared_graph_module
+from looptool.core.graph import (
+    ADAPTIVE,
+    ROWWISE,
+    LayerGraph,
+    annotation,
+    dtype_from_str,
+    own_bodies,
+    shared_graph_module,
+)
 from looptool.passes import PassManager
-from looptool.passes.adaptive_depth import ADAPTIVE
 from looptool.passes.kv_cache import KV_POLICIES
 
 if TYPE_CHECKING:

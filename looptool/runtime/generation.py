@@ -1,32 +1,34 @@
-"""Text generation at any budget with a KV cache (ELR Sec. 3.4, Accordion Eq. 6): the
-prefill-then-decode loop every runtime shares (:func:`decode_loop`) and :func:`generate`, which
-runs it over a model's cached budget paths (built and kept by
-:mod:`looptool.runtime.decode_graphs`).
+"""Text generation at any budget with a KV cache (ELR Sec. 3.4, Accordion Eq. 6):
+:func:`generate` submits a batch to the engine core (:mod:`looptool.engine.offline`) over the
+model's step engine (:class:`~looptool.runtime.step_engine.TorchStepEngine`: its cached budget
+paths, built and kept by :mod:`looptool.runtime.decode_graphs`), the core ``looptool serve``
+drives too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from looptool.core.errors import LooptoolError
-from looptool.core.words import counted
-from looptool.engine.budgets import RowBudgets
-from looptool.engine.sampling import GREEDY, SamplingParams, TokenPicker
+from looptool.engine.budgets import AutoRow, RowBudgets
+from looptool.engine.offline import generate_batch
+from looptool.engine.outputs import GenerationOutput
+from looptool.engine.sampling import GREEDY, SamplingParams
 from looptool.engine.speculation import Speculation
-from looptool.runtime.adaptive import AutoDepth, AutoStep, wants_auto
-from looptool.runtime.decode_graphs import allocate_cache, cached_paths, rowwise_path
-from looptool.runtime.outputs import GenerationOutput, position_ids
+from looptool.runtime.adaptive import AutoDepth, check_auto_policy, wants_auto
+from looptool.runtime.step_engine import TorchStepEngine
 
 if TYPE_CHECKING:
     from looptool.runtime.network import LoopedNetwork
 
 log = logging.getLogger(__name__)
+
+DERIVED_KEY = "step_engines"  # the entry of ``LoopedNetwork.derived`` that holds a model's step engines
 
 
 def row_budgets(model: LoopedNetwork, budget, batch: int) -> RowBudgets:
@@ -49,74 +51,6 @@ def check_max_new_tokens(max_new_tokens) -> None:
         raise LooptoolError(
             f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}.", parameter="max_new_tokens"
         )
-
-
-Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def decode_loop(
-    step: Step,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    *,
-    capacity: int,
-    max_new_tokens: int,
-    mask_dtype: torch.dtype,
-    sampling: SamplingParams = GREEDY,
-    eos_token_id: int | list[int] | None = None,
-    pad_token_id: int | None = None,
-    on_step: Callable[[torch.Tensor], bool | None] | None = None,
-    output_logits: bool = False,
-    kv_bytes: int = 0,
-) -> GenerationOutput:
-    """The prefill-then-decode loop shared by every runtime (PyTorch paths, exported engines).
-
-    ``step(ids, attention_mask, position_ids, cache_position)`` runs one cached step and
-    returns the next-token logits ``[batch, vocab]``; the loop owns the
-    ``[batch, capacity]`` mask (updated in place, so a runtime may bind it once), picks
-    tokens under ``sampling``, stops rows at EOS and times both phases.
-    """
-    device = input_ids.device
-    batch, prompt = input_ids.shape
-    if prompt + max_new_tokens > capacity:
-        raise LooptoolError(
-            f"the prompt ({counted(prompt, 'token')}) plus {counted(max_new_tokens, 'new token')} exceed the cache capacity "
-            f"of {capacity}; raise the capacity or generate fewer tokens."
-        )
-    eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=device)
-    pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if len(eos) else 0)
-    pick = TokenPicker(sampling, device)
-    mask = torch.zeros(batch, capacity, dtype=mask_dtype, device=device)
-    mask[:, :prompt] = 1 if attention_mask is None else attention_mask.to(device=device, dtype=mask_dtype)
-    ids = input_ids
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
-    position = position_ids(mask[:, :prompt])
-    t0 = time.perf_counter()
-    logits = step(ids, mask, position, torch.arange(prompt, device=device))
-    prefill = time.perf_counter() - t0
-    steps = 0
-    kept: list[torch.Tensor] = []
-    t1 = time.perf_counter()
-    for i in range(max_new_tokens):
-        if i > 0:
-            slot = prompt + i - 1
-            mask[:, slot] = 1
-            position = position[:, -1:] + 1
-            logits = step(ids[:, -1:], mask, position, torch.tensor([slot], device=device))
-        if output_logits:
-            kept.append(logits.clone())
-        token = pick(logits, ids)
-        token = torch.where(done, torch.full_like(token, pad), token)
-        ids = torch.cat([ids, token[:, None]], dim=1)
-        steps += 1
-        if on_step is not None and on_step(token):
-            break  # the caller's stop condition (e.g. a stop string) holds for every row
-        if len(eos):
-            done |= torch.isin(token, eos)
-            if bool(done.all()):
-                break
-    decode = time.perf_counter() - t1
-    return GenerationOutput(ids, steps, prefill, decode, kv_bytes, kv_bytes / (batch * capacity), tuple(kept))
 
 
 @torch.no_grad()
@@ -156,7 +90,7 @@ def generate(
     ``output_logits=True`` keeps each step's next-token logits. ``kv`` is the KV cache policy
     (None: ``"per-loop"``, or ``"last-loop"`` for ``budget="auto"``).
 
-    ``draft_budget=j`` decodes speculatively (:mod:`looptool.runtime.speculative`): budget ``j``
+    ``draft_budget=j`` decodes speculatively (:mod:`looptool.engine.rounds`): budget ``j``
     (shallower than ``budget``, one budget for every row) drafts ``draft_tokens`` tokens, the
     budget asked for scores them in one step and keeps what it agrees with, so the output is
     budget ``budget``'s own (token for token when greedy, in distribution when sampling);
@@ -168,20 +102,17 @@ def generate(
     successive next-token distributions instead); ``depths`` reports each token's depth.
     """
     check_generation_args(input_ids, max_new_tokens)
-    batch, prompt = input_ids.shape
-    capacity = prompt + max_new_tokens
+    batch = input_ids.shape[0]
+    spec = None
     if wants_auto(budget, min_budget, max_budget, exit_threshold, exit_rule):
         if draft_budget is not None:
             raise LooptoolError(
                 "speculative decoding needs a fixed budget, not budget='auto'.", parameter="draft_budget"
             )
         settings = AutoDepth.resolve(model, min_budget, max_budget, exit_threshold, exit_rule)
-        auto = AutoStep(model, batch, capacity, settings, kv)
-        step, device, kv_bytes = auto, auto.device, auto.kv_bytes
-
-        def finish(out: GenerationOutput) -> GenerationOutput:
-            return dataclasses.replace(out, depths=auto.depths(out.new_tokens))
-
+        engine = step_engine(model, check_auto_policy(model, kv), settings.exit_rule)
+        rows: RowBudgets | None = None
+        budgets = [AutoRow(settings.min_budget, settings.max_budget, settings.exit_threshold)] * batch
     else:
         kv = "per-loop" if kv is None else kv
         rows = row_budgets(model, budget, batch)
@@ -189,51 +120,33 @@ def generate(
             if not rows.uniform:
                 raise LooptoolError("speculative decoding takes one budget for every row.", parameter="draft_budget")
             spec = Speculation(draft_budget, draft_tokens).check(rows.rows[0], model.budgets, kv)
-            if max_new_tokens > 1:
-                from looptool.runtime.speculative import speculative_generate
-
-                out = speculative_generate(
-                    model,
-                    input_ids,
-                    attention_mask=attention_mask,
-                    budget=rows.rows[0],
-                    speculation=spec,
-                    max_new_tokens=max_new_tokens,
-                    kv=kv,
-                    sampling=sampling,
-                    eos_token_id=eos_token_id,
-                    pad_token_id=pad_token_id,
-                    on_step=on_step,
-                    output_logits=output_logits,
-                )
-                return _with_costs(model, out, rows)
-        path = cached_paths(model, kv, rows.rows[:1])[rows.rows[0]] if rows.uniform else rowwise_path(model, kv)
-        param = next(model.parameters())
-        caches = allocate_cache(path, batch, capacity, dtype=param.dtype, device=param.device)
-        extra = () if rows.uniform else (rows.tensor(param.device),)
-        device, kv_bytes = param.device, sum(c.numel() * c.element_size() for c in caches)
-
-        def step(ids, mask, position, cache_position):
-            return path.module(ids, mask, position, cache_position, *extra, *caches)[:, -1]
-
-        def finish(out: GenerationOutput) -> GenerationOutput:
-            return _with_costs(model, out, rows)
-
-    out = decode_loop(
-        step,
-        input_ids.to(device),
+        engine = step_engine(model, kv)
+        budgets = list(rows.rows)
+    out = generate_batch(
+        engine,
+        input_ids,
         attention_mask,
-        capacity=capacity,
+        budgets,
         max_new_tokens=max_new_tokens,
-        mask_dtype=model.mask_dtype,
         sampling=sampling,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         on_step=on_step,
         output_logits=output_logits,
-        kv_bytes=kv_bytes,
+        speculation=spec if max_new_tokens > 1 else None,
+        device=next(model.parameters()).device,
     )
-    return finish(out)
+    return out if rows is None else _with_costs(model, out, rows)
+
+
+def step_engine(model: LoopedNetwork, kv: str, exit_rule: str = "state") -> TorchStepEngine:
+    """``model``'s step engine for ``kv`` (rows of adaptive depth stopping by ``exit_rule``),
+    kept with the model (dropped when it moves) so its paths are bound once."""
+    engines = model.derived.setdefault(DERIVED_KEY, {})
+    key = (kv, exit_rule)
+    if key not in engines:
+        engines[key] = TorchStepEngine(model, kv=kv, exit_rule=exit_rule)
+    return engines[key]
 
 
 def _with_costs(model: LoopedNetwork, out: GenerationOutput, rows: RowBudgets) -> GenerationOutput:

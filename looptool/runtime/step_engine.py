@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from looptool.core.errors import LooptoolError
-from looptool.core.graph import ROWWISE
+from looptool.core.graph import ADAPTIVE, ROWWISE
 from looptool.engine.budgets import PER_LOOP_AUTO
 from looptool.engine.interface import (
     Capabilities,
@@ -46,7 +46,6 @@ from looptool.passes.adaptive_depth import EXIT_RULES
 from looptool.runtime.decode_graphs import (
     CachedPath,
     adaptive_path,
-    allocate_cache,
     cached_paths,
     check_policy,
     rowwise_path,
@@ -72,16 +71,14 @@ class TorchStepEngine(StepEngine):
                 f"unknown exit_rule {exit_rule!r}; use one of {list(EXIT_RULES)}.", parameter="exit_rule"
             )
         self.exit_rule = exit_rule
-        self._adaptive: tuple[CachedPath, list[int]] | None = None  # built on the first adaptive step
         self.budgets: tuple[int, ...] = tuple(model.budgets)
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.vocab_size = int(text.vocab_size)
         self.mask_dtype: torch.dtype = model.mask_dtype
-        self.rowwise = rowwise_path(model, self.kv)
-        self.paths = cached_paths(model, self.kv)
-        names = [s.name for s in self.rowwise.slots]
-        # buffer index of each cache input of each budget's own path (a subset of the row-wise slots)
-        self.pairs = {k: [names.index(s.name) for s in p.slots] for k, p in self.paths.items()}
+        deepest = max(self.budgets)
+        # the slot cache's buffers: the deepest budget's cache inputs (a superset of every budget's)
+        self.slots = cached_paths(model, self.kv, [deepest])[deepest].slots
+        self._paths: dict[int | str, tuple[CachedPath, list[int]]] = {}  # built on first use
         per_loop = self.kv == "per-loop"
         self.capabilities = Capabilities(
             self.kv,
@@ -97,26 +94,39 @@ class TorchStepEngine(StepEngine):
     def allocate(self, slots: int, length: int) -> TensorSlotCache:
         """Zeroed persistent caches, every buffer ``[slots, kv_heads, length, head_dim]``."""
         param = next(self.model.parameters())
-        buffers = allocate_cache(self.rowwise, slots, length, dtype=param.dtype, device=param.device)
-        return TensorSlotCache(buffers, tuple(s.name for s in self.rowwise.slots))
+        buffers = [
+            torch.zeros(slots, s.kv_heads, length, s.head_dim, dtype=param.dtype, device=param.device)
+            for s in self.slots
+        ]
+        return TensorSlotCache(buffers, tuple(s.name for s in self.slots))
 
-    def adaptive(self) -> tuple[CachedPath, list[int]]:
-        """The adaptive-depth path and, per cache input of it, the slot-cache buffer it reads
-        (matched by name, and checked to be the same layer, kind and execution); built once."""
-        if self._adaptive is None:
-            path = adaptive_path(self.model, self.kv, self.exit_rule)
-            by_name = {s.name: i for i, s in enumerate(self.rowwise.slots)}
-            index = []
-            for slot in path.slots:
-                i = by_name.get(slot.name)
-                if i is None or self.rowwise.slots[i] != slot:
-                    raise LooptoolError(
-                        f"the adaptive-depth path's cache input {slot.name!r} (layer {slot.layer}, {slot.kind}) is not "
-                        "a buffer of the slot cache."
-                    )
-                index.append(i)
-            self._adaptive = (path, index)
-        return self._adaptive
+    def path(self, key: int | str) -> tuple[CachedPath, list[int]]:
+        """The path ``key`` runs (a budget's own, :data:`ROWWISE` or :data:`ADAPTIVE`) and, per
+        cache input of it, the slot-cache buffer it reads (matched by name, and checked to be
+        the same layer, kind and execution); built on first use."""
+        if key not in self._paths:
+            if key == ROWWISE:
+                path = rowwise_path(self.model, self.kv)
+            elif key == ADAPTIVE:
+                path = adaptive_path(self.model, self.kv, self.exit_rule)
+            else:
+                path = cached_paths(self.model, self.kv, [key])[key]
+            self._paths[key] = (path, self._buffers_of(path, key))
+        return self._paths[key]
+
+    def _buffers_of(self, path: CachedPath, key: int | str) -> list[int]:
+        """The buffer index of each of ``path``'s cache inputs."""
+        by_name = {s.name: i for i, s in enumerate(self.slots)}
+        index = []
+        for slot in path.slots:
+            i = by_name.get(slot.name)
+            if i is None or self.slots[i] != slot:
+                raise LooptoolError(
+                    f"the {key} path's cache input {slot.name!r} (layer {slot.layer}, {slot.kind}) is not a buffer "
+                    "of the slot cache."
+                )
+            index.append(i)
+        return index
 
     @torch.no_grad()
     def run(self, cache: TensorSlotCache, batch: StepBatch) -> StepResult:
@@ -136,27 +146,30 @@ class TorchStepEngine(StepEngine):
             for k, part in budgets.runs():
                 views = [b[start + part.start : start + part.stop, :, :width] for b in cache.buffers]
                 step = (t[part] for t in batch.inputs[:3])
-                out.append(paths[k].module(*step, batch.cache_position, *(views[i] for i in self.pairs[k])).float())
+                own = self.path(k)[1]  # a verify path reads its budget's own path's cache inputs
+                out.append(paths[k].module(*step, batch.cache_position, *(views[i] for i in own)).float())
             return StepResult(torch.cat(out), budgets.tensor())
         views = [b[start:stop, :, :width] for b in cache.buffers]
         if budgets.adaptive:
-            path, index = self.adaptive()
+            path, index = self.path(ADAPTIVE)
             depth_inputs = budgets.depth_inputs(batch.input_ids.device)
             logits, depths = path.module(*batch.inputs, *depth_inputs, *(views[i] for i in index))
             return StepResult(logits[:, -1].float(), depths.cpu())
-        if budgets.graph(self.paths) != ROWWISE:  # one budget: its own path on its own cache pairs
-            k = budgets.rows[0]
-            logits = self.paths[k].module(*batch.inputs, *(views[i] for i in self.pairs[k]))
-        else:
-            logits = self.rowwise.module(*batch.inputs, budgets.tensor(batch.input_ids.device), *views)
+        key = budgets.graph(self.budgets)  # one budget: its own path on its own buffers
+        path, index = self.path(key)
+        extra = (budgets.tensor(batch.input_ids.device),) if key == ROWWISE else ()
+        logits = path.module(*batch.inputs, *extra, *(views[i] for i in index))
         return StepResult(logits[:, -1].float(), budgets.tensor())
 
+    def budget_buffers(self, budget: int) -> tuple[int, ...]:
+        """The buffers ``budget``'s own path reads."""
+        return tuple(self.path(budget)[1])
+
     def prefix_groups(self, budget: int) -> tuple[CacheGroup, ...]:
-        """The buffers of ``budget``'s own path (all of the row-wise path's when it has none),
-        those of the layers before the loop shared by every budget."""
-        buffers = [(s.layer, s.execution) for s in self.rowwise.slots]
-        used = self.pairs.get(budget, range(len(buffers)))
-        return cache_groups(buffers, used, self.model.plan.looped_layers().start, budget)
+        """The buffers of ``budget``'s own path, those of the layers before the loop shared by
+        every budget."""
+        buffers = [(s.layer, s.execution) for s in self.slots]
+        return cache_groups(buffers, self.budget_buffers(budget), self.model.plan.looped_layers().start, budget)
 
     @torch.no_grad()
     def prompt_logprobs(self, input_ids: torch.Tensor, budget: int) -> torch.Tensor:

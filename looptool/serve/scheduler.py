@@ -155,7 +155,7 @@ class Scheduler:
         leave, self.core.leave = self.core.leave, lambda job, reason: None
         try:
             for job in jobs:
-                self.core.prefill(job)
+                self.core.prefill([job])
                 self.core.iterate()
                 self.core.retire()
         finally:
@@ -218,10 +218,10 @@ class Scheduler:
     def _admit(self, job: Job) -> None:
         """Prefill ``job``; a failure fails that request alone."""
         try:
-            self.core.prefill(job)
+            self.core.prefill([job])
         except Exception as exc:
             log.exception("prefill failed")
-            self.core.abandon(job)
+            self.core.abandon([job])
             self._release(job)
             job.emit(Event("failed", message=f"{type(exc).__name__}: {exc}"))
 

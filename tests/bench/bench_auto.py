@@ -42,8 +42,9 @@ import torch  # noqa: E402
 from bench_speculative import SOTU, _trained  # noqa: E402
 
 from looptool.capture.sources import load_source  # noqa: E402
-from looptool.runtime.adaptive import AutoDepth, AutoStep  # noqa: E402
+from looptool.runtime.adaptive import AutoDepth  # noqa: E402
 from looptool.runtime.decode_graphs import allocate_cache, cached_paths  # noqa: E402
+from looptool.testing import AutoStep  # noqa: E402
 
 KV = "last-loop"
 

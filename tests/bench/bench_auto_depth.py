@@ -41,8 +41,9 @@ import torch  # noqa: E402
 from bench_depth import HARD, TIERS, encode, example, tokenizer  # noqa: E402
 
 import looptool  # noqa: E402
-from looptool.runtime.adaptive import AutoDepth, AutoStep  # noqa: E402
+from looptool.runtime.adaptive import AutoDepth  # noqa: E402
 from looptool.runtime.decode_graphs import allocate_cache, cached_paths  # noqa: E402
+from looptool.testing import AutoStep  # noqa: E402
 
 KV = "last-loop"
 THRESHOLDS = {

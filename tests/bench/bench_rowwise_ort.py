@@ -41,7 +41,8 @@ from looptool.backends.ort.runtime import Runtime
 from looptool.capture.sources import load_source
 from looptool.core.graph import ROWWISE
 from looptool.engine.budgets import RowBudgets
-from looptool.runtime.generation import GenerationOutput, decode_loop
+from looptool.engine.outputs import GenerationOutput
+from looptool.testing import decode_loop
 
 RESULTS = Path(__file__).resolve().parent / "results" / "rowwise_ort.json"
 SOTU = Path(__file__).resolve().parents[1] / "data" / "sotu"

@@ -1,6 +1,5 @@
-"""What a generation returns (:class:`GenerationOutput`) and the positions of left-padded rows:
-shared by the decode loops of :mod:`looptool.runtime.generation` and
-:mod:`looptool.runtime.speculative`."""
+"""What a generation returns (:class:`GenerationOutput`): every runtime's ``generate``
+(:mod:`looptool.engine.offline`)."""
 
 from __future__ import annotations
 
@@ -14,14 +13,14 @@ from looptool.engine.speculation import SpeculationStats
 
 @dataclass
 class GenerationOutput:
-    """What :func:`generate` returns: the sequences plus what the run cost."""
+    """What ``generate`` returns: the sequences plus what the run cost."""
 
     sequences: torch.Tensor  # [batch, prompt + new], prompt left-padded as given
     new_tokens: int  # decoding steps run (tokens per row, including any after EOS)
     prefill_seconds: float
     decode_seconds: float
-    kv_bytes: int  # bytes of the cache tensors allocated for this call
-    kv_bytes_per_token: float  # kv_bytes / (batch x cache length)
+    kv_bytes: int  # keys and values the rows' budgets keep for prompt + new tokens (Accordion Eq. 6)
+    kv_bytes_per_token: float  # kv_bytes / (batch x (prompt + new tokens)): one row's bytes per position
     logits: tuple[torch.Tensor, ...] = ()  # per step [batch, vocab], with output_logits=True
     budgets: tuple[int, ...] = ()  # each row's budget
     row_costs: tuple[BudgetCost, ...] = ()  # each row's per-token cost (its budget's cost-table row)
@@ -33,9 +32,3 @@ class GenerationOutput:
         """Generated tokens per second over prefill and decode (all rows)."""
         total = self.prefill_seconds + self.decode_seconds
         return self.sequences.shape[0] * self.new_tokens / total if total > 0 else float("inf")
-
-
-def position_ids(mask: torch.Tensor) -> torch.Tensor:
-    """Positions of left-padded rows, as transformers' generate computes them."""
-    pos = mask.long().cumsum(-1) - 1
-    return pos.masked_fill(mask == 0, 1)
