@@ -14,9 +14,10 @@ import looptool
 from looptool.backends.manifest import Manifest
 from looptool.backends.onnx.export import export_onnx
 from looptool.backends.onnx.selection import looped_by_default
-from looptool.backends.ort.binding import CacheBinding
+from looptool.backends.ort.engine import OrtStepEngine
 from looptool.backends.ort.runtime import Runtime
 from looptool.core.graph import ROWWISE
+from looptool.engine.budgets import RowBudgets
 from looptool.runtime.generation import generate
 from looptool.testing import every_onnx_node, left_padded_batch, move_off_init, tiny_model
 
@@ -77,15 +78,16 @@ def test_the_looped_graph_decodes_every_budget_and_mix_as_pytorch_does_in_one_se
 
 def _step_caches(directory, budgets: list[int]) -> tuple[list, list]:
     """One prefill of the row-wise graph at ``budgets``: the caches after it and the layout's pairs."""
-    rt = Runtime(directory)
-    graph, rows = rt.resolve_budget(budgets, len(budgets))
-    layout = rt.layout(ROWWISE)
-    binding = CacheBinding(rt.session(graph), layout, len(budgets), 8, rt.vocab_size, budgets=rows)
+    engine = OrtStepEngine(Runtime(directory))
+    cache = engine.allocate(len(budgets), 8)
     ids, _ = left_padded_batch(len(budgets), length=4)
-    mask = torch.zeros(len(budgets), 8, dtype=getattr(torch, str(rt.mask_dtype)))
+    mask = torch.zeros(len(budgets), 8, dtype=engine.mask_dtype)
     mask[:, :4] = 1
-    binding.run(ids, mask, torch.arange(4).expand(len(budgets), 4), torch.arange(4))
-    return binding.caches, list(layout.pairs)
+    rows = RowBudgets(tuple(budgets))
+    engine.step(
+        cache, slice(0, len(budgets)), ids, mask, torch.arange(4).expand(len(budgets), 4), torch.arange(4), rows
+    )
+    return cache.buffers, list(engine.layout.pairs)
 
 
 def test_a_batch_runs_only_the_passes_its_deepest_row_asks_for(engines):

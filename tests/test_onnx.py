@@ -20,8 +20,9 @@ from looptool.backends.manifest import MANIFEST, WEIGHTS, Manifest
 from looptool.backends.onnx.export import export_onnx, export_program, serving_example
 from looptool.backends.onnx.layers import LAYER_DOMAIN
 from looptool.backends.onnx.store import INLINE_LIMIT
-from looptool.backends.ort.binding import CacheBinding
+from looptool.backends.ort.engine import OrtStepEngine
 from looptool.backends.ort.runtime import Runtime
+from looptool.engine.budgets import RowBudgets
 from looptool.engine.outputs import GenerationOutput
 from looptool.runtime.generation import generate
 from looptool.storage.files import sha256_file
@@ -203,17 +204,19 @@ def test_caches_are_written_in_place(engines):
     """The runtime binds one buffer per cache as both past input and present output: a step
     writes its keys and values into those very arrays at ``cache_position`` and nowhere else."""
     _, directory = engines["llama-prefix"]
-    rt = Runtime(directory)
-    binding = CacheBinding(rt.session(2, "per-loop"), rt.layout(2, "per-loop"), batch=1, capacity=10)
-    buffers = [id(c) for c in binding.caches]
+    engine = OrtStepEngine(Runtime(directory))
+    cache = engine.allocate(1, 10)
+    buffers = [id(c) for c in cache.buffers]
+    caches = [cache.buffers[i] for i in engine.budget_buffers(2)]
     mask = torch.zeros(1, 10, dtype=torch.long)
     mask[:, :4] = 1
-    binding.step(torch.tensor([[5, 6, 7, 8]]), mask, torch.arange(4)[None], torch.arange(4))
-    assert all(np.abs(c[:, :, :4]).max() > 0 and not c[:, :, 4:].any() for c in binding.caches)
+    two = RowBudgets((2,))
+    engine.step(cache, slice(0, 1), torch.tensor([[5, 6, 7, 8]]), mask, torch.arange(4)[None], torch.arange(4), two)
+    assert all(np.abs(c[:, :, :4]).max() > 0 and not c[:, :, 4:].any() for c in caches)
     mask[:, 4] = 1
-    binding.step(torch.tensor([[9]]), mask, torch.tensor([[4]]), torch.tensor([4]))
-    assert all(np.abs(c[:, :, 4]).max() > 0 and not c[:, :, 5:].any() for c in binding.caches)
-    assert [id(c) for c in binding.caches] == buffers
+    engine.step(cache, slice(0, 1), torch.tensor([[9]]), mask, torch.tensor([[4]]), torch.tensor([4]), two)
+    assert all(np.abs(c[:, :, 4]).max() > 0 and not c[:, :, 5:].any() for c in caches)
+    assert [id(c) for c in cache.buffers] == buffers
 
 
 def test_unfused_moe_does_not_export_but_fused_does():

@@ -25,7 +25,8 @@ from looptool.backends.errors import ExportError
 from looptool.backends.manifest import Manifest
 from looptool.backends.onnx.export import export_onnx
 from looptool.backends.onnx.quantize import ACCURACY_LEVEL, FAST_ACCURACY_LEVEL, batch_dependent
-from looptool.backends.ort.engine import OrtStepEngine, open_dir
+from looptool.backends.ort.directory import open_dir
+from looptool.backends.ort.engine import OrtStepEngine
 from looptool.backends.ort.runtime import Runtime
 from looptool.testing import batch_gaps, byte_tokenizer, move_off_init, tiny_model
 
@@ -127,11 +128,11 @@ def test_int8_activations_are_an_option_that_says_answers_depend_on_the_batch(mo
     assert worst > 10 * NOISE  # the dependence the default avoids, seen by the same check
     reason = EngineOptions.of(precision="int4").missing_from(Manifest.read(tmp_path / "fast"))
     assert reason == "its int8 activations (accuracy level 4) make each answer depend on the batch"
-    with caplog.at_level(logging.WARNING, logger="looptool.backends.ort.engine"):
+    with caplog.at_level(logging.WARNING, logger="looptool.backends.ort.directory"):
         open_dir(tmp_path / "fast", kv="last-loop")
     assert "a request's greedy answer depends on the other requests in its batch" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="looptool.backends.ort.engine"):
+    with caplog.at_level(logging.WARNING, logger="looptool.backends.ort.directory"):
         open_dir(engines("int4").directory, kv="last-loop")  # the default: no warning
     assert not caplog.text
 

@@ -21,30 +21,22 @@ depth, not time.
 from __future__ import annotations
 
 import logging
-import os
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from looptool.backends.engine_files import engine_tokenizer
 from looptool.backends.errors import EngineError, ReexportError
-from looptool.backends.interface import DEPTH, INPUTS, LOGITS, CacheLayout, past_name, present_name, row_inputs
-from looptool.backends.manifest import MANIFEST, Manifest
+from looptool.backends.interface import BUDGETS, DEPTH, INPUTS, LOGITS, CacheLayout, past_name, present_name, row_inputs
 from looptool.core.dtypes import named
 from looptool.core.graph import ADAPTIVE, ROWWISE
 from looptool.engine.budgets import PER_LOOP_AUTO
 from looptool.engine.interface import (
     ArraySlotCache,
     Capabilities,
-    EngineFacts,
-    OpenedEngine,
     StepBatch,
     StepEngine,
     StepResult,
     as_numpy,
-    costs_by_budget,
-    eos_ids,
     full_width,
     row_span,
 )
@@ -53,23 +45,30 @@ from looptool.engine.speculation import LAST_LOOP_VERIFY
 
 log = logging.getLogger(__name__)
 
-WANTS = "give an engine directory written by looptool export"
 
 _BINDINGS_KEPT = 64  # cached IOBindings (one per graph, row slice and cache)
 
 
 class OrtStepEngine(StepEngine):
     """Cached decode steps over slices of one slot cache, every row at its own budget, with
-    an onnxruntime :class:`~looptool.backends.ort.runtime.Runtime` whose engine holds the row-wise
-    graph for ``kv`` (and rows of adaptive depth, exit rule ``exit_rule``, where it holds the
-    adaptive-depth graph: :meth:`check_adaptive`)."""
+    an onnxruntime :class:`~looptool.backends.ort.runtime.Runtime` for ``kv`` (rows of adaptive
+    depth stopping by ``exit_rule`` where it holds that adaptive-depth graph). An engine
+    exported without the row-wise graph is refused, unless ``mixed`` is False (one generate
+    call's engine: rows that share a budget only, a mixed batch refused in one sentence; its
+    cache laid out like its deepest budget's graph)."""
 
-    def __init__(self, runtime, kv: str = "per-loop", exit_rule: str = "state"):
+    def __init__(self, runtime, kv: str = "per-loop", exit_rule: str = "state", *, mixed: bool = True):
         self.runtime = runtime
-        self.kv = kv
+        self.kv = runtime._check_policy(kv)
         self.exit_rule = exit_rule
-        self.budgets: tuple[int, ...] = tuple(sorted(runtime.rowwise_menu(kv)))  # refuses a missing graph
-        self.layout: CacheLayout = runtime.layout(ROWWISE, kv)
+        if mixed:
+            runtime.rowwise_menu(self.kv)  # one sentence where the engine has no row-wise graph
+        if runtime.has_rowwise(self.kv):
+            self.budgets: tuple[int, ...] = tuple(sorted(runtime.rowwise_menu(self.kv)))
+            self.layout: CacheLayout = runtime.layout(ROWWISE, self.kv)
+        else:
+            self.budgets = tuple(sorted(runtime.budgets))
+            self.layout = runtime.layout(self.budgets[-1], self.kv)
         if runtime.vocab_size is None:
             raise EngineError("the engine's manifest does not record the vocabulary size; export it again.")
         self.vocab_size = int(runtime.vocab_size)
@@ -78,7 +77,9 @@ class OrtStepEngine(StepEngine):
         if self._dtype is None:
             raise EngineError(f"cache dtype {self.layout.dtype} cannot be held in numpy; export in float32 or float16.")
         index = {(p.layer, p.execution): j for j, p in enumerate(self.layout.pairs)}
-        self._pairs: dict[int | str, list[int]] = {ROWWISE: list(range(len(self.layout.pairs)))}
+        self._pairs: dict[int | str, list[int]] = {}
+        if runtime.has_rowwise(self.kv):
+            self._pairs[ROWWISE] = list(range(len(self.layout.pairs)))
         for budget in set(runtime.budgets) & set(self.budgets):  # budgets with a graph of their own
             pairs = runtime.layout(budget, kv).pairs
             if all((p.layer, p.execution) in index for p in pairs):
@@ -151,17 +152,27 @@ class OrtStepEngine(StepEngine):
         last-loop KV), and a verify batch one run of rows sharing a budget at a time on that
         budget's verify graph (over the cache pairs of its own graph: the same layout, checked
         when it is bound)."""
-        self.capabilities.check(batch)
         budgets = batch.budgets
         start, stop = row_span(batch.rows, len(cache.buffers[0]), budgets)
-        if batch.every_position:
+        if batch.every_position:  # the verify graphs of the batch's budgets, whatever others lack
+            if self.kv != "per-loop" or budgets.adaptive:
+                self.capabilities.check(batch)
+            for k in sorted(set(budgets.rows)):
+                self.runtime.verify_session(k, self.kv)  # one sentence where the engine has none
+                if k not in self._pairs:
+                    raise ReexportError(
+                        f"the engine directory has no graph of budget {k}'s own, which its verify graph reads."
+                    )
             steps, out = int(batch.input_ids.shape[1]), []
             for k, part in budgets.runs():
                 step = (*(t[part] for t in batch.inputs[:3]), batch.cache_position)
                 logits, _ = self._run(cache, k, start + part.start, start + part.stop, step, budgets, steps=steps)
                 out.append(torch.from_numpy(logits.astype(np.float32)))
             return StepResult(torch.cat(out), budgets.tensor())
+        self.capabilities.check(batch)
         key = ADAPTIVE if budgets.adaptive else budgets.graph(self._pairs)
+        if key not in self._pairs:
+            self.runtime._entry(key, self.kv)  # one sentence: the engine has no such graph
         logits, depth = self._run(cache, key, start, stop, batch.inputs, budgets, steps=0)
         depths = torch.from_numpy(depth.copy()) if budgets.adaptive else budgets.tensor()
         return StepResult(torch.from_numpy(logits[:, -1].astype(np.float32)), depths)
@@ -207,6 +218,7 @@ class OrtStepEngine(StepEngine):
             session = self.runtime.adaptive_session(self.exit_rule, self.kv)
         else:
             session = self.runtime.session(key, self.kv)
+        self._check_interface(session, key)
         io = session.io_binding()
         values = []
         for local, j in enumerate(self._pairs[key]):
@@ -233,45 +245,17 @@ class OrtStepEngine(StepEngine):
         )  # keeps buffers, views, values alive
         return io, logits, session, depth
 
+    def _check_interface(self, session, key: int | str) -> None:
+        """One sentence unless the session's inputs and outputs are those the manifest's layout
+        for graph ``key`` gives (step inputs, per-row inputs, one past and present pair each)."""
+        from looptool.passes.adaptive_depth import AUTO_INPUTS
 
-# ---------------------------------------------------------------------- the onnxruntime runtime
-def detect(path: Path) -> bool:
-    """Whether ``path`` is an engine directory (it holds the engine manifest)."""
-    return (path / MANIFEST).is_file()
-
-
-def describe(path: Path) -> EngineFacts:
-    """The exported budgets and the source config's context, from the manifest alone."""
-    return Manifest.read(path).facts()
-
-
-def open_dir(
-    path: Path,
-    *,
-    kv: str = "per-loop",
-    tokenizer: str | os.PathLike | None = None,
-    threads: int | None = None,
-    prepack: bool | None = None,
-    spin: bool | None = False,
-    exit_rule: str = "state",
-    **_,
-) -> OpenedEngine:
-    """onnxruntime sessions over the engine directory ``path`` (``threads`` intra-op threads,
-    CPU; ``prepack`` and ``spin`` as :class:`~looptool.backends.ort.runtime.Runtime` takes them)
-    and their step engine for ``kv`` (rows of adaptive depth stopping by ``exit_rule``, where
-    the engine holds its adaptive-depth graph)."""
-    from looptool.backends.onnx.quantize import batch_dependent
-    from looptool.backends.ort.runtime import Runtime
-
-    rt = Runtime(path, threads=threads, prepack=prepack, spin=spin)
-    if batch_dependent(rt.manifest.quantization):
-        log.warning(
-            "%s quantizes activations to int8 (accuracy level 4), so a request's greedy answer depends on the other "
-            "requests in its batch; export it again without --accuracy-level 4 for answers that do not.",
-            path,
-        )
-    tok = engine_tokenizer(path, rt.manifest, tokenizer)
-    engine = OrtStepEngine(rt, kv=kv, exit_rule=exit_rule)
-    costs = costs_by_budget([c.as_dict() for c in rt.manifest.costs], engine.budgets, kv)
-    eos = eos_ids(tok, rt.manifest.eos_token_id)
-    return OpenedEngine(engine, tok, costs, eos, "cpu", "onnxruntime")
+        past = [past_name(j, kind) for j in range(len(self._pairs[key])) for kind in "kv"]
+        present = [present_name(j, kind) for j in range(len(self._pairs[key])) for kind in "kv"]
+        step = set(AUTO_INPUTS) if key == ADAPTIVE else {*INPUTS, BUDGETS} if key == ROWWISE else set(INPUTS)
+        heads = [LOGITS, DEPTH] if key == ADAPTIVE else [LOGITS]
+        inputs, outputs = {i.name for i in session.get_inputs()}, [o.name for o in session.get_outputs()]
+        if inputs != {*step, *past} or outputs != [*heads, *present]:
+            raise EngineError(
+                "the graph's inputs and outputs do not match the cache layout in the manifest; export the engine again."
+            )

@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -28,12 +29,14 @@ from looptool.backends.engine_files import check_external_data, inside
 from looptool.backends.errors import EngineError, ReexportError
 from looptool.backends.interface import CacheLayout
 from looptool.backends.manifest import MANIFEST, WEIGHTS, GraphEntry, Manifest, check_request
-from looptool.backends.ort.binding import CacheBinding
+from looptool.backends.onnx.adaptive import ADAPTIVE_KV
+from looptool.backends.ort.engine import OrtStepEngine
 from looptool.core.dtypes import named
 from looptool.core.errors import require_extra
 from looptool.core.graph import ROWWISE
-from looptool.engine.budgets import RowBudgets
+from looptool.engine.budgets import PER_LOOP_AUTO, AutoRow, RowBudgets
 from looptool.engine.sampling import GREEDY, SamplingParams
+from looptool.engine.speculation import Speculation
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,14 @@ def _shared_cpu_arena() -> bool:
     except Exception as exc:  # noqa: BLE001  (already registered by the host application: use that one)
         log.debug("shared CPU arena not registered (%s)", exc)
     return True
+
+
+def auto_policy(kv: str | None) -> str:
+    """The KV policy of ``budget="auto"`` (None: ``"last-loop"``); one sentence for another."""
+    kv = ADAPTIVE_KV[0] if kv is None else kv
+    if kv not in ADAPTIVE_KV:
+        raise EngineError(f"budget='auto' needs kv='last-loop', not {kv!r}: {PER_LOOP_AUTO}", parameter="kv")
+    return kv
 
 
 def default_providers() -> list[str]:
@@ -142,6 +153,7 @@ class Runtime:
         self._mmap = np.memmap(weights, dtype=np.uint8, mode="r") if weights.stat().st_size else np.zeros(0, np.uint8)
         self._values: dict[str, object] = {}
         self._sessions: dict[tuple, object] = {}
+        self._engines: dict[tuple[str, str], OrtStepEngine] = {}  # step_engine()'s, per (kv, exit rule)
         self._lock = threading.Lock()
         self.mask_dtype = np.dtype(self.manifest.mask_dtype)
         self.vocab_size = self.manifest.vocab_size
@@ -412,70 +424,60 @@ class Runtime:
         result), with the engine's adaptive-depth graph (:mod:`looptool.backends.ort.adaptive`;
         ``kv`` None: ``"per-loop"``, or ``"last-loop"`` for ``"auto"``).
         """
-        from looptool.runtime.adaptive import wants_auto
-        from looptool.runtime.generation import decode_loop
+        from looptool.engine.offline import generate_batch
+        from looptool.runtime.adaptive import AutoDepth, wants_auto
 
         ids, mask, capacity = check_request(self.manifest, input_ids, attention_mask, max_new_tokens, capacity)
+        spec, rows = None, None
         if wants_auto(budget, min_budget, max_budget, exit_threshold, exit_rule):
-            from looptool.backends.ort.adaptive import adaptive_generate
-
             if draft_budget is not None:
                 raise EngineError("speculative decoding needs a fixed budget, not 'auto'.", parameter="draft_budget")
+            kv = auto_policy(kv)
             auto = dict(
                 min_budget=min_budget, max_budget=max_budget, exit_threshold=exit_threshold, exit_rule=exit_rule
             )
-            loop = dict(sampling=sampling, eos_token_id=eos_token_id, pad_token_id=pad_token_id, on_step=on_step)
-            return adaptive_generate(self, ids, mask, kv, auto, capacity, max_new_tokens, output_logits, **loop)
-        kv = self._check_policy("per-loop" if kv is None else kv)
-        if draft_budget is not None and len(set(np.asarray(getattr(budget, "rows", budget)).ravel().tolist())) > 1:
-            raise EngineError("speculative decoding takes one budget for every row.", parameter="draft_budget")
-        graph, rows = self.resolve_budget(budget, ids.shape[0], kv)
-        if draft_budget is not None:
-            from looptool.backends.ort.speculative import speculative_generate
-            from looptool.engine.speculation import Speculation
-
-            spec = Speculation(draft_budget, draft_tokens).check(rows.rows[0], self.budgets, kv)
-            return speculative_generate(
-                self,
-                ids,
-                mask,
-                budget=rows.rows[0],
-                speculation=spec,
-                capacity=capacity,
-                max_new_tokens=max_new_tokens,
-                kv=kv,
-                sampling=sampling,
-                eos_token_id=eos_token_id,
-                pad_token_id=pad_token_id,
-                on_step=on_step,
-                output_logits=output_logits,
-            )
-        binding = CacheBinding(
-            self.session(graph, kv),
-            self._layouts[graph, kv],
-            ids.shape[0],
-            capacity,
-            self.vocab_size,
-            budgets=rows if graph == ROWWISE else None,
-        )
-        import torch
-
-        mask_dtype = getattr(torch, str(self.mask_dtype))
-        out = decode_loop(
-            binding.step,
+            settings = AutoDepth.resolve(SimpleNamespace(budgets=self.manifest.menu), **auto)  # the model's menu
+            self.adaptive_session(settings.exit_rule, kv)  # one sentence where the engine has no such graph
+            engine = self.step_engine(kv, settings.exit_rule)
+            if engine.capabilities.adaptive_refusal is not None:
+                raise engine.capabilities.adaptive_refusal
+            budgets = [AutoRow(settings.min_budget, settings.max_budget, settings.exit_threshold)] * ids.shape[0]
+        else:
+            kv = self._check_policy("per-loop" if kv is None else kv)
+            if draft_budget is not None and len(set(np.asarray(getattr(budget, "rows", budget)).ravel().tolist())) > 1:
+                raise EngineError("speculative decoding takes one budget for every row.", parameter="draft_budget")
+            _, rows = self.resolve_budget(budget, ids.shape[0], kv)
+            engine = self.step_engine(kv)
+            if draft_budget is not None:
+                spec = Speculation(draft_budget, draft_tokens).check(rows.rows[0], self.manifest.menu, kv)
+                self.verify_session(rows.rows[0], kv)  # one sentence where the engine has no verify graph for it
+            budgets = list(rows.rows)
+        out = generate_batch(
+            engine,
             ids,
             mask,
-            capacity=capacity,
+            budgets,
             max_new_tokens=max_new_tokens,
-            mask_dtype=mask_dtype,
             sampling=sampling,
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
             on_step=on_step,
             output_logits=output_logits,
-            kv_bytes=binding.kv_bytes,
+            speculation=spec if max_new_tokens > 1 else None,
+            capacity=capacity,
         )
+        if rows is None:
+            return out
         return dataclasses.replace(out, budgets=rows.rows, row_costs=self.manifest.row_costs(rows.rows))
+
+    def step_engine(self, kv: str = "per-loop", exit_rule: str = "state") -> OrtStepEngine:
+        """The step engine :meth:`generate` drives for ``kv`` (rows of adaptive depth stopping by
+        ``exit_rule``), made once per pair; it serves an engine without the row-wise graph too,
+        rows that share a budget only."""
+        key = (kv, exit_rule)
+        if key not in self._engines:
+            self._engines[key] = OrtStepEngine(self, kv=kv, exit_rule=exit_rule, mixed=False)
+        return self._engines[key]
 
     def kv_bytes(self, budget: int | None = None, kv: str = "per-loop", *, batch: int = 1, capacity: int = 1) -> int:
         """Bytes :meth:`generate` allocates for the caches of ``batch`` rows of ``capacity`` tokens."""

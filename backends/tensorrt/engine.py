@@ -15,32 +15,22 @@ back into those rows after the step (one copy of the served rows' cache per step
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
 
-from looptool.backends.engine_files import engine_tokenizer
 from looptool.backends.errors import EngineError, ReexportError
 from looptool.backends.interface import BUDGETS, INPUTS, LOGITS, CacheLayout, past_name, present_name
-from looptool.backends.manifest import MANIFEST, Manifest
 from looptool.core.graph import ROWWISE
 from looptool.engine.interface import (
     Capabilities,
-    EngineFacts,
-    OpenedEngine,
     StepBatch,
     StepEngine,
     StepResult,
     TensorSlotCache,
-    costs_by_budget,
-    eos_ids,
     full_width,
     row_span,
 )
 from looptool.engine.prefix_cache import CacheGroup, budget_pairs, pair_groups
 
-WANTS = "give an engine directory exported with backend='tensorrt' whose engines were built on this GPU"
 _SCRATCH_KEPT = 16  # scratch present buffers kept (one per graph, row count and cache length)
 
 
@@ -49,20 +39,23 @@ class TrtStepEngine(StepEngine):
     ``runtime`` for KV policy ``kv``; needs the row-wise engine of that policy."""
 
     def __init__(self, runtime, kv: str = "per-loop"):
-        if (ROWWISE, kv) not in runtime.contexts:
-            raise ReexportError(
-                f"'{runtime.directory}' has no row-wise TensorRT engine for kv {kv}, so its rows cannot take "
-                "different budgets; export it again with rowwise=True and rebuild the engines."
-            )
         self.runtime, self.kv = runtime, kv
         manifest = runtime.manifest
-        entry = manifest.graphs[ROWWISE][kv]
+        if (ROWWISE, kv) in runtime.contexts:
+            entry = manifest.graphs[ROWWISE][kv]
+            self.budgets: tuple[int, ...] = tuple(sorted(runtime.budgets if entry.menu is None else entry.menu))
+        else:  # rows that share a budget only, on a cache laid out like the deepest budget's engine
+            self.budgets = tuple(sorted(b for b in runtime.budgets if (b, kv) in runtime.contexts))
+            if not self.budgets:
+                raise EngineError(f"no engine for kv {kv}; this directory has {sorted(runtime.contexts)}.")
+            entry = manifest.graphs[self.budgets[-1]][kv]
         self.layout: CacheLayout = entry.cache
-        self.budgets: tuple[int, ...] = tuple(sorted(runtime.budgets if entry.menu is None else entry.menu))
         self.vocab_size = int(runtime.vocab_size)
         self.mask_dtype: torch.dtype = runtime.mask_dtype
         index = {(p.layer, p.execution): j for j, p in enumerate(self.layout.pairs)}
-        self._pairs: dict[int | str, list[int]] = {ROWWISE: list(range(len(self.layout.pairs)))}
+        self._pairs: dict[int | str, list[int]] = {}
+        if (ROWWISE, kv) in runtime.contexts:
+            self._pairs[ROWWISE] = list(range(len(self.layout.pairs)))
         for budget in runtime.budgets:
             if (budget, kv) not in runtime.contexts:
                 continue
@@ -118,6 +111,12 @@ class TrtStepEngine(StepEngine):
         input_ids, attention_mask, position_ids, cache_position = batch.inputs
         start, stop = row_span(batch.rows, cache.slots, budgets)
         key = budgets.graph(self._pairs)
+        if key not in self._pairs:
+            raise ReexportError(
+                f"'{self.runtime.directory}' has no row-wise TensorRT engine for kv {self.kv}, so its rows cannot take "
+                "different budgets; export it again with rowwise=True and rebuild the engines.",
+                parameter="budget",
+            )
         rt, ctx = self.runtime, self.runtime.contexts[key, self.kv]
         steps = int(input_ids.shape[1])
         profile = 0 if steps > 1 else 1  # the prefill profile, then the decode one
@@ -164,36 +163,3 @@ class TrtStepEngine(StepEngine):
 
 
 # ---------------------------------------------------------------------- the tensorrt runtime
-def detect(path: Path) -> bool:
-    """Whether ``path`` holds built TensorRT engines and a CUDA GPU is here to run them."""
-    if not (path / MANIFEST).is_file() or not torch.cuda.is_available():
-        return False
-    try:
-        section = Manifest.read(path).tensorrt
-    except EngineError:
-        return False
-    return section is not None and bool(section.engines)
-
-
-def describe(path: Path) -> EngineFacts:
-    """The exported budgets and the source config's context, from the manifest alone."""
-    return Manifest.read(path).facts()
-
-
-def open_dir(
-    path: Path,
-    *,
-    device: str = "auto",
-    kv: str = "per-loop",
-    tokenizer: str | os.PathLike | None = None,
-    **_,
-) -> OpenedEngine:
-    """The built engines of ``path`` on the CUDA ``device`` and their step engine for ``kv``."""
-    from looptool.backends.tensorrt.runtime import Runtime
-
-    rt = Runtime(path, device="cuda" if device == "auto" else device)
-    tok = engine_tokenizer(path, rt.manifest, tokenizer)
-    engine = TrtStepEngine(rt, kv=kv)
-    costs = costs_by_budget([c.as_dict() for c in rt.manifest.costs], engine.budgets, kv)
-    eos = eos_ids(tok, rt.manifest.eos_token_id)
-    return OpenedEngine(engine, tok, costs, eos, str(rt.device), "tensorrt")

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from looptool.backends.errors import EngineError
-from looptool.backends.interface import INPUTS, LOGITS, CacheLayout
 from looptool.backends.manifest import MANIFEST, WEIGHTS, BuiltOn, Manifest, TensorEntry, check_request
+from looptool.backends.tensorrt.engine import TrtStepEngine
 from looptool.backends.tensorrt.export import BUILD_SCRIPT, require_tensorrt
 from looptool.core.dtypes import named
 from looptool.core.graph import ROWWISE
@@ -96,6 +96,7 @@ class Runtime:
                 ctx.set_tensor_address(name, self._weights[name].data_ptr())
             self.contexts[key] = ctx
         self.stream = torch.cuda.Stream(self.device)
+        self._engines: dict[str, TrtStepEngine] = {}  # step_engine()'s, per KV policy
 
     def _view(self, entry: TensorEntry) -> torch.Tensor:
         dtype = named(entry.dtype).torch
@@ -120,60 +121,28 @@ class Runtime:
         """Cached generation, as :meth:`looptool.backends.ort.runtime.Runtime.generate` (the same
         request checks and decode loop; ``options``: ``eos_token_id``, ``pad_token_id``,
         ``on_step``, ``output_logits``)."""
-        from looptool.runtime.generation import decode_loop
+        from looptool.engine.offline import generate_batch
 
         budget = self.budgets[-1] if budget is None else budget
         if (budget, kv) not in self.contexts:
             raise EngineError(f"no engine for budget {budget} ({kv}); this directory has {sorted(self.contexts)}.")
         ids, mask, capacity = check_request(self.manifest, input_ids, attention_mask, max_new_tokens, capacity)
-        layout = self.manifest.graphs[budget][kv].cache
-        binding = _TRTBinding(self, self.contexts[budget, kv], layout, ids.shape[0], capacity)
-        return decode_loop(
-            binding.step,
+        engine = self.step_engine(kv)
+        return generate_batch(
+            engine,
             ids,
             mask,
-            capacity=capacity,
+            [budget] * ids.shape[0],
             max_new_tokens=max_new_tokens,
-            mask_dtype=self.mask_dtype,
-            kv_bytes=binding.kv_bytes,
             sampling=sampling,
+            capacity=capacity,
+            device=self.device,
             **options,
         )
 
-
-class _TRTBinding:
-    """One generate call on one execution context: caches allocated once (two buffers per
-    cache, swapped each step, since TensorRT gives no guarantee for an input and an output
-    bound to the same memory), inputs copied to the device, profile 0 for the prefill and 1
-    for decode steps."""
-
-    def __init__(self, rt: Runtime, ctx, layout: CacheLayout, batch: int, capacity: int):
-        self.rt, self.ctx = rt, ctx
-        dtype = getattr(torch, layout.dtype)
-        self.past_names, self.present_names = layout.names()
-        shapes = [(batch, p.kv_heads, capacity, p.head_dim) for p in layout.pairs for _ in "kv"]
-        self.caches = [torch.zeros(s, dtype=dtype, device=rt.device) for s in shapes]
-        self.spare = [torch.zeros_like(c) for c in self.caches]
-        self.kv_bytes = 2 * sum(c.numel() * c.element_size() for c in self.caches)
-        self.logits = torch.empty(batch, 1, rt.vocab_size, dtype=dtype, device=rt.device)
-        self.profile = None
-
-    def step(self, ids, mask, position, cache_position):
-        profile = 0 if ids.shape[1] > 1 else 1
-        stream = self.rt.stream
-        if profile != self.profile:
-            self.ctx.set_optimization_profile_async(profile, stream.cuda_stream)
-            self.profile = profile
-        feeds = dict(zip(INPUTS, (ids, mask, position, cache_position)))
-        device_feeds = {name: t.to(self.rt.device, non_blocking=True).contiguous() for name, t in feeds.items()}
-        for name, t in [*device_feeds.items(), *zip(self.past_names, self.caches)]:
-            self.ctx.set_input_shape(name, tuple(t.shape))
-            self.ctx.set_tensor_address(name, t.data_ptr())
-        for name, t in zip(self.present_names, self.spare):
-            self.ctx.set_tensor_address(name, t.data_ptr())
-        self.ctx.set_tensor_address(LOGITS, self.logits.data_ptr())
-        if not self.ctx.execute_async_v3(stream.cuda_stream):
-            raise EngineError("TensorRT failed to execute the step; rerun with TensorRT's verbose log.")
-        stream.synchronize()
-        self.caches, self.spare = self.spare, self.caches
-        return self.logits[:, -1].float().cpu()
+    def step_engine(self, kv: str = "per-loop") -> TrtStepEngine:
+        """The step engine over these engines for ``kv``, made once: what :meth:`generate` and a
+        server drive."""
+        if kv not in self._engines:
+            self._engines[kv] = TrtStepEngine(self, kv=kv)
+        return self._engines[kv]

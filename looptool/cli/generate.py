@@ -266,7 +266,7 @@ def run_cmd(
     budget = (rt.budgets or rt.rowwise_menu())[-1] if budgets is None else budgets  # deepest: the default
     graph, rows = budget, budget
     if budgets == "auto":
-        from looptool.backends.ort.adaptive import auto_policy
+        from looptool.backends.ort.runtime import auto_policy
 
         kv = auto_policy(kv)
         rt.adaptive_session(exit_rule or "state", kv)  # no adaptive-depth graph: fail before tokenising

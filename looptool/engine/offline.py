@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from looptool.core.errors import LooptoolError
+from looptool.core.words import counted
 from looptool.engine.budgets import AutoRow
 from looptool.engine.core import EngineCore, Event, Job
 from looptool.engine.interface import StepEngine
@@ -80,6 +82,11 @@ def generate_batch(
     budgets keep for that many positions (Accordion Eq. 6)."""
     batch, prompt = input_ids.shape
     capacity = prompt + max_new_tokens if capacity is None else capacity
+    if prompt + max_new_tokens > capacity:
+        raise LooptoolError(
+            f"the prompt ({counted(prompt, 'token')}) plus {counted(max_new_tokens, 'new token')} exceed the cache "
+            f"capacity of {capacity}; raise the capacity or generate fewer tokens."
+        )
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
     prompts = row_prompts(input_ids, attention_mask)

@@ -18,9 +18,9 @@ from looptool.core.errors import LooptoolError
 from looptool.engine.interface import EngineFacts, OpenedEngine
 
 RUNTIMES: dict[str, str] = {
-    "tensorrt": "looptool.backends.tensorrt.engine",  # an engine directory with TensorRT engines built, on a CUDA GPU
-    "onnxruntime": "looptool.backends.ort.engine",  # an engine directory written by looptool export
-    "pytorch": "looptool.runtime.step_engine",  # a looped model directory (save_pretrained, looptool convert)
+    "tensorrt": "looptool.backends.tensorrt.directory",  # an engine directory with TensorRT engines built, on a CUDA GPU
+    "onnxruntime": "looptool.backends.ort.directory",  # an engine directory written by looptool export
+    "pytorch": "looptool.runtime.directory",  # a looped model directory (save_pretrained, looptool convert)
 }
 
 

@@ -85,6 +85,7 @@ import numpy as np
 import torch
 
 from looptool.core.graph import ROWWISE
+from looptool.engine.budgets import RowBudgets
 from looptool.eval.timing import Timing, ratio
 
 SOTU = Path(__file__).resolve().parents[1] / "data" / "sotu"
@@ -291,22 +292,21 @@ def engine_loss(runtime, budget: int, ids: torch.Tensor, prompt: int) -> float:
     """Mean next-token NLL (nats) of ``ids[0, prompt:]`` under a looptool engine: the first
     ``prompt`` tokens prefilled, then one teacher-forced decode step per token (the KV-cached
     path the timing runs)."""
-    from looptool.backends.ort.binding import CacheBinding
-
     total = ids.shape[1]
-    graph, rows = runtime.resolve_budget(budget, 1)  # the budget's own graph, or the looped row-wise one
-    budgets = rows if graph == ROWWISE else None
-    binding = CacheBinding(runtime.session(graph), runtime.layout(graph), 1, total, runtime.vocab_size, budgets=budgets)
-    mask = torch.zeros(1, total, dtype=getattr(torch, str(runtime.mask_dtype)))  # updated in place, as decode_loop
+    engine = runtime.step_engine()  # the budget's own graph, or the looped row-wise one
+    cache, rows = engine.allocate(1, total), RowBudgets((budget,))
+    mask = torch.zeros(1, total, dtype=engine.mask_dtype)
     mask[:, :prompt] = 1
     steps = torch.arange(total)
-    logits = binding.step(ids[:, :prompt], mask, steps[None, :prompt], steps[:prompt])
+    logits = engine.step(cache, slice(0, 1), ids[:, :prompt], mask, steps[None, :prompt], steps[:prompt], rows)
     nll = []
     for t in range(prompt, total):
         nll.append(_nll(logits[0], int(ids[0, t])))
         if t + 1 < total:
             mask[:, t] = 1
-            logits = binding.step(ids[:, t : t + 1], mask, steps[None, t : t + 1], steps[t : t + 1])
+            logits = engine.step(
+                cache, slice(0, 1), ids[:, t : t + 1], mask, steps[None, t : t + 1], steps[t : t + 1], rows
+            )
     return float(np.mean(nll))
 
 

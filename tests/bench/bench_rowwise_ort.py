@@ -30,13 +30,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import onnxruntime
 import torch
 
 import looptool
 from looptool.backends.manifest import MANIFEST
 from looptool.backends.onnx.export import export_onnx
-from looptool.backends.ort.binding import CacheBinding
 from looptool.backends.ort.runtime import Runtime
 from looptool.capture.sources import load_source
 from looptool.core.graph import ROWWISE
@@ -54,16 +54,15 @@ def graph_generate(rt: Runtime, key, rows: list[int], ids: torch.Tensor, new: in
     row-wise graph runs even when every row has the same budget)."""
     batch, prompt = ids.shape
     capacity = prompt + new
-    binding = CacheBinding(
-        rt.session(key, "per-loop"),
-        rt.layout(key, "per-loop"),
-        batch,
-        capacity,
-        rt.vocab_size,
-        budgets=RowBudgets(tuple(rows)) if key == ROWWISE else None,
-    )
+    engine = rt.step_engine("per-loop")
+    cache, budgets = engine.allocate(batch, capacity), RowBudgets(tuple(rows))
+
+    def step(ids, mask, position, cache_position):  # graph ``key`` itself, whatever the rows' budgets
+        logits, _ = engine._run(cache, key, 0, batch, (ids, mask, position, cache_position), budgets, steps=0)
+        return torch.from_numpy(logits[:, -1].astype(np.float32))
+
     return decode_loop(
-        binding.step,
+        step,
         ids,
         None,
         capacity=capacity,
