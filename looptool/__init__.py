@@ -6,6 +6,8 @@ Python API::
     out = model(input_ids, budget=6)          # .logits, .loss with labels=
     model.save_pretrained("looped"); model = looptool.load("looped")
     fp16 = looptool.cast(model, torch.float16)   # or looptool.load("looped", dtype=torch.float16)
+    engine = looptool.open_engine("looped")      # or an exported engine directory
+    out = engine.generate(ids, budget=[0, 12], max_new_tokens=32)   # the core looptool serve runs
 
 Beneath it, the pass API: :func:`looptool.capture.capture` a model into a
 :class:`~looptool.core.graph.LayerGraph`, run named passes with
@@ -17,6 +19,7 @@ from looptool.core.errors import LooptoolError
 from looptool.core.graph import LayerGraph
 from looptool.core.plan import PrefixLoop, RecurrentLoop
 from looptool.core.version import __version__
+from looptool.engine import open_engine
 from looptool.runtime.convert import cast, convert, load
 from looptool.runtime.model import LoopedModel
 
@@ -30,5 +33,6 @@ __all__ = [
     "cast",
     "convert",
     "load",
+    "open_engine",
     "__version__",
 ]

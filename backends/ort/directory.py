@@ -11,7 +11,8 @@ from pathlib import Path
 from looptool.backends.engine_files import engine_tokenizer
 from looptool.backends.manifest import MANIFEST, Manifest
 from looptool.backends.ort.engine import OrtStepEngine
-from looptool.engine.interface import EngineFacts, OpenedEngine, costs_by_budget, eos_ids
+from looptool.engine.interface import EngineFacts
+from looptool.engine.opened import OpenedEngine, costs_by_budget, eos_ids
 
 log = logging.getLogger(__name__)
 

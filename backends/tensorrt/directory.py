@@ -13,7 +13,8 @@ from looptool.backends.engine_files import engine_tokenizer
 from looptool.backends.errors import EngineError
 from looptool.backends.manifest import MANIFEST, Manifest
 from looptool.backends.tensorrt.engine import TrtStepEngine
-from looptool.engine.interface import EngineFacts, OpenedEngine, costs_by_budget, eos_ids
+from looptool.engine.interface import EngineFacts
+from looptool.engine.opened import OpenedEngine, costs_by_budget, eos_ids
 
 WANTS = "give an engine directory exported with backend='tensorrt' whose engines were built on this GPU"
 

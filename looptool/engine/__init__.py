@@ -12,15 +12,13 @@ from looptool.engine.interface import (
     ArraySlotCache,
     Capabilities,
     EngineFacts,
-    OpenedEngine,
     SlotCache,
     StepBatch,
     StepEngine,
     StepResult,
     TensorSlotCache,
-    costs_by_budget,
-    eos_ids,
 )
+from looptool.engine.opened import OpenedEngine, costs_by_budget, eos_ids
 from looptool.engine.registry import RUNTIMES, describe, open_engine
 
 __all__ = [

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -300,48 +299,6 @@ class EngineFacts:
 
     budgets: tuple[int, ...]
     context: int | None
-
-
-@dataclass
-class OpenedEngine:
-    """A step engine and what a server needs beside it: the tokenizer, each budget's cost
-    (Accordion Eq. 6: ``budget``, ``layer_executions``, ``kv_bytes_per_token``), the EOS ids,
-    the device it runs on and the runtime's name (``pytorch``, ``onnxruntime``, ``tensorrt``)."""
-
-    engine: StepEngine
-    tokenizer: Any
-    costs: dict[int, dict]
-    eos: tuple[int, ...]
-    device: str
-    runtime: str
-
-
-def costs_by_budget(table: list[dict], budgets, kv: str) -> dict[int, dict]:
-    """``budget -> {"budget", "layer_executions", "kv_bytes_per_token"}`` from cost-table rows
-    (Accordion Eq. 6; last-loop KV, ELR Sec. 3.4, where ``kv`` is ``last-loop``); one sentence
-    when a budget of ``budgets`` has no row."""
-    key = "kv_bytes_per_token_last_loop" if kv == "last-loop" else "kv_bytes_per_token"
-    costs = {
-        int(c["budget"]): {
-            "budget": int(c["budget"]),
-            "layer_executions": int(c["layer_executions"]),
-            "kv_bytes_per_token": int(c[key]),
-        }
-        for c in table
-        if int(c["budget"]) in budgets
-    }
-    missing = sorted(set(budgets) - set(costs))
-    if missing:
-        raise LooptoolError(f"no cost-table entry for budget {missing[0]}; export the engine again.")
-    return costs
-
-
-def eos_ids(tokenizer, config_eos) -> tuple[int, ...]:
-    """The tokenizer's EOS id and the config's (one id or a list), sorted."""
-    ids = {int(i) for i in ([config_eos] if isinstance(config_eos, int) else (config_eos or []))}
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return tuple(sorted(ids))
 
 
 def row_span(rows: slice, slots: int, budgets: RowBudgets) -> tuple[int, int]:

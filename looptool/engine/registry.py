@@ -15,7 +15,8 @@ from pathlib import Path
 from types import ModuleType
 
 from looptool.core.errors import LooptoolError
-from looptool.engine.interface import EngineFacts, OpenedEngine
+from looptool.engine.interface import EngineFacts
+from looptool.engine.opened import OpenedEngine
 
 RUNTIMES: dict[str, str] = {
     "tensorrt": "looptool.backends.tensorrt.directory",  # an engine directory with TensorRT engines built, on a CUDA GPU

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from looptool.engine.interface import EngineFacts, OpenedEngine, costs_by_budget, eos_ids
+from looptool.engine.interface import EngineFacts
+from looptool.engine.opened import OpenedEngine, costs_by_budget, eos_ids
 from looptool.runtime.step_engine import TorchStepEngine
 
 WANTS = "give a looped model directory (written by looptool convert or save_pretrained)"

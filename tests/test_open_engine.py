@@ -1,0 +1,60 @@
+"""``looptool.open_engine(path)``: the engine object that ``generate``, ``run`` and ``serve``
+share, for a looped model directory and for an exported engine directory; its ``generate``
+gives what the model's and the runtime's own ``generate`` give (all three run the engine core)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import looptool
+from looptool.engine.budgets import AutoRow
+from looptool.testing import byte_tokenizer, move_off_init, tiny_model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    model = looptool.convert(
+        tiny_model("llama"), looptool.PrefixLoop(window=(1, 3), budgets=(0, 2)), tokenizer=byte_tokenizer()
+    )
+    move_off_init(model)
+    return model, model.save_pretrained(tmp_path_factory.mktemp("open") / "looped")
+
+
+def test_a_looped_model_directory_opens_as_the_engine_generate_and_serve_use(saved):
+    model, directory = saved
+    engine = looptool.open_engine(directory)
+    assert engine.runtime == "pytorch" and engine.engine.budgets == (0, 2)
+    ids = torch.randint(3, 250, (3, 6), generator=torch.Generator().manual_seed(0))
+    eos = list(engine.eos)
+    got = engine.generate(ids, budget=[2, 0, 2], max_new_tokens=5)
+    assert torch.equal(got.sequences, model.generate(ids, budget=[2, 0, 2], max_new_tokens=5, eos_token_id=eos))
+    spec = engine.generate(ids[:1], budget=2, draft_budget=0, draft_tokens=2, max_new_tokens=6)
+    assert torch.equal(spec.sequences, engine.generate(ids[:1], budget=2, max_new_tokens=6).sequences)
+    assert spec.speculation.proposed > 0
+    with pytest.raises(looptool.LooptoolError, match="last-loop KV policy"):
+        engine.generate(ids, budget="auto")
+    auto = looptool.open_engine(directory, kv="last-loop").generate(
+        ids, budget="auto", auto=AutoRow(0, 2, 0.0), max_new_tokens=4
+    )
+    assert (auto.depths == 2).all()  # threshold 0: always the deepest
+    ref = model.generate(ids, budget=2, kv="last-loop", max_new_tokens=4, eos_token_id=eos)
+    assert torch.equal(auto.sequences, ref)
+
+
+def test_an_engine_directory_opens_as_the_engine_its_runtime_generates_with(saved, tmp_path):
+    pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+    from looptool.backends.onnx.export import export_onnx
+    from looptool.backends.ort.runtime import Runtime
+
+    model, _ = saved
+    model.tokenizer = byte_tokenizer()
+    export_onnx(model, tmp_path / "engine", validate=False)
+    engine = looptool.open_engine(tmp_path / "engine")
+    assert engine.runtime == "onnxruntime"
+    ids = torch.randint(3, 250, (2, 6), generator=torch.Generator().manual_seed(1))
+    got = engine.generate(ids, budget=[0, 2], max_new_tokens=5, eos_token_id=None)
+    want = Runtime(tmp_path / "engine").generate(ids, budget=[0, 2], max_new_tokens=5)
+    assert torch.equal(got.sequences, torch.as_tensor(want.sequences))
+    with pytest.raises(looptool.LooptoolError, match="verify graph"):
+        engine.generate(ids, budget=2, draft_budget=0, max_new_tokens=4)
