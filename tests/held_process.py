@@ -13,24 +13,24 @@ import sys
 import time
 from pathlib import Path
 
-from looptool.serve.scheduler import Scheduler
+from looptool.engine.core import EngineCore
 
 HOLD = Path(sys.argv[1])
-_iterate = Scheduler._iterate
+_iterate = EngineCore.iterate
 
 
-def _held_iterate(self: Scheduler) -> None:
-    """:meth:`Scheduler._iterate` once ``HOLD`` is gone or every running row is cancelled
+def _held_iterate(self: EngineCore) -> None:
+    """:meth:`EngineCore.iterate` once ``HOLD`` is gone or every running row is cancelled
     (cancelling and queueing go on meanwhile: only the running rows' next step waits). The
-    running-requests gauge, which the scheduler sets after each iteration, is set first, so a
-    test sees the held rows as running."""
-    self.metrics.running.set(len(self.rows))
+    running-requests gauge, which the scheduler sets after each iteration, is set first (the
+    server's core reports to its metrics), so a test sees the held rows as running."""
+    self.observer.running.set(len(self.rows))
     while HOLD.exists() and not all(row.job.cancelled for row in self.rows):
         time.sleep(0.01)
     _iterate(self)
 
 
-Scheduler._iterate = _held_iterate
+EngineCore.iterate = _held_iterate
 
 if __name__ == "__main__":
     rest = sys.argv[2:]

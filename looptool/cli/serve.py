@@ -106,6 +106,13 @@ def serve(
     prefix_cache_mb: Annotated[
         int, typer.Option(help="MiB the prefix cache may hold; the least recently used blocks go first.")
     ] = 1024,
+    kv_memory: Annotated[
+        int | None,
+        typer.Option(
+            help="MiB the KV cache of the running requests may hold (default: half the memory free at start); "
+            "fewer than --max-batch requests then run at once where that many do not fit, and the rest wait."
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning",
 ) -> None:
     """Serve a model over HTTP (OpenAI API): every request picks its own budget.
@@ -133,6 +140,7 @@ def serve(
         draft_tokens,
         prefix_cache,
         prefix_cache_mb,
+        kv_memory,
     )
     options.check()
     options.check_kv(kv)  # before an export

@@ -23,12 +23,14 @@ from collections import deque
 
 import torch
 
+from looptool.core.errors import LooptoolError
+from looptool.core.words import counted
 from looptool.engine import StepEngine
 from looptool.engine.budgets import AutoRow
 from looptool.engine.core import EngineCore, Event, Job, Row
 from looptool.engine.interface import Capabilities
 from looptool.engine.prefix_cache import PrefixCache
-from looptool.engine.speculation import Speculation
+from looptool.engine.speculation import MAX_DRAFT_TOKENS, Speculation
 from looptool.serve.metrics import Metrics
 
 __all__ = ["Draining", "Event", "Job", "QueueFull", "Row", "Scheduler"]
@@ -44,10 +46,28 @@ class Draining(Exception):
     """The server is shutting down and admits no new request (HTTP 503)."""
 
 
+def slots_within(engine: StepEngine, kv_memory: int, capacity: int) -> int:
+    """How many slots of ``capacity`` tokens (plus a speculative round's drafts) ``engine``'s slot
+    cache holds within ``kv_memory`` bytes; one sentence when not even one fits."""
+    per_position = engine.allocate(1, 1).nbytes
+    positions = capacity + MAX_DRAFT_TOKENS + 1  # a row's span: its tokens, and a round's drafts past them
+    slots = kv_memory // (per_position * positions)
+    if slots < 1:
+        raise LooptoolError(
+            f"a KV memory of {kv_memory / 2**20:.1f} MiB does not hold one request of {counted(capacity, 'token')} "
+            f"({per_position * positions / 2**20:.1f} MiB); raise --kv-memory or lower --capacity.",
+            parameter="kv_memory",
+        )
+    return int(slots)
+
+
 class Scheduler:
     """Continuous batching over ``engine`` with ``max_batch`` slots of ``capacity`` tokens and at
     most ``max_queue`` requests waiting; ``eos`` token ids stop a request; ``prefix_cache``
-    (None: off) reuses the keys and values of prompt prefixes."""
+    (None: off) reuses the keys and values of prompt prefixes. ``kv_memory`` (bytes; None: no
+    bound) bounds the slot cache: it holds only as many slots of ``capacity`` tokens (and a
+    speculative round's drafts) as fit, fewer than ``max_batch`` where they do not, and the
+    requests beyond them wait in the queue."""
 
     def __init__(
         self,
@@ -60,8 +80,10 @@ class Scheduler:
         metrics: Metrics | None = None,
         device: torch.device | str = "cpu",
         prefix_cache: PrefixCache | None = None,
+        kv_memory: int | None = None,
     ):
         self.engine = engine
+        max_batch = min(max_batch, slots_within(engine, kv_memory, capacity)) if kv_memory is not None else max_batch
         self.max_batch = max_batch
         self.capacity = capacity
         self.max_queue = max_queue

@@ -37,6 +37,16 @@ BACKLOG = 2048  # pending connections the listening socket holds (uvicorn's defa
 log = logging.getLogger(__name__)
 
 
+def free_memory(device: str) -> int:
+    """Bytes free on ``device`` now: the GPU's free memory on CUDA, else the system's available
+    memory."""
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 @dataclass
 class ServeOptions:
     """How the server runs (the ``looptool serve`` options)."""
@@ -54,18 +64,14 @@ class ServeOptions:
     draft_tokens: int = DEFAULT_DRAFT_TOKENS  # tokens drafted per verify step by default
     prefix_cache: bool = True  # requests that share a prompt prefix reuse its keys and values
     prefix_cache_mb: int = DEFAULT_MAX_BYTES >> 20  # what the prefix cache may hold
+    kv_memory_mb: int | None = None  # what the slot cache may hold; None: half the memory free at start
 
     def check(self) -> None:
         """One sentence per out-of-range option."""
-        if (
-            isinstance(self.prefix_cache_mb, bool)
-            or not isinstance(self.prefix_cache_mb, int)
-            or self.prefix_cache_mb < 1
-        ):
-            raise LooptoolError(
-                f"prefix_cache_mb must be a positive number of MiB, got {self.prefix_cache_mb!r}.",
-                parameter="prefix_cache_mb",
-            )
+        for name in ("prefix_cache_mb", "kv_memory_mb"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise LooptoolError(f"{name} must be a positive number of MiB, got {value!r}.", parameter=name)
         if isinstance(self.draft_tokens, bool) or not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise LooptoolError(
                 f"draft_tokens must be an integer from 1 to {MAX_DRAFT_TOKENS}, got {self.draft_tokens!r}.",
@@ -121,6 +127,7 @@ class ServeOptions:
             resolver,
             self.draft_tokens if self.speculative else None,
             self.prefix_cache_mb << 20 if self.prefix_cache else None,
+            None if self.kv_memory_mb is None else self.kv_memory_mb << 20,
         )
 
 
@@ -143,6 +150,7 @@ class ResolvedOptions:
     resolver: BudgetResolver
     draft_tokens: int | None = None
     prefix_cache_bytes: int | None = DEFAULT_MAX_BYTES
+    kv_memory: int | None = None  # bytes the slot cache may hold (None: half the memory free at start)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -213,6 +221,7 @@ class Server:
             metrics=Metrics(served.budgets),
             device=served.device,
             prefix_cache=None if options.prefix_cache_bytes is None else PrefixCache(options.prefix_cache_bytes),
+            kv_memory=options.kv_memory or free_memory(served.device) // 2,
         )
         if options.draft_tokens is not None and (refusal := self.scheduler.capabilities.verify_refusal) is not None:
             raise LooptoolError(str(refusal), parameter=getattr(refusal, "parameter", None))
