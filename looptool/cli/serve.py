@@ -195,7 +195,7 @@ def onnx_engine_of(
     (or that it was reused)."""
     from looptool.backends.engines import exported_engine
     from looptool.report.tables import human_bytes
-    from looptool.runtime.step_engine import detect
+    from looptool.runtime.directory import detect
 
     if not detect(model_dir):
         raise typer.BadParameter(

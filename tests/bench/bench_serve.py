@@ -13,7 +13,11 @@ and per budget. Scenarios, run in interleaved rounds (the machine is noisy):
             count as ``single`` (tokens / (prefill + decode) seconds);
 ``capacity`` with ``--capacities A,B``: one stream at a time on two more servers, started with
             ``--capacity A`` and ``--capacity B``, alternating; their p50 TPOT ratio B ÷ A says
-            whether the slot cache's capacity costs time.
+            whether the slot cache's capacity costs time;
+``prefix``  two requests one after the other that share a ``--prefix``-token prompt prefix (a
+            new one each round) and differ in their last ``--question`` tokens, at the single
+            budget: the second's TTFT ÷ the first's (the prefix cache's reuse); then the same at
+            budget 0 followed by the deepest budget (the looped layers are computed again).
 
 The server runs with its own defaults (``--capacity`` only when given here), ``--max-batch``
 the concurrency. ``--engine ENGINE_DIR`` serves that engine directory (looptool export of
@@ -21,7 +25,7 @@ MODEL_DIR) on onnxruntime instead of MODEL_DIR on PyTorch.
 
 Targets (SmolLM2-135M 8:20, budgets 0,3,6,9,12, 2 cores): mixed output tok/s ≥ 5× single's on
 the onnxruntime engine, ≥ 3× on PyTorch; p50 TPOT at capacity 4096 ≤ 1.1× at 256; single tok/s
-÷ inproc tok/s ≥ 0.9. Every request uses ``ignore_eos`` so each one generates exactly
+÷ inproc tok/s ≥ 0.9; the second prefix request's TTFT ≤ 0.25× the first's. Every request uses ``ignore_eos`` so each one generates exactly
 ``--new`` tokens.
 
 Run: python tests/bench/bench_serve.py MODEL_DIR [--engine ENGINE_DIR] [--runs 3] [--requests 16]
@@ -114,6 +118,29 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
     first = first or end
     tpot = (end - first) / (tokens - 1) if tokens > 1 else None
     return {"ok": tokens > 0, "budget": budget, "ttft": first - t0, "e2e": end - t0, "tokens": tokens, "tpot": tpot}
+
+
+async def one_after_another(url: str, model: str, asked: list[tuple[list[int], int]], new: int) -> list[dict]:
+    """Send each ``(prompt, budget)`` once the one before it finished; their records."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        return [await _one(client, url, model, prompt, budget, new) for prompt, budget in asked]
+
+
+def prefix_pairs(url: str, tokens: list[int], budgets: tuple[int, int], run: int, prefix: int, question: int) -> dict:
+    """The ``prefix`` scenario's pair at ``budgets``: a fresh prefix for round ``run`` (its own
+    stretch of ``tokens``), two questions after it; both TTFTs and their ratio."""
+    start = (2 * run + (budgets[0] != budgets[1])) * (prefix + 2 * question)
+    shared = tokens[start : start + prefix]
+    asks = [tokens[start + prefix + i * question : start + prefix + (i + 1) * question] for i in (0, 1)]
+    first, second = asyncio.run(
+        one_after_another(url, "m", [(shared + asks[0], budgets[0]), (shared + asks[1], budgets[1])], 4)
+    )
+    return {
+        "budgets": list(budgets),
+        "ttft_first_s": first["ttft"],
+        "ttft_second_s": second["ttft"],
+        "second_over_first": second["ttft"] / first["ttft"],
+    }
 
 
 async def load(url: str, model: str, prompt: list[int], budgets: list[int], new: int, concurrency: int) -> dict:
@@ -218,6 +245,8 @@ def main() -> None:
         default="default",
         help="onnxruntime's spinning threads: the server's default, --spin or --no-spin",
     )
+    ap.add_argument("--prefix", type=int, default=512, help="tokens the prefix scenario's two requests share")
+    ap.add_argument("--question", type=int, default=16, help="tokens after the shared prefix")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "serve.json"))
     args = ap.parse_args()
 
@@ -237,7 +266,10 @@ def main() -> None:
     menu = list(model.budgets)
     budget = args.budget if args.budget is not None else menu[len(menu) // 2]
     text = (SOTU / sorted(p.name for p in SOTU.glob("2*.txt"))[0]).read_text()
-    prompt = model.tokenizer(text)["input_ids"][: args.prompt]
+    tokens = model.tokenizer(text)["input_ids"]
+    prompt = tokens[: args.prompt]
+    if len(tokens) < 2 * args.runs * (args.prefix + 2 * args.question):
+        tokens = model.tokenizer(" ".join(p.read_text() for p in sorted(SOTU.glob("2*.txt"))))["input_ids"]
     ids = torch.tensor([prompt], device=args.device)
     if args.engine:
         from looptool.backends.ort.runtime import Runtime
@@ -275,6 +307,10 @@ def main() -> None:
             mixed_budgets = [menu[i % len(menu)] for i in range(args.requests)]
             mixed = asyncio.run(load(url, "m", prompt, mixed_budgets, args.new, args.concurrency))
             run = {"single": single, "mixed": mixed, "inproc_tok_s": inproc(args.new)}
+            run["prefix"] = prefix_pairs(url, tokens, (budget, budget), len(runs), args.prefix, args.question)
+            run["prefix_across_budgets"] = prefix_pairs(
+                url, tokens, (menu[0], menu[-1]), len(runs), args.prefix, args.question
+            )
             for capacity, other in zip(capacities, compared):
                 run[f"single_capacity_{capacity}"] = asyncio.run(
                     load(other, "m", prompt, [budget] * args.single_requests, args.new, 1)
@@ -291,6 +327,8 @@ def main() -> None:
             [r["mixed"]["tpot_s"]["p50"] / r["single"]["tpot_s"]["p50"] for r in runs]
         ),
         "http_over_inproc_tok_s": _range([s / r["inproc_tok_s"] for r, s in zip(runs, single_tok_s)]),
+        "prefix_ttft_second_over_first": _range([r["prefix"]["second_over_first"] for r in runs]),
+        "prefix_ttft_deepest_after_budget_0": _range([r["prefix_across_budgets"]["second_over_first"] for r in runs]),
     }
     if len(capacities) == 2:
         small, large = (f"single_capacity_{c}" for c in capacities)
@@ -303,6 +341,8 @@ def main() -> None:
         "menu": menu,
         "single_budget": budget,
         "prompt_tokens": len(prompt),
+        "prefix_tokens": args.prefix,
+        "question_tokens": args.question,
         "new_tokens": args.new,
         "concurrency": args.concurrency,
         "capacity": args.capacity or "the server's default",
@@ -314,6 +354,7 @@ def main() -> None:
             "mixed_over_single_tok_s": ">= 5" if args.engine else ">= 3",
             "tpot_capacity_4096_over_256": "<= 1.1",
             "http_over_inproc_tok_s": ">= 0.9",
+            "prefix_ttft_second_over_first": "<= 0.25",
         },
         "ratios": ratios,
         "runs": runs,

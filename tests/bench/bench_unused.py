@@ -63,10 +63,12 @@ def shim(tree: Path, into: Path) -> Path:
     return into
 
 
-def child(path: Path, threads: int, new: int, model: Path) -> dict:
+def child(path: Path, threads: int, new: int, model: Path, code: str = CHILD, *extra: Path) -> dict:
+    """The arms' ms per token that ``code`` prints, run with ``import looptool`` resolving to
+    ``path`` (its arguments: threads, new tokens, the model directory, then ``extra``)."""
     env = {**os.environ, "PYTHONPATH": str(path)}
     res = subprocess.run(
-        [sys.executable, "-c", CHILD, str(threads), str(new), str(model)],
+        [sys.executable, "-c", code, str(threads), str(new), str(model), *map(str, extra)],
         env=env,
         capture_output=True,
         text=True,
