@@ -51,6 +51,8 @@ import torch
 from torch import fx
 
 from looptool.core.graph import BUDGETS, ROWWISE_STEP_INPUTS, STEP_INPUTS, annotation
+from looptool.engine.interface import StepEngine
+from looptool.engine.prefix_cache import CacheGroup, budget_pairs, pair_groups
 
 if TYPE_CHECKING:
     from looptool.engine.budgets import RowBudgets
@@ -285,3 +287,35 @@ def interface_graph(
         int(text.vocab_size),
         tuple(menu),
     )
+
+
+class ExportedSteps(StepEngine):
+    """What the step engines of exported engines share: a slot cache laid out as ``layout``'s cache
+    pairs (buffers ``2j`` and ``2j + 1`` hold pair ``j``'s keys and values), the pairs each graph
+    reads (``_pairs``: a budget's own graph, :data:`ROWWISE`, the adaptive-depth graph) and the
+    manifest's loop ``plan``."""
+
+    layout: CacheLayout
+    _pairs: dict[int | str, list[int]]
+    plan: dict | None
+
+    def budget_buffers(self, budget: int) -> tuple[int, ...]:
+        """The buffers ``budget`` reads: its own graph's pairs, or where it has none (a looped
+        or row-wise engine) those the plan runs at that budget."""
+        pairs = self._pairs.get(budget) or budget_pairs(self.layout.pairs, self.plan, budget)
+        return tuple(2 * j + i for j in pairs for i in (0, 1))
+
+    def prefix_groups(self, budget: int) -> tuple[CacheGroup, ...]:
+        """:meth:`budget_buffers`, those of the layers before the loop shared by every budget."""
+        return pair_groups(self.layout.pairs, self.budget_buffers(budget), self.plan, budget)
+
+
+def own_pairs(layout: CacheLayout, graphs: dict[int | str, CacheLayout]) -> dict[int | str, list[int]]:
+    """Per graph of ``graphs`` (its key and cache layout), the pairs of ``layout`` it reads, matched
+    by layer and execution; a graph with a pair ``layout`` lacks is left out."""
+    index = {(p.layer, p.execution): j for j, p in enumerate(layout.pairs)}
+    return {
+        key: [index[p.layer, p.execution] for p in other.pairs]
+        for key, other in graphs.items()
+        if all((p.layer, p.execution) in index for p in other.pairs)
+    }

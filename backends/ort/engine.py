@@ -26,7 +26,18 @@ import numpy as np
 import torch
 
 from looptool.backends.errors import EngineError, ReexportError
-from looptool.backends.interface import BUDGETS, DEPTH, INPUTS, LOGITS, CacheLayout, past_name, present_name, row_inputs
+from looptool.backends.interface import (
+    BUDGETS,
+    DEPTH,
+    INPUTS,
+    LOGITS,
+    CacheLayout,
+    ExportedSteps,
+    own_pairs,
+    past_name,
+    present_name,
+    row_inputs,
+)
 from looptool.core.dtypes import named
 from looptool.core.graph import ADAPTIVE, ROWWISE
 from looptool.engine.budgets import PER_LOOP_AUTO
@@ -34,13 +45,11 @@ from looptool.engine.interface import (
     ArraySlotCache,
     Capabilities,
     StepBatch,
-    StepEngine,
     StepResult,
     as_numpy,
     full_width,
     row_span,
 )
-from looptool.engine.prefix_cache import CacheGroup, budget_pairs, pair_groups
 from looptool.engine.speculation import LAST_LOOP_VERIFY
 
 log = logging.getLogger(__name__)
@@ -49,7 +58,7 @@ log = logging.getLogger(__name__)
 _BINDINGS_KEPT = 64  # cached IOBindings (one per graph, row slice and cache)
 
 
-class OrtStepEngine(StepEngine):
+class OrtStepEngine(ExportedSteps):
     """Cached decode steps over slices of one slot cache, every row at its own budget, with
     an onnxruntime :class:`~looptool.backends.ort.runtime.Runtime` for ``kv`` (rows of adaptive
     depth stopping by ``exit_rule`` where it holds that adaptive-depth graph). An engine
@@ -76,17 +85,14 @@ class OrtStepEngine(StepEngine):
         self._dtype = named(self.layout.dtype).numpy
         if self._dtype is None:
             raise EngineError(f"cache dtype {self.layout.dtype} cannot be held in numpy; export in float32 or float16.")
-        index = {(p.layer, p.execution): j for j, p in enumerate(self.layout.pairs)}
-        self._pairs: dict[int | str, list[int]] = {}
+        graphs = {budget: runtime.layout(budget, kv) for budget in set(runtime.budgets) & set(self.budgets)}
         if runtime.has_rowwise(self.kv):
-            self._pairs[ROWWISE] = list(range(len(self.layout.pairs)))
-        for budget in set(runtime.budgets) & set(self.budgets):  # budgets with a graph of their own
-            pairs = runtime.layout(budget, kv).pairs
-            if all((p.layer, p.execution) in index for p in pairs):
-                self._pairs[budget] = [index[p.layer, p.execution] for p in pairs]
+            graphs[ROWWISE] = self.layout
         auto = runtime.manifest.adaptive_graph(exit_rule, kv)
-        if auto is not None and all((p.layer, p.execution) in index for p in auto.cache.pairs):
-            self._pairs[ADAPTIVE] = [index[p.layer, p.execution] for p in auto.cache.pairs]
+        if auto is not None:
+            graphs[ADAPTIVE] = auto.cache
+        self._pairs = own_pairs(self.layout, graphs)
+        self.plan = runtime.manifest.plan
         self._bindings: dict[tuple, tuple] = {}
         self.capabilities = Capabilities(
             kv,
@@ -122,16 +128,6 @@ class OrtStepEngine(StepEngine):
                 parameter="runtime",
             )
         return None
-
-    def budget_buffers(self, budget: int) -> tuple[int, ...]:
-        """The buffers ``budget`` reads: its own graph's pairs, or where it has none (a looped
-        or row-wise engine) those the plan runs at that budget."""
-        pairs = self._pairs.get(budget) or budget_pairs(self.layout.pairs, self.runtime.manifest.plan, budget)
-        return tuple(2 * j + i for j in pairs for i in (0, 1))
-
-    def prefix_groups(self, budget: int) -> tuple[CacheGroup, ...]:
-        """:meth:`budget_buffers`, those of the layers before the loop shared by every budget."""
-        return pair_groups(self.layout.pairs, self.budget_buffers(budget), self.runtime.manifest.plan, budget)
 
     def allocate(self, slots: int, length: int) -> ArraySlotCache:
         """Zeroed persistent caches, every buffer ``[slots, kv_heads, length, head_dim]``."""

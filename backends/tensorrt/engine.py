@@ -18,23 +18,30 @@ from __future__ import annotations
 import torch
 
 from looptool.backends.errors import EngineError, ReexportError
-from looptool.backends.interface import BUDGETS, INPUTS, LOGITS, CacheLayout, past_name, present_name
+from looptool.backends.interface import (
+    BUDGETS,
+    INPUTS,
+    LOGITS,
+    CacheLayout,
+    ExportedSteps,
+    own_pairs,
+    past_name,
+    present_name,
+)
 from looptool.core.graph import ROWWISE
 from looptool.engine.interface import (
     Capabilities,
     StepBatch,
-    StepEngine,
     StepResult,
     TensorSlotCache,
     full_width,
     row_span,
 )
-from looptool.engine.prefix_cache import CacheGroup, budget_pairs, pair_groups
 
 _SCRATCH_KEPT = 16  # scratch present buffers kept (one per graph, row count and cache length)
 
 
-class TrtStepEngine(StepEngine):
+class TrtStepEngine(ExportedSteps):
     """Cached steps over slices of one GPU slot cache with the built TensorRT engines of
     ``runtime`` for KV policy ``kv``; needs the row-wise engine of that policy."""
 
@@ -52,16 +59,11 @@ class TrtStepEngine(StepEngine):
         self.layout: CacheLayout = entry.cache
         self.vocab_size = int(runtime.vocab_size)
         self.mask_dtype: torch.dtype = runtime.mask_dtype
-        index = {(p.layer, p.execution): j for j, p in enumerate(self.layout.pairs)}
-        self._pairs: dict[int | str, list[int]] = {}
+        graphs = {b: manifest.graphs[b][kv].cache for b in runtime.budgets if (b, kv) in runtime.contexts}
         if (ROWWISE, kv) in runtime.contexts:
-            self._pairs[ROWWISE] = list(range(len(self.layout.pairs)))
-        for budget in runtime.budgets:
-            if (budget, kv) not in runtime.contexts:
-                continue
-            pairs = manifest.graphs[budget][kv].cache.pairs
-            if all((p.layer, p.execution) in index for p in pairs):
-                self._pairs[budget] = [index[p.layer, p.execution] for p in pairs]
+            graphs[ROWWISE] = self.layout
+        self._pairs = own_pairs(self.layout, graphs)
+        self.plan = manifest.plan
         self.capabilities = Capabilities(
             kv,
             self.layout.dtype,
@@ -77,16 +79,6 @@ class TrtStepEngine(StepEngine):
         )
         self._profiles: dict[int | str, int] = {}  # the optimisation profile each context has set
         self._scratch: dict[tuple, list[torch.Tensor]] = {}
-
-    def budget_buffers(self, budget: int) -> tuple[int, ...]:
-        """The buffers ``budget`` reads: its own graph's pairs, or where it has none (a looped
-        or row-wise engine) those the plan runs at that budget."""
-        pairs = self._pairs.get(budget) or budget_pairs(self.layout.pairs, self.runtime.manifest.plan, budget)
-        return tuple(2 * j + i for j in pairs for i in (0, 1))
-
-    def prefix_groups(self, budget: int) -> tuple[CacheGroup, ...]:
-        """:meth:`budget_buffers`, those of the layers before the loop shared by every budget."""
-        return pair_groups(self.layout.pairs, self.budget_buffers(budget), self.runtime.manifest.plan, budget)
 
     def allocate(self, slots: int, length: int) -> TensorSlotCache:
         """Zeroed persistent caches on the GPU, every buffer ``[slots, kv_heads, length, head_dim]``."""

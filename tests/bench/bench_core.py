@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import tempfile
 from pathlib import Path
 
-from bench_unused import ROOT, child, shim
+from bench_unused import compare, interleaved
 
 BASELINE = "3796957"  # the last commit before the engine core (generate's own decode loop)
 
@@ -70,30 +69,8 @@ def main() -> None:
         looptool.convert("smollm2", plan).save_pretrained(model)
     if not (engine / "manifest.json").exists():
         subprocess.run(["looptool", "export", str(model), "-o", str(engine)], check=True)
-    old = work / f"tree-{args.baseline}"
-    if not old.exists():
-        old.mkdir(parents=True)
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.baseline], capture_output=True, check=True)
-        subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
-    trees = {"baseline": shim(old, Path(tempfile.mkdtemp())), "this": shim(ROOT, Path(tempfile.mkdtemp()))}
-    times: dict[str, dict[str, list[float]]] = {t: {} for t in trees}
-    for r in range(args.rounds):
-        for name in list(trees)[:: 1 if r % 2 == 0 else -1]:
-            for arm, ms in child(trees[name], args.threads, args.new, model, CHILD, engine).items():
-                times[name].setdefault(arm, []).append(ms)
-        print(f"round {r + 1}: " + json.dumps({t: {a: round(v[-1], 2) for a, v in times[t].items()} for t in times}))
-    arms = {}
-    for arm in times["this"]:
-        stats = {
-            t: {"min_ms": min(v), "median_ms": statistics.median(v), "max_ms": max(v), "n": len(v)}
-            for t, v in ((t, times[t][arm]) for t in trees)
-        }
-        stats["ratio_of_medians"] = stats["this"]["median_ms"] / stats["baseline"]["median_ms"]
-        stats["ratio_of_mins"] = stats["this"]["min_ms"] / stats["baseline"]["min_ms"]
-        rounds = [a / b for a, b in zip(times["this"][arm], times["baseline"][arm])]
-        stats["round_ratios"] = rounds
-        stats["median_round_ratio"] = statistics.median(rounds)
-        arms[arm] = stats
+    times = interleaved(args.baseline, work, args.rounds, args.threads, args.new, model, CHILD, engine)
+    arms = compare(times)
     doc = {"bench": "core", "baseline": args.baseline, "settings": vars(args), "arms": arms}
     summary = {
         a: [round(s[k], 3) for k in ("ratio_of_medians", "ratio_of_mins", "median_round_ratio")]

@@ -78,6 +78,42 @@ def child(path: Path, threads: int, new: int, model: Path, code: str = CHILD, *e
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def interleaved(baseline: str, work: Path, rounds: int, threads: int, new: int, *child_args) -> dict:
+    """``rounds`` rounds of one :func:`child` per tree (``baseline`` extracted under ``work``, and
+    this checkout), the order alternating; each arm's ms per token by tree."""
+    old = work / f"tree-{baseline}"
+    if not old.exists():
+        old.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", baseline], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+    trees = {"baseline": shim(old, Path(tempfile.mkdtemp())), "this": shim(ROOT, Path(tempfile.mkdtemp()))}
+    times: dict[str, dict[str, list[float]]] = {t: {} for t in trees}
+    for r in range(rounds):
+        for name in list(trees)[:: 1 if r % 2 == 0 else -1]:
+            for arm, ms in child(trees[name], threads, new, *child_args).items():
+                times[name].setdefault(arm, []).append(ms)
+        print(f"round {r + 1}: " + json.dumps({t: {a: round(v[-1], 2) for a, v in times[t].items()} for t in times}))
+    return times
+
+
+def compare(times: dict[str, dict[str, list[float]]]) -> dict:
+    """Per arm: each tree's ms per token (min, median, max over the rounds) and this tree ÷ the
+    baseline: of the medians, of the minimums, and the median of the round-by-round ratios."""
+    arms = {}
+    for arm in times["this"]:
+        stats = {
+            t: {"min_ms": min(v), "median_ms": statistics.median(v), "max_ms": max(v), "n": len(v)}
+            for t, v in ((t, times[t][arm]) for t in times)
+        }
+        stats["ratio_of_medians"] = stats["this"]["median_ms"] / stats["baseline"]["median_ms"]
+        stats["ratio_of_mins"] = stats["this"]["min_ms"] / stats["baseline"]["min_ms"]
+        rounds = [a / b for a, b in zip(times["this"][arm], times["baseline"][arm])]
+        stats["round_ratios"] = rounds
+        stats["median_round_ratio"] = statistics.median(rounds)
+        arms[arm] = stats
+    return arms
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", default=BASELINE)
@@ -93,30 +129,8 @@ def main() -> None:
         import looptool
 
         looptool.convert("smollm2").save_pretrained(model)
-    old = work / f"tree-{args.baseline}"
-    if not old.exists():
-        old.mkdir(parents=True)
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.baseline], capture_output=True, check=True)
-        subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
-    trees = {"baseline": shim(old, Path(tempfile.mkdtemp())), "this": shim(ROOT, Path(tempfile.mkdtemp()))}
-    times: dict[str, dict[str, list[float]]] = {t: {} for t in trees}
-    for r in range(args.rounds):
-        for name in list(trees)[:: 1 if r % 2 == 0 else -1]:
-            for arm, ms in child(trees[name], args.threads, args.new, model).items():
-                times[name].setdefault(arm, []).append(ms)
-        print(f"round {r + 1}: " + json.dumps({t: {a: round(v[-1], 2) for a, v in times[t].items()} for t in times}))
-    arms = {}
-    for arm in times["this"]:
-        stats = {
-            t: {"min_ms": min(v), "median_ms": statistics.median(v), "max_ms": max(v), "n": len(v)}
-            for t, v in ((t, times[t][arm]) for t in trees)
-        }
-        stats["ratio_of_medians"] = stats["this"]["median_ms"] / stats["baseline"]["median_ms"]
-        stats["ratio_of_mins"] = stats["this"]["min_ms"] / stats["baseline"]["min_ms"]
-        rounds = [a / b for a, b in zip(times["this"][arm], times["baseline"][arm])]
-        stats["round_ratios"] = rounds
-        stats["median_round_ratio"] = statistics.median(rounds)
-        arms[arm] = stats
+    times = interleaved(args.baseline, work, args.rounds, args.threads, args.new, model)
+    arms = compare(times)
     doc = {"bench": "unused", "baseline": args.baseline, "settings": vars(args), "arms": arms}
     print(
         json.dumps(
