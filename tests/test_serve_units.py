@@ -340,6 +340,10 @@ def test_facts_and_the_default_capacity_come_from_the_saved_plan_and_config(save
     assert ServeOptions().for_model(facts, "m").capacity == 1024
     assert ServeOptions().for_model(EngineFacts((0, 2), 128), "m").capacity == 128  # a short context caps the default
     assert ServeOptions(capacity=300).for_model(EngineFacts((0, 2), None), "m").capacity == 300
+    resolved = ServeOptions().for_model(facts, "m")  # the defaults: a prefix cache of 1 GiB, KV memory by free memory
+    assert (resolved.prefix_cache_bytes, resolved.kv_memory) == (1 << 30, None)
+    resolved = ServeOptions(prefix_cache=False, kv_memory_mb=64).for_model(facts, "m")
+    assert (resolved.prefix_cache_bytes, resolved.kv_memory) == (None, 64 << 20)
 
 
 @pytest.mark.parametrize(
@@ -349,6 +353,11 @@ def test_facts_and_the_default_capacity_come_from_the_saved_plan_and_config(save
         (["--effort", "low=1"], "effort low=1: 1 is not in the budget menu [0, 2]"),
         (["--capacity", "4096"], "capacity 4096 exceeds the model's context of 2048 positions"),
         (["--served-model-name", "a@b"], "may not contain '@'"),
+        (["--kv-memory", "0"], "the KV memory must be a positive number of MiB, got 0. (option --kv-memory)"),
+        (
+            ["--prefix-cache-mb", "-1"],
+            "the prefix cache must be a positive number of MiB, got -1. (option --prefix-cache-mb)",
+        ),
     ],
 )
 def test_options_are_checked_against_the_model_before_it_loads(saved, monkeypatch, args, message):

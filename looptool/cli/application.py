@@ -15,17 +15,12 @@ from collections.abc import Callable
 from typing import Annotated
 
 import click
-
-try:  # typer >= 0.26 runs commands under the click it bundles, with its own context stack
-    from typer._click.globals import get_current_context
-except ImportError:  # older typer: click's
-    from click import get_current_context
 import typer
 from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
-from looptool.cli.hints import cli_message
+from looptool.cli.hints import cli_message, current_context
 from looptool.core.errors import LooptoolError
 
 
@@ -82,7 +77,7 @@ def _options(
 def _debugging() -> bool:
     """Whether this invocation shows tracebacks: ``--debug`` on its command line, or
     ``LOOPTOOL_DEBUG`` set (and not 0)."""
-    ctx = get_current_context(silent=True)
+    ctx = current_context()
     flag = bool(ctx is not None and isinstance(ctx.find_root().obj, dict) and ctx.find_root().obj.get("debug"))
     return flag or os.environ.get("LOOPTOOL_DEBUG", "") not in ("", "0")
 

@@ -58,7 +58,7 @@ _JOINT = re.compile(r",? and |, ")  # between two fixes of one run
 _DROP = re.compile(r"(?<=\bdrop )[a-z_][a-z0-9_]*\b")  # "drop speculative": leave the parameter out
 
 
-def _current_context():
+def current_context():
     """The context of the command being run (typer's or click's), or None outside one."""
     for module in _CONTEXT_MODULES:
         try:
@@ -176,7 +176,7 @@ def option_hint(exc: BaseException, message: str | None = None) -> str:
     """`` (option --flag)`` for the current command's option that sets ``exc.parameter``;
     nothing where ``message`` (default: the error's) already names that flag."""
     name = getattr(exc, "parameter", None)
-    ctx = _current_context() if name else None
+    ctx = current_context() if name else None
     param = _option(ctx.command, name) if ctx is not None else None
     if param is None:
         return ""
@@ -189,7 +189,7 @@ def cli_message(exc: BaseException) -> str:
     """``exc``'s message as the running command should print it: its ``name=value`` fixes as
     flags (or as the line of the command its ``rerun`` names), then :func:`option_hint`."""
     text = str(exc)
-    ctx = _current_context()
+    ctx = current_context()
     if ctx is None:
         return text
     text = _spell(text, ctx, getattr(exc, "rerun", None))

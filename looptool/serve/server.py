@@ -68,10 +68,13 @@ class ServeOptions:
 
     def check(self) -> None:
         """One sentence per out-of-range option."""
-        for name in ("prefix_cache_mb", "kv_memory_mb"):
+        for what, name, option in (
+            ("prefix cache", "prefix_cache_mb", "prefix_cache_mb"),
+            ("KV memory", "kv_memory_mb", "kv_memory"),
+        ):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise LooptoolError(f"{name} must be a positive number of MiB, got {value!r}.", parameter=name)
+                raise LooptoolError(f"the {what} must be a positive number of MiB, got {value!r}.", parameter=option)
         if isinstance(self.draft_tokens, bool) or not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise LooptoolError(
                 f"draft_tokens must be an integer from 1 to {MAX_DRAFT_TOKENS}, got {self.draft_tokens!r}.",
