@@ -174,6 +174,7 @@ def workspace(tmp_path_factory):
     tok = byte_tokenizer()
     source = tiny_model("llama", num_layers=24)
     source.save_pretrained(root / "src")
+    tok.save_pretrained(root / "src")  # a source directory holds its tokenizer
     ids = torch.tensor([tok("We the People").input_ids])
     model = looptool.convert(source, looptool.PrefixLoop(window=(6, 18), budgets=(0, 3, 6, 9, 12)), tokenizer=tok)
     return root, {

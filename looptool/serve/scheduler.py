@@ -55,7 +55,7 @@ def slots_within(engine: StepEngine, kv_memory: int, capacity: int) -> int:
     if slots < 1:
         raise LooptoolError(
             f"a KV memory of {kv_memory / 2**20:.1f} MiB does not hold one request of {counted(capacity, 'token')} "
-            f"({per_position * positions / 2**20:.1f} MiB); raise --kv-memory or lower --capacity.",
+            f"({per_position * positions / 2**20:.1f} MiB); raise kv_memory or lower capacity.",
             parameter="kv_memory",
         )
     return int(slots)
