@@ -58,7 +58,8 @@ def test_more_requests_than_fit_wait_and_all_finish_with_their_answers(model):
 def test_a_bound_too_small_for_one_request_is_one_sentence(model):
     engine = TorchStepEngine(model)
     with pytest.raises(
-        looptool.LooptoolError, match=r"a KV memory of 0.1 MiB does not hold one request of 1024 tokens \(\d\.\d MiB\); raise kv_memory"
+        looptool.LooptoolError,
+        match=r"a KV memory of 0.1 MiB does not hold one request of 1024 tokens \(\d\.\d MiB\); raise kv_memory",
     ) as err:
         Scheduler(engine, max_batch=8, capacity=1024, max_queue=8, kv_memory=1 << 16)
     assert err.value.parameter == "kv_memory"

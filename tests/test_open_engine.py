@@ -1,14 +1,17 @@
 """``looptool.open_engine(path)``: the engine object that ``generate``, ``run`` and ``serve``
 share, for a looped model directory and for an exported engine directory; its ``generate``
-gives what the model's and the runtime's own ``generate`` give (all three run the engine core)."""
+gives what the model's and the runtime's own ``generate`` give (all three run the engine core).
+The onnxruntime engine's prefix cache is checked here too, on the same export."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_prefix_cache import PREFIX, _hits, _question, _same, serve_one_by_one
 
 import looptool
 from looptool.engine.budgets import AutoRow
+from looptool.engine.prefix_cache import PrefixCache
 from looptool.testing import byte_tokenizer, move_off_init, tiny_model
 
 
@@ -42,19 +45,37 @@ def test_a_looped_model_directory_opens_as_the_engine_generate_and_serve_use(sav
     assert torch.equal(auto.sequences, ref)
 
 
-def test_an_engine_directory_opens_as_the_engine_its_runtime_generates_with(saved, tmp_path):
+@pytest.fixture(scope="module")
+def engine_dir(saved, tmp_path_factory):
+    """The looped model's onnxruntime engine (export's defaults: one looped graph)."""
     pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
     from looptool.backends.onnx.export import export_onnx
+
+    directory = tmp_path_factory.mktemp("engine") / "engine"
+    export_onnx(saved[0], directory, validate=False)
+    return directory
+
+
+def test_an_engine_directory_opens_as_the_engine_its_runtime_generates_with(engine_dir):
     from looptool.backends.ort.runtime import Runtime
 
-    model, _ = saved
-    model.tokenizer = byte_tokenizer()
-    export_onnx(model, tmp_path / "engine", validate=False)
-    engine = looptool.open_engine(tmp_path / "engine")
+    engine = looptool.open_engine(engine_dir)
     assert engine.runtime == "onnxruntime"
     ids = torch.randint(3, 250, (2, 6), generator=torch.Generator().manual_seed(1))
     got = engine.generate(ids, budget=[0, 2], max_new_tokens=5, eos_token_id=None)
-    want = Runtime(tmp_path / "engine").generate(ids, budget=[0, 2], max_new_tokens=5)
+    want = Runtime(engine_dir).generate(ids, budget=[0, 2], max_new_tokens=5)
     assert torch.equal(got.sequences, torch.as_tensor(want.sequences))
     with pytest.raises(looptool.LooptoolError, match="verify graph"):
         engine.generate(ids, budget=2, draft_budget=0, max_new_tokens=4)
+
+
+def test_the_onnxruntime_engine_reuses_a_prefix_and_gives_what_no_cache_gives(engine_dir):
+    from looptool.backends.ort.engine import OrtStepEngine
+    from looptool.backends.ort.runtime import Runtime
+
+    engine = OrtStepEngine(Runtime(engine_dir))
+    asked = [(PREFIX + _question(0), 2), (PREFIX + _question(1), 2), (PREFIX + _question(2), 0)]
+    without, _ = serve_one_by_one(engine, asked, None)
+    with_cache, scheduler = serve_one_by_one(engine, asked, PrefixCache())
+    _same(with_cache, without)
+    assert _hits(scheduler) == 32

@@ -5,6 +5,7 @@ and by one without it; each gets the same tokens and log-probabilities, at one b
 budgets, after eviction, and on onnxruntime. The counters say what was reused: the second
 request at a budget reuses every whole block of the shared prefix, and a request at another
 budget reuses no block's looped layers but stores no second copy of the layers before the loop.
+(The onnxruntime engine's reuse is checked in tests/test_open_engine.py, beside its export.)
 """
 
 from __future__ import annotations
@@ -146,18 +147,3 @@ def test_after_eviction_requests_still_get_what_no_cache_gives(model):
     _same(with_cache, without)
     assert cache.stats.evicted > 0 and cache.nbytes <= 3 * block_bytes
     assert 0 < _hits(scheduler) < 16 * 2 * 5
-
-
-def test_the_onnxruntime_engine_reuses_a_prefix_and_gives_what_no_cache_gives(model, tmp_path):
-    pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
-    from looptool.backends.onnx.export import export_onnx
-    from looptool.backends.ort.engine import OrtStepEngine
-    from looptool.backends.ort.runtime import Runtime
-
-    export_onnx(model, tmp_path / "engine", validate=False)
-    engine = OrtStepEngine(Runtime(tmp_path / "engine"))
-    asked = [(PREFIX + _question(0), 2), (PREFIX + _question(1), 2), (PREFIX + _question(2), 0)]
-    without, _ = serve_one_by_one(engine, asked, None)
-    with_cache, scheduler = serve_one_by_one(engine, asked, PrefixCache())
-    _same(with_cache, without)
-    assert _hits(scheduler) == 32
