@@ -42,8 +42,9 @@ Covered (results file → tests/bench/README.md, unless README.md is named):
   README.md's three onnxruntime-genai rows.
 - bench_peer_memory.json → the resident-memory table of "Decode speed against
   onnxruntime-genai"; README.md's memory row.
-- bench_serve_pytorch.json, bench_serve_onnx.json → the "Serving many streams" table;
-  README.md's serving row.
+- bench_serve_pytorch.json, bench_serve_onnx.json → the "Serving many streams" table and the
+  prefix-cache table; README.md's serving and prefix-cache rows.
+- bench_core.json → the "One engine core" table.
 - bench_speculative.json → the "Self-speculative decoding" table.
 - bench_auto.json → the "Per-token depth" table.
 - bench_auto_depth.json → the "Per-token depth on pointer chasing" table and its target prose.
@@ -1365,6 +1366,48 @@ def _serve():
     )
 
 
+def _prefix_cache():
+    H = functools.partial(row, README, "| what | measured | target | details |", cols=(0, 1))
+    for label, name in (
+        ("PyTorch (looped model directory)", "bench_serve_pytorch"),
+        ("onnxruntime (engine directory)", "bench_serve_onnx"),
+    ):
+        d = result(name)
+        runs, ratios = d["runs"], d["ratios"]
+        yield row(
+            BENCH,
+            "| runtime | first request's TTFT (s) |",
+            label,
+            statistics.median(r["prefix"]["ttft_first_s"] for r in runs),
+            statistics.median(r["prefix"]["ttft_second_s"] for r in runs),
+            *(ratios["prefix_ttft_second_over_first"][k] for k in ("min", "median", "max")),
+            *(ratios["prefix_ttft_deepest_after_budget_0"][k] for k in ("min", "median", "max")),
+            source=name,
+        )
+    yield H(
+        "prefix cache: time to first token of a request whose long prompt prefix is cached ÷ the first "
+        "request's (onnxruntime · PyTorch)",
+        result("bench_serve_onnx")["ratios"]["prefix_ttft_second_over_first"]["median"],
+        result("bench_serve_pytorch")["ratios"]["prefix_ttft_second_over_first"]["median"],
+        source="bench_serve_onnx",
+    )
+
+
+def _core():
+    d = result("bench_core")
+    R = functools.partial(row, BENCH, "| generate | before the core, ms", source="bench_core", cols=(1, 2, 3))
+    for runtime, label in (("pytorch", "PyTorch"), ("onnxruntime", "onnxruntime")):
+        for arm in ("budget 0, 1 row", "budget 12, 1 row", "budget 0, 8 rows"):
+            s = d["arms"][f"{runtime}: {arm}"]
+            yield R(
+                f"{label}, {arm}",
+                *(s[t][k] for t in ("baseline", "this") for k in ("min_ms", "median_ms", "max_ms")),
+                s["ratio_of_medians"],
+                s["ratio_of_mins"],
+                s["median_round_ratio"],
+            )
+
+
 def _load():
     d = result("load")
     R = functools.partial(row, BENCH, "| what | min / median / max (s) |", source="load")
@@ -1487,6 +1530,8 @@ CHECKS = [
     *_peer(),
     *_peer_memory(),
     *_serve(),
+    *_prefix_cache(),
+    *_core(),
     *_speculative(),
     *_auto(),
     *_speculative_headline(),
