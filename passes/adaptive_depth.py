@@ -63,7 +63,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from looptool.core.errors import PassError
+from looptool.core.errors import LooptoolError, PassError
 from looptool.core.graph import (
     ADAPTIVE,
     ROLE_EMBEDDING,
@@ -97,6 +97,16 @@ _aten = torch.ops.aten
 MIN_BUDGET, MAX_BUDGET, EXIT_THRESHOLD = "min_budget", "max_budget", "exit_threshold"
 AUTO_INPUTS = (*STEP_INPUTS, MIN_BUDGET, MAX_BUDGET, EXIT_THRESHOLD)  # the adaptive path's inputs before the caches
 EXIT_RULES = ("state", "kl")
+
+
+def check_exit_rule(rule: str, error: type[LooptoolError] = LooptoolError) -> str:
+    """``rule`` when it is an exit rule of :data:`EXIT_RULES`; else one sentence (an ``error``
+    naming ``exit_rule``): the one check of every place that takes a rule."""
+    if rule not in EXIT_RULES:
+        raise error(f"unknown exit_rule {rule!r}; use one of {list(EXIT_RULES)}.", parameter="exit_rule")
+    return rule
+
+
 # annotation keys read by the ``skip_exited`` pass: the activity of step i (bool [batch]), and
 # each ``where(active_i, new, old)`` merge of step i (the state, a second pass, a KV write)
 STEP_KEY, MERGE_KEY = "active_step", "merge_step"

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from looptool.core.errors import LooptoolError
 from looptool.engine.budgets import DEFAULT_EXIT_THRESHOLD, PER_LOOP_AUTO
-from looptool.passes.adaptive_depth import EXIT_RULES
+from looptool.passes.adaptive_depth import check_exit_rule
 from looptool.runtime.decode_graphs import check_policy
 
 if TYPE_CHECKING:
@@ -89,8 +89,7 @@ class AutoDepth:
                 f"exit_threshold must be a number >= 0 (0: always max_budget), got {thr!r}.", parameter="exit_threshold"
             )
         rule = "state" if exit_rule is None else exit_rule
-        if rule not in EXIT_RULES:
-            raise LooptoolError(f"unknown exit_rule {rule!r}; use one of {list(EXIT_RULES)}.", parameter="exit_rule")
+        check_exit_rule(rule)
         return cls(lo, hi, float(thr), rule)
 
 

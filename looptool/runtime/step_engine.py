@@ -36,7 +36,7 @@ from looptool.engine.interface import (
 )
 from looptool.engine.prefix_cache import CacheGroup, cache_groups
 from looptool.engine.speculation import LAST_LOOP_VERIFY
-from looptool.passes.adaptive_depth import EXIT_RULES
+from looptool.passes.adaptive_depth import check_exit_rule
 from looptool.runtime.decode_graphs import (
     CachedPath,
     adaptive_path,
@@ -58,11 +58,7 @@ class TorchStepEngine(StepEngine):
     def __init__(self, model: LoopedNetwork, kv: str = "per-loop", exit_rule: str = "state"):
         self.model = model
         self.kv = check_policy(model, kv)
-        if exit_rule not in EXIT_RULES:
-            raise LooptoolError(
-                f"unknown exit_rule {exit_rule!r}; use one of {list(EXIT_RULES)}.", parameter="exit_rule"
-            )
-        self.exit_rule = exit_rule
+        self.exit_rule = check_exit_rule(exit_rule)
         self.budgets: tuple[int, ...] = tuple(model.budgets)
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.vocab_size = int(text.vocab_size)

@@ -25,7 +25,7 @@ from looptool.core.words import counted
 from looptool.engine import EngineFacts
 from looptool.engine.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache
 from looptool.engine.speculation import DEFAULT_DRAFT_TOKENS, LAST_LOOP_VERIFY, MAX_DRAFT_TOKENS
-from looptool.passes.adaptive_depth import EXIT_RULES
+from looptool.passes.adaptive_depth import check_exit_rule
 from looptool.serve.budgets import BudgetResolver
 from looptool.serve.metrics import Metrics
 from looptool.serve.models import ServedModel, open_model, read_facts
@@ -301,10 +301,7 @@ def prepare(
     try:
         options.check()  # before the directory is read: a bad option is reported first
         options.check_kv(kv)
-        if exit_rule not in EXIT_RULES:
-            raise LooptoolError(
-                f"unknown exit_rule {exit_rule!r}; use one of {list(EXIT_RULES)}.", parameter="exit_rule"
-            )
+        check_exit_rule(exit_rule)
         name = name or Path(model_dir).resolve().name
         resolved = options.for_model(read_facts(model_dir, runtime), name)
         sock = sock or bind(resolved.host, resolved.port)
