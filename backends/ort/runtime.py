@@ -34,7 +34,7 @@ from looptool.backends.ort.engine import OrtStepEngine
 from looptool.core.dtypes import named
 from looptool.core.errors import require_extra
 from looptool.core.graph import ROWWISE
-from looptool.engine.budgets import PER_LOOP_AUTO, AutoRow, RowBudgets
+from looptool.engine.budgets import PER_LOOP_AUTO, AutoRow, RowBudgets, wants_auto
 from looptool.engine.sampling import GREEDY, SamplingParams
 from looptool.engine.speculation import Speculation
 
@@ -425,7 +425,7 @@ class Runtime:
         ``kv`` None: ``"per-loop"``, or ``"last-loop"`` for ``"auto"``).
         """
         from looptool.engine.offline import generate_batch
-        from looptool.runtime.adaptive import AutoDepth, wants_auto
+        from looptool.runtime.adaptive import AutoDepth
 
         ids, mask, capacity = check_request(self.manifest, input_ids, attention_mask, max_new_tokens, capacity)
         spec, rows = None, None
@@ -463,7 +463,7 @@ class Runtime:
             pad_token_id=pad_token_id,
             on_step=on_step,
             output_logits=output_logits,
-            speculation=spec if max_new_tokens > 1 else None,
+            speculation=spec,
             capacity=capacity,
         )
         if rows is None:

@@ -112,10 +112,11 @@ def generate(
     --draft-tokens tokens and --budget keeps what it agrees with (its own output, token for token
     when greedy). --budget auto picks the depth of every token (it stops looping once its state
     stops changing; needs --kv last-loop)."""
+    from looptool.engine.budgets import wants_auto
     from looptool.engine.sampling import SamplingParams
     from looptool.engine.speculation import Speculation
     from looptool.runtime import text
-    from looptool.runtime.adaptive import AutoDepth, check_auto_policy, wants_auto
+    from looptool.runtime.adaptive import AutoDepth, check_auto_policy
     from looptool.runtime.convert import load
     from looptool.runtime.decode_graphs import adaptive_path, cached_paths, rowwise_path, verify_paths
     from looptool.runtime.generation import check_max_new_tokens, row_budgets
@@ -235,9 +236,9 @@ def run_cmd(
     --budget auto picks each token's depth (onnx, an engine exported with --adaptive and --kv
     last-loop)."""
     from looptool.backends.engines import engine_name, open_runtime
+    from looptool.engine.budgets import wants_auto
     from looptool.engine.sampling import SamplingParams
     from looptool.runtime import text
-    from looptool.runtime.adaptive import wants_auto
 
     check_prompts(prompt, stream)
     sampling = SamplingParams(temperature, top_k, top_p, seed)

@@ -47,7 +47,7 @@ from looptool.engine.budgets import AutoRow, RowBudgets
 from looptool.engine.interface import StepBatch, StepEngine, StepResult, with_length
 from looptool.engine.prefix_cache import CacheGroup, PrefixCache
 from looptool.engine.rounds import speculative_round
-from looptool.engine.sampling import GREEDY, SamplingParams, TokenPicker
+from looptool.engine.sampling import GREEDY, SamplingParams, TokenPicker, by_picker
 from looptool.engine.speculation import Speculation, SpeculationStats
 
 log = logging.getLogger(__name__)
@@ -378,13 +378,10 @@ class EngineCore:
         picker draw in one call, as a static batch does (one generator, one draw per step)."""
         if not rows:
             return
-        groups: dict[int, list[int]] = {}
-        for i, row in enumerate(rows):
+        for row in rows:
             if row.job.cancelled:
                 row.done = row.job.cancel_reason
-            else:
-                groups.setdefault(id(row.picker), []).append(i)
-        for group in groups.values():
+        for group in by_picker(rows, [i for i, row in enumerate(rows) if not row.job.cancelled]):
             if len(group) == 1:
                 self.take(rows[group[0]], logits[group[0] : group[0] + 1], depths[group[0]])
                 continue

@@ -19,6 +19,7 @@ Self-speculative decoding's verify step (logits at every position of a multi-tok
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,6 +94,11 @@ class SlotCache(ABC):
             raise LooptoolError(f"cannot shift a cache of {counted(self.length, 'position')} by {n}.", parameter="n")
         if n:
             self._shift_right(n)
+
+    def position_bytes(self, buffers: Iterable[int] | None = None) -> int:
+        """Bytes one row keeps per position in ``buffers`` (default: every buffer)."""
+        chosen = (self.buffers[i] for i in buffers) if buffers is not None else self.buffers
+        return sum(int(b.shape[1]) * int(b.shape[3]) * int(b.dtype.itemsize) for b in chosen)
 
     def resize(self, length: int) -> None:
         """Give every buffer ``length`` positions (new ones zeroed, the first ``min(length,

@@ -77,7 +77,8 @@ def generate_batch(
     """Generate up to ``max_new_tokens`` tokens for every row of ``input_ids [batch, prompt]``
     (left-padded where ``attention_mask`` is 0), row ``r`` at ``budgets[r]`` (a budget, or an
     :class:`AutoRow`: adaptive depth), through one engine core over ``engine`` (module
-    docstring); ``speculation`` drafts for every row. ``capacity`` (default: prompt plus new
+    docstring); ``speculation`` drafts for every row (where more than one token is asked for:
+    a single token has nothing to draft). ``capacity`` (default: prompt plus new
     tokens) is what the rows' caches may grow to; ``kv_bytes`` in the result is what the rows'
     budgets keep for that many positions (Accordion Eq. 6)."""
     batch, prompt = input_ids.shape
@@ -87,6 +88,7 @@ def generate_batch(
             f"the prompt ({counted(prompt, 'token')}) plus {counted(max_new_tokens, 'new token')} exceed the cache "
             f"capacity of {capacity}; raise the capacity or generate fewer tokens."
         )
+    speculation = speculation if max_new_tokens > 1 else None
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
     prompts = row_prompts(input_ids, attention_mask)
@@ -182,15 +184,9 @@ def kv_bytes_per_position(engine: StepEngine, cache, budgets: Sequence[int | Aut
     """Bytes of keys and values one row keeps per position at ``budgets``: the buffers its budget
     reads when every row shares a fixed budget, all of the slot cache's otherwise (the row-wise
     and adaptive-depth paths read them all)."""
-    per_buffer = [_bytes_per_position(b) for b in cache.buffers]
-    fixed = {b for b in budgets if not isinstance(b, AutoRow)}
-    if len(fixed) == 1 and len(fixed) == len(set(map(repr, budgets))):
-        groups = engine.budget_buffers(next(iter(fixed)))
-        if groups is not None:
-            return sum(per_buffer[i] for i in groups)
-    return sum(per_buffer)
-
-
-def _bytes_per_position(buffer) -> int:
-    """Bytes of one row's one position of a ``[slots, kv_heads, length, head_dim]`` buffer."""
-    return int(buffer.shape[1]) * int(buffer.shape[3]) * int(buffer.dtype.itemsize)
+    first = budgets[0]
+    if not isinstance(first, AutoRow) and all(b == first for b in budgets):
+        read = engine.budget_buffers(first)
+        if read is not None:
+            return cache.position_bytes(read)
+    return cache.position_bytes()

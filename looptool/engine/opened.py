@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from looptool.core.errors import LooptoolError
-from looptool.engine.budgets import AutoRow, RowBudgets
+from looptool.engine.budgets import AutoRow, RowBudgets, wants_auto
 from looptool.engine.interface import StepEngine
 from looptool.engine.offline import generate_batch
 from looptool.engine.outputs import GenerationOutput
@@ -57,11 +57,7 @@ class OpenedEngine:
         if ids.ndim != 2 or 0 in ids.shape:
             raise LooptoolError(f"input_ids must be [batch, sequence] with at least one token, got {tuple(ids.shape)}.")
         menu, caps = self.engine.budgets, self.engine.capabilities
-        if isinstance(budget, str):
-            if budget != "auto":
-                raise LooptoolError(
-                    f"budget {budget!r} is not a budget; give an integer, a list or 'auto'.", parameter="budget"
-                )
+        if wants_auto(budget):
             if caps.adaptive_refusal is not None:
                 raise caps.adaptive_refusal
             row = (auto or AutoRow(min(menu), max(menu))).check(menu)
@@ -88,8 +84,8 @@ class OpenedEngine:
             pad_token_id=pad_token_id,
             on_step=on_step,
             output_logits=output_logits,
-            speculation=spec if max_new_tokens > 1 else None,
-            device=self.device if self.device != "auto" else "cpu",
+            speculation=spec,
+            device=self.device,
         )
 
 

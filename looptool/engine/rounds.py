@@ -34,6 +34,7 @@ from typing import Protocol
 import torch
 
 from looptool.engine.budgets import RowBudgets
+from looptool.engine.sampling import by_picker
 from looptool.engine.speculation import accept_drafts, draft_probs
 
 
@@ -119,15 +120,6 @@ def speculative_round(s: Rounds) -> None:
             s.mask[r, clock + n] = 0  # a plain row wrote n slots this round
         row.span += n + 1
     s.clock += n + 1
-
-
-def by_picker(rows: list, indices: list[int], key=lambda row: None) -> list[list[int]]:
-    """``indices`` of ``rows`` grouped by the token picker they share (and by ``key``), in order:
-    the rows of one group draw together, as a static batch does."""
-    groups: dict[tuple, list[int]] = {}
-    for r in indices:
-        groups.setdefault((id(rows[r].picker), key(rows[r])), []).append(r)
-    return list(groups.values())
 
 
 def _verify(s: Rounds, n: int, base: list[int], drafts: list[list[int]]) -> dict[int, torch.Tensor]:

@@ -80,3 +80,12 @@ class TokenPicker:
             return logits.argmax(-1)
         probs = torch.softmax(self.warpers(ids, logits.float()), dim=-1)
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+
+def by_picker(rows: list, indices: list[int], key=lambda row: None) -> list[list[int]]:
+    """``indices`` of ``rows`` grouped by the token picker they share (and by ``key``), in order:
+    the rows of one group draw together, as a static batch does."""
+    groups: dict[tuple, list[int]] = {}
+    for r in indices:
+        groups.setdefault((id(rows[r].picker), key(rows[r])), []).append(r)
+    return list(groups.values())

@@ -17,7 +17,6 @@ holds its last executed pass, so a token that stopped early leaves a consistent 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,33 +27,6 @@ from looptool.runtime.decode_graphs import check_policy
 
 if TYPE_CHECKING:
     from looptool.runtime.network import LoopedNetwork
-
-AUTO = "auto"
-
-
-def wants_auto(budget, min_budget=None, max_budget=None, exit_threshold=None, exit_rule=None) -> bool:
-    """Whether ``budget`` asks for adaptive depth (``"auto"``); one sentence for a string that
-    is not ``"auto"``, a per-row list holding ``"auto"``, or the adaptive-depth arguments given
-    with a fixed budget."""
-    if isinstance(budget, str):
-        if budget != AUTO:
-            raise LooptoolError(
-                f"budget {budget!r} is not a budget; give an integer, a list or 'auto'.", parameter="budget"
-            )
-        return True
-    if isinstance(budget, Sequence) and any(isinstance(b, str) for b in budget):
-        raise LooptoolError(
-            "budget='auto' decides every row's depth per token and cannot be mixed into a per-row list; "
-            "give budget='auto' (with min_budget / max_budget) or a list of integers.",
-            parameter="budget",
-        )
-    given = [n for n, v in (("min_budget", min_budget), ("max_budget", max_budget)) if v is not None]
-    given += [n for n, v in (("exit_threshold", exit_threshold), ("exit_rule", exit_rule)) if v is not None]
-    if given:
-        raise LooptoolError(
-            f"{given[0]} applies to budget='auto' only; pass budget='auto' or drop it.", parameter=given[0]
-        )
-    return False
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from looptool.core.errors import LooptoolError
-from looptool.engine.budgets import AutoRow, RowBudgets
+from looptool.engine.budgets import AutoRow, RowBudgets, wants_auto
 from looptool.engine.offline import generate_batch
 from looptool.engine.outputs import GenerationOutput
 from looptool.engine.sampling import GREEDY, SamplingParams
 from looptool.engine.speculation import Speculation
-from looptool.runtime.adaptive import AutoDepth, check_auto_policy, wants_auto
+from looptool.runtime.adaptive import AutoDepth, check_auto_policy
 from looptool.runtime.step_engine import TorchStepEngine
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ def generate(
         pad_token_id=pad_token_id,
         on_step=on_step,
         output_logits=output_logits,
-        speculation=spec if max_new_tokens > 1 else None,
+        speculation=spec,
         device=next(model.parameters()).device,
     )
     return out if rows is None else _with_costs(model, out, rows)

@@ -24,9 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from looptool.core.errors import LooptoolError
-from looptool.engine.budgets import DEFAULT_EXIT_THRESHOLD, AutoRow
+from looptool.engine.budgets import AUTO, DEFAULT_EXIT_THRESHOLD, AutoRow
 
-AUTO = "auto"  # the budget field's value for adaptive depth
 AUTO_FIELDS = ("min_budget", "max_budget", "exit_threshold")  # body fields that go with budget "auto"
 LEVELS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # the official client's values, in order
 _LADDER = ("minimal", "low", "medium", "high", "xhigh")  # the levels the default ladder spreads over the menu

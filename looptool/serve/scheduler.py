@@ -49,7 +49,7 @@ class Draining(Exception):
 def slots_within(engine: StepEngine, kv_memory: int, capacity: int) -> int:
     """How many slots of ``capacity`` tokens (plus a speculative round's drafts) ``engine``'s slot
     cache holds within ``kv_memory`` bytes; one sentence when not even one fits."""
-    per_position = engine.allocate(1, 1).nbytes
+    per_position = engine.allocate(1, 1).position_bytes()
     positions = capacity + MAX_DRAFT_TOKENS + 1  # a row's span: its tokens, and a round's drafts past them
     slots = kv_memory // (per_position * positions)
     if slots < 1:
