@@ -55,6 +55,13 @@ the next-token distributions read from successive states through the final norm 
 (a logit lens, at the last position). It costs one final norm and one LM head per loop or
 repeated layer, for the whole vocabulary, on top of the step's own.
 
+``exit_rule="gate"`` reads the learned exits of :mod:`looptool.passes.exit_gate` instead (the
+model needs them: the ``exit_gate`` pass, trained by ``looptool train --exit-gate``): at each
+gated depth ``d`` (the menu's budgets but the deepest) a row continues while its cumulative exit
+probability ``1 - prod_{d' <= d} (1 - lambda_d')`` is below ``q = exit_threshold`` (in [0, 1]:
+0 stops at ``min_budget``, 1 runs to ``max_budget``); between gated depths it continues. It
+costs one RMS normalisation and one dot product per gated depth, at the last position.
+
 Not recorded in the recipe: it changes how a model is run, not what it is.
 """
 
@@ -80,6 +87,7 @@ from looptool.core.graph import (
     copy_graph,
 )
 from looptool.core.plan import PrefixLoop, RecurrentLoop
+from looptool.passes.exit_gate import emit_gate_logit, gated_depths
 from looptool.passes.kv_cache import execution_of
 from looptool.passes.manager import register_pass
 from looptool.passes.recurrent_loop import EXIT_KEY
@@ -96,7 +104,7 @@ _aten = torch.ops.aten
 
 MIN_BUDGET, MAX_BUDGET, EXIT_THRESHOLD = "min_budget", "max_budget", "exit_threshold"
 AUTO_INPUTS = (*STEP_INPUTS, MIN_BUDGET, MAX_BUDGET, EXIT_THRESHOLD)  # the adaptive path's inputs before the caches
-EXIT_RULES = ("state", "kl")
+EXIT_RULES = ("state", "kl", "gate")
 
 
 def check_exit_rule(rule: str, error: type[LooptoolError] = LooptoolError) -> str:
@@ -149,7 +157,14 @@ def adaptive_graph(lg: LayerGraph, deepest: fx.Graph, rule: str = "state") -> fx
         inputs.append(anchor)
     menu = tuple(sorted(lg.paths))
     depths = tuple(range(min(menu), max(menu) + 1))  # every integer depth between the menu's ends
+    if rule == "gate" and not gated_depths(lg):
+        raise PassError(
+            "adaptive_depth: exit_rule 'gate' reads the learned exit gates, and this model has none "
+            "(the exit_gate pass; train them with exit_gate=True)."
+        )
     active = _Active(graph, *inputs, _Lens(graph) if rule == "kl" else None)
+    if rule == "gate":
+        active.gates = _Gates(graph, inputs[2], gated_depths(lg))
     if isinstance(lg.plan, PrefixLoop):
         _adapt_second_passes(graph, active)
     else:
@@ -168,6 +183,7 @@ class _Active:
 
     def __init__(self, graph: fx.Graph, lo: fx.Node, hi: fx.Node, thr: fx.Node, lens: _Lens | None):
         self.graph, self.lo, self.hi, self.thr, self.lens = graph, lo, hi, thr, lens
+        self.gates: _Gates | None = None  # the learned exits (exit_rule "gate")
         self.steps: dict[int, fx.Node] = {}  # step -> bool [batch]; steps every row runs are absent
         self.base = 0  # steps every row runs (ELR: loop 1)
         self._views: dict[tuple[int, int], fx.Node] = {}
@@ -181,12 +197,18 @@ class _Active:
         """``active[step]`` from the change ``old -> new``, emitted right after ``after``:
         ``step <= min or (active[step-1] and c >= threshold and step <= max)``."""
         with self.graph.inserting_before(after.next):
-            go = self.op(_aten.ge.Tensor, self._criterion(new, old), self.thr)
-            if step - 1 in self.steps:
+            go = self.gates.go(self, step - 1, new) if self.gates is not None else self._go(new, old)
+            if go is None:  # no exit head at this depth: a row continues where it ran the step before
+                go = self.steps.get(step - 1) or self.op(_aten.ge.Scalar, self.hi, 0)
+            elif step - 1 in self.steps:
                 go = self.op(_aten.logical_and.default, go, self.steps[step - 1])
             go = self.op(_aten.logical_and.default, go, self.op(_aten.ge.Scalar, self.hi, step))
             self.steps[step] = self.op(_aten.logical_or.default, self.op(_aten.ge.Scalar, self.lo, step), go)
         annotation(self.steps[step])[STEP_KEY] = step
+
+    def _go(self, new: fx.Node, old: fx.Node) -> fx.Node:
+        """The state and KL rules: continue while the change ``old -> new`` is at or above the threshold."""
+        return self.op(_aten.ge.Tensor, self._criterion(new, old), self.thr)
 
     def _criterion(self, new: fx.Node, old: fx.Node) -> fx.Node:
         """float32 ``[batch]`` at each row's last position: ``||new - old|| / ||new||``, or with
@@ -312,6 +334,36 @@ def _add_depth_output(graph: fx.Graph, active: _Active) -> None:
             depth = active.op(_aten.add.Tensor, depth, ran)
     outs = output.args[0]
     output.args = ((*outs, depth) if isinstance(outs, (tuple, list)) else (outs, depth),)
+
+
+class _Gates:
+    """The learned exits (``exit_rule="gate"``): the running log-probability that a row has not
+    exited, ``log S_d = sum_{gated d' <= d} log(1 - lambda_d')`` with ``log(1 - sigmoid(z)) =
+    -softplus(z)``, and the rule's floor ``log(1 - q)`` for ``q`` the exit threshold. A row
+    continues past a gated depth ``d`` while ``log S_d > log(1 - q)``, i.e. while its cumulative
+    exit probability is below ``q``: ``q = 0`` stops every row at its ``min_budget`` (``log S_d
+    <= 0``), ``q = 1`` never stops one (the floor is ``-inf``, ``log S_d`` finite)."""
+
+    def __init__(self, graph: fx.Graph, thr: fx.Node, depths: tuple[int, ...]):
+        self.depths = set(depths)
+        with graph.inserting_after(thr):
+            neg = graph.call_function(_aten.neg.default, (thr,))
+        with graph.inserting_after(neg):
+            self.floor = graph.call_function(_aten.log1p.default, (neg,))
+        for node in (neg, self.floor):
+            annotate(node, ROLE_STATE, None, part=_PART)
+        self.log_survival: fx.Node | None = None
+
+    def go(self, active: _Active, depth: int, state: fx.Node) -> fx.Node | None:
+        """Whether each row continues past ``depth`` by its gate (None: no gate there)."""
+        if depth not in self.depths:
+            return None
+        z = emit_gate_logit(active.graph, state, depth, last=True)
+        stay = active.op(_aten.neg.default, active.op(_aten.softplus.default, z, 1, 20))
+        if self.log_survival is not None:
+            stay = active.op(_aten.add.Tensor, self.log_survival, stay)
+        self.log_survival = stay
+        return active.op(_aten.gt.Tensor, stay, self.floor)
 
 
 class _Lens:

@@ -288,12 +288,15 @@ def _run_kept(rt, runs: list, auto: dict, ids, mask, new_tokens: int):
     return runs[-1]
 
 
-def adaptive_thresholds() -> dict[str, float]:
-    """The exit thresholds an adaptive-depth graph is validated at: 0 (every row at its
-    ``max_budget``), the default one (depths that vary) and infinity (every row at its ``min_budget``)."""
-    from looptool.engine.budgets import DEFAULT_EXIT_THRESHOLD
+def adaptive_thresholds(rule: str = "state") -> dict[str, float]:
+    """The exit thresholds an adaptive-depth graph of ``rule`` is validated at: the two ends
+    (state and KL rules: 0, every row at its ``max_budget``, and infinity, every row at its
+    ``min_budget``; the learned exits: q = 1 and q = 0) and the rule's default (depths that vary)."""
+    from looptool.engine.budgets import default_exit_threshold
 
-    return {"0": 0.0, "default": DEFAULT_EXIT_THRESHOLD, "inf": float("inf")}
+    if rule == "gate":
+        return {"1": 1.0, "default": default_exit_threshold(rule), "0": 0.0}
+    return {"0": 0.0, "default": default_exit_threshold(rule), "inf": float("inf")}
 
 
 def _validate_adaptive(
@@ -307,7 +310,7 @@ def _validate_adaptive(
     from looptool.runtime.generation import generate
 
     out: dict[str, float] = {}
-    for name, threshold in adaptive_thresholds().items():
+    for name, threshold in adaptive_thresholds(rule).items():
         auto = dict(budget="auto", exit_threshold=threshold, exit_rule=rule, kv=policy, output_logits=True)
         for label, (ids, mask) in validation_prompts(model).items():
             ref = generate(model, ids, attention_mask=mask, max_new_tokens=new_tokens, **auto)

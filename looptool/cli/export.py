@@ -91,10 +91,17 @@ def export_cmd(
         bool,
         typer.Option(
             "--adaptive",
-            help="onnx: also write the adaptive-depth graph (state rule, last-loop KV: add --kv last-loop or all) so "
-            "that looptool run --budget auto and a served budget 'auto' decide each token's depth.",
+            help="onnx: also write the adaptive-depth graph (of --exit-rule, last-loop KV: add --kv last-loop or all) "
+            "so that looptool run --budget auto and a served budget 'auto' decide each token's depth.",
         ),
     ] = False,
+    exit_rule: Annotated[
+        str,
+        typer.Option(
+            help="With --adaptive: the exit rule(s) of the adaptive-depth graphs, comma-separated: state (relative "
+            "state change), kl (next-token KL) or gate (the learned exits, see looptool train --exit-gate).",
+        ),
+    ] = "state",
     precision: Annotated[
         str,
         typer.Option(
@@ -155,7 +162,7 @@ def export_cmd(
         rowwise=rowwise,
         loop=loop,
         speculative=speculative,
-        adaptive=adaptive,
+        adaptive=exit_rule if adaptive else False,
         precision=precision,
         accuracy_level=accuracy_level,
         build_on_target=build_on_target,
@@ -183,7 +190,7 @@ def export_cmd(
         if adaptive:
             from looptool.backends.onnx.adaptive import adaptive_rules, adaptive_targets
 
-            graphs += len(adaptive_targets(adaptive_rules(adaptive), policies))
+            graphs += len(adaptive_targets(adaptive_rules(exit_rule), policies))
         with steps.stage("exporting", total=graphs + int(validate), done="exported") as step:
             ticks = iter(range(graphs + 1))
 

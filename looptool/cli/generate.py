@@ -45,10 +45,17 @@ MinBudget = Annotated[int | None, typer.Option(help="With --budget auto: the sha
 MaxBudget = Annotated[int | None, typer.Option(help="With --budget auto: the deepest depth (default: the menu's).")]
 ExitThreshold = Annotated[
     float | None,
-    typer.Option(help="With --budget auto: a token stops looping when its change falls under this (0: --max-budget)."),
+    typer.Option(
+        help="With --budget auto: a token stops looping when its change falls under this (0: --max-budget); with "
+        "--exit-rule gate, once its cumulative exit probability reaches this q in [0, 1] (default 0.5)."
+    ),
 ]
 ExitRule = Annotated[
-    str | None, typer.Option(help="With --budget auto: state (relative state change) or kl (next-token KL).")
+    str | None,
+    typer.Option(
+        help="With --budget auto: state (relative state change), kl (next-token KL) or gate (the learned exits of "
+        "looptool train --exit-gate)."
+    ),
 ]
 DraftBudget = Annotated[
     int | None,

@@ -56,9 +56,9 @@ def serve(
     exit_rule: Annotated[
         str,
         typer.Option(
-            help='How the tokens of budget "auto" requests stop: state (relative state change) or kl '
-            "(next-token KL); budget auto needs --kv last-loop, and PyTorch or an onnxruntime engine exported with "
-            "--adaptive."
+            help='How the tokens of budget "auto" requests stop: state (relative state change), kl '
+            "(next-token KL) or gate (the learned exits of looptool train --exit-gate); budget auto needs --kv "
+            "last-loop, and PyTorch or an onnxruntime engine exported with --adaptive --exit-rule of that rule."
         ),
     ] = "state",
     speculative: Annotated[

@@ -127,6 +127,27 @@ def train(
     exit_loss: Annotated[
         float, typer.Option(help="ELR: weight of the loss at every earlier loop exit, relative to the last (0: off).")
     ] = 0.0,
+    exit_gate: Annotated[
+        bool,
+        typer.Option(
+            "--exit-gate",
+            help="Train learned exits with the loops (adds them if missing): expected loss over every depth of the "
+            "menu under the exit distribution, minus --exit-beta x its entropy. budget auto reads them with "
+            "--exit-rule gate.",
+        ),
+    ] = False,
+    exit_gate_only: Annotated[
+        bool,
+        typer.Option(
+            "--exit-gate-only",
+            help="Fit the learned exits alone, the model frozen (adds them if missing): each learns whether the next "
+            "depth lowers a token's loss by more than --exit-gamma nats.",
+        ),
+    ] = False,
+    exit_beta: Annotated[float, typer.Option(help="--exit-gate: weight of the exit distribution's entropy.")] = 0.1,
+    exit_gamma: Annotated[
+        float, typer.Option(help="--exit-gate-only: nats the next depth must gain for a token to go on.")
+    ] = 0.005,
 ) -> None:
     """Mixed-depth training: one budget per micro-batch, shallowest-budget overrides."""
     from looptool.runtime.text import load_tokenizer
@@ -169,6 +190,10 @@ def train(
         gate_floor=gate_floor,
         gate_floor_until=gate_floor_until,
         exit_loss=exit_loss,
+        exit_gate=exit_gate,
+        exit_gate_only=exit_gate_only,
+        exit_beta=exit_beta,
+        exit_gamma=exit_gamma,
     )
     is_main = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 reports
     log_to = plain_stream() if is_main else None  # taken before the live display redirects stdout

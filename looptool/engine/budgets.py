@@ -25,6 +25,34 @@ from looptool.core.graph import ROWWISE
 from looptool.core.words import counted
 
 DEFAULT_EXIT_THRESHOLD = 0.05  # relative state change below which an adaptive row stops (not calibrated per model)
+# each exit rule's default threshold: the state and KL rules stop under a change, the learned
+# exits (rule "gate") once the cumulative exit probability reaches q = 0.5
+EXIT_THRESHOLD_DEFAULTS = {"state": DEFAULT_EXIT_THRESHOLD, "kl": DEFAULT_EXIT_THRESHOLD, "gate": 0.5}
+
+
+def default_exit_threshold(rule: str = "state") -> float:
+    """The exit threshold ``budget="auto"`` uses under ``rule`` when none is given."""
+    return EXIT_THRESHOLD_DEFAULTS.get(rule, DEFAULT_EXIT_THRESHOLD)
+
+
+def check_exit_threshold(thr, rule: str = "state", error: type[LooptoolError] = LooptoolError) -> float:
+    """``thr`` as a float when it is a threshold of ``rule``: a number >= 0 for the state and KL
+    rules (0: always ``max_budget``; an int beyond a float's exact range counts as infinity),
+    a probability q in [0, 1] for the learned exits (0: always ``min_budget``, 1: always
+    ``max_budget``); else one sentence (an ``error`` naming ``exit_threshold``)."""
+    if isinstance(thr, int) and not isinstance(thr, bool) and thr > 2**53:
+        thr = math.inf  # above any relative change (and beyond a float's exact range)
+    if isinstance(thr, bool) or not isinstance(thr, (int, float)) or math.isnan(thr) or thr < 0:
+        raise error(
+            f"exit_threshold must be a number >= 0 (0: always max_budget), got {thr!r}.", parameter="exit_threshold"
+        )
+    if rule == "gate" and thr > 1:
+        raise error(
+            f"exit_threshold is the cumulative exit probability q under exit_rule 'gate', in [0, 1] (0: always "
+            f"min_budget, 1: always max_budget), got {thr!r}.",
+            parameter="exit_threshold",
+        )
+    return float(thr)
 
 
 # Why adaptive depth refuses per-loop KV, said by every runtime that refuses it.
@@ -72,7 +100,7 @@ class AutoRow:
     max_budget: int
     exit_threshold: float = DEFAULT_EXIT_THRESHOLD
 
-    def check(self, menu: Collection[int], error: type[LooptoolError] = LooptoolError) -> AutoRow:
+    def check(self, menu: Collection[int], error: type[LooptoolError] = LooptoolError, rule: str = "state") -> AutoRow:
         """These settings (the threshold as a float), one sentence (an ``error`` naming the field) for a depth off the menu,
         a range upside down or a threshold that is not a number >= 0."""
         for name in ("min_budget", "max_budget"):
@@ -88,14 +116,7 @@ class AutoRow:
                 f"min_budget {self.min_budget} is above max_budget {self.max_budget}; give min_budget <= max_budget.",
                 parameter="min_budget",
             )
-        thr = self.exit_threshold
-        if isinstance(thr, int) and not isinstance(thr, bool) and thr > 2**53:
-            thr = math.inf  # above any relative change (and beyond a float's exact range)
-        if isinstance(thr, bool) or not isinstance(thr, (int, float)) or math.isnan(thr) or thr < 0:
-            raise error(
-                f"exit_threshold must be a number >= 0 (0: always max_budget), got {thr!r}.", parameter="exit_threshold"
-            )
-        return AutoRow(self.min_budget, self.max_budget, float(thr))
+        return AutoRow(self.min_budget, self.max_budget, check_exit_threshold(self.exit_threshold, rule, error))
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,11 @@ holds its last executed pass, so a token that stopped early leaves a consistent 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from looptool.core.errors import LooptoolError
-from looptool.engine.budgets import DEFAULT_EXIT_THRESHOLD, PER_LOOP_AUTO
+from looptool.engine.budgets import PER_LOOP_AUTO, check_exit_threshold, default_exit_threshold
 from looptool.passes.adaptive_depth import check_exit_rule
 from looptool.runtime.decode_graphs import check_policy
 
@@ -55,14 +54,17 @@ class AutoDepth:
             raise LooptoolError(
                 f"min_budget {lo} is above max_budget {hi}; give min_budget <= max_budget.", parameter="min_budget"
             )
-        thr = DEFAULT_EXIT_THRESHOLD if exit_threshold is None else exit_threshold
-        if isinstance(thr, bool) or not isinstance(thr, (int, float)) or math.isnan(thr) or thr < 0:
-            raise LooptoolError(
-                f"exit_threshold must be a number >= 0 (0: always max_budget), got {thr!r}.", parameter="exit_threshold"
-            )
         rule = "state" if exit_rule is None else exit_rule
         check_exit_rule(rule)
-        return cls(lo, hi, float(thr), rule)
+        thr = default_exit_threshold(rule) if exit_threshold is None else exit_threshold
+        thr = check_exit_threshold(thr, rule)
+        if rule == "gate" and not getattr(model, "exit_gates", True):
+            raise LooptoolError(
+                "exit_rule 'gate' reads learned exit gates, and this model has none; add and train them with "
+                "looptool train --exit-gate (or --exit-gate-only), or use exit_rule 'state' or 'kl'.",
+                parameter="exit_rule",
+            )
+        return cls(lo, hi, thr, rule)
 
 
 def _menu_budget(model: LoopedNetwork, value, name: str) -> int:

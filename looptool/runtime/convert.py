@@ -28,6 +28,7 @@ from looptool.core.errors import CheckpointError, LooptoolError
 from looptool.core.graph import dtype_from_str, float_dtype
 from looptool.core.plan import LoopPlan, PrefixLoop, RecurrentLoop, plan_from_dict
 from looptool.passes import PassManager
+from looptool.passes.exit_gate import EXIT_GATE
 from looptool.runtime.devices import check_dtype, resolve_device
 from looptool.runtime.model import LoopedModel
 from looptool.storage.load import (
@@ -62,8 +63,11 @@ def convert(
     tokenizer=None,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
+    exit_gate: bool = False,
 ) -> LoopedModel:
-    """Capture ``source`` and loop it according to ``plan`` (default: ``PrefixLoop()``).
+    """Capture ``source`` and loop it according to ``plan`` (default: ``PrefixLoop()``);
+    ``exit_gate=True`` also adds the learned exits ``budget="auto"`` reads under
+    ``exit_rule="gate"`` (:mod:`looptool.passes.exit_gate`; no budget path reads them).
 
     ``source`` is a Hugging Face causal LM object (used as is: its parameters become the
     looped model's, nothing is copied), a model directory, a Hub model id (``org/name`` or
@@ -80,8 +84,22 @@ def convert(
     if hasattr(model, "config"):  # validate the plan before the (slower) capture
         plan = plan.resolve(num_layers_of(model.config))
     lg = capture(model)
-    lg = PassManager(plan_steps(plan))(lg)
+    lg = PassManager(plan_steps(plan) + ([(EXIT_GATE, {})] if exit_gate else []))(lg)
     return LoopedModel(lg, tokenizer=tokenizer)
+
+
+def add_exit_gates(model: LoopedModel) -> LoopedModel:
+    """``model`` with learned exit heads added (the ``exit_gate`` pass, recorded in its recipe):
+    a new LoopedModel over the same source tensors and the same ``loop.*`` parameter objects,
+    plus the heads at their initial values; every budget computes what it did."""
+    if model.exit_gates:
+        return model
+    lg = PassManager([(EXIT_GATE, {})])(model.layer_graph)
+    new = LoopedModel(lg, tokenizer=model.tokenizer)
+    for name, p in model.new_parameters():  # the existing loop.* parameters, shared, not copied
+        owner, _, leaf = name.rpartition(".")
+        setattr(new.get_submodule(owner), leaf, p)
+    return new.train(model.training)
 
 
 def rebuild(

@@ -235,7 +235,7 @@ def adaptive_layer_graph(model: LoopedNetwork, kv: str = "last-loop", exit_rule:
     its one path, key :data:`~looptool.passes.adaptive_depth.ADAPTIVE`, takes ``min_budget``,
     ``max_budget`` (int64 ``[batch]``) and ``exit_threshold`` (float32 ``[batch]``) after
     ``cache_position`` (built once per model, policy and exit rule)."""
-    key = DecodeKey("adaptive" if exit_rule == "state" else "adaptive-kl", kv)
+    key = DecodeKey("adaptive" if exit_rule == "state" else f"adaptive-{exit_rule}", kv)
     graphs = decode_graphs(model).graphs
     if key not in graphs:
         graphs[key] = PassManager([("adaptive_depth", {"exit_rule": exit_rule})])(cached_layer_graph(model, kv))
@@ -251,7 +251,7 @@ def adaptive_path(
     default) the ``skip_exited`` pass lifts each masked loop or second pass into a segment the
     step runs only while some row is still active; ``skip=False`` keeps the masked path, which
     runs every step to the batch's deepest ``max_budget`` (bit-identical results)."""
-    key = DecodeKey("adaptive" if exit_rule == "state" else "adaptive-kl", kv)
+    key = DecodeKey("adaptive" if exit_rule == "state" else f"adaptive-{exit_rule}", kv)
     bound = decode_graphs(model).paths.setdefault(key, {})
     name = ADAPTIVE if skip else f"{ADAPTIVE}-masked"
     if name not in bound:

@@ -35,6 +35,7 @@ from looptool.core.graph import (
 from looptool.core.plan import BudgetCost, LoopPlan, ModelDims, cost_table
 from looptool.passes import PassManager
 from looptool.passes.checkpoint import bind_regions
+from looptool.passes.exit_gate import gated_depths
 from looptool.passes.router_outputs import router_logit_nodes
 from looptool.runtime.devices import resolve_device
 
@@ -93,6 +94,11 @@ class LoopedNetwork(nn.Module):
         return tuple(sorted(self.layer_graph.paths))
 
     @property
+    def exit_gates(self) -> tuple[int, ...]:
+        """The depths with a learned exit head (:mod:`looptool.passes.exit_gate`; empty: none)."""
+        return gated_depths(self.layer_graph)
+
+    @property
     def default_budget(self) -> int:
         """The budget used when ``forward`` is called without one: the deepest."""
         return self.budgets[-1]
@@ -102,20 +108,26 @@ class LoopedNetwork(nn.Module):
         """The ``(pass name, config)`` steps that built this model, replayed on load."""
         return self.layer_graph.recipe
 
-    def path(self, budget: int, *, router_logits: bool = False, exits: bool = False) -> fx.GraphModule:
+    def path(
+        self, budget: int, *, router_logits: bool = False, exits: bool = False, gates: bool = False
+    ) -> fx.GraphModule:
         """The GraphModule of one budget; built on first use, sharing this model's tensors.
 
         With ``router_logits=True`` the path also returns every MoE router evaluation's
         logits (after the LM logits), in execution order, for a load-balancing loss. With
         ``exits=True`` (ELR only) it returns the logits at loop exits ``1..k-1`` right after
-        the LM logits (see :func:`looptool.passes.recurrent_loop.with_exit_outputs`). Each is
-        a pass (``router_outputs``, ``checkpoint``, ``exit_outputs``) run by the PassManager on
-        this budget's path alone.
+        the LM logits (see :func:`looptool.passes.recurrent_loop.with_exit_outputs`). With
+        ``gates=True`` it returns, last, the learned exits' logits ``z_d`` (``[batch, seq]``) of
+        each gated depth ``d < budget`` (:func:`looptool.passes.exit_gate.with_gate_outputs`).
+        Each is a pass (``router_outputs``, ``checkpoint``, ``exit_outputs``,
+        ``exit_gate_outputs``) run by the PassManager on this budget's path alone.
         """
         budget = self.check_budget(budget)
         if exits and not self.plan.has_loop_exits:
             raise LooptoolError(f"intermediate loop exits exist only in ELR models; this one is {self.plan.kind}.")
-        key = (budget, router_logits, exits, self.activation_checkpointing, self.shard_layers)
+        if gates and not self.exit_gates:
+            raise LooptoolError("this model has no learned exit gates; add them with exit_gate=True.")
+        key = (budget, router_logits, exits, gates, self.activation_checkpointing, self.shard_layers)
         if key not in self._paths:
             steps: list[tuple[str, dict]] = [("router_outputs", {})] if router_logits else []
             if self.activation_checkpointing or self.shard_layers:
@@ -124,6 +136,8 @@ class LoopedNetwork(nn.Module):
                 )
             if exits:
                 steps.append(("exit_outputs", {}))
+            if gates:
+                steps.append(("exit_gate_outputs", {}))
             lg = self.layer_graph.replace(paths={budget: self.layer_graph.paths[budget]})
             graph = (PassManager(steps)(lg) if steps else lg).paths[budget]
             gm = bind_regions(shared_graph_module(self, graph), self)
@@ -256,6 +270,7 @@ class LoopedNetwork(nn.Module):
         budget: int | None = None,
         output_router_logits: bool = False,
         output_exit_logits: bool = False,
+        output_exit_gates: bool = False,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """Run the budget-``budget`` path; HF-style output with ``logits`` (and ``loss``).
@@ -263,9 +278,12 @@ class LoopedNetwork(nn.Module):
         ``output_router_logits=True`` adds ``router_logits`` (one tensor per router
         evaluation; weights in :meth:`router_logits_weights`). ``output_exit_logits=True``
         (ELR) adds ``exit_logits``: the logits at loop exits ``1..k-1`` of budget ``k``.
+        ``output_exit_gates=True`` adds ``exit_gate_logits``: the learned exits' logits (float32
+        ``[batch, seq]``) at each gated depth below the budget (:attr:`exit_gates`).
         """
         loss_kwargs = _check_forward_kwargs(kwargs, input_ids)
-        gm = self.path(budget, router_logits=output_router_logits, exits=output_exit_logits)
+        budget = self.check_budget(budget)
+        gm = self.path(budget, router_logits=output_router_logits, exits=output_exit_logits, gates=output_exit_gates)
         if input_ids.dim() != 2:
             raise LooptoolError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}.")
         if attention_mask is None:
@@ -273,8 +291,12 @@ class LoopedNetwork(nn.Module):
         else:
             attention_mask = attention_mask.to(self._mask_dtype)
         out = gm(input_ids, attention_mask)
-        out = tuple(out) if output_router_logits or output_exit_logits else (out,)
+        out = tuple(out) if output_router_logits or output_exit_logits or output_exit_gates else (out,)
         logits, rest = out[0], out[1:]
+        gate_logits = None
+        if output_exit_gates:
+            n_gates = sum(d < budget for d in self.exit_gates)
+            gate_logits, rest = tuple(rest[len(rest) - n_gates :]), rest[: len(rest) - n_gates]
         exit_logits = None
         if output_exit_logits:
             n_exits = self.check_budget(budget) - 1
@@ -286,9 +308,13 @@ class LoopedNetwork(nn.Module):
             from transformers.loss.loss_utils import ForCausalLMLoss
 
             loss = ForCausalLMLoss(logits, labels, vocab_size=logits.shape[-1], **loss_kwargs)
-        if output_exit_logits:
+        if output_exit_logits or output_exit_gates:
             return LoopedCausalLMOutput(
-                loss=loss, logits=logits, router_logits=rest if output_router_logits else None, exit_logits=exit_logits
+                loss=loss,
+                logits=logits,
+                router_logits=rest if output_router_logits else None,
+                exit_logits=exit_logits,
+                exit_gate_logits=gate_logits,
             )
         if output_router_logits:
             return MoeCausalLMOutputWithPast(loss=loss, logits=logits, router_logits=rest)
@@ -350,7 +376,7 @@ def _check_forward_kwargs(kwargs: dict, input_ids: torch.Tensor) -> dict:
             )
         raise LooptoolError(
             f"LoopedModel.forward got an unsupported argument {name!r}; it takes input_ids, "
-            "attention_mask, labels, budget, output_router_logits, output_exit_logits and the "
+            "attention_mask, labels, budget, output_router_logits, output_exit_logits, output_exit_gates and the "
             "loss arguments num_items_in_batch and ignore_index."
         )
     return {k: v for k, v in kwargs.items() if k in _LOSS_KWARGS}
@@ -359,9 +385,11 @@ def _check_forward_kwargs(kwargs: dict, input_ids: torch.Tensor) -> dict:
 @dataclass
 class LoopedCausalLMOutput(MoeCausalLMOutputWithPast):
     """``MoeCausalLMOutputWithPast`` plus ``exit_logits``: the LM logits at loop exits
-    ``1..k-1`` of an ELR budget-``k`` path (intermediate-exit loss)."""
+    ``1..k-1`` of an ELR budget-``k`` path (intermediate-exit loss), and ``exit_gate_logits``:
+    the learned exits' logits at the gated depths below the budget."""
 
     exit_logits: tuple[torch.Tensor, ...] | None = None
+    exit_gate_logits: tuple[torch.Tensor, ...] | None = None
 
 
 class _Compiled:

@@ -12,7 +12,7 @@ ladder (the cheaper one on a tie).
 
 ``budget: "auto"`` asks for adaptive depth (each token decides its own, :class:`AutoRow`) with
 the optional body fields ``min_budget``, ``max_budget`` (default: the menu's shallowest and
-deepest) and ``exit_threshold`` (default :data:`DEFAULT_EXIT_THRESHOLD`); those fields without
+deepest) and ``exit_threshold`` (default: the exit rule's, :func:`default_exit_threshold`); those fields without
 it, and ``auto`` beside a fixed choice (``NAME@k``, ``reasoning_effort``), are refused
 (:meth:`BudgetResolver.choose`).
 """
@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from looptool.core.errors import LooptoolError
-from looptool.engine.budgets import AUTO, DEFAULT_EXIT_THRESHOLD, AutoRow
+from looptool.engine.budgets import AUTO, AutoRow, default_exit_threshold
 
 AUTO_FIELDS = ("min_budget", "max_budget", "exit_threshold")  # body fields that go with budget "auto"
 LEVELS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # the official client's values, in order
@@ -89,6 +89,7 @@ class BudgetResolver:
     budgets: tuple[int, ...]
     default: int
     ladder: Mapping[str, int]
+    exit_rule: str = "state"  # how the server's budget "auto" rows stop: picks the threshold's default and range
 
     @classmethod
     def create(
@@ -180,13 +181,13 @@ class BudgetResolver:
                 f'budget "auto" decides the depth per token, but {field} asks for a fixed budget; send one of them.',
                 parameter=field,
             )
-        thr = DEFAULT_EXIT_THRESHOLD if exit_threshold is None else exit_threshold
+        thr = default_exit_threshold(self.exit_rule) if exit_threshold is None else exit_threshold
         row = AutoRow(
             self.budgets[0] if min_budget is None else min_budget,  # type: ignore[arg-type]
             self.budgets[-1] if max_budget is None else max_budget,  # type: ignore[arg-type]
             thr,  # type: ignore[arg-type]
         )
-        return row.check(self.budgets, BudgetChoiceError)
+        return row.check(self.budgets, BudgetChoiceError, self.exit_rule)
 
     def _budget_field(self, budget: object) -> int:
         """The budget the ``budget`` body field names: a JSON integer of the menu, or an effort

@@ -12,6 +12,7 @@ finish); a third Ctrl-C forces the exit.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -214,7 +215,8 @@ class Server:
         self.served = served
         self.options = options
         self.socket = sock if sock is not None else bind(options.host, options.port)
-        self.resolver = resolver
+        # the threshold of a budget "auto" request means what the engine's exit rule makes of it
+        self.resolver = resolver = dataclasses.replace(resolver, exit_rule=getattr(served.engine, "exit_rule", "state"))
         self.scheduler = Scheduler(
             served.engine,
             max_batch=options.max_batch,

@@ -68,6 +68,10 @@ class TrainConfig:
     gate_floor: float = 0.0  # lower bound on the new gates (loop.*_gate) while training ...
     gate_floor_until: float = 0.5  # ... for this fraction of the steps, then released
     exit_loss: float = 0.0  # ELR: weight of each earlier loop exit's loss relative to the last one (0: off)
+    exit_gate: bool = False  # train learned exits with the loops: expected loss under the exit distribution
+    exit_gate_only: bool = False  # fit the learned exits alone (backbone frozen) to the next depth's gain
+    exit_beta: float = 0.1  # weight of the exit distribution's entropy (exit_gate)
+    exit_gamma: float = 0.005  # nats the next depth must gain for a token to be labelled "continue" (exit_gate_only)
 
     def check(self) -> None:
         """Refuse settings that cannot work, one sentence each."""
@@ -98,6 +102,22 @@ class TrainConfig:
                 )
         if self.exit_loss < 0:
             raise TrainingError("exit_loss is a non-negative weight (0: off).", parameter="exit_loss")
+        if self.exit_gate and self.exit_gate_only:
+            raise TrainingError(
+                "exit_gate trains the exits with the loops and exit_gate_only with the loops frozen; give one of them.",
+                parameter="exit_gate_only",
+            )
+        for name in ("exit_beta", "exit_gamma"):
+            if getattr(self, name) < 0:
+                raise TrainingError(f"{name} must be >= 0.", parameter=name)
+        if self.exit_gate or self.exit_gate_only:
+            sampled = [n for n in ("override", "delay", "depth_curriculum", "exit_loss") if getattr(self, n)]
+            if sampled:
+                raise TrainingError(
+                    f"{sampled[0]} shapes the one budget drawn per micro-batch, but exit_gate and exit_gate_only "
+                    f"train every depth of the menu at each step; drop {sampled[0]}.",
+                    parameter=sampled[0],
+                )
         if self.gate_floor < 0:
             raise TrainingError(
                 "gate_floor must be non-negative (0: off); gates start at 0 (exact conversion).", parameter="gate_floor"

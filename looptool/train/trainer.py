@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from looptool.core.graph import ROLE_EMBEDDING, ROLE_HEAD, dtype_from_str, parameter_reader_roles
-from looptool.runtime.convert import load
+from looptool.runtime.convert import add_exit_gates, load
 from looptool.runtime.devices import check_dtype, resolve_device
 from looptool.runtime.model import LoopedModel
 from looptool.storage.load import read_looptool_json
@@ -56,6 +56,7 @@ from looptool.train.config import (
     TrainingError,
 )
 from looptool.train.data import training_rows
+from looptool.train.exit_objective import IGNORE, expected_exit_loss, gate_fit_loss, token_losses
 from looptool.train.sampling import BudgetSampler
 
 log = logging.getLogger(__name__)
@@ -186,6 +187,9 @@ class Trainer:
             )
         # straight onto the device; under FSDP onto the CPU, and each layer moves as it is sharded
         self.model: LoopedModel = load(source, device="cpu" if self.fsdp else str(self.device))
+        self.exits = config.exit_gate or config.exit_gate_only
+        if self.exits:  # heads at their initial values where the model has none yet
+            self.model = add_exit_gates(self.model)
         if config.checkpoint:
             self.model.gradient_checkpointing_enable()
         if config.compile:
@@ -199,6 +203,13 @@ class Trainer:
         menu = tuple(config.budgets) if config.budgets else self.model.budgets
         for k in menu:
             self.model.check_budget(k)
+        self.exit_menu = tuple(sorted(menu))
+        if self.exits and len(self.exit_menu) < 2:
+            raise TrainingError(
+                f"exit_gate trains when to stop between depths, and the menu {list(self.exit_menu)} has one; "
+                "give budgets with at least two.",
+                parameter="budgets",
+            )
         # Under FSDP every rank must run the same layer applications (their all-gathers are
         # collectives), so all ranks draw alike and overrides rotate over accumulation micro-batches.
         self.sampler = BudgetSampler(
@@ -241,7 +252,12 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _freeze(self) -> None:
         """Optionally freeze every source layer below the looped block (and the embeddings
-        when they are not tied to the trained LM head): backward then stops at the block."""
+        when they are not tied to the trained LM head): backward then stops at the block.
+        ``exit_gate_only`` freezes everything but the exit heads."""
+        if self.config.exit_gate_only:
+            for name, p in self.model.named_parameters():
+                p.requires_grad_(name.startswith("loop.exit."))
+            return
         if not self.config.freeze_below_window:
             return
         frozen = self.model.plan.frozen_layers()
@@ -315,7 +331,7 @@ class Trainer:
             factor = lr_factor(step, self.total_steps, warmup_steps, cfg.schedule)
             for group in self.optimizer.param_groups:
                 group["lr"] = group["initial_lr"] * factor
-            budgets, losses, auxes = [], [], []
+            budgets, losses, auxes, exit_stats = [], [], [], []
             for micro in range(cfg.grad_accum):
                 k = self.sampler.budget(step, micro, self.rank) if step >= self.switch_step else self.sampler.shallowest
                 position = ((step * cfg.grad_accum + micro) * self.world + self.rank) * cfg.batch
@@ -326,11 +342,18 @@ class Trainer:
                 if self.fsdp:  # reduce-scatter gradients only on the last micro-batch
                     self.model.set_requires_gradient_sync(micro == cfg.grad_accum - 1)
                 with ctx, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                    exits = cfg.exit_loss > 0 and k > 1
-                    out = model(ids, labels=labels, budget=k, output_router_logits=has_router, output_exit_logits=exits)
-                    loss = exit_weighted_loss(out, labels, cfg.exit_loss) if exits else out.loss
+                    if self.exits:
+                        k = self.exit_menu[-1]
+                        out, loss, stats = self._exit_step(model, ids, labels, has_router)
+                        exit_stats.append(stats)
+                    else:
+                        exits = cfg.exit_loss > 0 and k > 1
+                        out = model(
+                            ids, labels=labels, budget=k, output_router_logits=has_router, output_exit_logits=exits
+                        )
+                        loss = exit_weighted_loss(out, labels, cfg.exit_loss) if exits else out.loss
                     aux = None
-                    if has_router:
+                    if has_router and not cfg.exit_gate_only:
                         aux = balance_loss(
                             out.router_logits, self.model.router_logits_weights(k), moe_top_k, cfg.batch, num_routers
                         )
@@ -362,6 +385,8 @@ class Trainer:
             }
             if any(a is not None for a in auxes):
                 record["aux"] = auxes
+            if exit_stats:  # the exit objective's terms, averaged over the micro-batches
+                record["exit"] = {k: sum(s[k] for s in exit_stats) / len(exit_stats) for k in exit_stats[0]}
             self.records.append(record)
             if self.rank == 0:
                 _append_log(self.output, record)
@@ -401,6 +426,44 @@ class Trainer:
             }
         return out
 
+    def _exit_step(self, model, ids: torch.Tensor, labels: torch.Tensor, has_router: bool) -> tuple:
+        """One micro-batch of the exit objective over :attr:`exit_menu` (``d_1 < ... <
+        d_{n+1}``): the per-token loss at every depth and the gate logits at ``d_1..d_n``, then
+        :func:`expected_exit_loss` (``exit_gate``) or :func:`gate_fit_loss` (``exit_gate_only``).
+        ELR: one forward at ``d_{n+1}`` reading each loop's exit through the output block (the
+        exits ``budget="auto"`` takes: every loop conditioned on the deepest depth); fixed-prefix
+        looping: one forward per depth (exiting after window layer ``d`` is budget ``d``).
+        Returns the deepest forward's output, the loss and the objective's statistics."""
+        cfg, menu = self.config, self.exit_menu
+        deepest = menu[-1]
+        frozen = torch.no_grad() if cfg.exit_gate_only else contextlib.nullcontext()
+        router = has_router and not cfg.exit_gate_only
+        elr = self.model.plan.has_loop_exits
+        by_depth = {}
+        if not elr:
+            with frozen:
+                by_depth = {d: model(ids, budget=d).logits for d in menu[:-1]}
+        out = model(
+            ids,
+            labels=labels,
+            budget=deepest,
+            output_router_logits=router,
+            output_exit_logits=elr,
+            output_exit_gates=True,
+        )
+        if elr:
+            by_depth = {i: logits for i, logits in enumerate(out.exit_logits, start=1)}
+        by_depth[deepest] = out.logits
+        gates = dict(zip([d for d in self.model.exit_gates if d < deepest], out.exit_gate_logits))
+        losses = torch.stack([token_losses(by_depth[d], labels) for d in menu])
+        z = torch.stack([gates[d][:, :-1] for d in menu[:-1]])
+        mask = labels[:, 1:] != IGNORE
+        if cfg.exit_gate_only:
+            loss, stats = gate_fit_loss(losses, z, mask, cfg.exit_gamma)
+        else:
+            loss, stats = expected_exit_loss(losses, z, mask, cfg.exit_beta)
+        return out, loss, stats
+
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, step: int) -> None:
         """Rebuild the output directory: the model, the run's text files and, unless
@@ -421,10 +484,18 @@ class Trainer:
                 ARGS_FILE: json.dumps(config, indent=2),
                 LOG_FILE: "".join(json.dumps(r) + "\n" for r in self.records),
             }
-        # FSDP: every rank gathers each sharded tensor in the same order; rank 0 writes
-        write_checkpoint(
-            self.output, self.model, state, files or {}, materialize=_full if self.fsdp else None, save_state=save
-        )
+        # FSDP: every rank gathers each sharded tensor in the same order; rank 0 writes. The
+        # exit_gate_only stage froze the backbone for itself: the saved model stays trainable.
+        frozen = [p for p in self.model.parameters() if not p.requires_grad] if self.config.exit_gate_only else []
+        for p in frozen:
+            p.requires_grad_(True)
+        try:
+            write_checkpoint(
+                self.output, self.model, state, files or {}, materialize=_full if self.fsdp else None, save_state=save
+            )
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)
         if self.world > 1:
             dist.barrier()
 
