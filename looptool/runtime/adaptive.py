@@ -60,8 +60,8 @@ class AutoDepth:
         thr = check_exit_threshold(thr, rule)
         if rule == "gate" and not getattr(model, "exit_gates", True):
             raise LooptoolError(
-                "exit_rule 'gate' reads learned exit gates, and this model has none; add and train them with "
-                "looptool train --exit-gate (or --exit-gate-only), or use exit_rule 'state' or 'kl'.",
+                "exit_rule 'gate' reads learned exit gates, and this model has none; add and train them by training "
+                "with exit_gate=True (or exit_gate_only=True), or use exit_rule 'state' or 'kl'.",
                 parameter="exit_rule",
             )
         return cls(lo, hi, thr, rule)

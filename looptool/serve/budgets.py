@@ -93,7 +93,12 @@ class BudgetResolver:
 
     @classmethod
     def create(
-        cls, name: str, budgets: Sequence[int], default: int | None = None, effort: str | None = None
+        cls,
+        name: str,
+        budgets: Sequence[int],
+        default: int | None = None,
+        effort: str | None = None,
+        exit_rule: str = "state",
     ) -> BudgetResolver:
         """The resolver for model ``name`` with the menu ``budgets``; ``default`` (the budget of
         the plain ``NAME``; default: the deepest) and the ``effort`` override are checked."""
@@ -108,7 +113,7 @@ class BudgetResolver:
         if "@" in name:
             raise LooptoolError(f"the served model name {name!r} may not contain '@'.", parameter="served_model_name")
         ladder = parse_effort(effort, menu) if effort else default_ladder(menu)
-        return cls(name, menu, default, ladder)
+        return cls(name, menu, default, ladder, exit_rule)
 
     def model_ids(self) -> list[str]:
         """What ``/v1/models`` lists: ``NAME`` (the default budget), then ``NAME@k`` per budget."""

@@ -12,7 +12,6 @@ finish); a third Ctrl-C forces the exit.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import logging
 import os
@@ -99,12 +98,13 @@ class ServeOptions:
                 parameter="kv",
             )
 
-    def for_model(self, facts: EngineFacts, name: str) -> ResolvedOptions:
+    def for_model(self, facts: EngineFacts, name: str, exit_rule: str = "state") -> ResolvedOptions:
         """These options checked (:meth:`check`) and resolved against the model served as
         ``name``: ``default_budget`` and ``effort`` against its budget menu (the budget resolver
-        built here, once), ``capacity`` against its context, the default capacity filled in."""
+        built here, once; a budget "auto" request's threshold means what ``exit_rule`` makes of
+        it), ``capacity`` against its context, the default capacity filled in."""
         self.check()
-        resolver = BudgetResolver.create(name, facts.budgets, self.default_budget, self.effort)
+        resolver = BudgetResolver.create(name, facts.budgets, self.default_budget, self.effort, exit_rule)
         if self.speculative and len(resolver.budgets) < 2:
             raise LooptoolError(
                 f"speculative serving drafts at the menu's shallowest budget for deeper ones, but the menu "
@@ -215,8 +215,7 @@ class Server:
         self.served = served
         self.options = options
         self.socket = sock if sock is not None else bind(options.host, options.port)
-        # the threshold of a budget "auto" request means what the engine's exit rule makes of it
-        self.resolver = resolver = dataclasses.replace(resolver, exit_rule=getattr(served.engine, "exit_rule", "state"))
+        self.resolver = resolver
         self.scheduler = Scheduler(
             served.engine,
             max_batch=options.max_batch,
@@ -305,7 +304,7 @@ def prepare(
         options.check_kv(kv)
         check_exit_rule(exit_rule)
         name = name or Path(model_dir).resolve().name
-        resolved = options.for_model(read_facts(model_dir, runtime), name)
+        resolved = options.for_model(read_facts(model_dir, runtime), name, exit_rule)
         sock = sock or bind(resolved.host, resolved.port)
         served = open_model(
             model_dir,

@@ -38,6 +38,7 @@ exit loss + depth curriculum over the first quarter + 4x the steps).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -69,6 +70,8 @@ RECIPES = {
     "elr-long": ("elr-paper", {"steps_factor": 4}),
     "elr-all-long": ("elr-paper", {"exit_loss": 1.0, "depth_curriculum": 0.25, "steps_factor": 4}),
     "plain-long": ("plain", {"steps_factor": 4}),  # the baseline of the 4x arms
+    # learned exits (looptool train --exit-gate, 4x the steps) then a gate-only stage (--exit-gate-only)
+    "elr-gate": ("elr-paper", {"exit_gate": True, "steps_factor": 4, "fit_steps": 2000}),
 }
 PLAIN = ("plain", "plain-long")
 LOOPED = ("prefix", "elr-exact", "elr-paper", *(r for r in RECIPES if r not in PLAIN))
@@ -274,6 +277,7 @@ def run_arm(
     # from scratch gets the base's steps too (roughly); a recipe may scale the steps or set the loop LR
     arm_steps = steps * (2 if arm == "scratch" else 1) * options.pop("steps_factor", 1)
     new_lr = options.pop("new_lr", new_lr)
+    fit_steps = options.pop("fit_steps", 0)
     cfg = TrainConfig(
         data=[data],
         output=str(work / "trained"),
@@ -292,6 +296,13 @@ def run_arm(
     )
     t0 = time.perf_counter()
     Trainer(work / "converted", cfg).run()
+    if fit_steps:  # the gate-only stage: the loops frozen, each exit fitted to the next loop's gain
+        fit = dataclasses.replace(
+            cfg, output=str(work / "fitted"), tokens=fit_steps * batch * 21, exit_gate=False, exit_gate_only=True
+        )
+        Trainer(work / "trained", fit).run()
+        (work / "trained").rename(work / "joint")
+        (work / "fitted").rename(work / "trained")
     seconds = time.perf_counter() - t0
     trained = looptool.load(work / "trained")
     tiers, ids, answers = test
@@ -305,6 +316,7 @@ def run_arm(
         "menu": menu,
         "recipe": extra,
         "steps": arm_steps,
+        "fit_steps": fit_steps,
         "train_seconds": seconds,
         "accuracy": per_budget,
         "max_abs_new_param": max(gates.values()) if gates else None,
