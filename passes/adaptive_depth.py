@@ -118,6 +118,9 @@ def check_exit_rule(rule: str, error: type[LooptoolError] = LooptoolError) -> st
 # annotation keys read by the ``skip_exited`` pass: the activity of step i (bool [batch]), and
 # each ``where(active_i, new, old)`` merge of step i (the state, a second pass, a KV write)
 STEP_KEY, MERGE_KEY = "active_step", "merge_step"
+# the gate rule's running log-survival after the decision of step i (read by the next gated
+# decision): a value carried across steps, which a skipped step leaves as it found it
+CARRY_KEY = "carry_step"
 _PART = "adaptive"
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -197,7 +200,7 @@ class _Active:
         """``active[step]`` from the change ``old -> new``, emitted right after ``after``:
         ``step <= min or (active[step-1] and c >= threshold and step <= max)``."""
         with self.graph.inserting_before(after.next):
-            go = self.gates.go(self, step - 1, new) if self.gates is not None else self._go(new, old)
+            go = self.gates.go(self, step, new) if self.gates is not None else self._go(new, old)
             if go is None:  # no exit head at this depth: a row continues where it ran the step before
                 go = self.steps.get(step - 1) or self.op(_aten.ge.Scalar, self.hi, 0)
             elif step - 1 in self.steps:
@@ -350,20 +353,22 @@ class _Gates:
             neg = graph.call_function(_aten.neg.default, (thr,))
         with graph.inserting_after(neg):
             self.floor = graph.call_function(_aten.log1p.default, (neg,))
-        for node in (neg, self.floor):
+        with graph.inserting_after(self.floor):
+            self.log_survival = graph.call_function(_aten.zeros_like.default, (thr,))  # log S before any gate
+        for node in (neg, self.floor, self.log_survival):
             annotate(node, ROLE_STATE, None, part=_PART)
-        self.log_survival: fx.Node | None = None
 
-    def go(self, active: _Active, depth: int, state: fx.Node) -> fx.Node | None:
-        """Whether each row continues past ``depth`` by its gate (None: no gate there)."""
-        if depth not in self.depths:
+    def go(self, active: _Active, step: int, state: fx.Node) -> fx.Node | None:
+        """Whether each row continues to ``step`` by the gate at depth ``step - 1`` (None: no
+        gate there). The running ``log S`` is marked :data:`CARRY_KEY` ``step``: ``add(previous,
+        -softplus(z))``, so a skipped step hands its first argument on."""
+        if step - 1 not in self.depths:
             return None
-        z = emit_gate_logit(active.graph, state, depth, last=True)
+        z = emit_gate_logit(active.graph, state, step - 1, last=True)
         stay = active.op(_aten.neg.default, active.op(_aten.softplus.default, z, 1, 20))
-        if self.log_survival is not None:
-            stay = active.op(_aten.add.Tensor, self.log_survival, stay)
-        self.log_survival = stay
-        return active.op(_aten.gt.Tensor, stay, self.floor)
+        self.log_survival = active.op(_aten.add.Tensor, self.log_survival, stay)
+        annotation(self.log_survival)[CARRY_KEY] = step
+        return active.op(_aten.gt.Tensor, self.log_survival, self.floor)
 
 
 class _Lens:

@@ -20,7 +20,10 @@ what it is when no row runs step ``i``:
 * the activity of step ``i + 1``: ``active_i`` itself, all false (a row runs step ``i + 1`` only
   if it ran step ``i`` or ``i + 1 <= min_budget``, which implies ``i <= min_budget``);
 * a cache write ``index_copy_(cache, ...)``: ``cache``, unchanged (a masked write stores the
-  entries it read, ``where(active, new, old)`` with ``old`` the cache's own).
+  entries it read, ``where(active, new, old)`` with ``old`` the cache's own);
+* the gate rule's running log-survival after the stop test
+  (:data:`~looptool.passes.adaptive_depth.CARRY_KEY`, ``add(previous, -softplus(z))``):
+  ``previous`` (no row goes on, so no later test reads it for a running row).
 
 So a skipped segment leaves logits, realised depths and caches bit-identical to the masked
 path, and once step ``i`` is skipped every later step is too. Route replay (MoE routing of
@@ -48,7 +51,7 @@ from looptool.core.graph import (
     copy_graph,
     subgraph,
 )
-from looptool.passes.adaptive_depth import MERGE_KEY, STEP_KEY
+from looptool.passes.adaptive_depth import CARRY_KEY, MERGE_KEY, STEP_KEY
 from looptool.passes.manager import register_pass
 
 _PART = "skip"
@@ -96,16 +99,20 @@ def skip_graph(graph: fx.Graph) -> fx.Graph:
     graph = copy_graph(graph)
     activity = {annotation(n)[STEP_KEY]: n for n in graph.nodes if STEP_KEY in annotation(n)}
     merges: dict[int, list[fx.Node]] = {}
+    carries: dict[int, list[fx.Node]] = {}
     for node in graph.nodes:
         if MERGE_KEY in annotation(node):
             merges.setdefault(annotation(node)[MERGE_KEY], []).append(node)
+        if CARRY_KEY in annotation(node):
+            carries.setdefault(annotation(node)[CARRY_KEY], []).append(node)
     if not activity or not merges:
         raise PassError("skip_exited: the graph has no adaptive-depth steps; run adaptive_depth first.")
     for step in sorted(merges):
         if step not in activity:
             raise PassError(f"skip_exited: step {step} is masked but has no activity node.")
-        replaced = _lift(graph, step, activity[step], merges[step], activity.get(step + 1))
+        replaced = _lift(graph, step, activity[step], merges[step], activity.get(step + 1), carries.get(step + 1, []))
         activity = {k: replaced.get(v, v) for k, v in activity.items()}
+        carries = {k: [replaced.get(v, v) for v in vs] for k, vs in carries.items()}
     graph.lint()
     return graph
 
@@ -145,15 +152,23 @@ def _held(node: fx.Node, roots: set[fx.Node], members: set[fx.Node]) -> bool:
 
 
 def _lift(
-    graph: fx.Graph, step: int, active: fx.Node, merges: list[fx.Node], decision: fx.Node | None
+    graph: fx.Graph,
+    step: int,
+    active: fx.Node,
+    merges: list[fx.Node],
+    decision: fx.Node | None,
+    carries: list[fx.Node] = (),
 ) -> dict[fx.Node, fx.Node]:
     """Replace step ``step``'s segment by one :class:`SkipSegment` call; returns, for each
-    node that left the segment, the parent-graph node now holding its value."""
+    node that left the segment, the parent-graph node now holding its value. ``carries``: the
+    values the decision after the step hands to later decisions (the gate rule's running
+    survival), held by the segment and, when it is skipped, their first argument."""
     nodes = list(graph.nodes)
     order = {n: k for k, n in enumerate(nodes)}
     roots = set(merges) | {u for m in merges for u in m.users if _mutates(u)}
     if decision is not None:
         roots.add(decision)
+    roots.update(carries)
     last = max(order[r] for r in roots)
     fence = max((order[n] for n in nodes[:last] if _side_effect(n) and n not in roots), default=-1)
     # what a skipped step hands on (the old state, the first pass, the activity) runs regardless
@@ -212,6 +227,8 @@ def _fallback(out: fx.Node, active: fx.Node, decision: fx.Node | None) -> fx.Nod
     """What ``out`` holds when no row runs the step (see the module docstring)."""
     if out is decision:
         return active
+    if CARRY_KEY in annotation(out):  # a skipped step leaves the running value as it was
+        return out.args[0]
     if MERGE_KEY in annotation(out) and out.target is torch.ops.aten.where.self:
         return out.args[2]
     if _mutates(out):

@@ -299,7 +299,7 @@ def test_cli_gate_only_then_generate_auto_gate(tmp_path, text_file):
     fixed = runner.invoke(app, ["generate", str(tmp_path / "out"), "-p", "the cat", "--max-new-tokens", "3",
                                 "--budget", "2", "--kv", "last-loop"])  # fmt: skip
     assert deepest.stdout == fixed.stdout
-    assert "gate" in runner.invoke(app, [*args, "--exit-rule", "gate"]).output
+    assert "gate exit probability ≥ 0.5" in runner.invoke(app, [*args, "--exit-rule", "gate"]).output
     bad = runner.invoke(app, [*args, "--exit-rule", "gate", "--exit-threshold", "2"])
     assert bad.exit_code != 0 and "in [0, 1]" in bad.output
 
@@ -347,3 +347,32 @@ def test_heads_are_merged_saved_and_reloaded_like_every_parameter(tmp_path):
     auto = dict(attention_mask=mask, max_new_tokens=NEW, budget="auto", exit_rule="gate")
     a, b = generate(merged, prompt, **auto), generate(again, prompt, **auto)
     assert torch.equal(a.sequences, b.sequences) and torch.equal(a.depths, b.depths)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        looptool.RecurrentLoop(recurrent=(1, 3), max_loops=4),
+        looptool.PrefixLoop(window=(0, 4), budgets=(0, 1, 2, 3, 4)),
+    ],
+    ids=["elr-4-loops", "prefix-5-budgets"],
+)
+def test_skipping_exited_steps_is_bit_identical_with_gates_carried_across_steps(plan):
+    """Three or more gates: the running survival crosses lifted steps; the skipping path (the
+    default) equals the masked one bit for bit, tokens, logits and depths, at mixed depths."""
+    from looptool.runtime.adaptive import AutoDepth
+    from looptool.testing import AutoStep
+
+    model = _scatter_heads(move_off_init(looptool.convert(tiny_model("llama"), plan, exit_gate=True), 0.5))
+    assert len(model.exit_gates) >= 3
+    prompt, mask = left_padded_batch(4)
+    position = (mask.cumsum(-1) - 1).clamp_min(0)
+    outs = {}
+    for skip in (True, False):
+        step = AutoStep(model, 4, 7, AutoDepth.resolve(model, exit_rule="gate", exit_threshold=0.5), None, skip=skip)
+        with torch.no_grad():
+            outs[skip] = (step(prompt, mask, position, torch.arange(7)), step.depths(1))
+    assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
+    assert len(set(outs[True][1].flatten().tolist())) > 1, outs[True][1]
+    ref = generate(model, prompt, attention_mask=mask, max_new_tokens=NEW, budget="auto", exit_rule="gate")
+    assert ref.depths.shape == (4, NEW)

@@ -149,8 +149,9 @@ def generate(
             with steps.stage(f"building the adaptive-depth path ({kv})"):
                 adaptive_path(model, kv, settings.exit_rule)
             choice = dict(budget="auto", **auto)
+            stop = "exit probability ≥" if settings.exit_rule == "gate" else "<"  # when a token stops
             shown = (
-                f"budget auto {settings.min_budget}..{settings.max_budget} · {settings.exit_rule} < "
+                f"budget auto {settings.min_budget}..{settings.max_budget} · {settings.exit_rule} {stop} "
                 f"{settings.exit_threshold:g}"
             )
         else:

@@ -49,6 +49,7 @@ KV = "last-loop"
 THRESHOLDS = {
     "state": "0,0.1,0.2,0.25,0.3,0.35,0.4,0.45,0.5,0.6,0.7,0.8,0.9,1,inf",
     "kl": "0,1e-4,1e-3,0.01,0.03,0.1,0.3,0.5,1,2,3,inf",
+    "gate": "0,0.05,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,0.95,1",
 }
 
 
@@ -77,6 +78,21 @@ def summary(hits: torch.Tensor, depths: torch.Tensor, tiers: torch.Tensor, subse
     }
 
 
+def paired(hits: torch.Tensor, depth: float, by_budget: dict[int, torch.Tensor]) -> dict | None:
+    """``hits`` against the straight line between the two fixed budgets around ``depth`` (a mix
+    of them with the same mean depth), question by question: the mean difference and its
+    standard error (None outside the menu's range)."""
+    menu = sorted(by_budget)
+    below = [k for k in menu if k <= depth]
+    above = [k for k in menu if k >= depth]
+    if not below or not above:
+        return None
+    a, b = below[-1], above[0]
+    w = 0.0 if b == a else (depth - a) / (b - a)
+    diff = hits.double() - ((1 - w) * by_budget[a].double() + w * by_budget[b].double())
+    return {"margin": float(diff.mean()), "se": float(diff.std() / math.sqrt(len(diff))), "n": len(diff)}
+
+
 def interpolate(fixed: list[dict], depth: float) -> float:
     """The fixed frontier's accuracy at ``depth`` (linear between budgets, flat past the ends)."""
     pts = sorted((f["mean_depth"], f["acc"]) for f in fixed)
@@ -95,7 +111,10 @@ def interpolate(fixed: list[dict], depth: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--rules", default="state,kl", help="exit rules, each over its default thresholds")
+    ap.add_argument(
+        "--rules", default="state,kl", help="exit rules, each over its default thresholds (gate: learned exits)"
+    )
+    ap.add_argument("--max-budget", type=int, default=None, help="auto's deepest budget (default: the menu's)")
     ap.add_argument("--thresholds", default=None, help="thresholds for every rule (default: each rule's grid)")
     ap.add_argument("--test-per-tier", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
@@ -137,11 +156,19 @@ def main() -> None:
         report[name]["oracle"] = summary(hits.any(0), oracle_depth, tiers, subset)
     for rule in rules:
         for thr in [float(x) for x in (args.thresholds or THRESHOLDS[rule]).split(",")]:
-            step = AutoStep(model, n, length, AutoDepth.resolve(model, exit_threshold=thr, exit_rule=rule), KV)
+            settings = AutoDepth.resolve(model, max_budget=args.max_budget, exit_threshold=thr, exit_rule=rule)
+            step = AutoStep(model, n, length, settings, KV)
             hits = step(ids, mask, position, cache_position).argmax(-1) == answers
             depths = step.depths(1)[:, 0]
             for name, subset in (("all", TIERS), ("hard", HARD)):
-                report[name][rule].append({"threshold": thr, **summary(hits, depths, tiers, subset)})
+                point = {"threshold": thr, **summary(hits, depths, tiers, subset)}
+                chosen = torch.isin(tiers, torch.tensor(subset))
+                point["paired"] = paired(
+                    hits[chosen],
+                    float(depths[chosen].float().mean()),
+                    {k: h[chosen] for k, h in hits_by_budget.items()},
+                )
+                report[name][rule].append(point)
             a = report["all"][rule][-1]
             print(rule, thr, a["mean_depth"], a["acc"], report["hard"][rule][-1]["acc"], flush=True)
     verdict = {}
@@ -158,8 +185,21 @@ def main() -> None:
                 "depth_ratio": (min(reaching) / best["mean_depth"]) if reaching else None,
             }
             v["target_met"] = v["on_or_above_frontier"] and v["depth_ratio"] is not None and v["depth_ratio"] <= 0.75
+            # between one and two loops: above the line between them, question by question
+            low = [a["paired"] for a in r[rule] if 1 < a["mean_depth"] < 2 and a["paired"] is not None]
+            v["paired_between_1_and_2"] = {
+                "points": len(low),
+                # below by less than one question of the set counts as on the line (the mix gives fractional credit)
+                "none_below": bool(low) and all(p["margin"] >= -1 / n for p in low),
+                "best_margin_in_se": max((p["margin"] / p["se"] for p in low if p["se"] > 0), default=None),
+            }
             verdict[name][rule] = v
-    doc = {"bench": "auto_depth", "model": "bench_depth.py elr-long", "plan": str(model.plan), "settings": vars(args)}
+    doc = {
+        "bench": "auto_depth",
+        "model": f"bench_depth.py arm {path.parent.name.rsplit('-', 1)[0]}",
+        "plan": str(model.plan),
+        "settings": vars(args),
+    }
     doc.update(report=report, verdict=verdict)
     print(json.dumps(verdict))
     if args.out:
@@ -175,13 +215,13 @@ def main() -> None:
                 fmt="o-",
                 label="fixed",
             )
-            for rule, style in zip(rules, ("s--", "^:")):
+            for rule, style in zip(rules, ("s--", "^:", "D-.")):
                 au = sorted(r[rule], key=lambda a: a["mean_depth"])
                 ax.plot([a["mean_depth"] for a in au], [a["acc"] for a in au], style, label=f"auto ({rule} rule)")
             ax.plot([r["oracle"]["mean_depth"]], [r["oracle"]["acc"]], "k*", label="oracle (shallowest correct)")
             ax.set_xlabel("mean loops per question")
             ax.set_ylabel("accuracy" + (" (tiers 3-6)" if name == "hard" else " (tiers 1-6)"))
-            ax.set_title(f"pointer chasing, ELR 10k steps: {name} questions", fontsize=9)
+            ax.set_title(f"pointer chasing, {doc['model'].split()[-1]}: {name} questions", fontsize=9)
             ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(args.png, dpi=120)
