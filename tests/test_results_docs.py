@@ -48,6 +48,7 @@ Covered (results file → tests/bench/README.md, unless README.md is named):
 - bench_speculative.json → the "Self-speculative decoding" table.
 - bench_auto.json → the "Per-token depth" table.
 - bench_auto_depth.json → the "Per-token depth on pointer chasing" table and its target prose.
+- bench_auto_depth_gate.json, bench_depth_gate.json → the "Learned exits on pointer chasing" table and its prose.
 - bench_unused.json → the "No cost when unused" table and its mixed-batch prose.
 - bench_auto_timing.json → the "Per-token depth" wall-clock table.
 - bench_accuracy_level.json → the int4 accuracy-level table (decode speed and batch invariance)
@@ -1250,6 +1251,50 @@ def _auto_depth():
     )
 
 
+def _auto_depth_gate():
+    d = result("bench_auto_depth_gate")
+    every, hard = d["report"]["all"], d["report"]["hard"]
+    R = functools.partial(
+        row, BENCH, "| learned exits | mean loops |", source="bench_auto_depth_gate", cols=(1, 2, 3, 4)
+    )
+    for f, h in zip(every["fixed"], hard["fixed"]):
+        k = f["budget"]
+        yield R(f"fixed, {k} loop{'s' if k > 1 else ''}", k, f["acc"], h["acc"])
+    for a, h in zip(every["gate"], hard["gate"]):
+        if a["threshold"] in (0.3, 0.4, 0.5, 0.6, 0.7, 0.9):
+            p = a["paired"]
+            yield R(
+                f"auto, learned exits, q {a['threshold']:g}", a["mean_depth"], a["acc"], h["acc"], p["margin"], p["se"]
+            )
+    for a, h in zip(every["state"], hard["state"]):
+        if a["threshold"] in (0.5, 0.6, 0.7):
+            yield R(f"auto, state rule, threshold {a['threshold']:g}", a["mean_depth"], a["acc"], h["acc"])
+    yield R(
+        "oracle (shallowest correct budget)",
+        every["oracle"]["mean_depth"],
+        every["oracle"]["acc"],
+        hard["oracle"]["acc"],
+    )
+    P = functools.partial(prose, BENCH, source="bench_auto_depth_gate")
+    gate, state = d["verdict"]["all"]["gate"], d["verdict"]["all"]["state"]
+    at = next(a for a in every["gate"] if a["threshold"] == 0.5)
+    yield P("at {} loops they answer {} more", at["mean_depth"], at["paired"]["margin"])
+    yield P("same mean depth, {} standard", gate["paired_between_1_and_2"]["best_margin_in_se"])
+    yield P("(its best point there is {} paired standard", -state["paired_between_1_and_2"]["best_margin_in_se"])
+    yield P(
+        "reach {} at {} mean loops, {}% of its loops",
+        gate["least_depth_reaching_best"] and d["verdict"]["all"]["best_fixed_acc"],
+        gate["least_depth_reaching_best"],
+        100 * gate["depth_ratio"],
+    )
+    yield P("the state rule reaches it at {} ({}%)", state["least_depth_reaching_best"], 100 * state["depth_ratio"])
+    assert gate["paired_between_1_and_2"]["none_below"]
+    arm = result("bench_depth_gate")["arms"]["elr-gate"]
+    yield prose(BENCH, "then the arm, {} min", arm["train_seconds"] / 60, source="bench_depth_gate")
+    yield prose(BENCH, "trained {} steps with `looptool train --exit-gate`", arm["steps"], source="bench_depth_gate")
+    yield prose(BENCH, "then\n{} steps of `--exit-gate-only`", arm["fit_steps"], source="bench_depth_gate")
+
+
 def _auto_timing():
     d = result("bench_auto_timing")
     names = {"prefix": "fixed-prefix", "elr": "ELR"}
@@ -1536,6 +1581,7 @@ CHECKS = [
     *_auto(),
     *_speculative_headline(),
     *_auto_depth(),
+    *_auto_depth_gate(),
     *_unused(),
     *_auto_timing(),
     *_accuracy_level(),
