@@ -1289,6 +1289,14 @@ def _auto_depth_gate():
     )
     yield P("the state rule reaches it at {} ({}%)", state["least_depth_reaching_best"], 100 * state["depth_ratio"])
     assert gate["paired_between_1_and_2"]["none_below"]
+    yield row(
+        README,
+        "| what | measured | target | details |",
+        "… with learned exits, on a model trained with them (`train --exit-gate`, `exit_rule=\"gate\"`)",
+        gate["depth_ratio"],
+        source="bench_auto_depth_gate",
+        cols=(1,),
+    )
     arm = result("bench_depth_gate")["arms"]["elr-gate"]
     yield prose(BENCH, "then the arm, {} min", arm["train_seconds"] / 60, source="bench_depth_gate")
     yield prose(BENCH, "trained {} steps with `looptool train --exit-gate`", arm["steps"], source="bench_depth_gate")
