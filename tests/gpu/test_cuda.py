@@ -92,6 +92,18 @@ def test_speculative_and_adaptive_depth_on_cuda(scheme):
     auto = generate(model, ids, budget="auto", exit_threshold=0.0, max_new_tokens=8)
     assert torch.equal(auto.sequences, generate(model, ids, budget=deepest, kv="last-loop", max_new_tokens=8).sequences)
     assert bool((auto.depths == deepest).all())
+    # learned exits on the GPU: q = 0 is the shallowest budget, q = 1 the deepest
+    from looptool.runtime.convert import add_exit_gates
+
+    gated = add_exit_gates(model)
+    with torch.no_grad():
+        for name, p in gated.new_parameters():
+            if name.startswith("loop.exit.") and name.endswith("weight"):
+                p.copy_(torch.randn(p.shape, generator=g).to("cuda") * 3)
+    for q, budget in ((0.0, min(model.budgets)), (1.0, deepest)):
+        auto = generate(gated, ids, budget="auto", exit_rule="gate", exit_threshold=q, max_new_tokens=8)
+        fixed = generate(gated, ids, budget=budget, kv="last-loop", max_new_tokens=8)
+        assert torch.equal(auto.sequences, fixed.sequences) and bool((auto.depths == budget).all()), q
 
 
 def test_to_cuda_and_load_on_cuda(tmp_path):
