@@ -1209,26 +1209,26 @@ def _auto():
             yield R(f"{names[model]}, auto, threshold {t}", a["mean_depth"], a["loss"])
 
 
+def _depth_rows(R, every: dict, hard: dict, shown: dict):
+    """A pointer-chasing table's fixed budgets, the rules' ``shown`` thresholds and the oracle."""
+    for f, h in zip(every["fixed"], hard["fixed"]):
+        k = f["budget"]
+        yield R(f"fixed, {k} loop{'s' if k > 1 else ''}", k, f["acc"], h["acc"])
+    for rule, name in (("state", "state rule"), ("kl", "KL rule")):
+        for a, h in zip(every.get(rule, ()), hard.get(rule, ())):
+            if a["threshold"] in shown.get(rule, ()):
+                yield R(f"auto, {name}, threshold {a['threshold']:g}", a["mean_depth"], a["acc"], h["acc"])
+    oracle = (every["oracle"]["mean_depth"], every["oracle"]["acc"], hard["oracle"]["acc"])
+    yield R("oracle (shallowest correct budget)", *oracle)
+
+
 def _auto_depth():
     d = result("bench_auto_depth")
     every, hard = d["report"]["all"], d["report"]["hard"]
     R = functools.partial(
         row, BENCH, "| arm | mean loops | accuracy, tiers 1–6 |", source="bench_auto_depth", cols=(1, 2, 3)
     )
-    for f, h in zip(every["fixed"], hard["fixed"]):
-        k = f["budget"]
-        yield R(f"fixed, {k} loop{'s' if k > 1 else ''}", k, f["acc"], h["acc"])
-    shown = {"state": (0.3, 0.35, 0.4, 0.5, 0.6, 0.7), "kl": (0.1, 0.3, 1.0)}
-    for rule, name in (("state", "state rule"), ("kl", "KL rule")):
-        for a, h in zip(every[rule], hard[rule]):
-            if a["threshold"] in shown[rule]:
-                yield R(f"auto, {name}, threshold {a['threshold']:g}", a["mean_depth"], a["acc"], h["acc"])
-    yield R(
-        "oracle (shallowest correct budget)",
-        every["oracle"]["mean_depth"],
-        every["oracle"]["acc"],
-        hard["oracle"]["acc"],
-    )
+    yield from _depth_rows(R, every, hard, {"state": (0.3, 0.35, 0.4, 0.5, 0.6, 0.7), "kl": (0.1, 0.3, 1.0)})
     yield row(
         README,
         "| what | measured | target | details |",
@@ -1257,24 +1257,13 @@ def _auto_depth_gate():
     R = functools.partial(
         row, BENCH, "| learned exits | mean loops |", source="bench_auto_depth_gate", cols=(1, 2, 3, 4)
     )
-    for f, h in zip(every["fixed"], hard["fixed"]):
-        k = f["budget"]
-        yield R(f"fixed, {k} loop{'s' if k > 1 else ''}", k, f["acc"], h["acc"])
     for a, h in zip(every["gate"], hard["gate"]):
         if a["threshold"] in (0.3, 0.4, 0.5, 0.6, 0.7, 0.9):
             p = a["paired"]
             yield R(
                 f"auto, learned exits, q {a['threshold']:g}", a["mean_depth"], a["acc"], h["acc"], p["margin"], p["se"]
             )
-    for a, h in zip(every["state"], hard["state"]):
-        if a["threshold"] in (0.5, 0.6, 0.7):
-            yield R(f"auto, state rule, threshold {a['threshold']:g}", a["mean_depth"], a["acc"], h["acc"])
-    yield R(
-        "oracle (shallowest correct budget)",
-        every["oracle"]["mean_depth"],
-        every["oracle"]["acc"],
-        hard["oracle"]["acc"],
-    )
+    yield from _depth_rows(R, every, hard, {"state": (0.5, 0.6, 0.7)})
     P = functools.partial(prose, BENCH, source="bench_auto_depth_gate")
     gate, state = d["verdict"]["all"]["gate"], d["verdict"]["all"]["state"]
     at = next(a for a in every["gate"] if a["threshold"] == 0.5)
@@ -1292,7 +1281,7 @@ def _auto_depth_gate():
     yield row(
         README,
         "| what | measured | target | details |",
-        "… with learned exits, on a model trained with them (`train --exit-gate`, `exit_rule=\"gate\"`)",
+        '… with learned exits, on a model trained with them (`train --exit-gate`, `exit_rule="gate"`)',
         gate["depth_ratio"],
         source="bench_auto_depth_gate",
         cols=(1,),
