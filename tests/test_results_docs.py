@@ -49,6 +49,7 @@ Covered (results file → tests/bench/README.md, unless README.md is named):
 - bench_auto.json → the "Per-token depth" table.
 - bench_auto_depth.json → the "Per-token depth on pointer chasing" table and its target prose.
 - bench_auto_depth_gate.json, bench_depth_gate.json → the "Learned exits on pointer chasing" table and its prose.
+- bench_exit_gate.json → the "Learned exits on SmolLM2" table and its prose.
 - bench_unused.json → the "No cost when unused" table and its mixed-batch prose.
 - bench_auto_timing.json → the "Per-token depth" wall-clock table.
 - bench_accuracy_level.json → the int4 accuracy-level table (decode speed and batch invariance)
@@ -1292,6 +1293,32 @@ def _auto_depth_gate():
     yield prose(BENCH, "then\n{} steps of `--exit-gate-only`", arm["fit_steps"], source="bench_depth_gate")
 
 
+def _exit_gate():
+    d = result("bench_exit_gate")
+    R = functools.partial(row, BENCH, "| SmolLM2 exits | mean depth |", source="bench_exit_gate", cols=(1, 2, 3))
+    for f in d["fixed"]:
+        yield R(f"budget {f['budget']}", f["mean_depth"], f["loss"], f["forward_loss"])
+    for a in d["auto_gate"]:
+        if a["threshold"] in (0.4, 0.5, 0.7, 0.9, 1.0):
+            yield R(f"auto, learned exits, q {a['threshold']:g}", a["mean_depth"], a["loss"])
+    P = functools.partial(prose, BENCH, source="bench_exit_gate")
+    fixed = {f["budget"]: f for f in d["fixed"]}
+    yield P(
+        "every budget is\nworse than budget 0 (by {} nats at 12", fixed[12]["forward_loss"] - fixed[0]["forward_loss"]
+    )
+    yield P("(budget 12: {} against {} exact", fixed[12]["loss"], fixed[12]["forward_loss"])
+    yield P("`auto` is {} nats better than budget 12)", fixed[12]["loss"] - fixed[0]["loss"])
+    yield P("the measured change of budget 0's loss is {})", d["verdict"]["one_loop_tax"])
+    q4 = next(a for a in d["auto_gate"] if a["threshold"] == 0.4)
+    yield P(
+        "at q = 0.4 they spend {} repeated layers per token for a loss {}",
+        q4["mean_depth"],
+        fixed[0]["loss"] - q4["loss"],
+    )
+    yield P("gamma 0.005; {} min on one thread", d["fit_seconds"] / 60)
+    assert d["verdict"]["target_met"] and not d["verdict"]["depth_pays"]
+
+
 def _auto_timing():
     d = result("bench_auto_timing")
     names = {"prefix": "fixed-prefix", "elr": "ELR"}
@@ -1579,6 +1606,7 @@ CHECKS = [
     *_speculative_headline(),
     *_auto_depth(),
     *_auto_depth_gate(),
+    *_exit_gate(),
     *_unused(),
     *_auto_timing(),
     *_accuracy_level(),

@@ -86,13 +86,10 @@ def teacher_forced(model, ids: torch.Tensor, settings: AutoDepth) -> tuple[float
     rows, length = ids.shape
     step = AutoStep(model, rows, length, settings, "last-loop")
     total = 0.0
+    mask = torch.zeros(rows, length, dtype=model.mask_dtype)  # the cache's slots, filled as tokens arrive
     for t in range(length - 1):
-        logits = step(
-            ids[:, t : t + 1],
-            torch.ones(rows, t + 1, dtype=torch.long),
-            torch.full((rows, 1), t),
-            torch.tensor([t]),
-        )
+        mask[:, t] = 1
+        logits = step(ids[:, t : t + 1], mask, torch.full((rows, 1), t), torch.tensor([t]))
         total += float(F.cross_entropy(logits.float(), ids[:, t + 1], reduction="sum"))
     depths = step.depths(length - 1)
     return total / (rows * (length - 1)), float(depths.float().mean())
@@ -118,7 +115,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--png", default=None)
+    ap.add_argument("--replot", default=None, help="redraw --png from this results file, no run")
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text()), args.png)
+        return
     torch.set_num_threads(args.threads)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -165,16 +166,22 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     if args.png:
-        fig, ax = plt.subplots(figsize=(5.5, 4))
-        ax.plot([f["mean_depth"] for f in fixed], [f["loss"] for f in fixed], "o-", label="fixed budgets")
-        au = sorted(auto, key=lambda a: a["mean_depth"])
-        ax.plot([a["mean_depth"] for a in au], [a["loss"] for a in au], "s--", label="auto (gate rule, q grid)")
-        ax.set_xlabel("mean depth (window layers run twice)")
-        ax.set_ylabel("held-out loss (nats/token)")
-        ax.set_title("SmolLM2-135M + learned exits: loss vs depth", fontsize=9)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(args.png, dpi=120)
+        plot(doc, args.png)
+
+
+def plot(doc: dict, png: str) -> None:
+    """Held-out loss against mean depth: the fixed budgets (the decode path and exact), auto."""
+    fixed, auto = doc["fixed"], sorted(doc["auto_gate"], key=lambda a: a["mean_depth"])
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    ax.plot([f["mean_depth"] for f in fixed], [f["loss"] for f in fixed], "o-", label="fixed budgets, last-loop KV")
+    ax.plot([a["mean_depth"] for a in auto], [a["loss"] for a in auto], "s--", label="auto (learned exits, q grid)")
+    ax.plot([f["mean_depth"] for f in fixed], [f["forward_loss"] for f in fixed], "^:", label="fixed budgets, exact")
+    ax.set_xlabel("mean depth (window layers run twice)")
+    ax.set_ylabel("held-out loss (nats/token)")
+    ax.set_title("SmolLM2-135M + learned exits: loss vs depth", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
 
 
 if __name__ == "__main__":
