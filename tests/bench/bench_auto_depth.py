@@ -18,6 +18,12 @@ above it (linear interpolation between fixed budgets, within 2 standard errors),
 mean depth at which ``auto`` reaches the best fixed budget's accuracy (the issue's target:
 ≤ 75% of that budget's loops).
 
+The learned exits (``--rules gate``: q over [0, 1], ``exit_rule="gate"``) need a model trained
+with them: ``bench_depth.py --arms elr-gate`` (``looptool train --exit-gate`` then
+``--exit-gate-only``), given with ``--model $TMPDIR/depth-elr-gate-*/trained --max-budget 3``.
+Each point is also compared, question by question, with the mix of the two fixed budgets around
+its mean depth (``paired``: mean difference and standard error).
+
 Run: python tests/bench/bench_auto_depth.py [--model DIR]
 [--rules state,kl] [--out tests/bench/results/bench_auto_depth.json] [--png tests/bench/results/bench_auto_depth.png]
 """
