@@ -292,6 +292,7 @@ def test_cli_gate_only_then_generate_auto_gate(tmp_path, text_file):
          "--seq-len", "12", "--batch", "2", "--exit-gate-only", "--device", "cpu"],
     )  # fmt: skip
     assert res.exit_code == 0, res.output
+    assert "exit-gate-only over depths [0, 1, 2]: last step stop share" in res.output  # no budget draws to report
     assert looptool.load(tmp_path / "out").exit_gates == (0, 1)
     args = ["generate", str(tmp_path / "out"), "-p", "the cat", "--max-new-tokens", "3", "--budget", "auto"]
     deepest = runner.invoke(app, [*args, "--exit-rule", "gate", "--exit-threshold", "1"])

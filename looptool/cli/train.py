@@ -223,11 +223,18 @@ def train(
     if is_main:
         write_train_summary(output, summary)
         exp, real = summary["expected"], summary.get("realised", {})
+        if "exit" in summary:  # learned exits: every depth at each step, no budget draws to report
+            ex = summary["exit"]
+            terms = ", ".join(f"{k.replace('_', ' ')} {v:.3g}" for k, v in ex.items() if isinstance(v, float))
+            drawn = f"{ex['stage'].replace('_', '-')} over depths {ex['depths']}: last step {terms}"
+        else:
+            drawn = (
+                f"p(shallowest) {real.get('p_shallowest', float('nan')):.3f} (Eq. 3: {exp['p_shallowest']:.3f}), "
+                f"mean budget {real.get('mean_budget', float('nan')):.2f} (Eq. 3: {exp['mean_budget']:.2f})"
+            )
         out.print(
             f"trained {counted(summary['steps'], 'step')} × {counted(summary['tokens_per_step'], 'token', grouped=True)}; "
-            f"p(shallowest) {real.get('p_shallowest', float('nan')):.3f} (Eq. 3: {exp['p_shallowest']:.3f}), "
-            f"mean budget {real.get('mean_budget', float('nan')):.2f} (Eq. 3: {exp['mean_budget']:.2f}); "
-            f"model saved in [bold]{output}[/]"
+            f"{drawn}; model saved in [bold]{output}[/]"
         )
         out.print(optimizer_state_note(output), highlight=False, soft_wrap=True)
 

@@ -418,7 +418,11 @@ class Trainer:
             "switch_step": self.switch_step,
             "expected": self.sampler.expected(),
         }
-        if mixed:
+        if self.exits:  # every depth ran at each step: no draws; the exit objective's last terms instead
+            last = self.records[-1]["exit"] if self.records else {}
+            out["exit"] = {"stage": "exit_gate_only" if self.config.exit_gate_only else "exit_gate"}
+            out["exit"].update(depths=list(self.exit_menu), **last)
+        elif mixed:
             out["realised"] = {
                 "p_shallowest": sum(k == self.sampler.shallowest for k in mixed) / len(mixed),
                 "mean_budget": sum(mixed) / len(mixed),
@@ -440,9 +444,9 @@ class Trainer:
         router = has_router and not cfg.exit_gate_only
         elr = self.model.plan.has_loop_exits
         by_depth = {}
-        if not elr:
+        if not elr:  # through the module itself: DDP wraps one forward per backward (the deepest)
             with frozen:
-                by_depth = {d: model(ids, budget=d).logits for d in menu[:-1]}
+                by_depth = {d: self.model(ids, budget=d).logits for d in menu[:-1]}
         out = model(
             ids,
             labels=labels,
