@@ -286,11 +286,12 @@ def test_cli_gate_only_then_generate_auto_gate(tmp_path, text_file):
     runner = CliRunner()
     arch, plan = MODELS["prefix"]
     looptool.convert(tiny_model(arch), plan, tokenizer=byte_tokenizer()).save_pretrained(tmp_path / "in")
+    common = ["--data", str(text_file), "--steps", "1", "--seq-len", "12", "--batch", "2", "--device", "cpu"]
+    joint = runner.invoke(app, ["train", str(tmp_path / "in"), "-o", str(tmp_path / "joint"), *common, "--exit-gate"])
+    assert joint.exit_code == 0 and "exit-gate over depths [0, 1, 2]: last step expected loss" in joint.output
     res = runner.invoke(
-        app,
-        ["train", str(tmp_path / "in"), "--data", str(text_file), "-o", str(tmp_path / "out"), "--steps", "2",
-         "--seq-len", "12", "--batch", "2", "--exit-gate-only", "--device", "cpu"],
-    )  # fmt: skip
+        app, ["train", str(tmp_path / "joint"), "-o", str(tmp_path / "out"), *common, "--exit-gate-only"]
+    )
     assert res.exit_code == 0, res.output
     assert "exit-gate-only over depths [0, 1, 2]: last step stop share" in res.output  # no budget draws to report
     assert looptool.load(tmp_path / "out").exit_gates == (0, 1)
