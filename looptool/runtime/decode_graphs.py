@@ -69,12 +69,18 @@ class DecodeKey:
     ``last_position`` passes), ``"rowwise"`` (those, then ``rowwise_budget``: one path, key
     :data:`~looptool.core.graph.ROWWISE`, every row at its own budget), ``"verify"`` (a path per
     budget from ``kv_cache`` alone: logits at every position, for speculative decoding's verify
-    step) or ``"adaptive"`` / ``"adaptive-kl"`` (``cached``'s, then ``adaptive_depth`` with exit
-    rule ``"state"`` / ``"kl"``: one path, key :data:`~looptool.passes.adaptive_depth.ADAPTIVE`,
-    every row's depth decided per token), under KV policy ``kv``."""
+    step) or ``"adaptive"`` / ``"adaptive-kl"`` / ``"adaptive-gate"`` (``cached``'s, then
+    ``adaptive_depth`` with exit rule ``"state"`` / ``"kl"`` / ``"gate"``: one path, key
+    :data:`~looptool.passes.adaptive_depth.ADAPTIVE`, every row's depth decided per token), under
+    KV policy ``kv``."""
 
-    kind: Literal["cached", "rowwise", "verify", "adaptive", "adaptive-kl"]
+    kind: Literal["cached", "rowwise", "verify", "adaptive", "adaptive-kl", "adaptive-gate"]
     kv: str
+
+    @classmethod
+    def adaptive(cls, exit_rule: str, kv: str) -> DecodeKey:
+        """The key of the adaptive-depth graph of ``exit_rule`` under ``kv``."""
+        return cls("adaptive" if exit_rule == "state" else f"adaptive-{exit_rule}", kv)
 
 
 @dataclass
@@ -235,7 +241,7 @@ def adaptive_layer_graph(model: LoopedNetwork, kv: str = "last-loop", exit_rule:
     its one path, key :data:`~looptool.passes.adaptive_depth.ADAPTIVE`, takes ``min_budget``,
     ``max_budget`` (int64 ``[batch]``) and ``exit_threshold`` (float32 ``[batch]``) after
     ``cache_position`` (built once per model, policy and exit rule)."""
-    key = DecodeKey("adaptive" if exit_rule == "state" else f"adaptive-{exit_rule}", kv)
+    key = DecodeKey.adaptive(exit_rule, kv)
     graphs = decode_graphs(model).graphs
     if key not in graphs:
         graphs[key] = PassManager([("adaptive_depth", {"exit_rule": exit_rule})])(cached_layer_graph(model, kv))
@@ -251,7 +257,7 @@ def adaptive_path(
     default) the ``skip_exited`` pass lifts each masked loop or second pass into a segment the
     step runs only while some row is still active; ``skip=False`` keeps the masked path, which
     runs every step to the batch's deepest ``max_budget`` (bit-identical results)."""
-    key = DecodeKey("adaptive" if exit_rule == "state" else f"adaptive-{exit_rule}", kv)
+    key = DecodeKey.adaptive(exit_rule, kv)
     bound = decode_graphs(model).paths.setdefault(key, {})
     name = ADAPTIVE if skip else f"{ADAPTIVE}-masked"
     if name not in bound:
