@@ -292,11 +292,10 @@ def adaptive_thresholds(rule: str = "state") -> dict[str, float]:
     """The exit thresholds an adaptive-depth graph of ``rule`` is validated at: the two ends
     (state and KL rules: 0, every row at its ``max_budget``, and infinity, every row at its
     ``min_budget``; the learned exits: q = 1 and q = 0) and the rule's default (depths that vary)."""
-    from looptool.engine.budgets import default_exit_threshold
+    from looptool.engine.budgets import EXIT_THRESHOLDS
 
-    if rule == "gate":
-        return {"1": 1.0, "default": default_exit_threshold(rule), "0": 0.0}
-    return {"0": 0.0, "default": default_exit_threshold(rule), "inf": float("inf")}
+    scale = EXIT_THRESHOLDS[rule]
+    return {f"{scale.deepest:g}": scale.deepest, "default": scale.default, f"{scale.shallowest:g}": scale.shallowest}
 
 
 def _validate_adaptive(

@@ -119,7 +119,7 @@ def generate(
     --draft-tokens tokens and --budget keeps what it agrees with (its own output, token for token
     when greedy). --budget auto picks the depth of every token (it stops looping once its state
     stops changing; needs --kv last-loop)."""
-    from looptool.engine.budgets import wants_auto
+    from looptool.engine.budgets import EXIT_THRESHOLDS, wants_auto
     from looptool.engine.sampling import SamplingParams
     from looptool.engine.speculation import Speculation
     from looptool.runtime import text
@@ -149,9 +149,9 @@ def generate(
             with steps.stage(f"building the adaptive-depth path ({kv})"):
                 adaptive_path(model, kv, settings.exit_rule)
             choice = dict(budget="auto", **auto)
-            stop = "exit probability ≥" if settings.exit_rule == "gate" else "<"  # when a token stops
+            stops = EXIT_THRESHOLDS[settings.exit_rule].stops  # how a token stops
             shown = (
-                f"budget auto {settings.min_budget}..{settings.max_budget} · {settings.exit_rule} {stop} "
+                f"budget auto {settings.min_budget}..{settings.max_budget} · {settings.exit_rule} {stops} "
                 f"{settings.exit_threshold:g}"
             )
         else:

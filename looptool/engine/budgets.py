@@ -25,34 +25,58 @@ from looptool.core.graph import ROWWISE
 from looptool.core.words import counted
 
 DEFAULT_EXIT_THRESHOLD = 0.05  # relative state change below which an adaptive row stops (not calibrated per model)
-# each exit rule's default threshold: the state and KL rules stop under a change, the learned
-# exits (rule "gate") once the cumulative exit probability reaches q = 0.5
-EXIT_THRESHOLD_DEFAULTS = {"state": DEFAULT_EXIT_THRESHOLD, "kl": DEFAULT_EXIT_THRESHOLD, "gate": 0.5}
+
+
+@dataclass(frozen=True)
+class ThresholdScale:
+    """What ``exit_threshold`` means under one exit rule: its default, the value at which every
+    row runs its ``max_budget`` (``deepest``) and the one at which every row stops at its
+    ``min_budget`` (``shallowest``), the valid range lying between them, and how a token stops
+    (``stops``: the comparison of its criterion with the threshold, as the CLI shows it)."""
+
+    default: float
+    deepest: float
+    shallowest: float
+    stops: str
+
+    def check(self, thr, rule: str, error: type[LooptoolError] = LooptoolError) -> float:
+        """``thr`` as a float within this scale; else one sentence (an ``error`` naming
+        ``exit_threshold``). An int beyond a float's exact range counts as infinity."""
+        if isinstance(thr, int) and not isinstance(thr, bool) and thr > 2**53:
+            thr = math.inf  # above any relative change (and beyond a float's exact range)
+        if isinstance(thr, bool) or not isinstance(thr, (int, float)) or math.isnan(thr) or thr < 0:
+            raise error(
+                f"exit_threshold must be a number >= 0 (0: always max_budget), got {thr!r}.", parameter="exit_threshold"
+            )
+        if thr > max(self.deepest, self.shallowest):
+            raise error(
+                f"exit_threshold is the cumulative exit probability q under exit_rule {rule!r}, in [0, 1] (0: always "
+                f"min_budget, 1: always max_budget), got {thr!r}.",
+                parameter="exit_threshold",
+            )
+        return float(thr)
+
+
+# each exit rule's threshold: the state and KL rules stop a token once its change falls under it
+# (0: never; infinity: at once), the learned exits (rule "gate") once its cumulative exit
+# probability reaches q (1: never; 0: at once)
+EXIT_THRESHOLDS = {
+    "state": ThresholdScale(DEFAULT_EXIT_THRESHOLD, 0.0, math.inf, "<"),
+    "kl": ThresholdScale(DEFAULT_EXIT_THRESHOLD, 0.0, math.inf, "<"),
+    "gate": ThresholdScale(0.5, 1.0, 0.0, "exit probability ≥"),
+}
 
 
 def default_exit_threshold(rule: str = "state") -> float:
     """The exit threshold ``budget="auto"`` uses under ``rule`` when none is given."""
-    return EXIT_THRESHOLD_DEFAULTS.get(rule, DEFAULT_EXIT_THRESHOLD)
+    return EXIT_THRESHOLDS[rule].default
 
 
 def check_exit_threshold(thr, rule: str = "state", error: type[LooptoolError] = LooptoolError) -> float:
-    """``thr`` as a float when it is a threshold of ``rule``: a number >= 0 for the state and KL
-    rules (0: always ``max_budget``; an int beyond a float's exact range counts as infinity),
-    a probability q in [0, 1] for the learned exits (0: always ``min_budget``, 1: always
-    ``max_budget``); else one sentence (an ``error`` naming ``exit_threshold``)."""
-    if isinstance(thr, int) and not isinstance(thr, bool) and thr > 2**53:
-        thr = math.inf  # above any relative change (and beyond a float's exact range)
-    if isinstance(thr, bool) or not isinstance(thr, (int, float)) or math.isnan(thr) or thr < 0:
-        raise error(
-            f"exit_threshold must be a number >= 0 (0: always max_budget), got {thr!r}.", parameter="exit_threshold"
-        )
-    if rule == "gate" and thr > 1:
-        raise error(
-            f"exit_threshold is the cumulative exit probability q under exit_rule 'gate', in [0, 1] (0: always "
-            f"min_budget, 1: always max_budget), got {thr!r}.",
-            parameter="exit_threshold",
-        )
-    return float(thr)
+    """``thr`` as a float when it is a threshold of ``rule`` (:data:`EXIT_THRESHOLDS`): a number
+    >= 0 for the state and KL rules, a probability q in [0, 1] for the learned exits; else one
+    sentence (an ``error`` naming ``exit_threshold``)."""
+    return EXIT_THRESHOLDS[rule].check(thr, rule, error)
 
 
 # Why adaptive depth refuses per-loop KV, said by every runtime that refuses it.
