@@ -45,13 +45,14 @@ from looptool.passes.rowwise_budget import repeated_layers, second_pass_ends
 _aten = torch.ops.aten
 
 EXIT_GATE = "exit_gate"  # the pass's name, as recorded in a model's recipe
+EXIT_PREFIX = "loop.exit."  # the exit heads' parameter names start so
 GATE_EPS = 1e-6  # the RMS normalisation's epsilon
 _PART = "exit_gate"
 
 
 def gate_names(depth: int) -> tuple[str, str]:
     """The ``(weight, bias)`` parameter names of the exit head at ``depth``."""
-    return f"loop.exit.{depth}.weight", f"loop.exit.{depth}.bias"
+    return f"{EXIT_PREFIX}{depth}.weight", f"{EXIT_PREFIX}{depth}.bias"
 
 
 def gated_depths(lg: LayerGraph) -> tuple[int, ...]:
@@ -81,10 +82,10 @@ def exit_gate(lg: LayerGraph, config: dict) -> LayerGraph:
 
 
 def decision_states(graph: fx.Graph, plan) -> dict[int, fx.Node]:
-    """The state each exit head reads, by depth, in one budget path or the adaptive graph
-    (before any ``where`` merge): ELR's loop states ``s_d``; under fixed-prefix looping the
-    first window layer's first-pass output (depth 0) and each repeated layer's second-pass
-    output (depth ``j``)."""
+    """The state each exit head reads, by depth, in one budget path: ELR's loop states ``s_d``;
+    under fixed-prefix looping the first window layer's first-pass output (depth 0) and each
+    repeated layer's second-pass output (depth ``j``), the states the adaptive-depth pass hands
+    its stop tests (:meth:`looptool.passes.adaptive_depth._Active.decide`)."""
     if isinstance(plan, RecurrentLoop):
         return {
             annotation(n)[EXIT_KEY]: n

@@ -157,7 +157,7 @@ def _lift(
     active: fx.Node,
     merges: list[fx.Node],
     decision: fx.Node | None,
-    carries: list[fx.Node] = (),
+    carries: list[fx.Node],
 ) -> dict[fx.Node, fx.Node]:
     """Replace step ``step``'s segment by one :class:`SkipSegment` call; returns, for each
     node that left the segment, the parent-graph node now holding its value. ``carries``: the

@@ -299,7 +299,7 @@ class LoopedNetwork(nn.Module):
             gate_logits, rest = tuple(rest[len(rest) - n_gates :]), rest[: len(rest) - n_gates]
         exit_logits = None
         if output_exit_logits:
-            n_exits = self.check_budget(budget) - 1
+            n_exits = budget - 1
             exit_logits, rest = tuple(rest[:n_exits]), rest[n_exits:]
         loss = None
         if labels is not None:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from looptool.core.graph import ROLE_EMBEDDING, ROLE_HEAD, dtype_from_str, parameter_reader_roles
+from looptool.passes.exit_gate import EXIT_PREFIX
 from looptool.runtime.convert import add_exit_gates, load
 from looptool.runtime.devices import check_dtype, resolve_device
 from looptool.runtime.model import LoopedModel
@@ -256,7 +257,7 @@ class Trainer:
         ``exit_gate_only`` freezes everything but the exit heads."""
         if self.config.exit_gate_only:
             for name, p in self.model.named_parameters():
-                p.requires_grad_(name.startswith("loop.exit."))
+                p.requires_grad_(name.startswith(EXIT_PREFIX))
             return
         if not self.config.freeze_below_window:
             return
