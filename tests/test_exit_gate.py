@@ -302,6 +302,10 @@ def test_cli_gate_only_then_generate_auto_gate(tmp_path, text_file):
                                 "--budget", "2", "--kv", "last-loop"])  # fmt: skip
     assert deepest.stdout == fixed.stdout
     assert "gate exit probability ≥ 0.5" in runner.invoke(app, [*args, "--exit-rule", "gate"]).output
+    ungated = runner.invoke(app, ["generate", str(tmp_path / "in"), *args[2:], "--exit-rule", "gate"])
+    assert (
+        ungated.exit_code != 0 and "looptool train MODEL_DIR" in ungated.output and "--exit-gate-only" in ungated.output
+    )
     bad = runner.invoke(app, [*args, "--exit-rule", "gate", "--exit-threshold", "2"])
     assert bad.exit_code != 0 and "in [0, 1]" in bad.output
 

@@ -61,8 +61,9 @@ class AutoDepth:
         if rule == "gate" and not getattr(model, "exit_gates", True):
             raise LooptoolError(
                 "exit_rule 'gate' reads learned exit gates, and this model has none; add and train them by training "
-                "with exit_gate=True (or exit_gate_only=True), or use exit_rule 'state' or 'kl'.",
+                "with exit_gate_only=True, or use exit_rule='state'.",
                 parameter="exit_rule",
+                rerun="train",
             )
         return cls(lo, hi, thr, rule)
 
