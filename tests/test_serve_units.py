@@ -354,6 +354,12 @@ def test_facts_and_the_default_capacity_come_from_the_saved_plan_and_config(save
         (["--capacity", "4096"], "capacity 4096 exceeds the model's context of 2048 positions"),
         (["--served-model-name", "a@b"], "may not contain '@'"),
         (["--kv-memory", "0"], "the KV memory must be a positive number of MiB, got 0. (option --kv-memory)"),
+        (["--replicas", "0"], "replicas must be at least 1, got 0. (option --replicas)"),
+        (
+            ["--replicas", "2", "--router", "random"],
+            "unknown router 'random'; use one of depth, ray. (option --router)",
+        ),
+        (["--replicas", "2", "--min-replicas", "3"], "autoscaling needs 0 <= min_replicas <= replicas <= max_replicas"),
         (
             ["--prefix-cache-mb", "-1"],
             "the prefix cache must be a positive number of MiB, got -1. (option --prefix-cache-mb)",
@@ -371,6 +377,24 @@ def test_options_are_checked_against_the_model_before_it_loads(saved, monkeypatc
     monkeypatch.setattr("looptool.serve.server.open_model", no_load)
     res = CliRunner().invoke(app, ["serve", str(saved), "--port", "0", *args])
     assert res.exit_code == 1 and message in res.output and "serving" not in res.output, res.output
+
+
+def test_replicas_without_the_ray_extra_is_one_sentence_naming_it(saved, monkeypatch):
+    import importlib.util
+
+    from typer.testing import CliRunner
+
+    from looptool.cli import app
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "ray.serve" else find_spec(name, *a)
+    )
+    res = CliRunner().invoke(app, ["serve", str(saved), "--port", "0", "--replicas", "2"])
+    assert res.exit_code == 1 and "serving on Ray needs the 'ray' extra (ray.serve not installed)" in res.output, (
+        res.output
+    )
+    assert "looptool[ray]" in res.output or "[ray]" in res.output
 
 
 def test_a_port_in_use_is_one_sentence_before_the_load(saved, monkeypatch):

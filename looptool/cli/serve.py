@@ -114,6 +114,37 @@ def serve(
         ),
     ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning",
+    replicas: Annotated[
+        int | None,
+        typer.Option(
+            help="Serve from this many engine replicas on Ray Serve (needs the ray extra), behind one ingress at "
+            "--host:--port; the initial count when autoscaling. Default: one process, without Ray."
+        ),
+    ] = None,
+    min_replicas: Annotated[
+        int | None, typer.Option(help="Autoscale on Ray: the fewest replicas (default: --replicas).")
+    ] = None,
+    max_replicas: Annotated[
+        int | None,
+        typer.Option(help="Autoscale on Ray: the most replicas; Ray adds one when each holds more than a full batch."),
+    ] = None,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            help="Join this Ray cluster (auto: the one 'ray start --head' runs here; or HOST:PORT) instead of "
+            "starting one on this machine; MODEL_DIR must exist at the same path on every node."
+        ),
+    ] = None,
+    router: Annotated[
+        str,
+        typer.Option(
+            help="On Ray: depth (a replica whose batch runs the request's budget, else an idle one; requests wait "
+            "rather than mix budgets) or ray (Ray's default: the less loaded of two random replicas)."
+        ),
+    ] = "depth",
+    replica_cpus: Annotated[
+        float, typer.Option(help="On Ray: CPUs each replica reserves (its torch threads unless --threads).")
+    ] = 1.0,
 ) -> None:
     """Serve a model over HTTP (OpenAI API): every request picks its own budget.
 
@@ -144,6 +175,18 @@ def serve(
     )
     options.check()
     options.check_kv(kv)  # before an export
+    on_ray = replicas is not None or min_replicas is not None or max_replicas is not None or ray_address is not None
+    if on_ray:
+        from looptool.serve.ray import RayOptions
+
+        placement = RayOptions(
+            replicas=replicas if replicas is not None else (min_replicas or 1),
+            min_replicas=min_replicas,
+            max_replicas=max_replicas,
+            router=router,
+            replica_cpus=replica_cpus,
+        )
+        placement.check()
     sock = bind(host, port)  # a port in use is one sentence before any export or load
     try:
         if engine == "onnx":
@@ -155,6 +198,24 @@ def serve(
     except BaseException:
         sock.close()
         raise
+    if on_ray:
+        sock.close()  # Ray's HTTP proxy binds it
+        serve_on_ray(
+            model_dir,
+            options,
+            placement,
+            address=ray_address,
+            name=served_model_name,
+            runtime=runtime,
+            device=device,
+            kv=kv,
+            tokenizer=tokenizer,
+            threads=threads,
+            exit_rule=exit_rule,
+            prepack=prepack,
+            spin=spin,
+        )
+        return
     with progress() as steps:
         with steps.stage(f"loading {model_dir}"):
             server = prepare(
@@ -177,6 +238,29 @@ def serve(
     if hint:
         console.print(hint, highlight=False, soft_wrap=True)
     server.run()
+    console.print("server stopped", highlight=False)
+
+
+def serve_on_ray(model_dir: Path, options, placement, *, address: str | None, **open_kwargs) -> None:
+    """Serve ``model_dir`` from ``placement.replicas`` engine replicas on Ray Serve
+    (:mod:`looptool.serve.ray`) until SIGTERM or Ctrl-C, then drain."""
+    from looptool.serve.ray import app as ray_app
+    from looptool.serve.ray import run as ray_run
+
+    scale = placement.scale
+    count = (
+        f"{placement.replicas} replica{'s' if placement.replicas != 1 else ''}"
+        if scale[0] is None
+        else f"{scale[0]} to {scale[1]} replicas (autoscaling, starting with {placement.replicas})"
+    )
+    application = ray_app(model_dir, options, ray=placement, **open_kwargs)
+    where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
+    console.print(f"starting {count} of {model_dir} on {where} (router: {placement.router})", highlight=False)
+
+    def ready(url: str) -> None:
+        console.print(f"serving at {url} (Ray Serve, {count})", highlight=False, soft_wrap=True)
+
+    ray_run(application, host=options.host, port=options.port, address=address, on_ready=ready)
     console.print("server stopped", highlight=False)
 
 

@@ -136,6 +136,11 @@ class Observer:
     def retired(self, job: Job, seconds: float) -> None:
         """``job`` left its row, ``seconds`` after it arrived."""
 
+    def stepped(self, labels: frozenset[str]) -> None:
+        """One step advanced every running row (a decode step, a draft step or a verify step);
+        ``labels`` are the rows' budget labels (:attr:`Job.label`): one label is a one-budget
+        batch, which costs that budget, several a mixed one, which costs its deepest row."""
+
 
 def top_logprobs(logp: torch.Tensor, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
     """The log-probability of ``token`` under the log-probabilities ``logp [vocab]`` and the
@@ -298,11 +303,17 @@ class EngineCore:
             RowBudgets(tuple(row.job.budget for row in self.rows), tuple(row.job.auto for row in self.rows)),
         )  # budgets resolved at the edge
         self.clock += 1
-        self.steps += 1
+        self.count_step()
         for row in self.rows:
             row.position += 1
             row.span += 1
         self.take_many(self.rows, out.logits, out.depths.tolist())
+
+    def count_step(self) -> None:
+        """One more step advanced every running row (:attr:`steps`), told to the observer with
+        the rows' budget labels."""
+        self.steps += 1
+        self.observer.stepped(frozenset(row.job.label for row in self.rows))
 
     def run(
         self,

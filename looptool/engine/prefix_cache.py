@@ -41,6 +41,17 @@ SHARED = "shared"  # the group key of buffers whose keys and values do not depen
 DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB
 
 
+def block_digests(tokens: Sequence[int], block: int = BLOCK) -> list[bytes]:
+    """The chained digest of every whole ``block``-token block of ``tokens``: the names a prefix
+    cache stores them under (and a router matches prompts by)."""
+    out, parent = [], b""
+    ids = np.asarray(tokens, dtype=np.int64)
+    for start in range(0, len(ids) - block + 1, block):
+        parent = hashlib.blake2b(parent + ids[start : start + block].tobytes(), digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
 @dataclass(frozen=True)
 class CacheGroup:
     """Slot-cache buffers a block keeps together, and what their contents depend on: ``key`` is
@@ -142,12 +153,7 @@ class PrefixCache:
 
     def digests(self, tokens: Sequence[int]) -> list[bytes]:
         """The chained digest of every whole block of ``tokens``."""
-        out, parent = [], b""
-        ids = np.asarray(tokens, dtype=np.int64)
-        for start in range(0, len(ids) - self.block + 1, self.block):
-            parent = hashlib.blake2b(parent + ids[start : start + self.block].tobytes(), digest_size=16).digest()
-            out.append(parent)
-        return out
+        return block_digests(tokens, self.block)
 
     def lookup(self, tokens: Sequence[int], groups: Sequence[CacheGroup]) -> list[dict[int, object]]:
         """The stored blocks that begin ``tokens``, for every group (at most ``len(tokens) - 1``

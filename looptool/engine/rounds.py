@@ -51,6 +51,8 @@ class Rounds(Protocol):
 
     def fit(self, before: int, ahead: int = 0) -> None: ...
 
+    def count_step(self) -> None: ...
+
     def run(self, rows, input_ids, position_ids, cache_position, budgets, every_position=False): ...
 
     def take(self, row, logits: torch.Tensor, depth: int) -> None: ...
@@ -84,7 +86,7 @@ def speculative_round(s: Rounds) -> None:
             torch.tensor([clock + i], dtype=torch.long, device=dev),
             budgets,
         )
-        s.steps += 1
+        s.count_step()
         plain = [r for r in range(count) if spec[r] is None]
         for r in plain:  # a plain row: its real token, as a decode step takes it
             rows[r].position += 1
@@ -148,7 +150,7 @@ def _verify(s: Rounds, n: int, base: list[int], drafts: list[list[int]]) -> dict
         ).logits
         scores.update({i: logits[i - r] for i in range(r, end)})
         r = end
-    s.steps += 1
+    s.count_step()
     return scores
 
 

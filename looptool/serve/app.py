@@ -127,7 +127,7 @@ def create_app(
     async def completions(request: Request):
         req = await _parse(request, CompletionRequest)
         budget, sampling, speculation = _common(req, resolver, scheduler, served.runtime, draft_tokens)
-        prompts, echoes = completion_prompts(req.prompt, served.tokenizer, served.engine.vocab_size)
+        prompts, echoes = completion_prompts(req.prompt, served.tokenizer, served.vocab_size)
         if req.max_tokens is not None and req.max_tokens < 1:
             raise APIError(f"max_tokens must be at least 1, got {req.max_tokens}.", param="max_tokens")
         if req.stream and (len(prompts) > 1 or req.echo or req.logprobs is not None):

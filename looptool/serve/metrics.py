@@ -4,7 +4,7 @@ reason, and time-to-first-token, time-per-output-token and end-to-end latency hi
 each labelled by budget (``auto`` for requests of adaptive depth); and the realised depth of
 every token an adaptive request generated (a histogram whose buckets are the depths from the
 menu's shallowest to its deepest budget); and the tokens speculating requests drafted and the
-drafts their budget accepted."""
+drafts their budget accepted; and the steps by whether their batch ran one budget or a mix."""
 
 from __future__ import annotations
 
@@ -15,7 +15,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from looptool.engine.core import Job, Observer
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_KINDS = ("one-budget", "mixed")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def batch_kind(labels: frozenset[str]) -> str:
+    """``one-budget`` for a step whose rows share one budget label, else ``mixed``."""
+    return BATCH_KINDS[0] if len(labels) <= 1 else BATCH_KINDS[1]
 
 
 class Metrics(Observer):
@@ -71,6 +77,14 @@ class Metrics(Observer):
         )
         self.prefix_bytes = Gauge("looptool_prefix_cache_bytes", "Bytes the prefix cache's blocks hold.", registry=r)
 
+        self.steps = Counter(
+            "looptool_decode_steps",
+            "Steps that advanced every running request (decode, draft and verify steps), by batch: one-budget (every "
+            "row at one budget, which the step costs) or mixed (the step costs its deepest row).",
+            ["batch"],
+            registry=r,
+        )
+        self.step_counts = dict.fromkeys(BATCH_KINDS, 0)  # the same counts, read by a Ray replica's stats
         lo, hi = min(budgets), max(budgets)
         self.depth = Histogram(
             "looptool_realised_depth",
@@ -98,6 +112,11 @@ class Metrics(Observer):
 
     def retired(self, job: Job, seconds: float) -> None:
         self.e2e.labels(budget=job.label).observe(seconds)
+
+    def stepped(self, labels: frozenset[str]) -> None:
+        kind = batch_kind(labels)
+        self.steps.labels(batch=kind).inc()
+        self.step_counts[kind] += 1
 
     def render(self) -> bytes:
         """The Prometheus text format."""

@@ -12,6 +12,21 @@ from pathlib import Path
 from looptool.engine import EngineFacts, StepEngine, describe, open_engine
 
 
+@dataclass(frozen=True)
+class ServedFacts:
+    """What the HTTP side needs to know about a served model, without its engine: what a Ray
+    Serve ingress holds while the replicas hold the engines."""
+
+    name: str
+    tokenizer: object
+    budgets: tuple[int, ...]
+    costs: dict[int, dict]  # budget -> {"budget", "layer_executions", "kv_bytes_per_token"}
+    eos: tuple[int, ...]
+    device: str
+    runtime: str  # "pytorch", "onnxruntime" or "tensorrt"
+    vocab_size: int
+
+
 @dataclass
 class ServedModel:
     """A step engine and what the HTTP side needs to know about the model behind it."""
@@ -24,6 +39,17 @@ class ServedModel:
     eos: tuple[int, ...]
     device: str
     runtime: str  # "pytorch", "onnxruntime" or "tensorrt"
+
+    @property
+    def vocab_size(self) -> int:
+        """The engine's vocabulary size (token ids a prompt may hold)."""
+        return self.engine.vocab_size
+
+    def facts(self) -> ServedFacts:
+        """What the HTTP side needs of this model, without the engine."""
+        return ServedFacts(
+            self.name, self.tokenizer, self.budgets, self.costs, self.eos, self.device, self.runtime, self.vocab_size
+        )
 
 
 def read_facts(path: str | os.PathLike, runtime: str = "auto") -> EngineFacts:

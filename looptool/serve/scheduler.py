@@ -143,6 +143,11 @@ class Scheduler:
             self._cond.notify()
 
     @property
+    def alive(self) -> bool:
+        """Whether the scheduler thread runs (a replica's health check)."""
+        return self._thread.is_alive()
+
+    @property
     def draining(self) -> bool:
         """Whether :meth:`drain` was called (new requests are refused)."""
         return self._draining

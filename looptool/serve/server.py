@@ -189,6 +189,44 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def make_scheduler(served: ServedModel, options: ResolvedOptions) -> Scheduler:
+    """The scheduler over ``served``'s engine with ``options``' batch, queue, caches and KV bound,
+    warmed up at every budget (and speculative round where ``options`` draft by default); not yet
+    started. A server and each Ray Serve replica run one."""
+    scheduler = Scheduler(
+        served.engine,
+        max_batch=options.max_batch,
+        capacity=options.capacity,
+        max_queue=options.max_queue,
+        eos=served.eos,
+        metrics=Metrics(served.budgets),
+        device=served.device,
+        prefix_cache=None if options.prefix_cache_bytes is None else PrefixCache(options.prefix_cache_bytes),
+        kv_memory=options.kv_memory or free_memory(served.device) // 2,
+    )
+    if options.draft_tokens is not None and (refusal := scheduler.capabilities.verify_refusal) is not None:
+        raise LooptoolError(str(refusal), parameter=getattr(refusal, "parameter", None))
+    scheduler.warm_up(served.budgets, options.draft_tokens)
+    return scheduler
+
+
+def check_resolved(served: ServedModel, options: ResolvedOptions) -> None:
+    """One sentence unless ``options`` were resolved (:meth:`ServeOptions.for_model`) for the model
+    ``served`` is: its name and budget menu."""
+    if not isinstance(options, ResolvedOptions):
+        raise TypeError(
+            f"a server takes options resolved for the model (ServeOptions.for_model), got {type(options).__name__}; "
+            "prepare() resolves them."
+        )
+    resolver = options.resolver
+    if resolver.name != served.name or resolver.budgets != tuple(sorted(served.budgets)):
+        raise LooptoolError(
+            f"the options were resolved for {resolver.name!r} with the budget menu {list(resolver.budgets)}, "
+            f"but the model served is {served.name!r} with {sorted(served.budgets)}; "
+            "resolve them against this model's facts."
+        )
+
+
 class Server:
     """A prepared server: ``model_ids``, ``url``, ``app`` (the FastAPI app) and :meth:`run`
     (blocks until shut down).
@@ -200,36 +238,13 @@ class Server:
 
         from looptool.serve.app import create_app
 
-        if not isinstance(options, ResolvedOptions):
-            raise TypeError(
-                f"Server takes options resolved for the model (ServeOptions.for_model), got {type(options).__name__}; "
-                "prepare() resolves them."
-            )
+        check_resolved(served, options)
         resolver = options.resolver
-        if resolver.name != served.name or resolver.budgets != tuple(sorted(served.budgets)):
-            raise LooptoolError(
-                f"the options were resolved for {resolver.name!r} with the budget menu {list(resolver.budgets)}, "
-                f"but the model served is {served.name!r} with {sorted(served.budgets)}; "
-                "resolve them against this model's facts."
-            )
         self.served = served
         self.options = options
         self.socket = sock if sock is not None else bind(options.host, options.port)
         self.resolver = resolver
-        self.scheduler = Scheduler(
-            served.engine,
-            max_batch=options.max_batch,
-            capacity=options.capacity,
-            max_queue=options.max_queue,
-            eos=served.eos,
-            metrics=Metrics(served.budgets),
-            device=served.device,
-            prefix_cache=None if options.prefix_cache_bytes is None else PrefixCache(options.prefix_cache_bytes),
-            kv_memory=options.kv_memory or free_memory(served.device) // 2,
-        )
-        if options.draft_tokens is not None and (refusal := self.scheduler.capabilities.verify_refusal) is not None:
-            raise LooptoolError(str(refusal), parameter=getattr(refusal, "parameter", None))
-        self.scheduler.warm_up(served.budgets, options.draft_tokens)
+        self.scheduler = make_scheduler(served, options)
         self.app = app = create_app(
             served, self.scheduler, self.resolver, api_key=options.api_key, draft_tokens=options.draft_tokens
         )

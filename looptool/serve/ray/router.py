@@ -1,0 +1,82 @@
+"""The depth-aware request router: :class:`~looptool.serve.routing.DepthRouting` behind Ray
+Serve's request-router API (``RequestRouterConfig(request_router_class=...)``), for the engine
+replicas' deployment.
+
+Ray builds one router per deployment handle, in the process holding the handle (the ingress);
+it asks :meth:`DepthAwareRouter.choose_replicas` for every request and tells
+:meth:`~DepthAwareRouter.on_request_routed` and :meth:`~DepthAwareRouter.on_request_completed`
+where each went and when it left, which is the policy's ledger. The request's budget label and
+prompt blocks come from its :class:`~looptool.serve.ray.jobs.JobSpec`, the first argument of
+every call to the replicas' ``run``. Each router registers its policy in
+:data:`looptool.serve.routing.POLICIES` so the ingress's ``/metrics`` can show its decisions and
+each replica's budget mix (there, not here: Ray ships this module's classes by value, with copies
+of its globals).
+"""
+
+from __future__ import annotations
+
+import time
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from looptool.serve import routing
+from looptool.serve.ray.jobs import JobSpec
+from looptool.serve.routing import HOLD_S, MAX_HOLD_S, DepthRouting
+
+
+class DepthAwareRouter(RequestRouter):
+    """Routes each request to the replica whose running batch shares its budget, else an idle
+    one, holding it back (then draining one replica for it) rather than mixing budgets in a
+    batch; see :mod:`looptool.serve.routing`. Requests that are not a replica's ``run`` call
+    (no :class:`JobSpec`) go to the least-loaded replica."""
+
+    def initialize_state(self, max_batch: int = 8, hold_s: float = HOLD_S, max_hold_s: float = MAX_HOLD_S, **_):
+        self.policy = DepthRouting(max_batch, hold_s=hold_s, max_hold_s=max_hold_s)
+        self.pending: dict[str, tuple] = {}  # internal request id -> (key, reason), chosen and not yet routed
+        routing.POLICIES.append(self.policy)
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        spec = _spec(pending_request)
+        by_id = {replica.replica_id: replica for replica in candidate_replicas}
+        if spec is None:
+            load = self.policy.mix()
+            return [sorted(candidate_replicas, key=lambda r: sum(load.get(r.replica_id, {}).values()))]
+        request = pending_request.metadata.internal_request_id
+        since = self.policy.clock() - max(0.0, time.time() - pending_request.created_at)
+        decision = self.policy.choose(request, spec.key, list(by_id), since)
+        if decision is None:
+            pending_request.routing_context.should_backoff = True  # wait with Ray's backoff, not a busy loop
+            return []
+        self.pending[request] = (spec.key, decision.reason)
+        return [[by_id[rid]] for rid in decision.ranked]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        key, reason = self.pending.pop(pending_request.metadata.internal_request_id, (None, None))
+        if key is not None:
+            self.policy.routed(pending_request.metadata.internal_request_id, replica_id, key, reason)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.policy.completed(internal_request_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        if hasattr(self, "policy"):
+            self.policy.forget(replica_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        if not hasattr(self, "policy"):  # replicas may arrive before initialize_state
+            return
+        present = {replica.replica_id for replica in replicas}
+        for gone in [rid for rid in self.policy.replicas if rid not in present]:
+            self.policy.forget(gone)
+
+
+def _spec(pending_request: PendingRequest | None) -> JobSpec | None:
+    """The job a request carries, if it is a replica's ``run`` call."""
+    if pending_request is None or not pending_request.args:
+        return None
+    spec = pending_request.args[0]
+    return spec if isinstance(spec, JobSpec) else None
