@@ -3,8 +3,9 @@ a tiny fixed-prefix model (new parameters non-zero) served from two engine repli
 OpenAI ingress, driven by the official ``openai`` client and httpx on 127.0.0.1.
 
 Answers equal each request generated alone at its budget, greedy, through completions and
-chat, streamed and not; a mixed-budget load keeps batches one-budget under the depth-aware
-router and ``/metrics`` shows its decisions; a replica whose process is killed mid-load is
+chat, streamed and not, alone and in a mixed-budget load (``/metrics`` shows the router's
+decisions); set to wait rather than mix or ride, the depth-aware router keeps batches
+one-budget; a replica whose process is killed mid-load is
 replaced, and every request is answered exactly or ends with an error that says its replica
 died; autoscaling adds a replica under load (Ray's default router). Marked ``ray``: CI runs
 them as a step of their own (``pytest -m ray``); they need the ``ray`` extra.
@@ -23,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from serve_process import free_port, metric, tiny_looped
+from serve_process import free_port, tiny_looped
 
 import looptool
 from looptool.runtime.generation import generate
@@ -157,9 +158,9 @@ def test_answers_equal_each_request_alone_at_its_budget(client, model):
     assert httpx.get(str(client.base_url).replace("/v1/", "/health")).json()["status"] == "ok"
 
 
-def test_mixed_budget_load_keeps_batches_one_budget(client, base, model):
-    before = steps(base)
-    asks = [(prompt(i), BUDGETS[i % len(BUDGETS)]) for i in range(12)]
+def _mixed_load(client, model, n: int = 12) -> None:
+    """``n`` requests at once over every budget; each answer equals its request alone."""
+    asks = [(prompt(i), BUDGETS[i % len(BUDGETS)]) for i in range(n)]
 
     def ask(item):
         ids, k = item
@@ -172,14 +173,35 @@ def test_mixed_budget_load_keeps_batches_one_budget(client, base, model):
         answers = list(pool.map(ask, asks))
     for (ids, k), answer in zip(asks, answers):
         assert answer == text(model, alone(model, ids, k, 12, ignore_eos=True))
-    after = steps(base)
-    one, mixed = (after[kind] - before[kind] for kind in ("one-budget", "mixed"))
-    assert one + mixed > 0
-    assert one / (one + mixed) >= 0.8, (one, mixed)
+
+
+def test_mixed_budget_load_through_the_default_router(client, base, model):
+    _mixed_load(client, model)
     page = httpx.get(base.replace("/v1", "/metrics")).text
+    assert total(page, "looptool_routed_requests_total") >= 12
     assert total(page, "looptool_routed_requests_total", reason="budget") >= 1
-    assert total(page, "looptool_routed_requests_total") >= len(asks)
-    assert metric(page, "looptool_requests_finished_total", budget="2", reason="length") >= 4
+    assert total(page, "looptool_requests_finished_total", budget="2", reason="length") >= 4
+    assert total(page, "looptool_replica_decode_steps_total") > 0
+
+
+def test_holding_without_riding_keeps_batches_one_budget(cluster, model_dir, model):
+    application = looptool_ray.app(
+        model_dir,
+        ServeOptions(max_batch=MAX_BATCH, capacity=96),
+        ray=looptool_ray.RayOptions(replicas=2, replica_cpus=0.5, ride=False, hold_s=0.2, max_hold_s=10.0),
+        runtime="pytorch",
+        device="cpu",
+    )
+    serve.run(application, name="strict", route_prefix="/strict")
+    base = f"{cluster}/strict/v1"
+    try:
+        before = steps(base)
+        _mixed_load(openai.OpenAI(base_url=base, api_key="dummy", max_retries=0, timeout=120), model)
+        after = steps(base)
+    finally:
+        serve.delete("strict")
+    one, mixed = (after[kind] - before[kind] for kind in ("one-budget", "mixed"))
+    assert one / (one + mixed) >= 0.8, (one, mixed)
 
 
 def _stream(base: str, ids: list[int], k: int, new: int) -> dict:

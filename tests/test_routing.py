@@ -26,7 +26,7 @@ def policy(max_batch=2, **kw) -> tuple[DepthRouting, Clock]:
 
 def route(p: DepthRouting, request, label: str, replicas=("a", "b"), since=None, digests=()):
     """Choose and, when chosen, record it as routed to the first ranked replica."""
-    key = RouteKey(label, tuple(digests))
+    key = RouteKey(label, int(label), tuple(digests))
     decision = p.choose(request, key, list(replicas), p.clock() if since is None else since)
     if decision is not None:
         p.routed(request, decision.ranked[0], key, decision.reason)
@@ -34,7 +34,7 @@ def route(p: DepthRouting, request, label: str, replicas=("a", "b"), since=None,
 
 
 def test_same_budget_first_then_idle_then_wait():
-    p, clock = policy()
+    p, clock = policy(ride=False, hold_s=0.5, max_hold_s=10.0)
     assert route(p, 1, "0").reason == "idle"
     first = p.requests[1][0]
     d = route(p, 2, "0")
@@ -50,7 +50,7 @@ def test_same_budget_first_then_idle_then_wait():
 
 
 def test_a_waiting_budget_drains_the_least_loaded_replica_and_takes_it():
-    p, clock = policy(max_batch=4, hold_s=0.5, max_hold_s=10.0)
+    p, clock = policy(max_batch=4, hold_s=0.5, max_hold_s=10.0)  # budget 6 is the deepest: it rides nowhere
     for r in range(3):
         route(p, ("x", r), "0")
     route(p, ("y", 0), "3")
@@ -70,21 +70,44 @@ def test_a_waiting_budget_drains_the_least_loaded_replica_and_takes_it():
 
 
 def test_after_max_hold_a_request_takes_any_replica_with_room():
-    p, clock = policy(max_batch=4, hold_s=0.5, max_hold_s=2.0)
+    p, clock = policy(max_batch=4, hold_s=0.5, max_hold_s=2.0, ride=False)
     route(p, 1, "0")
     route(p, 2, "3")
     since = clock.now
+    assert route(p, 3, "6", since=since) is None  # room, but not for its budget: its wait starts
     clock.now += 2.5
     d = route(p, 3, "6", since=since)
     assert d.reason == "mixed" and set(d.ranked) == {"a", "b"}
     assert route(p, 4, "9", since=clock.now) is None  # a fresh request still waits
 
 
-def test_every_batch_full_means_wait_whatever_the_budget():
-    p, clock = policy(max_batch=1, hold_s=0.0, max_hold_s=0.0)
-    route(p, 1, "0")
-    route(p, 2, "0")
-    assert route(p, 3, "0") is None and route(p, 4, "3", since=0.0) is None
+def test_waiting_for_capacity_does_not_count_toward_the_hold():
+    p, clock = policy(max_batch=2, hold_s=0.5, max_hold_s=1.0, ride=False)
+    for request, label in ((1, "0"), (2, "0"), (3, "3"), (4, "3")):
+        route(p, request, label)
+    since = clock.now
+    assert route(p, 5, "6", since=since) is None  # every batch full: it waits for a slot
+    clock.now += 5.0
+    assert route(p, 5, "6", since=since) is None  # still full: no hold has started, so no mixing either
+    p.completed(1)
+    assert route(p, 5, "6", since=since) is None  # a slot, at another budget: now its hold starts
+    route(p, 6, "0")  # the slot is taken again before the hold ends
+    clock.now += 1.0
+    assert route(p, 5, "6", since=since) is None  # past max_hold_s, but no room anywhere: it still waits
+    p.completed(2)
+    assert route(p, 5, "6", since=since).reason == "mixed"
+
+
+def test_a_shallower_request_rides_the_shallowest_deeper_batch_rather_than_wait():
+    p, clock = policy(max_batch=4, hold_s=0.5, max_hold_s=10.0)
+    route(p, 1, "12")
+    route(p, 2, "6")
+    deep, middle = p.requests[1][0], p.requests[2][0]
+    d = route(p, 3, "3")
+    assert (d.reason, d.ranked) == ("ride", (middle,))  # budget 6's batch: the cheapest that costs it nothing more
+    assert route(p, 4, "9").ranked == (deep,)  # deeper than 6: only budget 12's batch takes it at no cost
+    assert route(p, 5, "15") is None  # deeper than every batch: it waits
+    assert p.mix() == {deep: {"12": 1, "9": 1}, middle: {"6": 1, "3": 1}}
 
 
 def test_prefix_blocks_break_ties_toward_the_replica_that_holds_them():
@@ -114,3 +137,13 @@ def test_settings_out_of_range_are_one_sentence():
         DepthRouting(0)
     with pytest.raises(LooptoolError, match="hold_s"):
         DepthRouting(2, hold_s=3.0, max_hold_s=1.0)
+
+
+def test_by_default_a_request_mixes_at_once_where_it_deepens_the_fewest_rows():
+    p, _ = policy(max_batch=4)  # the defaults: no slot left empty while a request waits
+    for r in range(3):
+        route(p, ("a", r), "0")
+    route(p, "b", "3")
+    shallow, few = p.requests[("a", 0)][0], p.requests["b"][0]
+    d = route(p, "deep", "12")  # no batch of 12, none idle, none deep enough to ride
+    assert d.reason == "mixed" and d.ranked == (few, shallow)  # 9 extra layers for one row, not 12 for three

@@ -870,3 +870,14 @@ def test_an_unknown_field_is_served_and_logged_once_per_name_per_app(caplog):
         with _app_client() as api:  # another app (another server) warns again
             assert api.post("/v1/completions", json={**COMPLETION, "user": "u", "max_tokens": 1}).status_code == 200
             assert warnings()[2:] == ["The following fields were present in the request but ignored: user"]
+
+
+def test_the_single_process_server_and_the_cli_do_not_import_ray():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, looptool.serve, looptool.serve.routing, looptool.cli, looptool.cli.serve; "
+        "assert not [m for m in sys.modules if m == 'ray' or m.startswith('ray.')], 'ray imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -138,8 +138,8 @@ def serve(
     router: Annotated[
         str,
         typer.Option(
-            help="On Ray: depth (a replica whose batch runs the request's budget, else an idle one; requests wait "
-            "rather than mix budgets) or ray (Ray's default: the less loaded of two random replicas)."
+            help="On Ray: depth (a replica whose batch runs the request's budget, else an idle one, else the batch "
+            "it deepens least) or ray (Ray's default: the less loaded of two random replicas)."
         ),
     ] = "depth",
     replica_cpus: Annotated[

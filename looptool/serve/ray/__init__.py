@@ -34,6 +34,7 @@ __all__ = ["ROUTERS", "RayOptions", "app", "build", "run"]
 
 ROUTERS = ("depth", "ray")  # depth-aware routing, or Ray's default (power of two choices)
 APP_NAME = "looptool"
+ROUTE_BACKOFF_S = 0.005  # seconds between a held request's looks for a replica (depth-aware router)
 DRAIN_POLL = 0.2  # seconds between checks that a draining application has finished its requests
 
 
@@ -43,7 +44,8 @@ class RayOptions(BaseModel):
     between ``min_replicas`` and ``max_replicas`` when either is given, each replica with
     ``replica_cpus`` CPUs (its torch threads, unless ``threads`` is given) and ``replica_gpus``
     GPUs, requests routed by ``router``; ``hold_s`` and ``max_hold_s`` are the depth-aware
-    router's waits (:mod:`looptool.serve.routing`);
+    router's waits and ``ride`` whether it lets a request join a deeper batch rather than wait
+    (:mod:`looptool.serve.routing`);
     ``autoscaling`` adds to (or overrides) the autoscaling settings, in Ray's ``AutoscalingConfig``
     keys (``upscale_delay_s``, ``downscale_delay_s``, ``look_back_period_s``: Ray's defaults
     otherwise)."""
@@ -58,6 +60,7 @@ class RayOptions(BaseModel):
     replica_gpus: float = 0.0
     hold_s: float = HOLD_S
     max_hold_s: float = MAX_HOLD_S
+    ride: bool = True
     autoscaling: dict = {}  # more of Ray's AutoscalingConfig (upscale_delay_s, look_back_period_s, ...)
 
     def check(self) -> None:
@@ -143,8 +146,10 @@ def app(
     )
     lo, hi = ray.scale
     per_replica = resolved.max_batch + resolved.max_queue
+    quiet = {"log_level": resolved.log_level.upper(), "enable_access_log": False}  # as the single server logs
     engine_options: dict = {
         "name": "engine",
+        "logging_config": quiet,
         "max_ongoing_requests": per_replica,
         "ray_actor_options": {"num_cpus": ray.replica_cpus, "num_gpus": gpus},
         "health_check_period_s": 2.0,
@@ -163,12 +168,23 @@ def app(
     if ray.router == "depth":
         engine_options["request_router_config"] = RequestRouterConfig(
             request_router_class=DepthAwareRouter,
-            request_router_kwargs={"max_batch": resolved.max_batch, "hold_s": ray.hold_s, "max_hold_s": ray.max_hold_s},
+            # a held request looks again every few milliseconds (Ray's default backs off to 0.5 s,
+            # longer than a decode step: a freed slot would idle that long)
+            initial_backoff_s=ROUTE_BACKOFF_S,
+            backoff_multiplier=1,
+            max_backoff_s=ROUTE_BACKOFF_S,
+            request_router_kwargs={
+                "max_batch": resolved.max_batch,
+                "hold_s": ray.hold_s,
+                "max_hold_s": ray.max_hold_s,
+                "ride": ray.ride,
+            },
         )
     engine = EngineReplica.options(**engine_options).bind(path, resolved, open_kwargs)
     most = hi if hi is not None else ray.replicas
     return OpenAIIngress.options(
         name="ingress",
+        logging_config=quiet,
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=per_replica * max(most, 1) + 64,
     ).bind(engine, resolved)

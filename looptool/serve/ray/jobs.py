@@ -44,7 +44,7 @@ class JobSpec:
             job.ignore_eos,
             job.auto,
             job.speculation,
-            RouteKey(job.label, digests),
+            RouteKey(job.label, job.budget, digests),
         )
 
     def job(self) -> Job:

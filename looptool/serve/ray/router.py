@@ -15,6 +15,8 @@ of its globals).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -23,16 +25,24 @@ from looptool.serve import routing
 from looptool.serve.ray.jobs import JobSpec
 from looptool.serve.routing import HOLD_S, MAX_HOLD_S, DepthRouting
 
+log = logging.getLogger(__name__)
+WAKE_S = 0.05  # seconds a held request sleeps at most between looks (a wake-up comes sooner when a row leaves)
+
 
 class DepthAwareRouter(RequestRouter):
     """Routes each request to the replica whose running batch shares its budget, else an idle
-    one, holding it back (then draining one replica for it) rather than mixing budgets in a
-    batch; see :mod:`looptool.serve.routing`. Requests that are not a replica's ``run`` call
-    (no :class:`JobSpec`) go to the least-loaded replica."""
+    one, else the batch it deepens least, holding it while every batch is full (or, with
+    ``hold_s``, until a batch of its budget has room); see :mod:`looptool.serve.routing`. A
+    held request sleeps until a row leaves. Requests that are not a replica's ``run`` call (no
+    :class:`JobSpec`) go to the least-loaded replica."""
 
-    def initialize_state(self, max_batch: int = 8, hold_s: float = HOLD_S, max_hold_s: float = MAX_HOLD_S, **_):
-        self.policy = DepthRouting(max_batch, hold_s=hold_s, max_hold_s=max_hold_s)
+    def initialize_state(
+        self, max_batch: int = 8, hold_s: float = HOLD_S, max_hold_s: float = MAX_HOLD_S, ride: bool = True, **_
+    ):
+        self.policy = DepthRouting(max_batch, hold_s=hold_s, max_hold_s=max_hold_s, ride=ride)
         self.pending: dict[str, tuple] = {}  # internal request id -> (key, reason), chosen and not yet routed
+        self.changed = asyncio.Event()  # set (and replaced) when a row leaves or the replicas change
+        self.hold_s = hold_s
         routing.POLICIES.append(self.policy)
 
     async def choose_replicas(
@@ -41,16 +51,31 @@ class DepthAwareRouter(RequestRouter):
         spec = _spec(pending_request)
         by_id = {replica.replica_id: replica for replica in candidate_replicas}
         if spec is None:
-            load = self.policy.mix()
-            return [sorted(candidate_replicas, key=lambda r: sum(load.get(r.replica_id, {}).values()))]
+            return [self._least_loaded(candidate_replicas)]
         request = pending_request.metadata.internal_request_id
         since = self.policy.clock() - max(0.0, time.time() - pending_request.created_at)
-        decision = self.policy.choose(request, spec.key, list(by_id), since)
+        try:
+            decision = self.policy.choose(request, spec.key, list(by_id), since)
+            if decision is None:  # sleep until a row leaves (or the hold may end), then look again
+                changed = self.changed
+                try:
+                    await asyncio.wait_for(changed.wait(), timeout=max(self.hold_s, WAKE_S))
+                except asyncio.TimeoutError:
+                    pass
+                decision = self.policy.choose(request, spec.key, list(by_id), since)
+        except Exception:  # a fault of the policy must not strand the request: Ray's plain choice
+            log.exception("depth-aware routing failed; this request goes to the least-loaded replica")
+            return [self._least_loaded(candidate_replicas)]
         if decision is None:
-            pending_request.routing_context.should_backoff = True  # wait with Ray's backoff, not a busy loop
+            pending_request.routing_context.should_backoff = True  # Ray's (short) backoff, then here again
             return []
         self.pending[request] = (spec.key, decision.reason)
         return [[by_id[rid]] for rid in decision.ranked]
+
+    def _least_loaded(self, replicas: list[RunningReplica]) -> list[RunningReplica]:
+        """``replicas``, the fewest rows routed first."""
+        load = self.policy.mix()
+        return sorted(replicas, key=lambda r: sum(load.get(r.replica_id, {}).values()))
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         key, reason = self.pending.pop(pending_request.metadata.internal_request_id, (None, None))
@@ -59,11 +84,24 @@ class DepthAwareRouter(RequestRouter):
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.policy.completed(internal_request_id)
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake every held request: a slot may fit one of them now."""
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    @property
+    def max_num_routing_tasks(self) -> int:
+        """One routing task per pending request (up to Ray's cap), so a request held for its budget
+        does not keep another that fits a free slot from being routed."""
+        return self.max_num_routing_tasks_cap
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         if hasattr(self, "policy"):
             self.policy.forget(replica_id)
+            self._wake()
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -72,6 +110,7 @@ class DepthAwareRouter(RequestRouter):
         present = {replica.replica_id for replica in replicas}
         for gone in [rid for rid in self.policy.replicas if rid not in present]:
             self.policy.forget(gone)
+        self._wake()
 
 
 def _spec(pending_request: PendingRequest | None) -> JobSpec | None:
