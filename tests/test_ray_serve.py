@@ -292,3 +292,105 @@ def test_autoscaling_adds_a_replica_under_load_with_rays_router(cluster, model_d
     assert scaled, "autoscaling did not add a replica"
     for (ids, k), result in zip(asks, results):
         assert result["error"] is None and result["text"] == text(model, alone(model, ids, k, 64, ignore_eos=True))
+
+
+class _Stream:
+    """A replica's event stream that fails (its actor died) before item ``fail_at``."""
+
+    def __init__(self, items, fail_at=None):
+        self.items, self.fail_at, self.cancelled = items, fail_at, False
+
+    def __aiter__(self):
+        return self._items()
+
+    async def _items(self):
+        from ray.exceptions import ActorDiedError
+
+        for i, item in enumerate(self.items):
+            if i == self.fail_at:
+                raise ActorDiedError()
+            yield item
+        if self.fail_at == len(self.items):
+            raise ActorDiedError()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Handle:
+    """A deployment handle whose successive calls return the given streams."""
+
+    def __init__(self, streams):
+        self.streams, self.specs = list(streams), []
+
+    def options(self, **_):
+        return self
+
+    def remote(self, spec):
+        self.specs.append(spec)
+        return self.streams.pop(0)
+
+
+def _relay(streams) -> tuple[list, _Handle]:
+    """Run one job through a RemoteScheduler over ``streams``; the events it got, the handle."""
+    import asyncio
+
+    from looptool.engine.core import Job
+    from looptool.engine.interface import Capabilities
+    from looptool.serve.models import ServedFacts
+    from looptool.serve.ray.deployments import RemoteScheduler, ReplicaFacts
+
+    facts = ReplicaFacts(
+        ServedFacts("m", None, (0, 1), {}, (), "cpu", "pytorch", 16), Capabilities("per-loop", "float32"), 64
+    )
+    handle = _Handle(streams)
+    events = []
+
+    async def main():
+        remote = RemoteScheduler(handle, facts, prefix_blocks=True)
+        job = Job([1, 2, 3], 1, 4, emit=events.append)
+        remote.submit(job)
+        await remote.tasks[job]
+
+    asyncio.run(main())
+    return events, handle
+
+
+def test_a_job_whose_replica_died_before_answering_is_sent_again():
+    from looptool.engine.core import Event
+    from looptool.serve.ray.jobs import ReplicaStats
+
+    answer = [
+        Event("token", token=5, depth=1),
+        ReplicaStats("r2", {"one-budget": 3, "mixed": 0}),
+        Event("finished", reason="length"),
+    ]
+    events, handle = _relay([_Stream([], fail_at=0), _Stream(answer)])
+    assert [e.kind for e in events] == ["token", "finished"] and len(handle.specs) == 2
+    assert (
+        handle.specs[0] == handle.specs[1] and handle.specs[0].key.label == "1" and handle.specs[0].prompt == (1, 2, 3)
+    )
+
+
+def test_a_stream_whose_replica_died_after_a_token_ends_with_an_error_saying_so():
+    from looptool.engine.core import Event
+
+    events, handle = _relay([_Stream([Event("token", token=5, depth=1)], fail_at=1)])
+    assert [e.kind for e in events] == ["token", "failed"] and len(handle.specs) == 1
+    assert events[-1].message == "the replica serving this request died after 1 token."
+    events, handle = _relay([_Stream([], fail_at=0)] * 3)  # it died every time it was sent
+    assert [e.kind for e in events] == ["failed"] and len(handle.specs) == 3
+    assert events[-1].message == "the replica serving this request died before answering."
+
+
+def test_the_serve_run_builder_takes_string_arguments_and_refuses_bad_ones(model_dir):
+    from looptool.core.errors import LooptoolError
+
+    application = looptool_ray.build({"model_dir": str(model_dir), "replicas": "2", "max_batch": "2", "ride": "false"})
+    assert type(application).__name__ == "Application"  # what serve run deploys (checked end to end by hand)
+    with pytest.raises(LooptoolError, match="build argument replicas: Input should be a valid integer"):
+        looptool_ray.build({"model_dir": str(model_dir), "replicas": "two"})
+    with pytest.raises(LooptoolError, match="build argument colour: Extra inputs are not permitted"):
+        looptool_ray.build({"model_dir": str(model_dir), "colour": "red"})
+    with pytest.raises(LooptoolError, match="replicas must be at least 1"):
+        looptool_ray.build({"model_dir": str(model_dir), "replicas": "0"})

@@ -44,6 +44,8 @@ Covered (results file → tests/bench/README.md, unless README.md is named):
   onnxruntime-genai"; README.md's memory row.
 - bench_serve_pytorch.json, bench_serve_onnx.json → the "Serving many streams" table and the
   prefix-cache table; README.md's serving and prefix-cache rows.
+- bench_ray_serve.json → the "Scale-out on Ray Serve" table and prose (with bench_peer.json's
+  batch-8 steps for the ceiling); README.md's two Ray rows.
 - bench_core.json → the "One engine core" table.
 - bench_speculative.json → the "Self-speculative decoding" table.
 - bench_auto.json → the "Per-token depth" table.
@@ -1435,6 +1437,67 @@ def _serve():
     )
 
 
+def _ray_serve():
+    d = result("bench_ray_serve")
+    s = d["summary"]
+    R = functools.partial(row, BENCH, "| router (2 replicas × 8 rows) |", source="bench_ray_serve")
+    for label, arm in (
+        ("depth-aware, defaults", "depth"),
+        ("depth-aware, waits for its budget", "hold"),
+        ("… and no riding", "strict"),
+        ("Ray's router", "ray"),
+    ):
+        ratio = mmm(s["over_ray_tok_s"][arm]) if arm != "ray" else []
+        yield R(
+            label,
+            s["tok_s"][arm]["median"],
+            *ratio,
+            *mmm(s["one_budget_share"][arm]),
+            s["ttft_p50_s"][arm]["median"],
+            s["tpot_p50_s"][arm]["median"],
+        )
+    P = functools.partial(prose, BENCH, source="bench_ray_serve")
+    yield P("through the Ray\napplication {} tok/s", s["single_tok_s"]["ray"]["median"])
+    yield P("`looptool serve --threads 1`\n{} tok/s", s["single_tok_s"]["single_process"]["median"])
+    yield P("round by round: {} / {} / {} (min / median / max)", *mmm(s["single_ray_over_single_process"]))
+    yield P("The defaults match Ray's router ({}×)", s["over_ray_tok_s"]["depth"]["median"])
+    yield P("one-budget share to at most {} and costs", s["one_budget_share"]["strict"]["max"])
+    yield P("throughput ({}× with no riding)", s["over_ray_tok_s"]["strict"]["median"])
+    rows = statistics.median(
+        r["strict"]["completed"]
+        * d["settings"]["new"]
+        / (r["strict"]["steps"]["one_budget"] + r["strict"]["steps"]["mixed"])
+        for r in d["rounds"]
+    )
+    yield P("rows fall from 8 to about\n{} (tokens ÷ steps", rows)
+    assert all(n == 0 for n in s["failed"].values())
+    peer = result("bench_peer")["arms"]
+    steps = [peer[f"b8/onnx_k{k}"]["ms_per_step"]["median_ms"] for k in d["menu"]]
+    yield prose(
+        BENCH, "batch-8 step takes {} ms at\nbudget 0 to {} ms at budget 12", steps[0], steps[-1], source="bench_peer"
+    )
+    yield prose(
+        BENCH,
+        "would take {} ms on average against {} for a mixed",
+        statistics.fmean(steps),
+        steps[-1],
+        source="bench_peer",
+    )
+    yield prose(BENCH, "**at most {}× the throughput**", steps[-1] / statistics.fmean(steps), source="bench_peer")
+    H = functools.partial(row, README, "| what | measured | target | details |", cols=(1,), source="bench_ray_serve")
+    yield H(
+        "Ray Serve, 2 replicas, mixed budgets: depth-aware router ÷ Ray's (tok/s · one-budget steps, defaults · waiting for the budget, no riding)",
+        s["over_ray_tok_s"]["depth"]["median"],
+        s["one_budget_share"]["depth"]["median"],
+        s["over_ray_tok_s"]["strict"]["median"],
+        s["one_budget_share"]["strict"]["median"],
+    )
+    yield H(
+        "one stream through Ray Serve ÷ the single-process server (tok/s)",
+        s["single_ray_over_single_process"]["median"],
+    )
+
+
 def _prefix_cache():
     H = functools.partial(row, README, "| what | measured | target | details |", cols=(0, 1))
     for label, name in (
@@ -1599,6 +1662,7 @@ CHECKS = [
     *_peer(),
     *_peer_memory(),
     *_serve(),
+    *_ray_serve(),
     *_prefix_cache(),
     *_core(),
     *_speculative(),

@@ -548,7 +548,7 @@ def test_options_are_resolved_once_before_the_load_and_the_server_takes_only_res
 
     def fake_open(path, *, name, **kwargs):
         assert len(created) == 1  # resolved before the load
-        opened.append(ServedModel(name, engine, byte_tokenizer(), (0, 2), {}, (), "cpu", "pytorch"))
+        opened.append(ServedModel.of(name, engine, byte_tokenizer(), {}, (), "cpu", "pytorch"))
         return opened[-1]
 
     monkeypatch.setattr(server_module, "open_model", fake_open)
@@ -768,7 +768,7 @@ def _app_client():
     tok = byte_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     costs = {k: {"budget": k, "layer_executions": k + 1, "kv_bytes_per_token": 8} for k in engine.budgets}
-    served = ServedModel("m", engine, tok, engine.budgets, costs, (), "cpu", "pytorch")
+    served = ServedModel.of("m", engine, tok, costs, (), "cpu", "pytorch")
     scheduler = Scheduler(engine, max_batch=2, capacity=64, max_queue=4)
     with TestClient(create_app(served, scheduler, BudgetResolver.create("m", engine.budgets))) as client:
         yield client

@@ -6,7 +6,7 @@ loads. Everything after this module sees only :class:`looptool.engine.StepEngine
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from looptool.engine import EngineFacts, StepEngine, describe, open_engine
@@ -27,29 +27,20 @@ class ServedFacts:
     vocab_size: int
 
 
-@dataclass
-class ServedModel:
+@dataclass(frozen=True)
+class ServedModel(ServedFacts):
     """A step engine and what the HTTP side needs to know about the model behind it."""
 
-    name: str
     engine: StepEngine
-    tokenizer: object
-    budgets: tuple[int, ...]
-    costs: dict[int, dict]  # budget -> {"budget", "layer_executions", "kv_bytes_per_token"}
-    eos: tuple[int, ...]
-    device: str
-    runtime: str  # "pytorch", "onnxruntime" or "tensorrt"
 
-    @property
-    def vocab_size(self) -> int:
-        """The engine's vocabulary size (token ids a prompt may hold)."""
-        return self.engine.vocab_size
+    @classmethod
+    def of(cls, name: str, engine: StepEngine, tokenizer, costs: dict, eos: tuple, device: str, runtime: str):
+        """``engine`` served as ``name``, its budgets and vocabulary read from it."""
+        return cls(name, tokenizer, tuple(engine.budgets), costs, eos, device, runtime, engine.vocab_size, engine)
 
     def facts(self) -> ServedFacts:
         """What the HTTP side needs of this model, without the engine."""
-        return ServedFacts(
-            self.name, self.tokenizer, self.budgets, self.costs, self.eos, self.device, self.runtime, self.vocab_size
-        )
+        return ServedFacts(*(getattr(self, f.name) for f in fields(ServedFacts)))
 
 
 def read_facts(path: str | os.PathLike, runtime: str = "auto") -> EngineFacts:
@@ -73,6 +64,4 @@ def open_model(
     opened = open_engine(path, runtime=runtime, device=device, kv=kv, tokenizer=tokenizer, threads=threads, **session)
     name = name or Path(path).resolve().name
     engine = opened.engine
-    return ServedModel(
-        name, engine, opened.tokenizer, tuple(engine.budgets), opened.costs, opened.eos, opened.device, opened.runtime
-    )
+    return ServedModel.of(name, engine, opened.tokenizer, opened.costs, opened.eos, opened.device, opened.runtime)

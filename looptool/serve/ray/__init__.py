@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from looptool.core.errors import LooptoolError, require_extra
 from looptool.passes.adaptive_depth import check_exit_rule
@@ -213,9 +213,16 @@ class BuildArgs(RayOptions):
     prefix_cache: bool = True
 
 
-def build(args: BuildArgs):
+def build(args: BuildArgs | dict):
     """:func:`app` from Ray Serve's builder arguments (strings on ``serve run``'s command line,
-    converted by :class:`BuildArgs`)."""
+    or a Serve config's ``args``, converted and checked by :class:`BuildArgs`)."""
+    if not isinstance(args, BuildArgs):
+        try:
+            args = BuildArgs.model_validate(dict(args))
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(p) for p in error["loc"])
+            raise LooptoolError(f"build argument {where}: {error['msg']}.", parameter=where or None) from None
     fields = {
         "max_batch",
         "capacity",
