@@ -7,7 +7,7 @@ chat, streamed and not, alone and in a mixed-budget load (``/metrics`` shows the
 decisions); set to wait rather than mix or ride, the depth-aware router keeps batches
 one-budget; a replica whose process is killed mid-load is
 replaced, and every request is answered exactly or ends with an error that says its replica
-died; autoscaling adds a replica under load (Ray's default router). Marked ``ray``: CI runs
+died; autoscaling adds a replica when more than a full batch waits (Ray's default router). Marked ``ray``: CI runs
 them as a step of their own (``pytest -m ray``); they need the ``ray`` extra.
 """
 
