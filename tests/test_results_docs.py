@@ -46,6 +46,7 @@ Covered (results file → tests/bench/README.md, unless README.md is named):
   prefix-cache table; README.md's serving and prefix-cache rows.
 - bench_ray_serve.json → the "Scale-out on Ray Serve" table and prose (with bench_peer.json's
   batch-8 steps for the ceiling); README.md's two Ray rows.
+- bench_ray_serve_elr.json → that section's ELR table and prose.
 - bench_core.json → the "One engine core" table.
 - bench_speculative.json → the "Self-speculative decoding" table.
 - bench_auto.json → the "Per-token depth" table.
@@ -1498,6 +1499,36 @@ def _ray_serve():
     )
 
 
+def _ray_serve_elr():
+    d = result("bench_ray_serve_elr")
+    s = d["summary"]
+    R = functools.partial(row, BENCH, "| router (ELR, 2 replicas × 8 rows) |", source="bench_ray_serve_elr")
+    for label, arm in (
+        ("depth-aware, defaults", "depth"),
+        ("depth-aware, waits for its budget", "hold"),
+        ("… and no riding", "strict"),
+        ("Ray's router", "ray"),
+    ):
+        ratio = mmm(s["over_ray_tok_s"][arm]) if arm != "ray" else []
+        yield R(
+            label,
+            s["tok_s"][arm]["median"],
+            *ratio,
+            *mmm(s["one_budget_share"][arm]),
+            s["ttft_p50_s"][arm]["median"],
+            s["tpot_p50_s"][arm]["median"],
+        )
+    P = functools.partial(prose, BENCH, source="bench_ray_serve_elr")
+    yield P("pays a little\n({} / {} / {} × Ray's router over the two rounds)", *mmm(s["over_ray_tok_s"]["strict"]))
+    yield P("the defaults do not\n({}×)", s["over_ray_tok_s"]["depth"]["median"])
+    yield P(
+        "{} tok/s through Ray, {} through the single server",
+        s["single_tok_s"]["ray"]["median"],
+        s["single_tok_s"]["single_process"]["median"],
+    )
+    assert len(d["rounds"]) == 2 and d["menu"] == [1, 2, 3, 4] and all(n == 0 for n in s["failed"].values())
+
+
 def _prefix_cache():
     H = functools.partial(row, README, "| what | measured | target | details |", cols=(0, 1))
     for label, name in (
@@ -1663,6 +1694,7 @@ CHECKS = [
     *_peer_memory(),
     *_serve(),
     *_ray_serve(),
+    *_ray_serve_elr(),
     *_prefix_cache(),
     *_core(),
     *_speculative(),
