@@ -1438,10 +1438,10 @@ def _serve():
     )
 
 
-def _ray_serve():
-    d = result("bench_ray_serve")
-    s = d["summary"]
-    R = functools.partial(row, BENCH, "| router (2 replicas × 8 rows) |", source="bench_ray_serve")
+def _router_rows(header: str, name: str):
+    """The rows of one router table of the Ray Serve section, from results file ``name``."""
+    s = result(name)["summary"]
+    R = functools.partial(row, BENCH, header, source=name)
     for label, arm in (
         ("depth-aware, defaults", "depth"),
         ("depth-aware, waits for its budget", "hold"),
@@ -1457,6 +1457,12 @@ def _ray_serve():
             s["ttft_p50_s"][arm]["median"],
             s["tpot_p50_s"][arm]["median"],
         )
+
+
+def _ray_serve():
+    d = result("bench_ray_serve")
+    s = d["summary"]
+    yield from _router_rows("| router (2 replicas × 8 rows) |", "bench_ray_serve")
     P = functools.partial(prose, BENCH, source="bench_ray_serve")
     yield P("through the Ray\napplication {} tok/s", s["single_tok_s"]["ray"]["median"])
     yield P("`looptool serve --threads 1`\n{} tok/s", s["single_tok_s"]["single_process"]["median"])
@@ -1502,22 +1508,7 @@ def _ray_serve():
 def _ray_serve_elr():
     d = result("bench_ray_serve_elr")
     s = d["summary"]
-    R = functools.partial(row, BENCH, "| router (ELR, 2 replicas × 8 rows) |", source="bench_ray_serve_elr")
-    for label, arm in (
-        ("depth-aware, defaults", "depth"),
-        ("depth-aware, waits for its budget", "hold"),
-        ("… and no riding", "strict"),
-        ("Ray's router", "ray"),
-    ):
-        ratio = mmm(s["over_ray_tok_s"][arm]) if arm != "ray" else []
-        yield R(
-            label,
-            s["tok_s"][arm]["median"],
-            *ratio,
-            *mmm(s["one_budget_share"][arm]),
-            s["ttft_p50_s"][arm]["median"],
-            s["tpot_p50_s"][arm]["median"],
-        )
+    yield from _router_rows("| router (ELR, 2 replicas × 8 rows) |", "bench_ray_serve_elr")
     P = functools.partial(prose, BENCH, source="bench_ray_serve_elr")
     yield P("pays a little\n({} / {} / {} × Ray's router over the two rounds)", *mmm(s["over_ray_tok_s"]["strict"]))
     yield P("the defaults do not\n({}×)", s["over_ray_tok_s"]["depth"]["median"])

@@ -84,7 +84,6 @@ class Metrics(Observer):
             ["batch"],
             registry=r,
         )
-        self.step_counts = dict.fromkeys(BATCH_KINDS, 0)  # the same counts, read by a Ray replica's stats
         lo, hi = min(budgets), max(budgets)
         self.depth = Histogram(
             "looptool_realised_depth",
@@ -114,9 +113,12 @@ class Metrics(Observer):
         self.e2e.labels(budget=job.label).observe(seconds)
 
     def stepped(self, labels: frozenset[str]) -> None:
-        kind = batch_kind(labels)
-        self.steps.labels(batch=kind).inc()
-        self.step_counts[kind] += 1
+        self.steps.labels(batch=batch_kind(labels)).inc()
+
+    def step_counts(self) -> dict[str, int]:
+        """Steps so far by batch kind (:data:`BATCH_KINDS`), read from the counter."""
+        value = self.registry.get_sample_value
+        return {kind: int(value("looptool_decode_steps_total", {"batch": kind}) or 0) for kind in BATCH_KINDS}
 
     def render(self) -> bytes:
         """The Prometheus text format."""

@@ -16,6 +16,7 @@ import Ray.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -223,18 +224,9 @@ def build(args: BuildArgs | dict):
             error = exc.errors()[0]
             where = ".".join(str(p) for p in error["loc"])
             raise LooptoolError(f"build argument {where}: {error['msg']}.", parameter=where or None) from None
-    fields = {
-        "max_batch",
-        "capacity",
-        "max_queue",
-        "default_budget",
-        "effort",
-        "api_key",
-        "speculative",
-        "prefix_cache",
-    }
     values = args.model_dump()
-    options = ServeOptions(**{key: values.pop(key) for key in fields})
+    serve_fields = {f.name for f in dataclasses.fields(ServeOptions)} & set(values)  # those of ServeOptions
+    options = ServeOptions(**{key: values.pop(key) for key in serve_fields})
     ray = RayOptions(**{key: values.pop(key) for key in RayOptions.model_fields})
     return app(values.pop("model_dir"), options, ray=ray, **values)
 

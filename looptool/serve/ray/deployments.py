@@ -20,6 +20,7 @@ import asyncio
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,10 +64,7 @@ class EngineReplica:
         check_resolved(self.served, options)
         self.scheduler = make_scheduler(self.served, options)
         self.scheduler.start()
-        try:
-            self.id = serve.get_replica_context().replica_id.unique_id
-        except Exception:  # outside a replica (a direct call in a test)
-            self.id = str(os.getpid())
+        self.id = serve.get_replica_context().replica_id.unique_id
 
     def facts(self) -> ReplicaFacts:
         """The model's facts for the ingress."""
@@ -89,20 +87,12 @@ class EngineReplica:
             while True:
                 event = await queue.get()
                 if event.kind in ENDED:
-                    yield ReplicaStats(self.id, dict(self.scheduler.metrics.step_counts))
+                    yield ReplicaStats(self.id, self.scheduler.metrics.step_counts())
                     yield event
                     return
                 yield event
         finally:
             self.scheduler.cancel(job)  # a caller that went away frees the slot; no-op once finished
-
-    def record_routing_stats(self) -> dict:
-        """What Ray's controller polls for routers: running and waiting requests, steps by batch."""
-        return {
-            "running": self.scheduler.running,
-            "waiting": len(self.scheduler.waiting),
-            "steps": dict(self.scheduler.metrics.step_counts),
-        }
 
     def check_health(self) -> None:
         """Ray's health check: the scheduler thread must be alive."""
@@ -129,7 +119,7 @@ class RemoteScheduler:
         self.metrics.registry.register(_ClusterCollector(self))
         self.prefix_blocks = prefix_blocks
         self.tasks: dict[Job, asyncio.Task] = {}
-        self.counted: set[Job] = set()
+        self.counted: weakref.WeakSet[Job] = weakref.WeakSet()  # jobs whose finish was counted (not kept alive)
         self.replica_steps: dict[str, dict[str, int]] = {}  # replica id -> steps by batch kind, as last reported
         self._draining = False
 
@@ -284,16 +274,6 @@ class OpenAIIngress:
         """Admit no new request (503); returns the requests still under way."""
         self.remote.drain()
         return self.remote.running
-
-    def routing_summary(self) -> dict:
-        """What this process's depth-aware routers decided so far: ``decisions`` as
-        ``[replica, budget, reason, requests]`` rows and each replica's steps by batch kind."""
-        decisions = [
-            [_name(replica), label, reason, n]
-            for policy in routing.POLICIES
-            for (replica, label, reason), n in policy.decisions.items()
-        ]
-        return {"decisions": decisions, "steps": dict(self.remote.replica_steps), "routers": len(routing.POLICIES)}
 
     def under_way(self) -> int:
         """Requests still under way through this ingress."""

@@ -42,7 +42,6 @@ class DepthAwareRouter(RequestRouter):
         self.policy = DepthRouting(max_batch, hold_s=hold_s, max_hold_s=max_hold_s, ride=ride)
         self.pending: dict[str, tuple] = {}  # internal request id -> (key, reason), chosen and not yet routed
         self.changed = asyncio.Event()  # set (and replaced) when a row leaves or the replicas change
-        self.hold_s = hold_s
         routing.POLICIES.append(self.policy)
 
     async def choose_replicas(
@@ -59,7 +58,7 @@ class DepthAwareRouter(RequestRouter):
             if decision is None:  # sleep until a row leaves (or the hold may end), then look again
                 changed = self.changed
                 try:
-                    await asyncio.wait_for(changed.wait(), timeout=max(self.hold_s, WAKE_S))
+                    await asyncio.wait_for(changed.wait(), timeout=max(self.policy.hold_s, WAKE_S))
                 except asyncio.TimeoutError:
                     pass
                 decision = self.policy.choose(request, spec.key, list(by_id), since)
