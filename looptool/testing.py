@@ -232,9 +232,10 @@ def write_tiny_gguf(path: Path, num_layers: int = 2, seed: int = 0) -> Path:
     return path
 
 
-def byte_tokenizer():
+def byte_tokenizer(eos: int = 10):
     """A real fast tokenizer over the 256 byte-level symbols (ids 0-255, no merges), so tiny
-    models with ``vocab_size=256`` can read and write text. EOS is the byte-level newline."""
+    models with ``vocab_size=256`` can read and write text. EOS is the byte ``eos`` (default:
+    the newline)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -244,7 +245,7 @@ def byte_tokenizer():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=byte_to_char[10], pad_token=byte_to_char[0])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=byte_to_char[eos], pad_token=byte_to_char[0])
 
 
 def _byte_of(ch: str) -> int:

@@ -854,22 +854,22 @@ def test_an_unknown_field_is_served_and_logged_once_per_name_per_app(caplog):
     def warnings() -> list[str]:
         return [rec.getMessage() for rec in caplog.records if "present in the request but ignored" in rec.getMessage()]
 
-    extra = {"frequency_penalty": 0.5, "user": "u", "stream_options": {"continuous_usage_stats": True}}
+    extra = {"best_effort": 0.5, "tenant": "u", "stream_options": {"continuous_usage_stats": True}}
     first = (
         "The following fields were present in the request but ignored: "
-        "frequency_penalty, stream_options.continuous_usage_stats, user"
+        "best_effort, stream_options.continuous_usage_stats, tenant"
     )
     with caplog.at_level(logging.WARNING, logger="looptool.serve.app"):
         with _app_client() as api:
             for _ in range(2):
                 assert api.post("/v1/completions", json={**COMPLETION, **extra, "max_tokens": 1}).status_code == 200
             assert warnings() == [first]
-            body = {**CHAT, "messages": [{"role": "user", "content": "a", "name": "x"}], "user": "u", "max_tokens": 1}
+            body = {**CHAT, "messages": [{"role": "user", "content": "a", "mood": "x"}], "tenant": "u", "max_tokens": 1}
             assert api.post("/v1/chat/completions", json=body).status_code == 200
-            assert warnings()[1:] == ["The following fields were present in the request but ignored: messages.name"]
+            assert warnings()[1:] == ["The following fields were present in the request but ignored: messages.mood"]
         with _app_client() as api:  # another app (another server) warns again
-            assert api.post("/v1/completions", json={**COMPLETION, "user": "u", "max_tokens": 1}).status_code == 200
-            assert warnings()[2:] == ["The following fields were present in the request but ignored: user"]
+            assert api.post("/v1/completions", json={**COMPLETION, "tenant": "u", "max_tokens": 1}).status_code == 200
+            assert warnings()[2:] == ["The following fields were present in the request but ignored: tenant"]
 
 
 def test_the_single_process_server_and_the_cli_do_not_import_ray():

@@ -113,6 +113,20 @@ def serve(
             "fewer than --max-batch requests then run at once where that many do not fit, and the rest wait."
         ),
     ] = None,
+    tool_call_parser: Annotated[
+        str,
+        typer.Option(
+            help="How tool calls are read from the model's output (and forced, for tool_choice required or a named "
+            "function): hermes (Hermes 2 Pro, Qwen 2.5/3: <tool_call>{json}</tool_call>) or qwen (the same)."
+        ),
+    ] = "hermes",
+    jump_forward: Annotated[
+        bool,
+        typer.Option(
+            help="Under structured outputs, take the tokens the grammar forces (a JSON key, a closing brace) without "
+            "a step of the model, fed together with the next step."
+        ),
+    ] = True,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning",
     replicas: Annotated[
         int | None,
@@ -172,6 +186,8 @@ def serve(
         prefix_cache,
         prefix_cache_mb,
         kv_memory,
+        tool_call_parser,
+        jump_forward,
     )
     options.check()
     options.check_kv(kv)  # before an export

@@ -23,6 +23,14 @@ clock moves the rows right (``shift_right``); a cache four times longer than the
 to twice the clock. Each step passes the mask up to the clock, so an engine attends over the
 positions the rows hold (``capacity`` is a limit, not a cost).
 
+A request under a grammar (``Job.constraint``, structured outputs) has each token masked to
+what the grammar allows; where the grammar forces the next tokens (a JSON key, a closing brace,
+the stop token), they are taken without a step (jump-forward decoding, ``jump_forward``): the
+row emits them at once and feeds them with its next decode step, which then writes several
+slots for that row (left-padded to the row with the most, the padding masked): one step for
+what plain decoding spends one step per token on. A job with ``copies`` (a request's ``n``
+choices) is prefilled once; each copy's row is a copy of its row before its first token.
+
 A job of adaptive depth (``Job.auto``, ``budget: "auto"``) rides in the same batch: its step's
 :class:`RowBudgets` carry its settings and the engine runs the adaptive-depth path for the
 whole slice (fixed rows exactly at their budgets); every token's event carries the depth that
@@ -47,7 +55,7 @@ from looptool.engine.budgets import AutoRow, RowBudgets
 from looptool.engine.interface import StepBatch, StepEngine, StepResult, with_length
 from looptool.engine.prefix_cache import CacheGroup, PrefixCache
 from looptool.engine.rounds import speculative_round
-from looptool.engine.sampling import GREEDY, SamplingParams, TokenPicker, by_picker
+from looptool.engine.sampling import GREEDY, RowConstraint, SamplingParams, TokenPicker, by_picker, shape_logits
 from looptool.engine.speculation import Speculation, SpeculationStats
 
 log = logging.getLogger(__name__)
@@ -71,6 +79,7 @@ class Event:
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     message: str = ""
     logits: torch.Tensor | None = None
+    forced: bool = False  # a token the grammar forced, taken without a step (no depth, no logits)
 
 
 @dataclass(eq=False)
@@ -98,6 +107,14 @@ class Job:
     speculated: SpeculationStats = field(default_factory=SpeculationStats)  # what its speculation did
     keep_logits: bool = False  # each token's event carries the logits it was chosen from
     picker: TokenPicker | None = None  # shared by the rows of one offline batch (one generator); None: its own
+    constraint: RowConstraint | None = None  # a grammar's mask over each token (structured outputs)
+    copies: list[Job] = field(default_factory=list)  # more choices of the same prompt, prefilled with this one
+
+    @property
+    def jumps(self) -> bool:
+        """Whether tokens its grammar forces may be taken without a step (not where each token's
+        log-probabilities or logits are asked for: a forced token has none)."""
+        return self.constraint is not None and self.logprobs is None and not self.keep_logits
 
     @property
     def label(self) -> str:
@@ -112,7 +129,7 @@ class Row:
     job: Job
     ids: list[int]
     picker: TokenPicker
-    position: int  # position id of the next token fed
+    position: int  # position id of the next token fed (its tokens before it are in the cache)
     span: int  # cache slots from its first token to the clock (position, plus rejected drafts' masked slots)
     generated: int = 0
     last_time: float = 0.0
@@ -126,15 +143,18 @@ class Observer:
         """``job``'s prompt of ``tokens`` tokens is in its row, ``cached`` of them copied from the
         prefix cache, which now holds ``prefix_bytes`` (``cached`` is -1 without one)."""
 
-    def emitted(self, job: Job, depth: int, first: bool, seconds: float) -> None:
-        """``job`` got a token of ``depth``, ``seconds`` after it arrived (its ``first``) or
-        after its previous token."""
+    def emitted(self, job: Job, depth: int | None, first: bool, seconds: float) -> None:
+        """``job`` got a token of ``depth`` (None: its grammar forced it), ``seconds`` after it
+        arrived (its ``first``) or after its previous token."""
 
     def drafted(self, job: Job, drafted: int, accepted: int) -> None:
         """A speculative round of ``job`` drafted and accepted that many tokens."""
 
     def retired(self, job: Job, seconds: float) -> None:
         """``job`` left its row, ``seconds`` after it arrived."""
+
+    def forced(self, job: Job, tokens: int) -> None:
+        """``job`` took ``tokens`` tokens its grammar forced, without a step."""
 
     def stepped(self, labels: frozenset[str]) -> None:
         """One step advanced every running row (a decode step, a draft step or a verify step);
@@ -154,7 +174,8 @@ class EngineCore:
     """Continuous batching over ``engine`` with ``max_batch`` rows of up to ``capacity`` cache
     positions; ``eos`` token ids stop a request; ``prefix_cache`` (None: off) reuses the keys
     and values of prompt prefixes; ``observer`` hears what happens; ``leave(job, reason)`` is
-    called for each request that finished or was cancelled, as its row is freed."""
+    called for each request that finished or was cancelled, as its row is freed;
+    ``jump_forward`` takes the tokens a grammar forces without a step (module docstring)."""
 
     def __init__(
         self,
@@ -167,6 +188,7 @@ class EngineCore:
         prefix_cache: PrefixCache | None = None,
         observer: Observer | None = None,
         leave: Callable[[Job, str], None] | None = None,
+        jump_forward: bool = True,
     ):
         self.engine = engine
         self.max_batch = max_batch
@@ -176,6 +198,7 @@ class EngineCore:
         self.prefix = prefix_cache
         self.observer = observer or Observer()
         self.leave = leave or (lambda job, reason: job.emit(Event("finished", reason=reason)))
+        self.jump_forward = jump_forward
         self.cache = engine.allocate(max_batch, min(FIRST_LENGTH, capacity))
         self.mask = torch.zeros(max_batch, self.cache.length, dtype=engine.mask_dtype, device=self.device)
         self.clock = 0
@@ -194,6 +217,8 @@ class EngineCore:
         pick its first token: one job with the prefix cache (the blocks it holds copied, the rest
         computed), several in one step, left-padded to the longest prompt, each row at its own
         budget (without the prefix cache)."""
+        if len(jobs) > 1:  # a batched prefill computes every copy (only one job's prefill shares its row)
+            jobs = [j for job in jobs for j in (job, *job.copies)]
         for job in jobs:
             if job.prompt_logprobs is not None:
                 ids = torch.tensor([job.prompt], dtype=torch.long, device=self.device)
@@ -227,6 +252,7 @@ class EngineCore:
             added.append(Row(job, list(job.prompt), self._picker(job), position=length, span=length))
         self.rows += added
         self.take_many(added, out.logits, out.depths.tolist())
+        self._jump(added)
 
     def _prefill_one(self, job: Job) -> None:
         """:meth:`prefill` of one job, with the prefix cache."""
@@ -254,7 +280,31 @@ class EngineCore:
         self.observer.prefilled(job, n, hit if groups else -1, self.prefix.nbytes if self.prefix else 0)
         row = Row(job, list(job.prompt), self._picker(job), position=n, span=n)
         self.rows.append(row)
-        self.take(row, out.logits[0:1], int(out.depths[0]))
+        rows = [row, *self._copy(row, job.copies)]
+        for each in rows:
+            self.take(each, out.logits[0:1], int(out.depths[0]))
+        self._jump(rows)
+
+    def _copy(self, row: Row, copies: list[Job]) -> list[Row]:
+        """Rows for ``copies`` of ``row``'s job (more choices of its prompt), each a copy of
+        ``row``'s cache and mask; a copy already cancelled leaves without a row."""
+        added = []
+        r = len(self.rows) - 1
+        for job in copies:
+            if job.cancelled:
+                self.leave(job, job.cancel_reason)
+                continue
+            if job.prompt_logprobs is not None:
+                ids = torch.tensor([job.prompt], dtype=torch.long, device=self.device)
+                logp = self.engine.prompt_logprobs(ids, job.budget)
+                job.emit(Event("prompt", prompt_logprobs=_prompt_logprobs(logp, job.prompt, job.prompt_logprobs)))
+            dst = len(self.rows)
+            self.cache.copy_row(r, dst)
+            self.mask[dst] = self.mask[r]
+            self.observer.prefilled(job, len(job.prompt), -1, self.prefix.nbytes if self.prefix else 0)
+            added.append(Row(job, list(job.prompt), self._picker(job), position=row.position, span=row.span))
+            self.rows.append(added[-1])
+        return added
 
     def _picker(self, job: Job) -> TokenPicker:
         """The picker of ``job``'s tokens: the one it shares with the rest of its batch, else its own."""
@@ -284,30 +334,62 @@ class EngineCore:
     def iterate(self) -> None:
         """Advance every running row: a speculative round (:func:`speculative_round`) when some
         row speculates, else one decode step."""
-        if any(row.job.speculation is not None for row in self.rows):
+        if any(row.job.speculation is not None for row in self.rows) and not any(
+            len(row.ids) - row.position > 1 for row in self.rows
+        ):  # tokens a grammar forced are fed by a decode step first
             speculative_round(self)
         else:
             self._decode()
 
     def _decode(self) -> None:
-        """One step for all running rows: each feeds its last token at slot ``clock``."""
+        """One step for all running rows: each feeds its last token at slot ``clock`` (or, after
+        its grammar forced tokens, every token it has not fed, at the slots up to
+        ``clock + width - 1``, left-padded to the ``width`` of the row with the most)."""
         n = len(self.rows)
-        self.fit(before=0)
-        self.mask[:n, self.clock] = 1
-        dev = self.device
+        fed = [row.ids[row.position :] for row in self.rows]
+        width = max(len(f) for f in fed)
+        self.fit(before=0, ahead=width - 1)
+        clock, dev = self.clock, self.device
+        ids = torch.zeros(n, width, dtype=torch.long)
+        positions = torch.zeros(n, width, dtype=torch.long)
+        for r, (row, tokens) in enumerate(zip(self.rows, fed)):
+            pad = width - len(tokens)
+            ids[r, pad:] = torch.tensor(tokens)
+            positions[r] = torch.arange(row.position - pad, row.position + len(tokens)).clamp(min=0)
+            self.mask[r, clock : clock + pad] = 0  # the padding's slots stay masked
+            self.mask[r, clock + pad : clock + width] = 1
         out = self.run(
             slice(0, n),
-            torch.tensor([[row.ids[-1]] for row in self.rows], dtype=torch.long, device=dev),
-            torch.tensor([[row.position] for row in self.rows], dtype=torch.long, device=dev),
-            torch.tensor([self.clock], dtype=torch.long, device=dev),
+            ids.to(dev),
+            positions.to(dev),
+            torch.arange(clock, clock + width, device=dev),
             RowBudgets(tuple(row.job.budget for row in self.rows), tuple(row.job.auto for row in self.rows)),
         )  # budgets resolved at the edge
-        self.clock += 1
+        self.clock += width
         self.count_step()
-        for row in self.rows:
-            row.position += 1
-            row.span += 1
+        for row, tokens in zip(self.rows, fed):
+            row.position += len(tokens)
+            row.span += width
         self.take_many(self.rows, out.logits, out.depths.tolist())
+        self._jump(self.rows)
+
+    def _jump(self, rows: list[Row]) -> None:
+        """Take the tokens each row's grammar forces next, without a step (``jump_forward``);
+        the next decode step feeds them."""
+        if not self.jump_forward:
+            return
+        for row in rows:
+            if row.done or not row.job.jumps:
+                continue
+            tokens = row.job.constraint.forced()
+            taken = 0
+            for token in tokens:
+                if row.done:
+                    break
+                self.emit(row, token, None, None)
+                taken += 1
+            if taken:
+                self.observer.forced(row.job, taken)
 
     def count_step(self) -> None:
         """One more step advanced every running row (:attr:`steps`), told to the observer with
@@ -382,7 +464,13 @@ class EngineCore:
             row.done = row.job.cancel_reason
             return
         ids = torch.tensor([row.ids], device=self.device) if row.picker.warpers is not None else None
-        self.emit(row, int(row.picker(logits.float(), ids)), logits, depth)
+        self.emit(row, int(row.picker(self._shaped(row, logits), ids)), logits, depth)
+
+    def _shaped(self, row: Row, logits: torch.Tensor) -> torch.Tensor:
+        """``row``'s logits ``[1, vocab]`` as its token is picked from them: masked by its
+        grammar, biased and penalised (:func:`shape_logits`), as float."""
+        job = row.job
+        return shape_logits(logits.float(), job.sampling, row.ids, len(job.prompt), job.constraint)
 
     def take_many(self, rows: list[Row], logits: torch.Tensor, depths: list[int]) -> None:
         """:meth:`take` for ``rows`` (``logits [R, vocab]``, one row each): rows that share a
@@ -396,26 +484,30 @@ class EngineCore:
             if len(group) == 1:
                 self.take(rows[group[0]], logits[group[0] : group[0] + 1], depths[group[0]])
                 continue
-            tokens = rows[group[0]].picker(logits[group].float(), None)  # the warpers read no ids
+            shaped = torch.cat([self._shaped(rows[i], logits[i : i + 1]) for i in group])
+            tokens = rows[group[0]].picker(shaped, None)  # the warpers read no ids
             for j, i in enumerate(group):
                 self.emit(rows[i], int(tokens[j]), logits[i : i + 1], depths[i])
 
-    def emit(self, row: Row, token: int, logits: torch.Tensor, depth: int) -> None:
-        """Send ``row``'s next ``token`` (chosen from ``logits [1, vocab]``, run at ``depth``) and
-        mark the row done at EOS or ``max_tokens``."""
+    def emit(self, row: Row, token: int, logits: torch.Tensor | None, depth: int | None) -> None:
+        """Send ``row``'s next ``token`` (chosen from ``logits [1, vocab]``, run at ``depth``; both
+        None for a token its grammar forced) and mark the row done at EOS or ``max_tokens``."""
         job = row.job
         logprob, top = (None, None)
-        if job.logprobs is not None:
+        if job.logprobs is not None and logits is not None:
             logprob, top = top_logprobs(torch.log_softmax(logits[0].float(), -1), token, job.logprobs)
         row.ids.append(token)
         row.generated += 1
+        if job.constraint is not None:
+            job.constraint.accept(token)
         now = time.perf_counter()
         self.observer.emitted(
             job, depth, row.generated == 1, now - (job.arrived if row.generated == 1 else row.last_time)
         )
         row.last_time = now
-        kept = logits[0].float().clone() if job.keep_logits else None
-        job.emit(Event("token", token=token, depth=depth, logprob=logprob, top=top, logits=kept))
+        kept = logits[0].float().clone() if job.keep_logits and logits is not None else None
+        event = Event("token", token=token, depth=depth, logprob=logprob, top=top, logits=kept, forced=logits is None)
+        job.emit(event)
         if token in self.eos and not job.ignore_eos:
             row.done = "stop"
         elif row.generated >= job.max_tokens:

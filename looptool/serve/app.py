@@ -25,6 +25,7 @@ non-streamed request has one watcher task that checks its connection every
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import secrets
@@ -37,14 +38,11 @@ from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from looptool.core.errors import LooptoolError
 from looptool.engine.budgets import AutoRow
-from looptool.engine.sampling import SamplingParams
-from looptool.engine.speculation import Speculation
-from looptool.serve.budgets import BudgetChoiceError, BudgetResolver
+from looptool.serve.budgets import BudgetResolver
 from looptool.serve.choices import Choice
 from looptool.serve.cost import request_cost
-from looptool.serve.drafting import choose_speculation, speculation_cost
+from looptool.serve.drafting import speculation_cost
 from looptool.serve.metrics import CONTENT_TYPE
 from looptool.serve.models import ServedModel
 from looptool.serve.prompts import chat_prompt, check_room, completion_prompts
@@ -53,14 +51,20 @@ from looptool.serve.protocol import (
     Body,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     chunk,
     error_body,
     invalid_field,
+    refused_fields,
     request_id,
     response,
     usage,
 )
+from looptool.serve.requests import check_n, choice_jobs, plan
 from looptool.serve.scheduler import Draining, Event, Job, QueueFull, Scheduler
+from looptool.serve.structured import Grammars, GrammarSpec, request_grammar
+from looptool.serve.tools import ToolRequest, check_tools, parser_for
 
 log = logging.getLogger(__name__)
 
@@ -74,18 +78,24 @@ def create_app(
     *,
     api_key: str | None = None,
     draft_tokens: int | None = None,
+    tool_call_parser: str = "hermes",
 ):
     """The FastAPI app serving ``served`` through ``scheduler`` (started and stopped with the app);
     with ``draft_tokens``, requests at a fixed budget deeper than the menu's shallowest decode
     speculatively by default, drafting that many tokens at the shallowest
     (:func:`~looptool.serve.drafting.choose_speculation`)."""
 
-    def cost_of(budget: int | AutoRow, jobs: list[Job], depths: list[int]) -> dict:
-        """A response's ``cost``: :func:`request_cost`, and what speculation did where it ran."""
-        cost = request_cost(served.costs, budget, depths)
+    def cost_of(budget: int | AutoRow, jobs: list[Job], choices: list[Choice]) -> dict:
+        """A response's ``cost``: :func:`request_cost` over its choices' tokens, what speculation
+        did where it ran, and the tokens a grammar forced (taken without a step) where one ran."""
+        cost = request_cost(served.costs, budget, [d for c in choices for d in c.depths])
         if jobs[0].speculation is not None:
             cost = {**cost, "speculation": speculation_cost(jobs[0].speculation, [job.speculated for job in jobs])}
+        if jobs[0].constraint is not None:
+            cost = {**cost, "forced_tokens": sum(c.forced for c in choices)}
         return cost
+
+    tool_parser = parser_for(tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -96,6 +106,7 @@ def create_app(
     app = FastAPI(title="looptool serve", lifespan=lifespan)
     app.state.served, app.state.scheduler, app.state.resolver = served, scheduler, resolver
     app.state.ignored_fields = set()  # the unknown request fields already logged (see _parse)
+    app.state.grammars = None  # the structured-output grammars, compiled on first use (see grammar_rows)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -123,40 +134,82 @@ def create_app(
             )
         return {"object": "list", "data": data}
 
+    def grammar_rows(spec: GrammarSpec | None):
+        """A maker of one choice's grammar state for ``spec`` (None: no grammar); compiled once per
+        grammar text (:class:`Grammars`)."""
+        if spec is None:
+            return None
+        if app.state.grammars is None:
+            app.state.grammars = Grammars(served.tokenizer, served.vocab_size, served.eos)
+        grammars: Grammars = app.state.grammars
+        compiled = grammars.compile(spec)
+        return lambda: grammars.row(compiled, spec)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await _parse(request, TokenizeRequest)
+        _known_model(req.model, resolver)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("send either prompt or messages.", param="prompt")
+        if req.prompt is not None:
+            ids = list(served.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+        else:
+            ids = chat_prompt(req.messages, served.tokenizer, add_generation_prompt=req.add_generation_prompt)
+        strs = served.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": scheduler.capacity, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await _parse(request, DetokenizeRequest)
+        _known_model(req.model, resolver)
+        bad = [t for t in req.tokens if not 0 <= t < served.vocab_size]
+        if bad:
+            raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {served.vocab_size}).", param="tokens")
+        return {"prompt": served.tokenizer.decode(req.tokens)}
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await _parse(request, CompletionRequest)
-        budget, sampling, speculation = _common(req, resolver, scheduler, served.runtime, draft_tokens)
+        spec = request_grammar(req)
+        p = plan(req, resolver, scheduler, served.runtime, draft_tokens, served.vocab_size, spec is not None)
         prompts, echoes = completion_prompts(req.prompt, served.tokenizer, served.vocab_size)
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(
+                f"best_of={req.best_of} with n={req.n}: this server returns every choice it generates; send best_of "
+                "equal to n (or leave it out).",
+                param="best_of",
+            )
+        check_n(req.n, scheduler)
         if req.max_tokens is not None and req.max_tokens < 1:
             raise APIError(f"max_tokens must be at least 1, got {req.max_tokens}.", param="max_tokens")
-        if req.stream and (len(prompts) > 1 or req.echo or req.logprobs is not None):
-            raise APIError("stream takes one prompt, without echo or logprobs.", param="stream")
+        if req.stream and (len(prompts) > 1 or req.echo):
+            raise APIError("stream takes one prompt, without echo.", param="stream")
         for prompt in prompts:
             check_room(len(prompt), req.max_tokens, scheduler.capacity)
         scoring = req.logprobs if req.echo and req.logprobs is not None else None
-        if scoring is not None and isinstance(budget, AutoRow):
+        if scoring is not None and isinstance(p.budget, AutoRow):
             raise APIError('echo with logprobs scores the prompt at a fixed budget, not budget "auto".', param="echo")
-        jobs = [
-            _job(
+        rows = await asyncio.to_thread(grammar_rows, spec)
+        groups = [
+            choice_jobs(
+                prompt,
                 p,
-                budget,
-                req.max_tokens or scheduler.capacity - len(p),
-                sampling,
-                req.logprobs,
-                scoring,
-                req.ignore_eos,
-                speculation=speculation,
+                req.n,
+                req.max_tokens or scheduler.capacity - len(prompt),
+                rows,
+                logprobs=req.logprobs,
+                prompt_logprobs=scoring,
+                ignore_eos=req.ignore_eos,
             )
-            for p in prompts
+            for prompt in prompts
         ]
+        jobs = [job for group in groups for job in group]
         rid = request_id("cmpl")
         stops = req.stops()
-        if req.stream:
-            queue = _submit(scheduler, jobs[0])
-            return _sse(_stream_completion(rid, req, jobs[0], queue, stops, budget))
-        queues = [_submit(scheduler, job) for job in jobs]
         choices = [Choice(i, served.tokenizer, stops, logprobs=req.logprobs) for i in range(len(jobs))]
+        queues = [q for group in groups for q in _submit(scheduler, group)]
+        if req.stream:
+            return _sse(_stream_completion(rid, req, jobs, queues, choices, p.budget))
         for job, choice in zip(jobs, choices):
             if scoring is not None:
                 choice.echo_prompt(job.prompt)
@@ -164,77 +217,115 @@ def create_app(
         out = [
             {
                 "index": c.index,
-                "text": (echoes[c.index] if req.echo else "") + c.text.text,
+                "text": (echoes[c.index // req.n] if req.echo else "") + c.text.text,
                 "logprobs": c.logprobs(),
                 "finish_reason": c.reason,
             }
             for c in choices
         ]
-        use = usage(sum(len(p) for p in prompts), sum(len(c.tokens) for c in choices))
-        cost = cost_of(budget, jobs, [d for c in choices for d in c.depths])
-        return response(rid, "text_completion", req.model, out, use, cost)
+        use = usage(sum(len(job.prompt) for job in jobs[:: req.n]), sum(len(c.tokens) for c in choices))
+        return response(rid, "text_completion", req.model, out, use, cost_of(p.budget, jobs, choices))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await _parse(request, ChatCompletionRequest)
-        budget, sampling, speculation = _common(req, resolver, scheduler, served.runtime, draft_tokens)
-        if req.logprobs:
-            raise APIError("logprobs are served on /v1/completions only.", param="logprobs")
-        prompt = chat_prompt(req.messages, served.tokenizer)
+        tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        spec = request_grammar(req)
+        forcing = tools is not None and tool_parser.constraint(tools)
+        if forcing:
+            forcing = forcing if isinstance(forcing, str) else forcing.model_dump_json()
+            if spec is not None:
+                raise APIError(
+                    f"tool_choice forces a tool call, which {spec.field} would constrain too; send one of them.",
+                    param=spec.field,
+                )
+            spec = GrammarSpec("structural_tag", forcing, "tool_choice")
+        p = plan(req, resolver, scheduler, served.runtime, draft_tokens, served.vocab_size, spec is not None)
+        check_n(req.n, scheduler)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs: true.", param="top_logprobs")
+        if tools is not None and tools.choice != "none":
+            prompt = tool_parser.render([m.as_dict() for m in req.messages], tools, served.tokenizer)
+        else:
+            prompt = chat_prompt(req.messages, served.tokenizer)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if limit is not None and limit < 1:
             raise APIError(f"max_tokens must be at least 1, got {limit}.", param="max_tokens")
         check_room(len(prompt), limit, scheduler.capacity)
-        job = _job(
-            prompt,
-            budget,
-            limit or scheduler.capacity - len(prompt),
-            sampling,
-            ignore_eos=req.ignore_eos,
-            speculation=speculation,
+        rows = await asyncio.to_thread(grammar_rows, spec)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        jobs = choice_jobs(
+            prompt, p, req.n, limit or scheduler.capacity - len(prompt), rows, logprobs=top, ignore_eos=req.ignore_eos
         )
         rid = request_id("chatcmpl")
-        queue = _submit(scheduler, job)
+        choices = [Choice(i, served.tokenizer, req.stops(), logprobs=top) for i in range(len(jobs))]
+        queues = _submit(scheduler, jobs)
+        calling = tools if tools is not None and tools.choice != "none" else None
         if req.stream:
-            return _sse(_stream_chat(rid, req, job, queue, budget))
-        choice = Choice(0, served.tokenizer, req.stops())
-        await _collect(scheduler, [job], [queue], [choice], request)
-        message = {"role": "assistant", "content": choice.text.text}
-        out = [{"index": 0, "message": message, "logprobs": None, "finish_reason": choice.reason}]
-        cost = cost_of(budget, [job], choice.depths)
-        return response(rid, "chat.completion", req.model, out, usage(len(prompt), len(choice.tokens)), cost)
+            return _sse(_stream_chat(rid, req, jobs, queues, choices, p.budget, calling))
+        await _collect(scheduler, jobs, queues, choices, request)
+        out = []
+        for c in choices:
+            message: dict = {"role": "assistant", "content": c.text.text}
+            reason = c.reason
+            if calling is not None:
+                content, calls = tool_parser.parse(c.text.text, calling)
+                message["content"] = content
+                if calls:
+                    message["tool_calls"] = calls
+                    reason = tool_finish(calling, reason)
+            out.append({"index": c.index, "message": message, "logprobs": c.chat_logprobs(), "finish_reason": reason})
+        use = usage(len(prompt), sum(len(c.tokens) for c in choices))
+        return response(rid, "chat.completion", req.model, out, use, cost_of(p.budget, jobs, choices))
 
-    async def _stream_completion(rid, req, job, queue, stops, budget) -> AsyncIterator[dict]:
-        choice = Choice(0, served.tokenizer, stops)
-        async for piece in _pieces(scheduler, job, queue, choice):
+    async def _stream_completion(rid, req, jobs, queues, choices, budget) -> AsyncIterator[dict]:
+        offsets = [0] * len(choices)
+        async for i, piece, event in _merged(scheduler, jobs, queues, choices):
+            c = choices[i]
+            logprobs = None
+            if c.want_logprobs and event is not None and event.kind == "token":
+                logprobs = c.logprobs(start=len(c.lp_tokens) - 1, offset=offsets[i])
+                offsets[i] += len(logprobs["tokens"][0])
             yield chunk(
                 rid,
                 "text_completion",
                 req.model,
-                [{"index": 0, "text": piece, "logprobs": None, "finish_reason": None}],
+                [{"index": i, "text": piece, "logprobs": logprobs, "finish_reason": None}],
             )
-        last = [{"index": 0, "text": "", "logprobs": None, "finish_reason": choice.reason}]
+        last = [{"index": c.index, "text": "", "logprobs": None, "finish_reason": c.reason} for c in choices]
         async for item in _ending(
-            rid,
-            "text_completion",
-            req,
-            last,
-            len(job.prompt),
-            choice,
-            cost_of(budget, [job], choice.depths),
+            rid, "text_completion", req, last, len(jobs[0].prompt), choices, cost_of(budget, jobs, choices)
         ):
             yield item
 
-    async def _stream_chat(rid, req, job, queue, budget) -> AsyncIterator[dict]:
+    async def _stream_chat(rid, req, jobs, queues, choices, budget, calling) -> AsyncIterator[dict]:
         kind = "chat.completion.chunk"
-        yield chunk(
-            rid, kind, req.model, [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
-        )
-        choice = Choice(0, served.tokenizer, req.stops())
-        async for piece in _pieces(scheduler, job, queue, choice):
-            yield chunk(rid, kind, req.model, [{"index": 0, "delta": {"content": piece}, "finish_reason": None}])
-        last = [{"index": 0, "delta": {}, "finish_reason": choice.reason}]
-        async for item in _ending(rid, kind, req, last, len(job.prompt), choice, cost_of(budget, [job], choice.depths)):
+
+        def out(i: int, delta: dict, logprobs: dict | None = None) -> dict:
+            return chunk(
+                rid, kind, req.model, [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": None}]
+            )
+
+        for c in choices:
+            yield out(c.index, {"role": "assistant", "content": ""})
+        parsers = [tool_parser.stream(calling) if calling is not None else None for _ in choices]
+        async for i, piece, event in _merged(scheduler, jobs, queues, choices):
+            c = choices[i]
+            logprobs = c.chat_logprobs(start=len(c.tokens) - 1) if c.want_logprobs and event.kind == "token" else None
+            deltas = [{"content": piece}] if parsers[i] is None else parsers[i].push(piece)
+            for delta in deltas or ([{"content": ""}] if logprobs is not None else []):
+                yield out(i, delta, logprobs)
+                logprobs = None
+        last = []
+        for i, c in enumerate(choices):
+            reason = c.reason
+            if parsers[i] is not None:
+                for delta in parsers[i].finish():
+                    yield out(i, delta)
+                if parsers[i].calls:
+                    reason = tool_finish(calling, reason)
+            last.append({"index": c.index, "delta": {}, "finish_reason": reason})
+        async for item in _ending(rid, kind, req, last, len(jobs[0].prompt), choices, cost_of(budget, jobs, choices)):
             yield item
 
     return app
@@ -285,6 +376,7 @@ async def _parse(request: Request, model: type[Body]):
         raise APIError(f"the request body is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc}).") from None
     if not isinstance(data, dict):
         raise APIError("the request body must be a JSON object.")
+    refused_fields(data, model.refuses)
     try:
         req = model.model_validate(data)
     except ValidationError as exc:
@@ -296,67 +388,50 @@ async def _parse(request: Request, model: type[Body]):
     return req
 
 
-def _common(
-    req, resolver: BudgetResolver, scheduler: Scheduler, runtime: str, draft_tokens: int | None
-) -> tuple[int | AutoRow, SamplingParams, Speculation | None]:
-    """The request's budget (or adaptive-depth settings, where the engine runs them), sampling
-    settings and speculation (:func:`choose_speculation`; ``draft_tokens``: the server's
-    speculative default, None when off), checked."""
-    if req.n != 1:
-        raise APIError(f"n={req.n}: this server returns one choice per prompt; send n=1.", param="n")
-    try:
-        budget = resolver.choose(
-            req.model, req.budget, req.reasoning_effort, req.min_budget, req.max_budget, req.exit_threshold
+def _known_model(model: str | None, resolver: BudgetResolver) -> None:
+    """A ``model`` the server does not serve is one 404, as on the ``/v1`` routes."""
+    if model is not None and model not in resolver.model_ids():
+        raise APIError(
+            f"the model {model!r} does not exist; this server serves {resolver.model_ids()}.",
+            status=404,
+            param="model",
+            code="model_not_found",
         )
-    except BudgetChoiceError as exc:
-        raise APIError(str(exc), status=exc.status, param=exc.parameter, code=exc.code) from None
-    speculation = choose_speculation(req, budget, resolver.budgets, scheduler.capabilities, runtime, draft_tokens)
-    if isinstance(budget, AutoRow) and (refusal := scheduler.capabilities.adaptive_refusal) is not None:
-        if getattr(refusal, "parameter", None) == "kv":
-            message = (
-                'budget "auto" needs last-loop KV and this server keeps per-loop KV; start it with --kv last-loop.'
-            )
-        else:
-            message = (
-                f'budget "auto" is not served by the {runtime} engine (it has no adaptive-depth graph); serve an '
-                "onnxruntime engine exported with it (looptool export --adaptive --kv last-loop) or the looped model "
-                "directory on PyTorch, with --kv last-loop."
-            )
-        raise APIError(message, param="budget")
-    try:
-        sampling = SamplingParams(req.temperature, req.checked_top_k(), req.top_p if req.top_p < 1 else None, req.seed)
-    except LooptoolError as exc:
-        raise APIError(str(exc), param=exc.parameter) from None
-    return budget, sampling, speculation
 
 
-def _job(prompt: list[int], budget: int | AutoRow, max_tokens: int, *args, **kwargs) -> Job:
-    """The scheduler job of one prompt at a fixed ``budget`` or adaptive depth (run up to its
-    ``max_budget``). The HTTP side counts its finish (see :func:`_pieces`)."""
-    kwargs["consumer_counts"] = True
-    if isinstance(budget, AutoRow):
-        return Job(prompt, budget.max_budget, max_tokens, *args, auto=budget, **kwargs)
-    return Job(prompt, budget, max_tokens, *args, **kwargs)
-
-
-def _submit(scheduler: Scheduler, job: Job) -> asyncio.Queue:
-    """Queue ``job`` with the engine; its events arrive on the returned asyncio queue."""
+def _submit(scheduler: Scheduler, jobs: list[Job]) -> list[asyncio.Queue]:
+    """Queue the first of ``jobs`` with the engine, the rest being its copies (one request's
+    choices of one prompt); each job's events arrive on its asyncio queue, returned in order."""
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[Event | None] = asyncio.Queue()  # None: the client went away (see _collect)
-    job.emit = lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)
+    queues = []
+    for job in jobs:
+        queue: asyncio.Queue[Event | None] = asyncio.Queue()  # None: the client went away (see _collect)
+        job.emit = functools.partial(loop.call_soon_threadsafe, queue.put_nowait)
+        queues.append(queue)
     try:
-        scheduler.submit(job)
+        scheduler.submit(jobs[0])
     except QueueFull:
         scheduler.metrics.rejected.inc()
         raise APIError("the server is at capacity (every slot busy, queue full); retry later.", status=503) from None
     except Draining:
         scheduler.metrics.rejected.inc()
         raise APIError("the server is shutting down and admits no new request.", status=503) from None
-    return queue
+    return queues
 
 
-async def _pieces(scheduler: Scheduler, job: Job, queue: asyncio.Queue, choice: Choice) -> AsyncIterator[str]:
-    """The text piece of each token of ``job`` (and any text left at the end) until it finishes.
+def tool_finish(calling: ToolRequest, reason: str | None) -> str | None:
+    """The finish reason of a choice that called tools: ``tool_calls``, except where the request
+    named the function (OpenAI then says ``stop``) or the length ran out."""
+    if reason == "stop" and calling.choice in ("auto", "required"):
+        return "tool_calls"
+    return reason
+
+
+async def _pieces(
+    scheduler: Scheduler, job: Job, queue: asyncio.Queue, choice: Choice
+) -> AsyncIterator[tuple[str, Event]]:
+    """The text piece of each token of ``job`` (and any text left at the end) with its event,
+    until it finishes.
 
     The job leaves the engine early (its slot freed at the next step) when a stop string ends
     it (counted as ``stop``), when the consumer stops early (a stream whose client went away),
@@ -372,7 +447,7 @@ async def _pieces(scheduler: Scheduler, job: Job, queue: asyncio.Queue, choice: 
                 return  # nobody reads the answer: the finally frees the slot
             piece = choice.push(event)
             if event.kind == "token" or piece:
-                yield piece  # one chunk per token (empty while text is held back), so clients can time tokens
+                yield piece, event  # one chunk per token (empty while text is held back), so clients can time tokens
         reason = choice.reason or reason  # stop (EOS or a stop string) or length
         if choice.failed:
             raise APIError(f"generation failed: {choice.failed}", status=500)
@@ -412,11 +487,50 @@ async def _watch(request: Request, queues: list[asyncio.Queue]) -> None:
         queue.put_nowait(None)
 
 
-async def _ending(rid, kind, req, last_choices, prompt_tokens: int, choice: Choice, cost: dict) -> AsyncIterator[dict]:
+async def _merged(
+    scheduler: Scheduler, jobs: list[Job], queues: list[asyncio.Queue], choices: list[Choice]
+) -> AsyncIterator[tuple[int, str, Event]]:
+    """The pieces of every choice of a stream (:func:`_pieces`) as they come, each with its
+    choice's index: one task per choice, ended (its job cancelled) when the stream ends early."""
+    if len(jobs) == 1:
+        async for piece, event in _pieces(scheduler, jobs[0], queues[0], choices[0]):
+            yield 0, piece, event
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int) -> None:
+        try:
+            async for piece, event in _pieces(scheduler, jobs[i], queues[i], choices[i]):
+                await merged.put((i, piece, event))
+        except APIError as exc:
+            await merged.put((i, exc, end))
+        await merged.put((i, None, end))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(jobs))]
+    try:
+        running = len(tasks)
+        while running:
+            i, piece, event = await merged.get()
+            if event is end:
+                if isinstance(piece, APIError):
+                    raise piece
+                running -= 1
+                continue
+            yield i, piece, event
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _ending(
+    rid, kind, req, last_choices, prompt_tokens: int, choices: list[Choice], cost: dict
+) -> AsyncIterator[dict]:
     """The finishing chunk (with ``cost``) and, with ``stream_options.include_usage``, the usage chunk."""
     yield chunk(rid, kind, req.model, last_choices, cost=cost)
     if req.stream_options is not None and req.stream_options.include_usage:
-        yield chunk(rid, kind, req.model, [], usage=usage(prompt_tokens, len(choice.tokens)), cost=cost)
+        tokens = sum(len(c.tokens) for c in choices)
+        yield chunk(rid, kind, req.model, [], usage=usage(prompt_tokens, tokens), cost=cost)
 
 
 def _sse(items: AsyncIterator[dict]) -> StreamingResponse:

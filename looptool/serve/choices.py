@@ -1,8 +1,10 @@
 """One choice of a response as engine events arrive: its text (decoded, cut at stop strings),
-its finish reason, its token count, the depth each token ran at and, for ``/v1/completions`` with ``logprobs``, the legacy
-``logprobs`` object (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``) with the
-prompt tokens first when ``echo`` is set (what lm-evaluation-harness's ``local-completions``
-reads: ``token_logprobs[ctxlen:-1]``)."""
+its finish reason, its token count, the depth each token ran at, the tokens its grammar forced
+and its log-probabilities in both of the API's shapes: ``/v1/completions``' legacy ``logprobs``
+object (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``) with the prompt tokens
+first when ``echo`` is set (what lm-evaluation-harness's ``local-completions`` reads:
+``token_logprobs[ctxlen:-1]``), and chat's ``logprobs.content`` entries (``token``,
+``logprob``, ``bytes``, ``top_logprobs``), whole or one token per stream chunk."""
 
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ class Choice:
         self.tok = tok
         self.text = TextStream(tok, stops)
         self.tokens: list[int] = []
-        self.depths: list[int] = []  # the depth that produced each token
+        self.depths: list[int] = []  # the depth that produced each token (none for a forced one)
+        self.forced = 0  # tokens the grammar forced, taken without a step
         self.reason: str | None = None
         self.failed = ""
         self.want_logprobs = logprobs is not None
@@ -54,6 +57,7 @@ class Choice:
         self.tokens.append(event.token)
         if event.depth is not None:
             self.depths.append(event.depth)
+        self.forced += event.forced
         if self.want_logprobs:
             self.lp_tokens.append(event.token)
             self.lp_values.append(event.logprob)
@@ -63,14 +67,39 @@ class Choice:
             self.reason = "stop"
         return piece
 
-    def logprobs(self) -> dict | None:
-        """The legacy completions ``logprobs`` object, or None when not asked for."""
+    def _string(self, token: int) -> str:
+        return self.tok.decode([token])
+
+    def logprobs(self, start: int = 0, offset: int = 0) -> dict | None:
+        """The legacy completions ``logprobs`` object of the tokens from ``start`` on (their text
+        offsets counted from ``offset``), or None when not asked for."""
         if not self.want_logprobs:
             return None
-        strings = [self.tok.decode([t]) for t in self.lp_tokens]
-        offsets, at = [], 0
+        strings = [self._string(t) for t in self.lp_tokens[start:]]
+        offsets, at = [], offset
         for s in strings:
             offsets.append(at)
             at += len(s)
-        top = [None if t is None else {self.tok.decode([i]): v for i, v in t} for t in self.lp_top]
-        return {"tokens": strings, "token_logprobs": self.lp_values, "top_logprobs": top, "text_offset": offsets}
+        top = [None if t is None else {self._string(i): v for i, v in t} for t in self.lp_top[start:]]
+        return {
+            "tokens": strings,
+            "token_logprobs": self.lp_values[start:],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(self, start: int = 0) -> dict | None:
+        """Chat's ``logprobs`` object (``content``: one entry per generated token from ``start``
+        on, each with its ``top_logprobs``), or None when not asked for."""
+        if not self.want_logprobs:
+            return None
+
+        def entry(token: int, logprob: float) -> dict:
+            s = self._string(token)
+            return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+        content = [
+            {**entry(t, v), "top_logprobs": [entry(i, p) for i, p in top or []]}
+            for t, v, top in zip(self.lp_tokens[start:], self.lp_values[start:], self.lp_top[start:])
+        ]
+        return {"content": content, "refusal": None}

@@ -4,7 +4,8 @@ reason, and time-to-first-token, time-per-output-token and end-to-end latency hi
 each labelled by budget (``auto`` for requests of adaptive depth); and the realised depth of
 every token an adaptive request generated (a histogram whose buckets are the depths from the
 menu's shallowest to its deepest budget); and the tokens speculating requests drafted and the
-drafts their budget accepted; and the steps by whether their batch ran one budget or a mix."""
+drafts their budget accepted; and the steps by whether their batch ran one budget or a mix;
+and the tokens grammars forced, which no step chose (structured outputs)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,12 @@ class Metrics(Observer):
             ["kind"],
             registry=r,
         )
+        self.forced_tokens = Counter(
+            "looptool_forced_tokens",
+            "Tokens a request's grammar forced (structured outputs), taken without a step of the model.",
+            ["budget"],
+            registry=r,
+        )
         self.prefix_bytes = Gauge("looptool_prefix_cache_bytes", "Bytes the prefix cache's blocks hold.", registry=r)
 
         self.steps = Counter(
@@ -99,8 +106,8 @@ class Metrics(Observer):
             self.prefix_tokens.labels(kind="hit").inc(cached)
             self.prefix_bytes.set(prefix_bytes)
 
-    def emitted(self, job: Job, depth: int, first: bool, seconds: float) -> None:
-        if job.auto is not None:
+    def emitted(self, job: Job, depth: int | None, first: bool, seconds: float) -> None:
+        if job.auto is not None and depth is not None:
             self.depth.observe(depth)
         (self.ttft if first else self.tpot).labels(budget=job.label).observe(seconds)
         self.generation_tokens.labels(budget=job.label).inc()
@@ -111,6 +118,9 @@ class Metrics(Observer):
 
     def retired(self, job: Job, seconds: float) -> None:
         self.e2e.labels(budget=job.label).observe(seconds)
+
+    def forced(self, job: Job, tokens: int) -> None:
+        self.forced_tokens.labels(budget=job.label).inc(tokens)
 
     def stepped(self, labels: frozenset[str]) -> None:
         self.steps.labels(batch=batch_kind(labels)).inc()

@@ -33,8 +33,9 @@ def completion_prompts(prompt, tok, vocab_size: int) -> tuple[list[list[int]], l
     return ids, texts
 
 
-def chat_prompt(messages: list[ChatMessage], tok) -> list[int]:
-    """The token ids of ``messages`` through the tokenizer's chat template, with the generation prompt."""
+def chat_prompt(messages: list[ChatMessage], tok, add_generation_prompt: bool = True) -> list[int]:
+    """The token ids of ``messages`` through the tokenizer's chat template (with the generation
+    prompt unless told otherwise)."""
     if not messages:
         raise APIError("messages is empty; send at least one message.", param="messages")
     if not getattr(tok, "chat_template", None):
@@ -42,7 +43,7 @@ def chat_prompt(messages: list[ChatMessage], tok) -> list[int]:
             "this model's tokenizer has no chat template; use /v1/completions with a text prompt.", param="messages"
         )
     out = tok.apply_chat_template(
-        [{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt=True, tokenize=True
+        [m.as_dict() for m in messages], add_generation_prompt=add_generation_prompt, tokenize=True
     )
     ids = out["input_ids"] if hasattr(out, "keys") else out
     if ids and isinstance(ids[0], list):

@@ -8,14 +8,21 @@ else is one sentence naming the field and what it got (:func:`invalid_field`). F
 declares are accepted and ignored, as OpenAI servers do, and listed by
 :meth:`Body.ignored_fields` so the server can say so.
 
+Fields the OpenAI API defines that the server does not serve (:data:`UNSUPPORTED`: ``audio``,
+``prediction``, ``suffix``, ...) are refused with one 400 naming the field rather than ignored
+(:func:`refused_fields`); a few metadata fields (``user``, ``metadata``, ``service_tier``, ...)
+are accepted and have no effect, as vLLM takes them.
+
 Extensions travel as extra body fields, as vLLM takes them (clients send them with
-``extra_body``): ``budget`` (an integer of the menu, an effort level, or ``"auto"``: adaptive
+``extra_body``): vLLM's ``repetition_penalty``, ``min_p``, ``top_k``, ``ignore_eos`` and
+structured-output fields ``guided_json``, ``guided_regex``, ``guided_choice`` and
+``guided_grammar``; and ``budget`` (an integer of the menu, an effort level, or ``"auto"``: adaptive
 depth per token, with ``min_budget``, ``max_budget`` and ``exit_threshold``), ``draft_budget``
-and ``draft_tokens`` (self-speculative decoding, :mod:`looptool.engine.rounds`), ``top_k``
-and ``ignore_eos``. Responses carry ``cost`` beside ``usage``: the budget that ran and its cost-table
+and ``draft_tokens`` (self-speculative decoding, :mod:`looptool.engine.rounds`). Responses carry ``cost`` beside ``usage``: the budget that ran and its cost-table
 entry (layer executions and KV bytes per token, Accordion Eq. 6), or for ``"auto"`` the mean
 depth the generated tokens realised (:func:`looptool.serve.cost.request_cost`), and for a
-speculating request its drafted and accepted token counts.
+speculating request its drafted and accepted token counts, and for a request under a grammar
+the tokens it forced (``forced_tokens``, taken without a step).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 from pydantic_core import ErrorDetails, PydanticCustomError
@@ -109,6 +116,7 @@ class Body(BaseModel):
     it does not declare are kept in ``model_extra`` and ignored."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+    refuses: ClassVar[tuple[str, ...]] = ()  # the OpenAI fields of this body the server refuses (UNSUPPORTED)
 
     def ignored_fields(self) -> set[str]:
         """The fields the request sent that no model declares, those of a part under its field
@@ -128,6 +136,17 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
+class ResponseFormat(Body):
+    """``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or
+    ``json_schema`` (``json_schema.schema``, with its ``name`` and ``strict``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+MAX_N = 128  # choices per request (vLLM's bound on n is the engine's; this keeps one request's rows sane)
+
+
 class _Sampling(Body):
     """Fields both endpoints take."""
 
@@ -135,9 +154,25 @@ class _Sampling(Body):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = None  # extension; None, 0 or -1: no top-k
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # extension (vLLM's)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)  # extension (vLLM's); 1: none
+    logit_bias: dict[str, float] | None = None
     seed: int | None = None
     stop: Stop = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None  # extensions (vLLM's structured outputs)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    user: str | None = None  # accepted, no effect (as the next ones)
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     budget: Any = None  # extension: a JSON integer of the menu, an effort level or "auto"; checked by BudgetResolver
@@ -170,6 +205,9 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
+    best_of: int | None = None  # served where it equals n (no candidates beyond the choices returned)
+
+    refuses: ClassVar[tuple[str, ...]] = ("suffix",)
 
 
 class ChatMessage(Body):
@@ -177,12 +215,30 @@ class ChatMessage(Body):
 
     role: str
     content: Content = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (a conversation sent back)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
-        """The message text (text parts joined)."""
+        """The message text (text parts joined); a part other than text is one 400."""
         if isinstance(self.content, list):
-            return "".join(str(p.get("text", "")) for p in self.content if p.get("type", "text") == "text")
+            for part in self.content:
+                if part.get("type", "text") != "text":
+                    raise APIError(
+                        f"content parts of type {part.get('type')!r} are not supported by this text-only server; "
+                        "send text parts.",
+                        param="messages.content",
+                    )
+            return "".join(str(p.get("text", "")) for p in self.content)
         return self.content or ""
+
+    def as_dict(self) -> dict:
+        """The message as a chat template reads it (text content, the fields it sent)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for name in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
 
 
 class ChatCompletionRequest(_Sampling):
@@ -192,6 +248,62 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    refuses: ClassVar[tuple[str, ...]] = (
+        "audio",
+        "modalities",
+        "prediction",
+        "web_search_options",
+        "functions",
+        "function_call",
+        "verbosity",
+    )
+
+
+# Fields the OpenAI API defines that this server does not serve: each is one 400 naming it,
+# unless it carries the value that asks for nothing (the second entry).
+UNSUPPORTED: dict[str, tuple[str, tuple]] = {
+    "audio": ("audio output; this server answers in text", (None,)),
+    "modalities": ("output modalities other than text", (None, ["text"])),
+    "prediction": ("predicted outputs", (None,)),
+    "web_search_options": ("web search", (None,)),
+    "functions": ("the deprecated functions field; send tools", (None,)),
+    "function_call": ("the deprecated function_call field; send tool_choice", (None,)),
+    "verbosity": ("verbosity", (None,)),
+    "suffix": ("suffix (insertion)", (None, "")),
+}
+
+
+def refused_fields(data: dict, names: tuple[str, ...]) -> None:
+    """One 400 for the first of ``names`` (an endpoint's fields in :data:`UNSUPPORTED`) that
+    ``data`` sends with a value that asks for something."""
+    for name in names:
+        what, fine = UNSUPPORTED[name]
+        if name in data and data[name] not in fine:
+            raise APIError(f"{name} is not supported by this server ({what}); drop the field.", param=name)
+
+
+class TokenizeRequest(Body):
+    """``POST /tokenize`` (vLLM's): a ``prompt``'s token ids, or those of chat ``messages``
+    through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Body):
+    """``POST /detokenize`` (vLLM's): the text of ``tokens``."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def request_id(prefix: str) -> str:

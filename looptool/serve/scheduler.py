@@ -67,7 +67,8 @@ class Scheduler:
     (None: off) reuses the keys and values of prompt prefixes. ``kv_memory`` (bytes; None: no
     bound) bounds the slot cache: it holds only as many slots of ``capacity`` tokens (and a
     speculative round's drafts) as fit, fewer than ``max_batch`` where they do not, and the
-    requests beyond them wait in the queue."""
+    requests beyond them wait in the queue. ``jump_forward`` takes the tokens a request's grammar
+    forces without a step (:class:`~looptool.engine.core.EngineCore`)."""
 
     def __init__(
         self,
@@ -81,6 +82,7 @@ class Scheduler:
         device: torch.device | str = "cpu",
         prefix_cache: PrefixCache | None = None,
         kv_memory: int | None = None,
+        jump_forward: bool = True,
     ):
         self.engine = engine
         max_batch = min(max_batch, slots_within(engine, kv_memory, capacity)) if kv_memory is not None else max_batch
@@ -97,6 +99,7 @@ class Scheduler:
             prefix_cache=prefix_cache,
             observer=self.metrics,
             leave=self._leave,
+            jump_forward=jump_forward,
         )
         self.waiting: deque[Job] = deque()
         self._held: set[Job] = set()  # accepted and not yet out of the scheduler: waiting, prefilling or running
@@ -116,8 +119,9 @@ class Scheduler:
         with self._cond:
             if self._draining:
                 raise Draining()
-            if len(self._held) >= self.max_batch + self.max_queue:
+            if len(self._held) + len(job.copies) >= self.max_batch + self.max_queue:
                 raise QueueFull()
+            self._held.update(job.copies)
             self._held.add(job)
             self.waiting.append(job)
             self.metrics.waiting.set(len(self.waiting))
@@ -140,6 +144,7 @@ class Scheduler:
                 self._held.discard(job)
                 self.metrics.waiting.set(len(self.waiting))
                 self.metrics.finished.labels(budget=job.label, reason=reason).inc()
+                self._resubmit(job.copies)
             self._cond.notify()
 
     @property
@@ -223,13 +228,17 @@ class Scheduler:
                     self._cond.wait()
                 if self._stop and not self.waiting and not self.core.rows:
                     return
-                admitted = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.core.free))]
+                admitted, free = [], self.core.free
+                while self.waiting and 1 + len(self.waiting[0].copies) <= free:  # a job and its copies: one row each
+                    admitted.append(self.waiting.popleft())
+                    free -= 1 + len(admitted[-1].copies)
                 self.metrics.waiting.set(len(self.waiting))
             try:
                 for job in admitted:
                     if job.cancelled:  # cancelled between leaving the queue and its prefill
                         self.metrics.finished.labels(budget=job.label, reason=job.cancel_reason).inc()
                         self._release(job)
+                        self._resubmit(job.copies)
                     else:
                         self._admit(job)
                 self.core.retire()
@@ -242,15 +251,27 @@ class Scheduler:
                     self._release(job)
             self.metrics.running.set(len(self.core.rows))
 
+    def _resubmit(self, copies: list[Job]) -> None:
+        """Queue the copies of a job cancelled before its prefill at the front, each a job of its own."""
+        with self._cond:
+            for job in reversed(copies):
+                if job.cancelled:
+                    self.metrics.finished.labels(budget=job.label, reason=job.cancel_reason).inc()
+                    self._held.discard(job)
+                else:
+                    self.waiting.appendleft(job)
+
     def _admit(self, job: Job) -> None:
-        """Prefill ``job``; a failure fails that request alone."""
+        """Prefill ``job`` (and its copies); a failure fails that request alone."""
         try:
             self.core.prefill([job])
         except Exception as exc:
             log.exception("prefill failed")
-            self.core.abandon([job])
-            self._release(job)
-            job.emit(Event("failed", message=f"{type(exc).__name__}: {exc}"))
+            group = [job, *job.copies]
+            self.core.abandon(group)
+            for each in group:
+                self._release(each)
+                each.emit(Event("failed", message=f"{type(exc).__name__}: {exc}"))
 
     def _leave(self, job: Job, reason: str) -> None:
         """``job`` finished (``reason``) or was cancelled, and its row is free: count it once,

@@ -65,6 +65,8 @@ class ServeOptions:
     prefix_cache: bool = True  # requests that share a prompt prefix reuse its keys and values
     prefix_cache_mb: int = DEFAULT_MAX_BYTES >> 20  # what the prefix cache may hold
     kv_memory_mb: int | None = None  # what the slot cache may hold; None: half the memory free at start
+    tool_call_parser: str = "hermes"  # how tool calls are read from (and forced into) the output
+    jump_forward: bool = True  # tokens a grammar forces are taken without a step
 
     def check(self) -> None:
         """One sentence per out-of-range option."""
@@ -88,6 +90,9 @@ class ServeOptions:
             raise LooptoolError(f"max_queue must be at least 0, got {self.max_queue}.", parameter="max_queue")
         if not 0 <= self.port < 65536:
             raise LooptoolError(f"port {self.port} is not a TCP port (0-65535).", parameter="port")
+        from looptool.serve.tools import parser_for
+
+        parser_for(self.tool_call_parser)  # one sentence naming the known parsers
 
     def check_kv(self, kv: str) -> None:
         """One sentence when these options do not go with the KV policy ``kv`` (speculative
@@ -132,6 +137,8 @@ class ServeOptions:
             self.draft_tokens if self.speculative else None,
             self.prefix_cache_mb << 20 if self.prefix_cache else None,
             None if self.kv_memory_mb is None else self.kv_memory_mb << 20,
+            self.tool_call_parser,
+            self.jump_forward,
         )
 
 
@@ -155,6 +162,8 @@ class ResolvedOptions:
     draft_tokens: int | None = None
     prefix_cache_bytes: int | None = DEFAULT_MAX_BYTES
     kv_memory: int | None = None  # bytes the slot cache may hold (None: half the memory free at start)
+    tool_call_parser: str = "hermes"
+    jump_forward: bool = True
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -203,6 +212,7 @@ def make_scheduler(served: ServedModel, options: ResolvedOptions) -> Scheduler:
         device=served.device,
         prefix_cache=None if options.prefix_cache_bytes is None else PrefixCache(options.prefix_cache_bytes),
         kv_memory=options.kv_memory or free_memory(served.device) // 2,
+        jump_forward=options.jump_forward,
     )
     if options.draft_tokens is not None and (refusal := scheduler.capabilities.verify_refusal) is not None:
         raise LooptoolError(str(refusal), parameter=getattr(refusal, "parameter", None))
@@ -246,7 +256,12 @@ class Server:
         self.resolver = resolver
         self.scheduler = make_scheduler(served, options)
         self.app = app = create_app(
-            served, self.scheduler, self.resolver, api_key=options.api_key, draft_tokens=options.draft_tokens
+            served,
+            self.scheduler,
+            self.resolver,
+            api_key=options.api_key,
+            draft_tokens=options.draft_tokens,
+            tool_call_parser=options.tool_call_parser,
         )
         config = uvicorn.Config(
             app, host=options.host, port=options.port, log_level=options.log_level, access_log=False
