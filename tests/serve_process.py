@@ -172,15 +172,30 @@ def export_engine(model_dir: Path, output: Path, *args: str) -> Path:
     return output
 
 
-def alone_on(opened: OpenedEngine, ids: list[int], budget: int, max_tokens: int, sampling: SamplingParams = GREEDY):
+Shape = Callable[[torch.Tensor, list[int]], torch.Tensor]
+
+
+def alone_on(
+    opened: OpenedEngine,
+    ids: list[int],
+    budget: int,
+    max_tokens: int,
+    sampling: SamplingParams = GREEDY,
+    shape: Shape | None = None,
+):
     """The tokens ``ids`` gets alone at ``budget`` on ``opened``'s step engine (one row, a cache
-    of its own, the shared prefill-then-decode loop), EOS included."""
+    of its own, the shared prefill-then-decode loop), EOS included; ``shape(logits [1, vocab],
+    tokens so far)`` (a test's own formula) changes each step's logits before the token is picked."""
     engine = opened.engine
     capacity = len(ids) + max_tokens
     cache = engine.allocate(1, capacity)
+    history = list(ids)
 
     def step(input_ids, mask, position_ids, cache_position):
-        return engine.step(cache, slice(0, 1), input_ids, mask, position_ids, cache_position, RowBudgets((budget,)))
+        if int(cache_position[0]) >= len(ids):  # a decode step feeds the token picked last
+            history.append(int(input_ids[0, -1]))
+        logits = engine.step(cache, slice(0, 1), input_ids, mask, position_ids, cache_position, RowBudgets((budget,)))
+        return logits if shape is None else shape(logits.float(), history)
 
     out = decode_loop(
         step,
@@ -205,7 +220,11 @@ def served_on(runtime: str, model_dir: Path, model, workdir: Path) -> Served:
     double runs the TensorRT variants with onnxruntime, so they compute what its graphs do)."""
     if runtime == "pytorch":
 
-        def alone(ids, budget, max_tokens, sampling=GREEDY):
+        def alone(ids, budget, max_tokens, sampling=GREEDY, shape=None):
+            if shape is not None:  # the test's own logits formula: the reference decode loop
+                return alone_on(
+                    open_engine(model_dir, runtime="pytorch", device="cpu"), ids, budget, max_tokens, sampling, shape
+                )
             out = generate(
                 model,
                 torch.tensor([ids]),
@@ -237,8 +256,8 @@ def served_on(runtime: str, model_dir: Path, model, workdir: Path) -> Served:
         args, launcher = ("--runtime", runtime, "--device", "cpu"), [FAKE_TRT_PROCESS]
     opened = open_engine(output, runtime="onnxruntime", threads=1)
 
-    def alone(ids, budget, max_tokens, sampling=GREEDY):
-        return alone_on(opened, ids, budget, max_tokens, sampling)
+    def alone(ids, budget, max_tokens, sampling=GREEDY, shape=None):
+        return alone_on(opened, ids, budget, max_tokens, sampling, shape)
 
     return Served(runtime, directory, args, launcher, alone)
 

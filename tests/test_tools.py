@@ -327,7 +327,10 @@ def test_no_constraint_when_text_is_allowed():
 def test_constraint_forces_well_formed_calls(grammar, choice, parallel):
     # bounded arguments: random logits under an open object schema write for thousands of tokens
     bounded = {"type": "object", "properties": {"q": {"type": "string", "maxLength": 4}}, "required": ["q"]}
-    lookup = {"type": "function", "function": {"name": "lookup", "parameters": {**bounded, "additionalProperties": False}}}
+    lookup = {
+        "type": "function",
+        "function": {"name": "lookup", "parameters": {**bounded, "additionalProperties": False}},
+    }
     tools = check_tools([WEATHER, lookup], choice, parallel)
     tag = HERMES.constraint(tools)
     counts = set()

@@ -11,6 +11,14 @@ JSON is written compactly (``{"a": 1, "b": 2}``, no free whitespace between toke
 grammar decides every byte of the layout): the same data in fewer tokens, and a model cannot
 wander off into whitespace, which vLLM's default allows.
 
+Two limits of xgrammar are closed here. A JSON-schema string with ``minLength`` /
+``maxLength`` compiles to a character class that admits raw control characters, which JSON
+forbids (xgrammar issue #800); such a string without a ``pattern`` is compiled as the pattern
+``^.{min,max}$``, whose path excludes them, instead (:func:`bounded_strings`). And on a
+vocabulary of byte-level tokens its character classes let a grammar's text hold invalid UTF-8
+(a surrogate's bytes, an overlong form), which no JSON parser reads; :class:`Utf8Guard` masks
+every token whose bytes would not continue valid UTF-8 from where the row's text stands.
+
 Where the grammar forces what comes next (a key of the schema, the quotes and colon after it,
 the closing brace, the stop token once nothing else may follow), :meth:`GrammarRow.forced`
 says so and the engine takes those tokens without a step (jump-forward decoding,
@@ -86,7 +94,24 @@ def _schema(schema, field: str) -> GrammarSpec:
     """A JSON-schema spec; a schema that is not a JSON object is refused."""
     if not isinstance(schema, dict):
         raise APIError(f"{field} must be a JSON schema (an object), got {json.dumps(schema)[:40]}.", param=field)
-    return GrammarSpec("json_schema", json.dumps(schema, sort_keys=True), field)
+    return GrammarSpec("json_schema", json.dumps(bounded_strings(schema), sort_keys=True), field)
+
+
+def bounded_strings(schema):
+    """``schema`` with every string subschema bounded by ``minLength`` / ``maxLength`` and no
+    ``pattern`` given the pattern ``^.{min,max}$`` instead (the same strings: a pattern's ``.`` is
+    one character), so xgrammar compiles it on its pattern path, which keeps out the raw control
+    characters its length path lets in (module docstring)."""
+    if isinstance(schema, list):
+        return [bounded_strings(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: bounded_strings(value) for key, value in schema.items()}
+    bounds = ("minLength" in out or "maxLength" in out) and "pattern" not in out and "format" not in out
+    if bounds and out.get("type") == "string" and "enum" not in out and "const" not in out:
+        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        out["pattern"] = f"^.{{{low},{'' if high is None else int(high)}}}$"
+    return out
 
 
 def _literal(text: str) -> str:
@@ -111,6 +136,8 @@ class Grammars:
         self.info = xgrammar.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_ids)
         )
+        special = {*self.info.special_token_ids, *stop_ids}
+        self.guard = Utf8Guard(self.info.decoded_vocab, vocab_size, sorted(special))
         self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=1)
         self.stop_ids = tuple(stop_ids)
         self.cache: LRUCache = LRUCache(maxsize=CACHED)
@@ -140,8 +167,8 @@ class Grammars:
 
     def _compile(self, spec: GrammarSpec):
         c = self.compiler
-        if spec.kind == "json":
-            return c.compile_builtin_json_grammar()
+        if spec.kind == "json":  # a JSON object, as OpenAI's json_object means (and vLLM compiles it)
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.kind == "json_schema":
             return c.compile_json_schema(spec.text, any_whitespace=False)
         if spec.kind == "regex":
@@ -152,17 +179,71 @@ class Grammars:
 
     def row(self, compiled, spec: GrammarSpec) -> GrammarRow:
         """A fresh matcher over ``compiled`` (``spec``'s grammar) for one choice."""
-        return GrammarRow(self.xgr, self.xgr.GrammarMatcher(compiled), self.info.vocab_size, self.stop_ids, spec)
+        matcher = self.xgr.GrammarMatcher(compiled)
+        return GrammarRow(self.xgr, matcher, self.info.vocab_size, self.stop_ids, spec, self.guard)
+
+
+_UTF8_STATES = ((0, 0x80, 0xBF), (1, 0x80, 0xBF), (2, 0x80, 0xBF), (3, 0x80, 0xBF))
+_UTF8_STATES += ((2, 0xA0, 0xBF), (2, 0x80, 0x9F), (3, 0x90, 0xBF), (3, 0x80, 0x8F))
+_UTF8_LEADS = (  # lead bytes and the state after them (RFC 3629's table)
+    (0xC2, 0xDF, (1, 0x80, 0xBF)),
+    (0xE0, 0xE0, (2, 0xA0, 0xBF)),
+    (0xE1, 0xEC, (2, 0x80, 0xBF)),
+    (0xED, 0xED, (2, 0x80, 0x9F)),
+    (0xEE, 0xEF, (2, 0x80, 0xBF)),
+    (0xF0, 0xF0, (3, 0x90, 0xBF)),
+    (0xF1, 0xF3, (3, 0x80, 0xBF)),
+    (0xF4, 0xF4, (3, 0x80, 0x8F)),
+)
+
+
+def _utf8_step(state: tuple[int, int, int], byte: int) -> tuple[int, int, int] | None:
+    """The UTF-8 validator's state after ``byte`` (None: invalid): how many continuation bytes
+    are still due and the range the next one must lie in."""
+    need, low, high = state
+    if need:
+        return (need - 1, 0x80, 0xBF) if low <= byte <= high else None
+    if byte < 0x80:
+        return state
+    return next((after for first, last, after in _UTF8_LEADS if first <= byte <= last), None)
+
+
+class Utf8Guard:
+    """Which tokens keep a text valid UTF-8, by where the text stands (one of eight validator
+    states: between characters, or inside one with so many bytes due in such a range), for one
+    vocabulary (``decoded`` the bytes of each token; ``special`` tokens only between
+    characters): :attr:`allowed` ``[8, vocab]`` and :attr:`after` (each token's next state,
+    -1 where not allowed)."""
+
+    def __init__(self, decoded: Sequence[bytes], vocab_size: int, special: Sequence[int]):
+        index = {state: i for i, state in enumerate(_UTF8_STATES)}
+        after = torch.full((len(_UTF8_STATES), vocab_size), -1, dtype=torch.int8)
+        after[0, :] = 0  # ids beyond the tokenizer's and special tokens: between characters only
+        skip = set(special)
+        for token, text in enumerate(decoded[:vocab_size]):
+            if text.isascii() or token in skip:
+                continue
+            for i, state in enumerate(_UTF8_STATES):
+                for byte in text:
+                    state = _utf8_step(state, byte)
+                    if state is None:
+                        break
+                after[i, token] = -1 if state is None else index[state]
+        self.after = after
+        self.allowed = after >= 0
 
 
 class GrammarRow:
     """One choice's grammar state (:class:`~looptool.engine.sampling.RowConstraint`): its
     matcher and the bitmask of the tokens allowed next, filled once per token; ``spec`` is the
-    grammar it follows (what a Ray replica rebuilds it from)."""
+    grammar it follows (what a Ray replica rebuilds it from); ``guard`` keeps its text valid
+    UTF-8 (:class:`Utf8Guard`), ``utf8`` being where the text stands."""
 
-    def __init__(self, xgr, matcher, vocab_size: int, stop_ids: Sequence[int], spec: GrammarSpec):
+    def __init__(self, xgr, matcher, vocab_size: int, stop_ids: Sequence[int], spec: GrammarSpec, guard: Utf8Guard):
         self.xgr = xgr
         self.spec = spec
+        self.guard = guard
+        self.utf8 = 0
         self.matcher = matcher
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self.stop_ids = tuple(stop_ids)
@@ -179,12 +260,17 @@ class GrammarRow:
         bitmask = self._fill()
         width = logits.shape[-1]
         self.xgr.apply_token_bitmask_inplace(logits.view(1, width), bitmask.to(logits.device), vocab_size=width)
+        allowed = self.guard.allowed[self.utf8, :width].to(logits.device)
+        guarded = logits.masked_fill(~allowed, float("-inf"))
+        if torch.isfinite(guarded).any():  # never mask every token the grammar allows
+            logits.copy_(guarded)
 
     def accept(self, token: int) -> bool:
         """Follow ``token`` (one the mask allowed); whether the grammar has ended (a stop token)."""
         if not self.matcher.accept_token(token):
             raise RuntimeError(f"token {token} does not follow the grammar")
         self.filled = False
+        self.utf8 = max(int(self.guard.after[self.utf8, token]), 0)
         return self.matcher.is_terminated()
 
     def forced(self) -> list[int]:

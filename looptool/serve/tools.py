@@ -363,8 +363,11 @@ class ToolParser:
             return None
         import xgrammar as xgr
 
+        from looptool.serve.structured import bounded_strings
+
+        listed = [{**t, "function": bounded_strings(t["function"])} for t in tools.tools]
         builtin = xgr.get_model_structural_tag(
-            "qwen_3", tools=list(tools.tools), tool_choice=tools.choice, reasoning="disabled"
+            "qwen_3", tools=listed, tool_choice=tools.choice, reasoning="disabled"
         ).format
         tags = [builtin] if isinstance(builtin, xgr.structural_tag.TagFormat) else list(builtin.tags)
         tags = [t.model_copy(update={"content": _object_schema(t.content)}) for t in tags]
