@@ -31,6 +31,36 @@ RUNTIMES = ("pytorch", "onnxruntime", "tensorrt")
 FAKE_TRT_PROCESS = str(Path(__file__).with_name("fake_trt_process.py"))
 HELD_PROCESS = str(Path(__file__).with_name("held_process.py"))
 
+# What the structured-output and tool tests ask for: a small answer schema (every string and
+# number bounded, so a tiny random model finishes it) and a tool whose arguments follow one.
+PLACE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 6},
+        "n": {"type": "integer", "minimum": 0, "maximum": 999},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 2},
+    },
+    "required": ["city", "n", "ok", "tags"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "unit": {"enum": ["c", "f"]},
+                "days": {"type": "integer"},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}|{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"

@@ -394,3 +394,28 @@ def test_the_serve_run_builder_takes_string_arguments_and_refuses_bad_ones(model
         looptool_ray.build({"model_dir": str(model_dir), "colour": "red"})
     with pytest.raises(LooptoolError, match="replicas must be at least 1"):
         looptool_ray.build({"model_dir": str(model_dir), "replicas": "0"})
+
+
+def test_structured_outputs_and_n_choices_through_the_replicas(client, model):
+    """A grammar travels to the replica as its text (compiled there); ``n`` choices run as one
+    job each on whichever replicas the router picks, choice ``j`` seeded ``seed + j``."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"enum": ["x", "y"]}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "ab", "schema": schema}}
+    r = client.chat.completions.create(
+        model=f"{NAME}@1", messages=[{"role": "user", "content": "go"}], n=2, seed=4, temperature=1.0,
+        max_tokens=40, response_format=fmt,
+    )  # fmt: skip
+    for c in r.choices:
+        got = json.loads(c.message.content)
+        assert set(got) == {"a", "b"} and 0 <= got["a"] <= 99 and got["b"] in ("x", "y")
+    assert r.model_extra["cost"]["forced_tokens"] > 0
+    settings = dict(model=f"{NAME}@2", prompt="Four score", max_tokens=8, temperature=1.0)
+    many = client.completions.create(n=2, seed=9, **settings)
+    assert [c.text for c in many.choices] == [
+        client.completions.create(seed=9 + j, **settings).choices[0].text for j in range(2)
+    ]

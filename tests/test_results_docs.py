@@ -47,6 +47,8 @@ Covered (results file → tests/bench/README.md, unless README.md is named):
 - bench_ray_serve.json → the "Scale-out on Ray Serve" table and prose (with bench_peer.json's
   batch-8 steps for the ceiling); README.md's two Ray rows.
 - bench_ray_serve_elr.json → that section's ELR table and prose.
+- bench_structured.json, bench_structured_batch4.json → the two "Structured outputs" tables
+  and prose; README.md's structured-outputs row.
 - bench_core.json → the "One engine core" table.
 - bench_speculative.json → the "Self-speculative decoding" table.
 - bench_auto.json → the "Per-token depth" table.
@@ -1505,6 +1507,65 @@ def _ray_serve():
     )
 
 
+def _structured():
+    runs = {b: result(f) for b, f in ((1, "bench_structured"), (4, "bench_structured_batch4"))}
+    labels = {"free": "unconstrained", "masked": "masked", "jump": "forced tokens without a step"}
+    for batch, d in runs.items():
+        s, source = d["summary"], f"bench_structured{'' if batch == 1 else '_batch4'}"
+        for arm, label in labels.items():
+            ratio = [] if arm == "free" else mmm(s["ratios"][f"{arm}_over_free"])
+            ms = [1000 * v for v in mmm(s["s_per_token"][arm])]
+            yield row(
+                BENCH,
+                f"| arm (batch {batch}) |",
+                label,
+                *ms,
+                *ratio,
+                s["tokens"][arm],
+                s["steps"][arm],
+                s["forced"][arm],
+                source=source,
+            )
+        assert s["valid"] and not d["errors"] and all(s["met"].values())
+    one, four = runs[1]["summary"], runs[4]["summary"]
+    P = functools.partial(prose, BENCH, source="bench_structured")
+    masked = [100 * (r["summary"]["ratios"]["masked_over_free"]["median"] - 1) for r in runs.values()]
+    yield P("the mask costs {}% per token at batch 1", masked[0])
+    yield prose(BENCH, "({}% at batch 4)", masked[1], source="bench_structured_batch4")
+    yield P("halves the cost per token at batch 1 ({}×)", one["ratios"]["jump_over_free"]["median"])
+    yield prose(
+        BENCH, "cuts it to {}× at batch 4", four["ratios"]["jump_over_free"]["median"], source="bench_structured_batch4"
+    )
+    cost = one["grammar_per_token_us"]
+    yield P("without the model: {} µs to fill and apply", cost["mask_us"])
+    yield P("guard), {} µs to accept a token, {} µs to ask", cost["accept_us"], cost["forced_us"])
+    c = one["compile"]
+    yield P(
+        "takes\n{} s, compiling the schema {} ms, a compiled grammar found again {} µs",
+        c["grammars_init_s"],
+        1000 * c["compile_cold_s"],
+        c["cache_hit_us"],
+    )
+    steps = [1000 * r["summary"]["s_per_step"][a]["median"] for r in runs.values() for a in ("jump", "free")]
+    yield P("({} against {} ms at batch 1", *steps[:2])
+    yield prose(BENCH, "{} against {} ms at batch 4", *steps[2:], source="bench_structured_batch4")
+    yield P("({} tokens against `masked`'s {}", one["tokens"]["jump"], one["tokens"]["masked"])
+    yield P(
+        "{} s of decoding against\n{} s at batch 1",
+        one["decode_s"]["jump"]["median"],
+        one["decode_s"]["masked"]["median"],
+    )
+    H = functools.partial(row, README, "| what | measured | target | details |", cols=(1,))
+    yield H(
+        "structured outputs, SmolLM2 onnxruntime, per output token ÷ unconstrained (batch 1 · 4): masked · with forced tokens",
+        one["ratios"]["masked_over_free"]["median"],
+        four["ratios"]["masked_over_free"]["median"],
+        one["ratios"]["jump_over_free"]["median"],
+        four["ratios"]["jump_over_free"]["median"],
+        source="bench_structured",
+    )
+
+
 def _ray_serve_elr():
     d = result("bench_ray_serve_elr")
     s = d["summary"]
@@ -1686,6 +1747,7 @@ CHECKS = [
     *_serve(),
     *_ray_serve(),
     *_ray_serve_elr(),
+    *_structured(),
     *_prefix_cache(),
     *_core(),
     *_speculative(),

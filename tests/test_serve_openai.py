@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from serve_process import metric, served_on, tiny_looped
+from serve_process import PLACE_SCHEMA, WEATHER_TOOL, metric, served_on, tiny_looped
 
 import looptool
 from looptool.engine.sampling import SamplingParams
@@ -35,30 +35,8 @@ jsonschema = pytest.importorskip("jsonschema", reason="the schema checks use jso
 NAME = "tiny"
 BUDGETS = (0, 1, 2)
 EOS = 0
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 6},
-        "n": {"type": "integer", "minimum": 0, "maximum": 999},
-        "ok": {"type": "boolean"},
-        "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 2},
-    },
-    "required": ["city", "n", "ok", "tags"],
-    "additionalProperties": False,
-}
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
+SCHEMA = PLACE_SCHEMA
+WEATHER = WEATHER_TOOL
 LOOKUP = {
     "type": "function",
     "function": {

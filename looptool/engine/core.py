@@ -350,14 +350,19 @@ class EngineCore:
         width = max(len(f) for f in fed)
         self.fit(before=0, ahead=width - 1)
         clock, dev = self.clock, self.device
-        ids = torch.zeros(n, width, dtype=torch.long)
-        positions = torch.zeros(n, width, dtype=torch.long)
-        for r, (row, tokens) in enumerate(zip(self.rows, fed)):
-            pad = width - len(tokens)
-            ids[r, pad:] = torch.tensor(tokens)
-            positions[r] = torch.arange(row.position - pad, row.position + len(tokens)).clamp(min=0)
-            self.mask[r, clock : clock + pad] = 0  # the padding's slots stay masked
-            self.mask[r, clock + pad : clock + width] = 1
+        if width == 1:  # every row feeds its last token
+            ids = torch.tensor([tokens for tokens in fed], dtype=torch.long)
+            positions = torch.tensor([[row.position] for row in self.rows], dtype=torch.long)
+            self.mask[:n, clock] = 1
+        else:
+            ids = torch.zeros(n, width, dtype=torch.long)
+            positions = torch.zeros(n, width, dtype=torch.long)
+            for r, (row, tokens) in enumerate(zip(self.rows, fed)):
+                pad = width - len(tokens)
+                ids[r, pad:] = torch.tensor(tokens)
+                positions[r] = torch.arange(row.position - pad, row.position + len(tokens)).clamp(min=0)
+                self.mask[r, clock : clock + pad] = 0  # the padding's slots stay masked
+                self.mask[r, clock + pad : clock + width] = 1
         out = self.run(
             slice(0, n),
             ids.to(dev),
@@ -484,7 +489,10 @@ class EngineCore:
             if len(group) == 1:
                 self.take(rows[group[0]], logits[group[0] : group[0] + 1], depths[group[0]])
                 continue
-            shaped = torch.cat([self._shaped(rows[i], logits[i : i + 1]) for i in group])
+            if any(rows[i].job.constraint is not None or rows[i].job.sampling.shapes for i in group):
+                shaped = torch.cat([self._shaped(rows[i], logits[i : i + 1]) for i in group])
+            else:
+                shaped = logits[group].float()
             tokens = rows[group[0]].picker(shaped, None)  # the warpers read no ids
             for j, i in enumerate(group):
                 self.emit(rows[i], int(tokens[j]), logits[i : i + 1], depths[i])

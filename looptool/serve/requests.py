@@ -130,9 +130,10 @@ def choice_jobs(
 
 def check_n(n: int, scheduler: Scheduler) -> None:
     """Refuse ``n`` choices the server cannot hold at once (they are prefilled together)."""
-    if n > scheduler.max_batch:
+    slots = getattr(scheduler, "max_batch", None)  # a Ray ingress's replicas run the choices apart
+    if slots is not None and n > slots:
         raise APIError(
-            f"n={n} choices exceed this server's {scheduler.max_batch} slots (they run together); send n <= "
-            f"{scheduler.max_batch} or start the server with a larger --max-batch.",
+            f"n={n} choices exceed this server's {slots} slots (they run together); send n <= {slots} or start "
+            "the server with a larger --max-batch.",
             param="n",
         )

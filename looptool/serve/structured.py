@@ -13,7 +13,7 @@ wander off into whitespace, which vLLM's default allows.
 
 Two limits of xgrammar are closed here. A JSON-schema string with ``minLength`` /
 ``maxLength`` compiles to a character class that admits raw control characters, which JSON
-forbids (xgrammar issue #800); such a string without a ``pattern`` is compiled as the pattern
+forbids (github.com/mlc-ai/xgrammar/issues/800); such a string without a ``pattern`` is compiled as the pattern
 ``^.{min,max}$``, whose path excludes them, instead (:func:`bounded_strings`). And on a
 vocabulary of byte-level tokens its character classes let a grammar's text hold invalid UTF-8
 (a surrogate's bytes, an overlong form), which no JSON parser reads; :class:`Utf8Guard` masks

@@ -2,8 +2,8 @@
 unconstrained decoding, in process, through the engine core the server runs
 (:class:`looptool.engine.core.EngineCore`, the grammar rows of :mod:`looptool.serve.structured`).
 
-An exported looptool engine (default: SmolLM2-135M looped with budgets 0, 3, 6, 9, 12, on
-onnxruntime with ``--threads`` intra-op threads) answers ``--batch`` rows at one ``--budget``,
+An exported looptool engine (``ENGINE_DIR``: SmolLM2-135M looped with budgets 0, 3, 6, 9, 12,
+on onnxruntime with ``--threads`` intra-op threads) answers ``--batch`` rows at one ``--budget``,
 greedy. The prompt asks for a support ticket extracted from a customer message; the schema
 (:data:`SCHEMA`) is schema-heavy: 11 required keys, a nested object, an array of objects,
 enums, booleans, bounded integers and short strings with ``maxLength``, no additional
@@ -40,7 +40,7 @@ Checks: every constrained answer parses as JSON and validates against the schema
 (``jsonschema``); whether ``masked`` and ``jump`` wrote the same text (they may not: jump-forward
 tokenizes the forced text its own way, so the model sees other tokens).
 
-Run: python tests/bench/bench_structured.py [--engine DIR] [--rounds 5] [--batch 1]
+Run: python tests/bench/bench_structured.py ENGINE_DIR [--rounds 5] [--batch 1]
 [--same-prompt] [--budget 0] [--threads 2] [--max-tokens 256] [--out FILE]. Prints one JSON line
 (the summary) and writes the full JSON to ``--out``.
 """
@@ -64,7 +64,6 @@ from looptool.engine.sampling import SamplingParams
 from looptool.eval.timing import Ratio, Timing, interleaved, ratio
 from looptool.serve.structured import Grammars, GrammarSpec
 
-ENGINE = "/tmp/w/bench/smol-onnx"
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_structured.json"
 ARMS = ("free", "masked", "jump")
 TARGETS = {"masked_over_free": {"max": 1.10}, "jump_over_free": {"below": 1.0}}
@@ -292,7 +291,7 @@ def grammar_cost(grammars: Grammars, compiled, spec, answer: list[int], vocab: i
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--engine", default=ENGINE, help="an exported looptool engine directory")
+    ap.add_argument("engine", help="an exported looptool engine directory (SmolLM2: see tests/bench/README.md)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--same-prompt", action="store_true", help="the first message in every row")

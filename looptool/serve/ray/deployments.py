@@ -37,6 +37,7 @@ from looptool.serve.models import ServedFacts, open_model
 from looptool.serve.ray.jobs import JobSpec, ReplicaStats
 from looptool.serve.scheduler import Draining, QueueFull
 from looptool.serve.server import ResolvedOptions, check_resolved, make_scheduler
+from looptool.serve.structured import Grammars, GrammarSpec
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class EngineReplica:
         self.scheduler = make_scheduler(self.served, options)
         self.scheduler.start()
         self.id = serve.get_replica_context().replica_id.unique_id
+        self.grammars: Grammars | None = None  # structured outputs' grammars, built on first use
 
     def facts(self) -> ReplicaFacts:
         """The model's facts for the ingress."""
@@ -76,6 +78,8 @@ class EngineReplica:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
         job = spec.job()
+        if spec.grammar is not None:
+            job.constraint = await asyncio.to_thread(self._grammar_row, spec.grammar)
         job.emit = lambda event: loop.call_soon_threadsafe(queue.put_nowait, event)
         try:
             self.scheduler.submit(job)
@@ -93,6 +97,12 @@ class EngineReplica:
                 yield event
         finally:
             self.scheduler.cancel(job)  # a caller that went away frees the slot; no-op once finished
+
+    def _grammar_row(self, spec: GrammarSpec):
+        """A fresh row of ``spec``'s grammar, compiled here once per grammar (:class:`Grammars`)."""
+        if self.grammars is None:
+            self.grammars = Grammars(self.served.tokenizer, self.served.vocab_size, self.served.eos)
+        return self.grammars.row(self.grammars.compile(spec), spec)
 
     def check_health(self) -> None:
         """Ray's health check: the scheduler thread must be alive."""
@@ -151,7 +161,8 @@ class RemoteScheduler:
         :meth:`drain` was called."""
         if self._draining:
             raise Draining()
-        self.tasks[job] = asyncio.get_running_loop().create_task(self._relay(job))
+        for each in (job, *job.copies):  # a request's choices: one job each (replicas prefill them apart)
+            self.tasks[each] = asyncio.get_running_loop().create_task(self._relay(each))
         self.metrics.running.set(len(self.tasks))
 
     def cancel(self, job: Job, reason: str = "cancelled") -> None:
@@ -268,6 +279,7 @@ class OpenAIIngress:
             self.options.resolver,
             api_key=self.options.api_key,
             draft_tokens=self.options.draft_tokens,
+            tool_call_parser=self.options.tool_call_parser,
         )
 
     def drain(self) -> int:

@@ -12,6 +12,7 @@ from looptool.engine.prefix_cache import block_digests
 from looptool.engine.sampling import GREEDY, SamplingParams
 from looptool.engine.speculation import Speculation
 from looptool.serve.routing import RouteKey
+from looptool.serve.structured import GrammarSpec
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class JobSpec:
     ignore_eos: bool = False
     auto: AutoRow | None = None
     speculation: Speculation | None = None
+    grammar: GrammarSpec | None = None  # the grammar its output follows; the replica compiles it
     key: RouteKey = field(default_factory=lambda: RouteKey(""))
 
     @classmethod
@@ -44,6 +46,7 @@ class JobSpec:
             job.ignore_eos,
             job.auto,
             job.speculation,
+            getattr(job.constraint, "spec", None),
             RouteKey(job.label, job.budget, digests),
         )
 
