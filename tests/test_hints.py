@@ -352,6 +352,7 @@ def _spelled_fixes() -> dict[str, set[str]]:
 # fixes library errors spell that no command has an option for, and why the command line never shows them
 NOT_ON_THE_COMMAND_LINE = {
     "n": "an HTTP request field: the server's API errors go to the client",
+    "best_of": "an HTTP request field: the server's API errors go to the client",
     "use_cache": "says how looptool calls transformers; not a fix",
     "low": "a level inside serve --effort's own value",
     "medium": "a level inside serve --effort's own value",

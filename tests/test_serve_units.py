@@ -108,6 +108,10 @@ def test_room_check_names_prompt_or_max_tokens():
         (["/no/such/dir", "--max-batch", "0"], "--max-batch must be at least 1"),
         (["/no/such/dir", "--kv", "bogus"], "unknown KV cache policy"),
         (["/no/such/dir", "--max-queue", "-1"], "max_queue must be at least 0"),
+        (
+            ["/no/such/dir", "--tool-call-parser", "mistral"],
+            "tool_call_parser 'mistral' is not known; use one of hermes",
+        ),
     ],
 )
 def test_cli_bad_input_is_one_sentence_before_any_load(args, message):

@@ -133,7 +133,7 @@ def check_n(n: int, scheduler: Scheduler) -> None:
     slots = getattr(scheduler, "max_batch", None)  # a Ray ingress's replicas run the choices apart
     if slots is not None and n > slots:
         raise APIError(
-            f"n={n} choices exceed this server's {slots} slots (they run together); send n <= {slots} or start "
-            "the server with a larger --max-batch.",
+            f"n={n} choices exceed this server's {slots} slots (max_batch), which they take at once; send n <= "
+            f"{slots}.",
             param="n",
         )

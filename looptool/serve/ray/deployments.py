@@ -190,7 +190,9 @@ class RemoteScheduler:
                         now = time.perf_counter()
                         if sent == 0:
                             self.metrics.prefilled(job, len(job.prompt), -1, 0)
-                        self.metrics.emitted(job, item.depth or 0, sent == 0, max(0.0, now - last))
+                        self.metrics.emitted(job, item.depth, sent == 0, max(0.0, now - last))
+                        if item.forced:
+                            self.metrics.forced(job, 1)
                         sent, last = sent + 1, now
                     elif item.kind in ENDED:
                         self.metrics.retired(job, time.perf_counter() - job.arrived)
