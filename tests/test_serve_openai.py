@@ -314,6 +314,7 @@ def test_forced_tool_calls_parse_and_follow_the_schema_streamed_and_not(client):
         assert list(calls.values()) == [{"name": call.function.name, "arguments": call.function.arguments}]
 
 
+@pytest.mark.parametrize("served", ["pytorch"], indirect=True)  # the parser reads text: the HTTP side alone
 def test_auto_tool_calls_are_read_from_the_text_and_none_leaves_text(client):
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>'
     messages = [{"role": "user", "content": "weather?"}]
@@ -343,6 +344,11 @@ def test_auto_tool_calls_are_read_from_the_text_and_none_leaves_text(client):
 
 
 # ---------------------------------------------------------------------- tokenize, refusals
+# (the HTTP side alone: the same on every runtime, so served on PyTorch only)
+HTTP_ONLY = pytest.mark.parametrize("served", ["pytorch"], indirect=True)
+
+
+@HTTP_ONLY
 def test_tokenize_and_detokenize_as_vllm(server, model):
     root = server.base.removesuffix("/v1")
     got = httpx.post(f"{root}/tokenize", json={"model": NAME, "prompt": "héllo"}, timeout=30).json()
@@ -357,6 +363,7 @@ def test_tokenize_and_detokenize_as_vllm(server, model):
     assert httpx.post(f"{root}/tokenize", json={"model": "nope", "prompt": "a"}, timeout=30).status_code == 404
 
 
+@HTTP_ONLY
 @pytest.mark.parametrize(
     ("path", "field", "value"),
     [

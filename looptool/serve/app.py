@@ -2,13 +2,17 @@
 scheduler events into responses or server-sent events.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true`` sends SSE chunks
-ending in ``data: [DONE]``), ``GET /v1/models`` (``NAME`` and ``NAME@k`` per budget),
-``GET /health`` and ``GET /metrics`` (Prometheus). With an API key, the ``/v1`` routes need
+ending in ``data: [DONE]``; ``n`` choices, structured outputs, tool calls: see
+:mod:`looptool.serve.requests`, :mod:`looptool.serve.structured`, :mod:`looptool.serve.tools`),
+``GET /v1/models`` (``NAME`` and ``NAME@k`` per budget), vLLM's ``POST /tokenize`` and
+``POST /detokenize``, ``GET /health`` and ``GET /metrics`` (Prometheus). With an API key, the ``/v1`` routes need
 ``Authorization: Bearer KEY``. Every refusal is an OpenAI-shaped JSON error. While the server
 drains (after SIGTERM) it still listens: ``/v1`` requests get 503 and ``/health`` answers 503
 ``{"status": "draining"}``, so a load balancer's readiness probe takes the replica out.
-A request field the server does not know is ignored, and logged as a warning the first time a
-request sends it (once per field name per app, as vLLM warns).
+A field the OpenAI API defines and the server does not serve is one 400 naming it
+(:data:`looptool.serve.protocol.UNSUPPORTED`); a request field the API does not define is
+ignored, and logged as a warning the first time a request sends it (once per field name per
+app, as vLLM warns).
 
 ``budget: "auto"`` (adaptive depth per token) is served where the engine runs it (PyTorch under
 last-loop KV); elsewhere it is one 400. Its response's ``cost`` gives the mean realised depth.
@@ -83,7 +87,8 @@ def create_app(
     """The FastAPI app serving ``served`` through ``scheduler`` (started and stopped with the app);
     with ``draft_tokens``, requests at a fixed budget deeper than the menu's shallowest decode
     speculatively by default, drafting that many tokens at the shallowest
-    (:func:`~looptool.serve.drafting.choose_speculation`)."""
+    (:func:`~looptool.serve.drafting.choose_speculation`); ``tool_call_parser`` names the format
+    tool calls are read in (:data:`looptool.serve.tools.PARSERS`)."""
 
     def cost_of(budget: int | AutoRow, jobs: list[Job], choices: list[Choice]) -> dict:
         """A response's ``cost``: :func:`request_cost` over its choices' tokens, what speculation
