@@ -365,6 +365,30 @@ def test_tokenize_and_detokenize_as_vllm(server, model):
 
 @HTTP_ONLY
 @pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"n": 2, "best_of": 3}, "best_of"),
+        ({"logit_bias": {"999": 5}}, "logit_bias"),
+        ({"logit_bias": {"a": 5}}, "logit_bias"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"guided_regex": "("}, "guided_regex"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
+        ({"guided_json": {"type": "bogus"}}, "guided_json"),
+        ({"n": 2, "draft_budget": 0, "presence_penalty": 1}, "draft_budget"),
+    ],
+)
+def test_the_new_fields_out_of_range_are_one_400_naming_them(server, fields, param):
+    r = httpx.post(f"{server.base}/completions", json={"model": f"{NAME}@2", "prompt": "a", **fields}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@HTTP_ONLY
+@pytest.mark.parametrize(
     ("path", "field", "value"),
     [
         ("chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
