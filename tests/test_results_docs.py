@@ -1555,13 +1555,15 @@ def _structured():
         one["decode_s"]["jump"]["median"],
         one["decode_s"]["masked"]["median"],
     )
-    H = functools.partial(row, README, "| what | measured | target | details |", cols=(1,))
-    yield H(
+    yield row(
+        README,
+        "| what | measured | target | details |",
         "structured outputs, SmolLM2 onnxruntime, per output token ÷ unconstrained (batch 1 · 4): masked · with forced tokens",
         one["ratios"]["masked_over_free"]["median"],
         four["ratios"]["masked_over_free"]["median"],
         one["ratios"]["jump_over_free"]["median"],
         four["ratios"]["jump_over_free"]["median"],
+        cols=(1,),
         source="bench_structured",
     )
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -217,16 +217,13 @@ class EngineCore:
         pick its first token: one job with the prefix cache (the blocks it holds copied, the rest
         computed), several in one step, left-padded to the longest prompt, each row at its own
         budget (without the prefix cache)."""
-        if len(jobs) > 1:  # a batched prefill computes every copy (only one job's prefill shares its row)
-            jobs = [j for job in jobs for j in (job, *job.copies)]
-        for job in jobs:
-            if job.prompt_logprobs is not None:
-                ids = torch.tensor([job.prompt], dtype=torch.long, device=self.device)
-                logp = self.engine.prompt_logprobs(ids, job.budget)
-                job.emit(Event("prompt", prompt_logprobs=_prompt_logprobs(logp, job.prompt, job.prompt_logprobs)))
         if len(jobs) == 1:
+            self._score_prompt(jobs[0], jobs[0].copies)
             self._prefill_one(jobs[0])
             return
+        jobs = [j for job in jobs for j in (job, *job.copies)]  # a batched prefill computes every copy
+        for job in jobs:
+            self._score_prompt(job)
         n, m = max(len(job.prompt) for job in jobs), len(jobs)
         self.fit(before=n)
         r = len(self.rows)
@@ -285,6 +282,18 @@ class EngineCore:
             self.take(each, out.logits[0:1], int(out.depths[0]))
         self._jump(rows)
 
+    def _score_prompt(self, job: Job, copies: Sequence[Job] = ()) -> None:
+        """Send ``job`` (and its ``copies`` still wanted) its prompt's log-probabilities where it
+        asks for them (``echo`` with ``logprobs``), computed once."""
+        if job.prompt_logprobs is None:
+            return
+        ids = torch.tensor([job.prompt], dtype=torch.long, device=self.device)
+        logp = self.engine.prompt_logprobs(ids, job.budget)
+        event = Event("prompt", prompt_logprobs=_prompt_logprobs(logp, job.prompt, job.prompt_logprobs))
+        for each in (job, *copies):
+            if not each.cancelled:
+                each.emit(event)
+
     def _copy(self, row: Row, copies: list[Job]) -> list[Row]:
         """Rows for ``copies`` of ``row``'s job (more choices of its prompt), each a copy of
         ``row``'s cache and mask; a copy already cancelled leaves without a row."""
@@ -294,13 +303,8 @@ class EngineCore:
             if job.cancelled:
                 self.leave(job, job.cancel_reason)
                 continue
-            if job.prompt_logprobs is not None:
-                ids = torch.tensor([job.prompt], dtype=torch.long, device=self.device)
-                logp = self.engine.prompt_logprobs(ids, job.budget)
-                job.emit(Event("prompt", prompt_logprobs=_prompt_logprobs(logp, job.prompt, job.prompt_logprobs)))
             dst = len(self.rows)
-            self.cache.copy_row(r, dst)
-            self.mask[dst] = self.mask[r]
+            self._copy_slot(r, dst)
             self.observer.prefilled(job, len(job.prompt), -1, self.prefix.nbytes if self.prefix else 0)
             added.append(Row(job, list(job.prompt), self._picker(job), position=row.position, span=row.span))
             self.rows.append(added[-1])
@@ -351,7 +355,7 @@ class EngineCore:
         self.fit(before=0, ahead=width - 1)
         clock, dev = self.clock, self.device
         if width == 1:  # every row feeds its last token
-            ids = torch.tensor([tokens for tokens in fed], dtype=torch.long)
+            ids = torch.tensor(fed, dtype=torch.long)
             positions = torch.tensor([[row.position] for row in self.rows], dtype=torch.long)
             self.mask[:n, clock] = 1
         else:
@@ -533,12 +537,16 @@ class EngineCore:
             self._keep(r, row)
             last = len(self.rows) - 1
             if r != last:
-                self.cache.copy_row(last, r)
-                self.mask[r] = self.mask[last]
+                self._copy_slot(last, r)
                 self.rows[r] = self.rows[last]
             self.rows.pop()
             self.observer.retired(row.job, time.perf_counter() - row.job.arrived)
             self.leave(row.job, row.done)
+
+    def _copy_slot(self, src: int, dst: int) -> None:
+        """Row ``dst`` of the cache and the mask takes row ``src``'s content."""
+        self.cache.copy_row(src, dst)
+        self.mask[dst] = self.mask[src]
 
     def fail(self, exc: BaseException) -> list[Job]:
         """Fail every running request with ``exc`` (a step raised it) and free their rows; the

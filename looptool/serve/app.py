@@ -65,7 +65,7 @@ from looptool.serve.protocol import (
     response,
     usage,
 )
-from looptool.serve.requests import check_n, choice_jobs, plan
+from looptool.serve.requests import check_n, choice_jobs, known_model, plan
 from looptool.serve.scheduler import Draining, Event, Job, QueueFull, Scheduler
 from looptool.serve.structured import Grammars, GrammarSpec, request_grammar
 from looptool.serve.tools import ToolRequest, check_tools, parser_for
@@ -153,7 +153,7 @@ def create_app(
     @app.post("/tokenize")
     async def tokenize(request: Request):
         req = await _parse(request, TokenizeRequest)
-        _known_model(req.model, resolver)
+        known_model(req.model, resolver)
         if (req.prompt is None) == (req.messages is None):
             raise APIError("send either prompt or messages.", param="prompt")
         if req.prompt is not None:
@@ -166,7 +166,7 @@ def create_app(
     @app.post("/detokenize")
     async def detokenize(request: Request):
         req = await _parse(request, DetokenizeRequest)
-        _known_model(req.model, resolver)
+        known_model(req.model, resolver)
         bad = [t for t in req.tokens if not 0 <= t < served.vocab_size]
         if bad:
             raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {served.vocab_size}).", param="tokens")
@@ -236,21 +236,21 @@ def create_app(
         req = await _parse(request, ChatCompletionRequest)
         tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         spec = request_grammar(req)
-        forcing = tools is not None and tool_parser.constraint(tools)
-        if forcing:
-            forcing = forcing if isinstance(forcing, str) else forcing.model_dump_json()
+        calling = tools if tools is not None and tools.choice != "none" else None
+        forcing = tool_parser.constraint(calling) if calling is not None else None
+        if forcing is not None:
             if spec is not None:
                 raise APIError(
                     f"tool_choice forces a tool call, which {spec.field} would constrain too; send one of them.",
                     param=spec.field,
                 )
-            spec = GrammarSpec("structural_tag", forcing, "tool_choice")
+            spec = GrammarSpec("structural_tag", forcing.model_dump_json(), "tool_choice")
         p = plan(req, resolver, scheduler, served.runtime, draft_tokens, served.vocab_size, spec is not None)
         check_n(req.n, scheduler)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs: true.", param="top_logprobs")
-        if tools is not None and tools.choice != "none":
-            prompt = tool_parser.render([m.as_dict() for m in req.messages], tools, served.tokenizer)
+        if calling is not None:
+            prompt = tool_parser.render([m.as_dict() for m in req.messages], calling, served.tokenizer)
         else:
             prompt = chat_prompt(req.messages, served.tokenizer)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -265,7 +265,6 @@ def create_app(
         rid = request_id("chatcmpl")
         choices = [Choice(i, served.tokenizer, req.stops(), logprobs=top) for i in range(len(jobs))]
         queues = _submit(scheduler, jobs)
-        calling = tools if tools is not None and tools.choice != "none" else None
         if req.stream:
             return _sse(_stream_chat(rid, req, jobs, queues, choices, p.budget, calling))
         await _collect(scheduler, jobs, queues, choices, request)
@@ -288,7 +287,7 @@ def create_app(
         async for i, piece, event in _merged(scheduler, jobs, queues, choices):
             c = choices[i]
             logprobs = None
-            if c.want_logprobs and event is not None and event.kind == "token":
+            if c.want_logprobs and event.kind == "token":
                 logprobs = c.logprobs(start=len(c.lp_tokens) - 1, offset=offsets[i])
                 offsets[i] += len(logprobs["tokens"][0])
             yield chunk(
@@ -391,17 +390,6 @@ async def _parse(request: Request, model: type[Body]):
         warned |= new
         log.warning("The following fields were present in the request but ignored: %s", ", ".join(sorted(new)))
     return req
-
-
-def _known_model(model: str | None, resolver: BudgetResolver) -> None:
-    """A ``model`` the server does not serve is one 404, as on the ``/v1`` routes."""
-    if model is not None and model not in resolver.model_ids():
-        raise APIError(
-            f"the model {model!r} does not exist; this server serves {resolver.model_ids()}.",
-            status=404,
-            param="model",
-            code="model_not_found",
-        )
 
 
 def _submit(scheduler: Scheduler, jobs: list[Job]) -> list[asyncio.Queue]:

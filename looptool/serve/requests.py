@@ -52,7 +52,7 @@ def plan(
             req.model, req.budget, req.reasoning_effort, req.min_budget, req.max_budget, req.exit_threshold
         )
     except BudgetChoiceError as exc:
-        raise APIError(str(exc), status=exc.status, param=exc.parameter, code=exc.code) from None
+        raise refusal_of(exc) from None
     sampling = sampling_of(req, vocab_size)
     speculation = choose_speculation(req, budget, resolver.budgets, scheduler.capabilities, runtime, draft_tokens)
     if speculation is not None and (constrained or sampling.shapes):
@@ -76,6 +76,21 @@ def plan(
             )
         raise APIError(message, param="budget")
     return Plan(budget, sampling, speculation)
+
+
+def refusal_of(exc: BudgetChoiceError) -> APIError:
+    """The HTTP error of a budget or model the resolver refused (its status, field and code)."""
+    return APIError(str(exc), status=exc.status, param=exc.parameter, code=exc.code)
+
+
+def known_model(model: str | None, resolver: BudgetResolver) -> None:
+    """A ``model`` the server does not serve is the resolver's 404, as on the ``/v1`` routes (None:
+    not named, fine)."""
+    if model is not None:
+        try:
+            resolver.resolve(model)
+        except BudgetChoiceError as exc:
+            raise refusal_of(exc) from None
 
 
 def sampling_of(req, vocab_size: int) -> SamplingParams:
@@ -112,18 +127,28 @@ def choice_jobs(
     """The jobs of ``n`` choices of ``prompt``: the first holds the others as its copies. Choice
     ``j`` samples with seed ``seed + j`` and, where the request has a grammar, its own
     ``constraint()``. The HTTP side counts each finish (see :func:`looptool.serve.app._pieces`)."""
+    budget, auto = plan_.budget, None
+    if isinstance(budget, AutoRow):  # run up to its deepest budget
+        budget, auto = budget.max_budget, budget
     jobs = []
     for j in range(n):
         sampling = plan_.sampling
         if j and sampling.seed is not None:
             sampling = dataclasses.replace(sampling, seed=sampling.seed + j)
         row: RowConstraint | None = constraint() if constraint is not None else None
-        budget = plan_.budget
-        common = dict(consumer_counts=True, speculation=plan_.speculation, constraint=row, **kwargs)
-        if isinstance(budget, AutoRow):
-            jobs.append(Job(prompt, budget.max_budget, max_tokens, sampling, auto=budget, **common))
-        else:
-            jobs.append(Job(prompt, budget, max_tokens, sampling, **common))
+        jobs.append(
+            Job(
+                prompt,
+                budget,
+                max_tokens,
+                sampling,
+                auto=auto,
+                consumer_counts=True,
+                speculation=plan_.speculation,
+                constraint=row,
+                **kwargs,
+            )
+        )
     jobs[0].copies = jobs[1:]
     return jobs
 

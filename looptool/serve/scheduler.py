@@ -141,10 +141,8 @@ class Scheduler:
             job.cancelled, job.cancel_reason = True, reason
             if job in self.waiting:  # never admitted: leaves the queue at once
                 self.waiting.remove(job)
-                self._held.discard(job)
+                self._forget(job)
                 self.metrics.waiting.set(len(self.waiting))
-                self.metrics.finished.labels(budget=job.label, reason=reason).inc()
-                self._resubmit(job.copies)
             self._cond.notify()
 
     @property
@@ -236,9 +234,8 @@ class Scheduler:
             try:
                 for job in admitted:
                     if job.cancelled:  # cancelled between leaving the queue and its prefill
-                        self.metrics.finished.labels(budget=job.label, reason=job.cancel_reason).inc()
-                        self._release(job)
-                        self._resubmit(job.copies)
+                        with self._cond:
+                            self._forget(job)
                     else:
                         self._admit(job)
                 self.core.retire()
@@ -251,15 +248,17 @@ class Scheduler:
                     self._release(job)
             self.metrics.running.set(len(self.core.rows))
 
-    def _resubmit(self, copies: list[Job]) -> None:
-        """Queue the copies of a job cancelled before its prefill at the front, each a job of its own."""
-        with self._cond:
-            for job in reversed(copies):
-                if job.cancelled:
-                    self.metrics.finished.labels(budget=job.label, reason=job.cancel_reason).inc()
-                    self._held.discard(job)
-                else:
-                    self.waiting.appendleft(job)
+    def _forget(self, job: Job) -> None:
+        """``job`` was cancelled before its prefill (called under the lock): count it, let go of
+        its place, and queue its copies at the front, each a job of its own (those cancelled
+        too are forgotten likewise)."""
+        self.metrics.finished.labels(budget=job.label, reason=job.cancel_reason).inc()
+        self._held.discard(job)
+        for copy in reversed(job.copies):
+            if copy.cancelled:
+                self._forget(copy)
+            else:
+                self.waiting.appendleft(copy)
 
     def _admit(self, job: Job) -> None:
         """Prefill ``job`` (and its copies); a failure fails that request alone."""

@@ -141,7 +141,6 @@ class Grammars:
         self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=1)
         self.stop_ids = tuple(stop_ids)
         self.cache: LRUCache = LRUCache(maxsize=CACHED)
-        self.hits = self.misses = 0
         self._lock = threading.Lock()
 
     def compile(self, spec: GrammarSpec):
@@ -150,7 +149,6 @@ class Grammars:
         key = (spec.kind, spec.text)
         with self._lock:
             if key in self.cache:
-                self.hits += 1
                 return self.cache[key]
         try:
             compiled = self._compile(spec)
@@ -161,7 +159,6 @@ class Grammars:
                 f"{spec.field} is not a grammar this server can follow: {reason}", param=spec.field
             ) from None
         with self._lock:
-            self.misses += 1
             self.cache[key] = compiled
         return compiled
 
