@@ -379,6 +379,7 @@ def test_tokenize_and_detokenize_as_vllm(server, model):
         ({"guided_choice": []}, "guided_choice"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
         ({"guided_json": {"type": "bogus"}}, "guided_json"),
+        ({"guided_json": "{not json"}, "guided_json"),
         ({"n": 2, "draft_budget": 0, "presence_penalty": 1}, "draft_budget"),
     ],
 )

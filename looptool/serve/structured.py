@@ -80,7 +80,12 @@ def request_grammar(req) -> GrammarSpec | None:
         return _schema(fmt.json_schema["schema"], "response_format.json_schema.schema")
     value = getattr(req, name)
     if name == "guided_json":
-        return _schema(json.loads(value) if isinstance(value, str) else value, name)
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise APIError(f"guided_json is not valid JSON ({exc.msg}).", param=name) from None
+        return _schema(value, name)
     if name == "guided_regex":
         return GrammarSpec("regex", value, name)
     if name == "guided_grammar":
