@@ -78,7 +78,7 @@ _UNIT_SECONDS = {  # seconds measured on the 2-core machine, rounded
     "tests/test_serve_batching.py": 90,
     "tests/test_serve.py": 90,  # every server test on PyTorch, onnxruntime and TensorRT (the test double)
     "tests/test_serve_openai.py": 30,  # two servers (PyTorch, onnxruntime) and an export
-    "tests/test_structured.py": 10,
+    "tests/test_structured.py": 20,
     "tests/test_tensorrt.py": 38,
     "tests/test_defaults.py": 25,
     "tests/test_rowwise_onnx.py": 22,

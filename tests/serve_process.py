@@ -74,13 +74,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tiny_looped(directory: Path, plan, seed: int = 0, eos: int = 10) -> Path:
-    """A tiny 3-layer Llama converted with ``plan``, its new parameters set to seeded non-zero
-    values (so budgets differ), saved with the byte tokenizer (EOS the byte ``eos``) and a chat
-    template."""
+def tiny_looped(directory: Path, plan, seed: int = 0, eos: int = 10, model_type: str = "llama") -> Path:
+    """A tiny 3-layer model (default Llama) converted with ``plan``, its new parameters set to
+    seeded non-zero values (so budgets differ), saved with the byte tokenizer (EOS the byte
+    ``eos``) and a chat template."""
     tok = byte_tokenizer(eos)
     tok.chat_template = CHAT_TEMPLATE
-    model = looptool.convert(tiny_model("llama", num_layers=3, eos_token_id=eos), plan, tokenizer=tok)
+    model = looptool.convert(tiny_model(model_type, num_layers=3, eos_token_id=eos), plan, tokenizer=tok)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in model.new_parameters():

@@ -136,6 +136,33 @@ def test_jump_forward_takes_forced_tokens_without_steps_and_changes_no_token(ope
     assert lone_steps < lone_masked_steps - 10  # the forced tokens took no step
 
 
+@pytest.mark.parametrize(
+    ("model_type", "plan"),
+    [
+        ("llama", looptool.RecurrentLoop(recurrent=(1, 2), max_loops=3)),
+        ("qwen3_moe", looptool.PrefixLoop(window=(1, 3), budgets=(0, 1, 2))),
+    ],
+    ids=["elr", "moe"],
+)
+def test_jump_forward_equals_masked_decoding_on_elr_and_moe(tmp_path, model_type, plan):
+    opened = open_engine(tiny_looped(tmp_path / "m", plan, seed=5, eos=EOS, model_type=model_type), runtime="pytorch")
+    grammars = Grammars(opened.tokenizer, opened.engine.vocab_size, opened.eos)
+    tok, low, high = opened.tokenizer, min(opened.engine.budgets), max(opened.engine.budgets)
+
+    def specs():
+        return [
+            dict(prompt=tok("Weather: ")["input_ids"], budget=high, max_tokens=120, constraint=schema_row(grammars)),
+            dict(prompt=tok("We the People")["input_ids"], budget=low, max_tokens=30),
+        ]
+
+    jumped, jump_steps = run(opened, specs(), jump=True)
+    masked, masked_steps = run(opened, specs(), jump=False)
+    assert [tokens(e) for e in jumped] == [tokens(e) for e in masked] and jump_steps < masked_steps
+    jsonschema.validate(json.loads(tok.decode(tokens(jumped[0]), skip_special_tokens=True)), SCHEMA)
+    for i, spec in enumerate(specs()):
+        assert tokens(run(opened, [spec])[0][0]) == tokens(jumped[i]), i
+
+
 def test_adaptive_rows_spend_no_depth_on_forced_tokens(model_dir, grammars):
     opened = open_engine(model_dir, runtime="pytorch", device="cpu", kv="last-loop")
     prompt = opened.tokenizer("Weather: ")["input_ids"]
